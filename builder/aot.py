@@ -1,0 +1,120 @@
+"""Ahead-of-time compilation of one variant: VariantSpec -> cuda.tile KernelSignature -> cubin."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import io
+import subprocess
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import cuda.tile as ct
+from cuda.tile.compilation import (
+    ArrayConstraint,
+    CallingConvention,
+    ConstantConstraint,
+    KernelSignature,
+    ScalarConstraint,
+    export_kernel,
+)
+
+from cutile_kernels import kernel_src
+from cutile_kernels.kernel_src._spec import ArrayParam, ConstParam, ScalarParam, VariantSpec
+
+#: The calling convention every prebuilt variant uses; the runtime packs arguments for it.
+CALLING_CONVENTION = "cutile_python_v1"
+
+
+class BuildError(RuntimeError):
+    """A variant failed to compile; the message names the kernel, the variant and the arch."""
+
+
+def _ct_dtype(name: str):
+    return getattr(ct, name)
+
+
+def constraint(param):
+    """The cuda.tile.compilation constraint that encodes a parameter's assumptions."""
+    if isinstance(param, ConstParam):
+        return ConstantConstraint(param.value)
+    if isinstance(param, ScalarParam):
+        return ScalarConstraint(_ct_dtype(param.dtype))
+    if isinstance(param, ArrayParam):
+        stride_constant = [1 if d in param.stride_one else None for d in range(param.ndim)]
+        return ArrayConstraint(
+            _ct_dtype(param.dtype),
+            param.ndim,
+            index_dtype=_ct_dtype(param.index_dtype),
+            stride_lower_bound_incl=0,
+            alias_groups=(),
+            may_alias_internally=False,
+            stride_constant=stride_constant if any(s is not None for s in stride_constant) else None,
+            stride_divisible_by=param.stride_divisible_by,
+            shape_divisible_by=param.shape_divisible_by,
+            base_addr_divisible_by=param.base_addr_divisible_by,
+        )
+    raise TypeError(f"unknown parameter type {type(param).__name__}")
+
+
+def signature(spec: VariantSpec) -> KernelSignature:
+    """The KernelSignature of a variant, with cuTile's mangled symbol name."""
+    cconv = getattr(CallingConvention, CALLING_CONVENTION)()
+    sig = KernelSignature([constraint(p) for p in spec.params], cconv)
+    return sig.with_mangled_symbol(spec.function)
+
+
+def kernel_object(spec: VariantSpec):
+    """The ``@ct.kernel`` object a spec compiles: ``spec.module`` names a kernel_src family, or
+    (for experiments outside the shipped matrix) a dotted module path."""
+    module = importlib.import_module(spec.module) if "." in spec.module else kernel_src.family_module(spec.module)
+    return getattr(module, spec.function)
+
+
+@lru_cache(maxsize=None)
+def toolchain_versions() -> dict:
+    """cuda-tile and tileiras versions, recorded in the manifest and in each variant's hash."""
+    versions = {"cuda_tile": importlib.metadata.version("cuda-tile")}
+    try:
+        versions["tileiras"] = importlib.metadata.version("nvidia-cuda-tileiras")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            out = subprocess.run(["tileiras", "--version"], capture_output=True, text=True, timeout=30)
+            versions["tileiras"] = out.stdout.strip().splitlines()[-1]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            versions["tileiras"] = "unknown"
+    return versions
+
+
+@lru_cache(maxsize=None)
+def _source_digest(module: str) -> str:
+    """Digest of the family's source and the shared spec module (what a cubin depends on)."""
+    root = Path(kernel_src.__file__).parent
+    source = Path(importlib.import_module(module).__file__) if "." in module else root / f"{module}.py"
+    h = hashlib.sha256()
+    for path in (source, root / "_spec.py"):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def variant_hash(spec: VariantSpec, arch: str) -> str:
+    """Content hash of a variant: its source, its assumptions, its arch and the toolchain."""
+    h = hashlib.sha256()
+    h.update(_source_digest(spec.module).encode())
+    h.update(repr((spec.function, spec.params, arch, CALLING_CONVENTION)).encode())
+    h.update(repr(sorted(toolchain_versions().items())).encode())
+    return h.hexdigest()[:20]
+
+
+def compile_variant(spec: VariantSpec, arch: str) -> tuple[bytes, float]:
+    """Compile one variant for one arch; returns (cubin bytes, seconds). Raises BuildError."""
+    t0 = time.perf_counter()
+    buf = io.BytesIO()
+    try:
+        export_kernel(kernel_object(spec), [signature(spec)], buf, gpu_code=arch, output_format="cubin")
+    except Exception as exc:  # noqa: BLE001 - re-raised with the variant named
+        raise BuildError(f"kernel {spec.kernel!r} variant {spec.tag!r} for {arch} failed to compile: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    return buf.getvalue(), time.perf_counter() - t0

@@ -1,0 +1,25 @@
+"""cuTile device code and build matrices, one module per op family. Imports cuda.tile, never torch.
+
+Each family module defines its ``@ct.kernel`` functions and a ``VARIANTS`` list of
+:class:`~._spec.VariantSpec`. :func:`all_variants` gathers them for the builder; the runtime
+imports a family module only to JIT-compile a kernel that no prebuilt variant fits.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: The op families, i.e. the modules of this package that hold kernels.
+FAMILIES = ("norm",)
+
+
+def family_module(name: str):
+    """Import and return one family module (``norm`` -> ``cutile_kernels.kernel_src.norm``)."""
+    if name not in FAMILIES:
+        raise KeyError(f"unknown kernel family {name!r}; known: {FAMILIES}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def all_variants():
+    """Every VariantSpec of every family, in build order."""
+    return [spec for fam in FAMILIES for spec in family_module(fam).VARIANTS]

@@ -1,0 +1,38 @@
+"""Layers in the Hugging Face ``kernels`` convention, the kernelize mapping, and the entry points
+that apply it (:func:`kernel_config` for ``from_pretrained``, :func:`kernelize` for a loaded model).
+
+Each op-family module here defines its layer classes and a ``MAPPING`` of transformers hub layer
+names to them; :data:`MAPPING` gathers those rows, so adding a layer edits only its own module.
+"""
+
+from __future__ import annotations
+
+from . import norm
+from .norm import CutileRMSNorm
+
+_FAMILY_MODULES = (norm,)
+
+#: transformers hub layer name -> class name in this package, gathered from the family modules.
+MAPPING: dict[str, str] = {}
+for _mod in _FAMILY_MODULES:
+    for _hub_name, _cls_name in _mod.MAPPING.items():
+        if _hub_name in MAPPING:
+            raise RuntimeError(f"hub layer {_hub_name!r} is mapped twice")
+        MAPPING[_hub_name] = _cls_name
+
+
+def kernel_config(build_dir=None):
+    """A transformers ``KernelConfig`` that maps our layers from the local build (see ``hub``)."""
+    from .hub import kernel_config as _kernel_config
+
+    return _kernel_config(build_dir)
+
+
+def kernelize(model, mode=None, build_dir=None):
+    """Swap our layers into an already-loaded model (see ``hub.kernelize``)."""
+    from .hub import kernelize as _kernelize
+
+    return _kernelize(model, mode=mode, build_dir=build_dir)
+
+
+__all__ = ["CutileRMSNorm", "MAPPING", "kernel_config", "kernelize"]

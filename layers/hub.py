@@ -1,0 +1,133 @@
+"""Pointing transformers and ``kernels`` at our layers in a local build.
+
+Two entry points, one mapping (``layers.MAPPING``), both loading the build variant
+``<build>/torch-cuda`` through ``kernels.LocalLayerRepository``, offline:
+
+* :func:`kernel_config` for ``from_pretrained(..., use_kernels=True, kernel_config=...)``;
+* :func:`kernelize` for a model that is already loaded.
+
+On a model that is not on CUDA, with ``CUTILE_KERNELS_DISABLE=1``, or without a build, nothing
+changes (the last logs a warning naming ``cutile-kernels build``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from transformers import KernelConfig
+
+from .. import dispatch, registry
+from . import MAPPING
+
+logger = logging.getLogger("cutile_kernels")
+
+
+def variant_dir(build_dir=None) -> Path | None:
+    """``<build>/torch-cuda`` if a build with a manifest is there, else None."""
+    build = Path(build_dir) if build_dir is not None else registry.default_build_dir()
+    variant = build / registry.VARIANT_DIR
+    return variant if (variant / "metadata.json").is_file() and (
+        registry.package_dir_of(build) / "manifest.json").is_file() else None
+
+
+def _unwrap(value):
+    """``"path:Layer"`` from the forms transformers rewrites mapping values into."""
+    if isinstance(value, tuple):
+        return value[0]
+    if isinstance(value, dict):
+        return {k: _unwrap(v) for k, v in value.items()}
+    return value
+
+
+class CutileKernelConfig(KernelConfig):
+    """``KernelConfig`` for local builds that works on transformers 5.20-5.22.
+
+    Fixes two things the stock class does with a local mapping:
+
+    * ``register_kernel_replacements_and_fusions`` (run by ``from_pretrained``) rewrites every
+      value into a ``(repo, metadata)`` tuple, and ``create_compatible_mapping`` then calls
+      ``.split(":")`` on that tuple (``AttributeError: 'tuple' object has no attribute 'split'``,
+      seen with 5.22.2): the tuple is unwrapped first.
+    * ``sanitize_kernel_mapping`` rejects a layer name the model does not contain, so one config
+      could not serve every architecture: names the model lacks are dropped instead.
+
+    On a model that is not on CUDA the mapping becomes empty, so nothing is replaced (stock
+    transformers raises for a local mapping on ``cpu``).
+    """
+
+    def sanitize_kernel_mapping(self, model):
+        self.store_registered_layer_names(model)
+        present = set(self.registered_layer_names.values())
+        self.kernel_mapping = {k: v for k, v in self.kernel_mapping.items() if k in present}
+        super().sanitize_kernel_mapping(model)
+
+    def create_compatible_mapping(self, model, compile=False):
+        self.kernel_mapping = {k: _unwrap(v) for k, v in self.kernel_mapping.items()}
+        from transformers.utils.kernel_config import infer_device
+
+        if infer_device(model) != "cuda":
+            self.kernel_mapping = {}
+            return
+        super().create_compatible_mapping(model, compile=compile)
+
+
+def kernel_config(build_dir=None) -> KernelConfig:
+    """The ``kernel_config`` to pass to ``from_pretrained(..., use_kernels=True)``.
+
+    Args:
+        build_dir: the ``build/`` directory written by ``cutile-kernels build`` (default:
+            ``registry.default_build_dir()``).
+
+    Returns:
+        A :class:`CutileKernelConfig` mapping each transformers hub layer name in
+        ``layers.MAPPING`` to ``"<build>/torch-cuda:<Layer>"`` with ``use_local_kernel=True``, or an
+        empty one (nothing changes) when disabled or when no build exists.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.bfloat16, device_map="cuda",
+            use_kernels=True, kernel_config=cutile_kernels.kernel_config())
+    """
+    variant = variant_dir(build_dir)
+    if dispatch.disabled():
+        return CutileKernelConfig({}, use_local_kernel=True)
+    if variant is None:
+        logger.warning("cutile_kernels: no build under %s; the model keeps its own layers "
+                       "(run `cutile-kernels build`)", build_dir or registry.default_build_dir())
+        return CutileKernelConfig({}, use_local_kernel=True)
+    mapping = {hub: f"{variant}:{cls}" for hub, cls in MAPPING.items()}
+    return CutileKernelConfig(mapping, use_local_kernel=True)
+
+
+def kernelize(model, mode=None, build_dir=None):
+    """Replace the forwards of a loaded model's hub layers with ours (in place; returns the model).
+
+    Args:
+        model: an ``nn.Module`` whose layers carry transformers' hub decorators.
+        mode: a ``kernels.Mode`` (default: INFERENCE, or TRAINING when ``model.training``; our
+            layers are inference-only, so TRAINING keeps the original forwards).
+        build_dir: as for :func:`kernel_config`.
+    """
+    from kernels import LocalLayerRepository, Mode, use_kernel_mapping
+    from kernels import kernelize as kernels_kernelize
+
+    param = next(model.parameters(), None)
+    variant = variant_dir(build_dir)
+    if param is None or param.device.type != "cuda" or dispatch.disabled():
+        return model
+    if variant is None:
+        logger.warning("cutile_kernels: no build under %s; the model keeps its own layers "
+                       "(run `cutile-kernels build`)", build_dir or registry.default_build_dir())
+        return model
+    if mode is None:
+        mode = Mode.TRAINING if model.training else Mode.INFERENCE
+    mapping = {
+        hub: {"cuda": {m: LocalLayerRepository(variant, layer_name=cls)
+                       for m in (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE)}}
+        for hub, cls in MAPPING.items()
+    }
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernels_kernelize(model, mode=mode, device="cuda", use_fallback=True)
+    return model

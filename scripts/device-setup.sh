@@ -1,0 +1,11 @@
+# Source on the GPU machine from the project root (after ../shared/device/prepare.sh and a build
+# were carried): installs the carried wheels and this project into /tmp/site, points the runtime
+# at the carried build, and prints the environment.
+#   source scripts/device-setup.sh
+source .device/setup.sh || return 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . >/tmp/pip-project.log 2>&1 \
+  || { cat /tmp/pip-project.log; return 1; }
+export CUTILE_KERNELS_BUILD_DIR="$PWD/build"
+export PATH="/tmp/site/bin:$PATH"
+# Run from outside the checkout so that `import cutile_kernels` is the installed package.
+python3 -c "import cutile_kernels, sys; print('cutile_kernels from', cutile_kernels.__file__, 'build', cutile_kernels.registry.find_package_dir())"

@@ -1,0 +1,271 @@
+"""RMSNorm and fused add + RMSNorm: reference semantics (CPU), custom ops (CPU), kernels (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cutile_kernels
+from cutile_kernels import dispatch, registry
+from cutile_kernels.ops import norm as norm_ops
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the reference path is transformers' own module, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+def _hf_norm_classes():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return [LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm]
+
+
+@pytest.mark.parametrize("cls", _hf_norm_classes(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("hidden", [896, 1536, 128])
+def test_reference_matches_transformers_modules(cls, dtype, hidden):
+    mod = cls(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        mod.weight.copy_(1 + 0.1 * torch.randn(hidden))
+    x = torch.randn(3, 7, hidden, dtype=dtype) * 3
+    want = mod(x)
+    got = cutile_kernels.rms_norm_reference(x, mod.weight, mod.variance_epsilon)
+    assert got.dtype == want.dtype
+    assert torch.equal(got, want)
+    # On the CPU the public function is the reference path.
+    assert torch.equal(cutile_kernels.rms_norm(x, mod.weight, mod.variance_epsilon), want)
+
+
+def test_reference_keeps_mixed_dtype_promotion():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    mod = LlamaRMSNorm(64)  # float32 weight
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    want = mod(x)
+    got = cutile_kernels.rms_norm(x, mod.weight, mod.variance_epsilon)
+    assert want.dtype == got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_reference_matches_decoder_residual_then_norm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    mod = LlamaRMSNorm(256, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        mod.weight.copy_(torch.rand(256) + 0.5)
+    x, residual = torch.randn(2, 9, 256, dtype=dtype), torch.randn(2, 9, 256, dtype=dtype)
+    s = residual + x  # what LlamaDecoderLayer does before post_attention_layernorm
+    y, s_out = cutile_kernels.add_rms_norm(x, residual, mod.weight, 1e-6)
+    assert torch.equal(s_out, s)
+    assert torch.equal(y, mod(s))
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="does not match hidden size"):
+        cutile_kernels.rms_norm(torch.randn(4, 8), torch.randn(7))
+    with pytest.raises(ValueError, match="residual shape"):
+        cutile_kernels.add_rms_norm(torch.randn(4, 8), torch.randn(4, 9), torch.randn(8))
+
+
+def test_custom_ops_pass_opcheck():
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    w = torch.randn(64, dtype=torch.bfloat16)
+    torch.library.opcheck(norm_ops._rms_norm_op, (x, w, 1e-6), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(norm_ops._add_rms_norm_op, (x, x.clone(), w, 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fake_implementations_give_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 896, dtype=torch.float16, device="cpu")
+        w = torch.empty(896, dtype=torch.float32)
+        y = norm_ops._rms_norm_op(x, w, 1e-6)
+        a, s = norm_ops._add_rms_norm_op(x, x, w, 1e-6)
+    assert y.shape == (2, 3, 896) and y.dtype == torch.float32
+    assert a.shape == s.shape == (2, 3, 896) and s.dtype == torch.float16
+
+
+def test_compile_on_cpu_matches_eager():
+    w = torch.randn(128)
+    fn = torch.compile(lambda x: cutile_kernels.rms_norm(x * 2, w, 1e-6) + 1, backend="eager", fullgraph=True)
+    x = torch.randn(4, 128)
+    assert torch.allclose(fn(x), cutile_kernels.rms_norm_reference(x * 2, w, 1e-6) + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: every kernel against a float64 reference, output poisoned first
+# ---------------------------------------------------------------------------------------------
+
+#: (rows, hidden, dtype, layout): the hidden sizes of real models, one row, 100k rows, strided rows,
+#: a misaligned base (generic variant), rows longer than one tile (chunked kernel).
+GPU_CASES = (
+    [(r, h, torch.bfloat16, "contiguous") for h in (896, 1536, 2048, 4096, 5120, 8192) for r in (1, 19, 4096)]
+    + [(4096, h, d, "contiguous") for h in (896, 2048, 5120) for d in (torch.float16, torch.float32)]
+    + [(100_000, 896, torch.bfloat16, "contiguous"), (100_000, 2048, torch.bfloat16, "contiguous")]
+    + [(333, h, torch.bfloat16, "strided") for h in (1536, 4096)]
+    + [(333, h, d, "misaligned") for h in (896, 2048) for d in (torch.bfloat16, torch.float32)]
+    + [(65, 1000, torch.float16, "contiguous"), (257, 100, torch.bfloat16, "contiguous")]
+    + [(64, 128, torch.bfloat16, "contiguous"), (4096, 64, torch.float16, "contiguous")]
+    + [(37, 12288, torch.bfloat16, "contiguous"), (5, 16384, torch.float32, "contiguous"),
+       (9, 18432, torch.bfloat16, "strided")]
+)
+
+
+def _case_id(c):
+    r, h, d, lay = c
+    return f"{r}x{h}-{str(d).split('.')[-1]}-{lay}"
+
+
+def _make_input(rows, hidden, dtype, layout, scale=1.0):
+    if layout == "contiguous":
+        return torch.randn(rows, hidden, device="cuda", dtype=dtype) * scale
+    if layout == "strided":  # rows of a wider tensor: row stride 2 * hidden + 8
+        return (torch.randn(rows, 2 * hidden + 8, device="cuda", dtype=dtype) * scale)[:, :hidden]
+    if layout == "misaligned":  # base address one element past a 16-byte boundary
+        flat = torch.randn(rows * hidden + 1, device="cuda", dtype=dtype) * scale
+        return flat[1:].view(rows, hidden)
+    raise ValueError(layout)
+
+
+def _errors(out, ref):
+    diff = (out.double() - ref).abs()
+    rel_l2 = (out.double() - ref).norm() / ref.norm()
+    return diff.max().item(), rel_l2.item()
+
+
+def _launched_variant(before: dict) -> registry.Variant:
+    after = dispatch.stats()["launches"]
+    new = [s for s in after if after[s] != before.get(s, 0)]
+    assert len(new) == 1, f"expected one variant launched, got {new}"
+    (variant,) = [v for v in registry.registry().variants() if v.symbol == new[0]]
+    return variant
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_rms_norm_kernel_matches_float64(case, strict):
+    rows, hidden, dtype, layout = case
+    scale = 300.0 if dtype == torch.float16 else 1.0  # fp16 squares overflow unless accumulated in fp32
+    x = _make_input(rows, hidden, dtype, layout, scale)
+    w = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(dtype)
+    y = torch.full((rows, hidden), float("nan"), device="cuda", dtype=dtype)
+    before = dispatch.stats()["launches"]
+    assert norm_ops.rms_norm_into(x, w, y, 1e-6)
+    variant = _launched_variant(before)
+    torch.cuda.synchronize()
+    assert not torch.isnan(y).any(), "an output element was not written"
+    ref = cutile_kernels.rms_norm_reference(x.double(), w.double(), 1e-6)
+    stock = cutile_kernels.rms_norm_reference(x, w, 1e-6)  # what transformers computes in this dtype
+    ours_max, ours_rel = _errors(y, ref)
+    stock_max, stock_rel = _errors(stock, ref)
+    assert ours_rel <= 1.1 * stock_rel + 1e-7, (ours_rel, stock_rel)
+    assert ours_max <= 1.1 * stock_max + 1e-6, (ours_max, stock_max)
+    expect_aligned = layout != "misaligned" and hidden % 16 == 0
+    assert variant.tag.endswith("aligned" if expect_aligned else "generic"), variant.tag
+    assert ("chunk" in variant.tag) == (hidden > 8192)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c[0] <= 4096 or c[1] == 896], ids=_case_id)
+def test_add_rms_norm_kernel_matches_float64(case, strict):
+    rows, hidden, dtype, layout = case
+    x = _make_input(rows, hidden, dtype, layout)
+    r = _make_input(rows, hidden, dtype, "contiguous")
+    w = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(dtype)
+    y = torch.full((rows, hidden), float("nan"), device="cuda", dtype=dtype)
+    s = torch.full((rows, hidden), float("nan"), device="cuda", dtype=dtype)
+    assert norm_ops.add_rms_norm_into(x, r, w, y, s, 1e-6)
+    torch.cuda.synchronize()
+    assert not torch.isnan(y).any() and not torch.isnan(s).any(), "an output element was not written"
+    assert torch.equal(s, x + r)  # one rounding of the sum, as the decoder layer's add
+    ref = cutile_kernels.rms_norm_reference((x + r).double(), w.double(), 1e-6)
+    stock = cutile_kernels.rms_norm_reference(x + r, w, 1e-6)
+    ours_max, ours_rel = _errors(y, ref)
+    stock_max, stock_rel = _errors(stock, ref)
+    assert ours_rel <= 1.1 * stock_rel + 1e-7, (ours_rel, stock_rel)
+    assert ours_max <= 1.1 * stock_max + 1e-6, (ours_max, stock_max)
+
+
+@pytest.mark.gpu
+def test_public_api_on_3d_noncontiguous_and_empty(strict):
+    x = torch.randn(2, 7, 2048, device="cuda", dtype=torch.bfloat16).transpose(0, 1)  # (7, 2, 2048) view
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    y = cutile_kernels.rms_norm(x, w, 1e-5)
+    assert y.shape == x.shape and y.is_contiguous()
+    ref = cutile_kernels.rms_norm_reference(x, w, 1e-5)
+    assert (y.float() - ref.float()).abs().max().item() <= 2 * (ref.float().abs().max().item() * 2**-8)
+    empty = torch.empty(0, 2048, device="cuda", dtype=torch.bfloat16)
+    assert cutile_kernels.rms_norm(empty, w).shape == (0, 2048)
+
+
+@pytest.mark.gpu
+def test_unsupported_inputs_fall_back_and_say_so(caplog):
+    w = torch.randn(256, device="cuda", dtype=torch.float64)
+    x = torch.randn(8, 256, device="cuda", dtype=torch.float64)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        y = cutile_kernels.rms_norm(x, w)
+    assert torch.equal(y, cutile_kernels.rms_norm_reference(x, w, 1e-6))
+    assert "falls back to PyTorch" in caplog.text and "float64" in caplog.text
+    # Aliasing operands: the kernels declare no aliasing, so this must not reach a kernel.
+    buf = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    a, b = buf[:256].view(1, 256), buf[:256].view(1, 256)
+    ya, sa = cutile_kernels.add_rms_norm(a, b, buf[256:], 1e-6)
+    ra, rs = cutile_kernels.add_rms_norm_reference(a, b, buf[256:], 1e-6)
+    assert torch.equal(ya, ra) and torch.equal(sa, rs)
+    assert any("overlap" in k for k in dispatch.stats()["fallbacks"])
+
+
+@pytest.mark.gpu
+def test_strict_mode_raises_instead_of_falling_back(strict):
+    x = torch.randn(4, 64, device="cuda", dtype=torch.float64)
+    with pytest.raises(cutile_kernels.FallbackError):
+        cutile_kernels.rms_norm(x, torch.ones(64, device="cuda", dtype=torch.float64))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager(strict):
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: load the modules outside the capture
+        cutile_kernels.rms_norm(x, w)
+        cutile_kernels.add_rms_norm(x, r, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = cutile_kernels.rms_norm(x, w)
+        y2, s2 = cutile_kernels.add_rms_norm(x, r, w)
+    x.copy_(torch.randn_like(x))
+    r.copy_(torch.randn_like(r))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, cutile_kernels.rms_norm(x, w))
+    e2, es = cutile_kernels.add_rms_norm(x, r, w)
+    assert torch.equal(y2, e2) and torch.equal(s2, es)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile_matches_eager(mode, strict):
+    w = torch.randn(1536, device="cuda", dtype=torch.bfloat16)
+
+    def fn(x, r):
+        y, s = cutile_kernels.add_rms_norm(x * 2, r, w, 1e-6)
+        return cutile_kernels.rms_norm(y + 1, w, 1e-6), s
+
+    compiled = torch.compile(fn, mode=mode, fullgraph=True)
+    for _ in range(3):
+        x = torch.randn(17, 1536, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        got, want = compiled(x, r), fn(x, r)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

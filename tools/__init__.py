@@ -1,0 +1,1 @@
+"""Tools around the kernels (not shipped in the Hub variant): the CLI, the benchmark, presets."""

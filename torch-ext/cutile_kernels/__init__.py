@@ -1,0 +1,36 @@
+"""cutile-kernels: cuTile kernels for Hugging Face transformers models.
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device_map="cuda",
+        use_kernels=True, kernel_config=cutile_kernels.kernel_config())
+
+Layout of the package (the same in a source checkout and in a build variant):
+
+* ``kernel_src``: cuTile device code and build matrices (no torch);
+* ``registry``, ``cubin``, ``launcher``, ``dispatch``: pick a prebuilt variant whose compiled
+  assumptions the tensors satisfy and launch it through cuda-python (else JIT, else fallback);
+* ``ops``: torch custom ops with fake implementations, and the functional API;
+* ``layers``: ``kernels``-convention layers, the kernelize mapping, ``kernel_config``, ``kernelize``.
+"""
+
+from . import dispatch, layers, registry
+from .dispatch import FallbackError, reset_stats, stats
+from .layers import kernel_config, kernelize
+from .ops import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FallbackError",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "dispatch",
+    "kernel_config",
+    "kernelize",
+    "layers",
+    "registry",
+    "reset_stats",
+    "rms_norm",
+    "rms_norm_reference",
+    "stats",
+]

@@ -1,0 +1,255 @@
+"""One call of a kernel: a prebuilt variant, else cuTile JIT, else the op's declared fallback.
+
+For a CUDA call, :func:`run` tries in order:
+
+1. a prebuilt cubin for the device's arch whose compiled assumptions the arguments satisfy
+   (:mod:`.registry`), launched through cuda-python (:mod:`.launcher`);
+2. a JIT compile through ``cuda.tile`` when ``tileiras`` is installed (and not disabled with
+   ``CUTILE_KERNELS_JIT=0``);
+3. otherwise it returns False and the op computes its PyTorch reference. The first fallback of
+   each (kernel, reason) is logged as a warning naming the reason; ``CUTILE_KERNELS_STRICT=1``
+   turns every fallback into a :class:`FallbackError` instead (tests and benchmarks use it).
+
+``CUTILE_KERNELS_DISABLE=1`` sends every call to the fallback. Counters of launches per variant
+symbol, JIT launches and fallbacks per reason are kept for the bench (:func:`stats`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+from . import registry as _registry
+from .launcher import CudaError, Launcher
+
+logger = logging.getLogger("cutile_kernels")
+
+ENV_DISABLE = "CUTILE_KERNELS_DISABLE"
+ENV_STRICT = "CUTILE_KERNELS_STRICT"
+ENV_JIT = "CUTILE_KERNELS_JIT"
+
+
+class FallbackError(RuntimeError):
+    """Raised instead of a fallback when ``CUTILE_KERNELS_STRICT=1``."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def disabled() -> bool:
+    """True when ``CUTILE_KERNELS_DISABLE`` is set: every op takes its PyTorch path."""
+    return _flag(ENV_DISABLE)
+
+
+class Stats:
+    """What ran: launches per variant symbol, JIT launches and fallbacks per (kernel, reason)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        self.launches: Counter = Counter()
+        self.jit_launches: Counter = Counter()
+        self.fallbacks: Counter = Counter()
+        self.reference_calls: Counter = Counter()
+
+    def snapshot(self) -> dict:
+        return {
+            "launches": dict(self.launches),
+            "jit_launches": dict(self.jit_launches),
+            "fallbacks": {f"{k}: {r}": n for (k, r), n in self.fallbacks.items()},
+            "reference_calls": dict(self.reference_calls),
+        }
+
+
+STATS = Stats()
+_LAUNCHER = Launcher()
+_warned: set = set()
+
+
+def stats() -> dict:
+    """A snapshot of this package copy's counters (see :class:`Stats`)."""
+    return STATS.snapshot()
+
+
+def reset_stats() -> None:
+    STATS.reset()
+
+
+def _warn_once(key, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg)
+
+
+def fallback(kernel: str, reason: str) -> bool:
+    """Record that ``kernel`` takes its PyTorch fallback for ``reason``; always returns False.
+
+    Raises:
+        FallbackError: when ``CUTILE_KERNELS_STRICT=1``.
+    """
+    if _flag(ENV_STRICT):
+        raise FallbackError(f"cutile_kernels: {kernel} has no cuTile path here: {reason}")
+    STATS.fallbacks[(kernel, reason)] += 1
+    _warn_once((kernel, reason), f"cutile_kernels: {kernel} falls back to PyTorch: {reason}")
+    return False
+
+
+def reference_call(kernel: str) -> None:
+    """Record a call on a non-CUDA device, which the reference path serves by design."""
+    STATS.reference_calls[kernel] += 1
+
+
+@lru_cache(maxsize=None)
+def _arch_of(device_index: int) -> tuple[tuple[int, int], str | None]:
+    cap = torch.cuda.get_device_capability(device_index)
+    return cap, _registry.registry().arch_for(cap)
+
+
+@lru_cache(maxsize=1)
+def jit_available() -> bool:
+    """True when cuda.tile can JIT-compile here: tileiras is found and JIT is not disabled."""
+    if os.environ.get(ENV_JIT, "").strip() == "0":
+        return False
+    try:
+        from cuda.tile._compile import _find_compiler_bin  # private in cuda-tile 1.7 (pinned)
+
+        _find_compiler_bin()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means no JIT toolchain
+        return False
+
+
+class _Plan:
+    """Everything about a call that depends only on its signature (dtypes, shapes, strides, base
+    alignment, constants): the loaded variant, the grid, the packed parameters but for pointers and
+    scalars, and the byte spans of the inputs for the per-call aliasing check."""
+
+    __slots__ = ("loaded", "grid", "values", "ptr_slots", "scalar_slots", "spans", "symbol")
+
+    def __init__(self, loaded, grid, args, n_inputs):
+        self.loaded = loaded
+        self.grid = grid
+        self.values, self.ptr_slots, self.scalar_slots = loaded.packer.template(args)
+        self.spans = [_registry.byte_range(a)[1] - a.data_ptr() for a in args[:n_inputs]]
+        self.symbol = loaded.variant.symbol
+
+
+#: Call signature -> _Plan, or the reason no prebuilt variant fits (a str).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _signature(kernel: str, want: tuple, args) -> tuple:
+    key = [kernel, want, args[0].get_device()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _make_plan(kernel: str, want: tuple, args, n_inputs: int, grid, device_index: int):
+    """The _Plan for a new call signature, or the reason no prebuilt variant takes it."""
+    for t in args[:n_inputs]:
+        if not t.is_contiguous() and _registry.internal_overlap(t):
+            return "an input has internally overlapping elements (stride 0 or expand())"
+    cap, arch = _arch_of(device_index)
+    reg = _registry.registry()
+    if reg.pkg_dir is None:
+        return "no cuTile build found (run `cutile-kernels build`)"
+    if arch is None:
+        return f"the build has no cubins for sm_{cap[0]}{cap[1]} (built: {', '.join(reg.archs)})"
+    variant, why = reg.select(kernel, arch, dict(want), args)
+    if variant is None:
+        return why
+    try:
+        loaded = _LAUNCHER.load(variant, device_index)
+    except CudaError as exc:  # e.g. no binary for this GPU: a declared fallback, not a crash
+        return str(exc)
+    return _Plan(loaded, grid(variant.constants), args, n_inputs)
+
+
+def _overlap(plan: _Plan, ptrs: list) -> bool:
+    spans = plan.spans
+    for i in range(len(spans)):
+        for j in range(i + 1, len(spans)):
+            if ptrs[i] < ptrs[j] + spans[j] and ptrs[j] < ptrs[i] + spans[i]:
+                return True
+    return False
+
+
+def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[dict], tuple]) -> bool:
+    """Launch ``kernel`` on the device of ``args[0]``; False means the caller must fall back.
+
+    Args:
+        kernel: kernel name in the manifest (``rms_norm``).
+        want: ``((name, value), ...)`` constants the variant must have (``(("BLOCK_N", 4096),)``).
+        args: the non-constant arguments in parameter order: CUDA tensors and Python scalars.
+            The first ``n_inputs`` tensors are inputs; the rest are outputs the caller has just
+            allocated (so they cannot alias anything).
+        n_inputs: how many leading arguments are input tensors.
+        grid: maps the chosen variant's constants to the launch grid (x, y, z).
+
+    Returns:
+        True if a cuTile kernel (prebuilt or JIT) was launched.
+
+    Raises:
+        FallbackError: no cuTile path and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the launch itself failed.
+    """
+    if disabled():
+        return fallback(kernel, f"disabled by {ENV_DISABLE}")
+    key = _signature(kernel, want, args)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(kernel, want, args, n_inputs, grid, key[2])
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    if plan.__class__ is str:
+        return _jit(kernel, want, args, grid, plan) if jit_available() else fallback(kernel, plan)
+    values = list(plan.values)
+    for slot, i in plan.ptr_slots:
+        values[slot] = args[i].data_ptr()
+    if n_inputs > 1 and _overlap(plan, [values[slot] for slot, _ in plan.ptr_slots[:n_inputs]]):
+        return fallback(kernel, f"inputs of {kernel} overlap in memory (the kernels assume no aliasing)")
+    for slot, i in plan.scalar_slots:
+        values[slot] = args[i]
+    _LAUNCHER.launch_values(plan.loaded, plan.grid, values, key[2])
+    STATS.launches[plan.symbol] += 1
+    return True
+
+
+def _jit(kernel: str, want: tuple, args: tuple, grid, why: str) -> bool:
+    from . import kernel_src
+
+    dtypes = [_registry.DTYPE_NAMES.get(a.dtype) for a in args if isinstance(a, torch.Tensor)]
+    spec = None
+    for s in kernel_src.all_variants():
+        arrays = [p.dtype for p in s.params if p.kind == "array"]
+        if s.kernel == kernel and arrays == dtypes and all(s.constants.get(k) == v for k, v in want):
+            spec = s
+            break
+    if spec is None:
+        return fallback(kernel, f"{why}; and no kernel_src variant to JIT for dtypes {dtypes}")
+    import cuda.tile as ct
+
+    fn = getattr(kernel_src.family_module(spec.module), spec.function)
+    _warn_once(("jit", kernel, why), f"cutile_kernels: JIT-compiling {kernel} ({spec.tag}) because {why}")
+    try:
+        ct.launch(torch.cuda.current_stream(args[0].device), grid(spec.constants), fn,
+                  tuple(args) + tuple(spec.constants.values()))
+    except Exception as exc:  # noqa: BLE001 - a failed JIT is a declared fallback
+        return fallback(kernel, f"{why}; JIT failed: {type(exc).__name__}: {exc}")
+    STATS.jit_launches[kernel] += 1
+    return True

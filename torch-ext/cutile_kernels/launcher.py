@@ -1,0 +1,164 @@
+"""Launching prebuilt cubins through cuda-python (``cuda.bindings.driver``).
+
+Modules are loaded once per (device, cubin) into the device's primary context, the same one
+PyTorch uses, and launched on PyTorch's current stream of the tensor's device, so launches are
+ordered with PyTorch's own work and are captured by ``torch.cuda.graph``. cuTile kernels take
+block (1, 1, 1) and no dynamic shared memory: the driver sizes the block from the cubin and fills
+any TMA descriptors through host code embedded in it.
+
+Nothing here touches the driver until the first launch, so importing works without a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from .cubin import ArgPacker, param_info
+from .registry import Variant
+
+
+def _current_raw_stream(device_index: int) -> int:
+    """Handle of PyTorch's current stream on a device (the private getter is ~1 us, the public
+    ``torch.cuda.current_stream`` object several)."""
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _current_raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the call, the kernel and the error."""
+
+
+_driver = None
+
+
+def driver():
+    """``cuda.bindings.driver``, imported on first use."""
+    global _driver
+    if _driver is None:
+        from cuda.bindings import driver as cu
+
+        _driver = cu
+    return _driver
+
+
+def _check(result, what: str):
+    cu = driver()
+    err = result[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = cu.cuGetErrorName(err)[1]
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class _Loaded:
+    """A variant's function handle on one device, with its argument packer."""
+
+    __slots__ = ("function", "packer", "variant", "local")
+
+    def __init__(self, function, packer: ArgPacker, variant: Variant):
+        self.function = function
+        self.packer = packer
+        self.variant = variant
+        self.local = threading.local()
+
+    def params_address(self, values) -> int:
+        """Pack ``values`` into this thread's parameter buffer; return the void*[] address.
+
+        The driver copies parameters during cuLaunchKernel, so a per-thread buffer can be reused
+        by the next launch of the same variant.
+        """
+        loc = self.local
+        buf = getattr(loc, "buf", None)
+        if buf is None:
+            packer = self.packer
+            buf = ctypes.create_string_buffer(max(packer.struct.size, 1))
+            base = ctypes.addressof(buf)
+            ptrs = (ctypes.c_void_p * max(len(packer.offsets), 1))(*[base + o for o in packer.offsets])
+            loc.buf, loc.ptrs, loc.ptrs_addr = buf, ptrs, ctypes.addressof(ptrs)
+        self.packer.struct.pack_into(buf, 0, *values)
+        return loc.ptrs_addr
+
+
+class Launcher:
+    """Module cache and launch path for one package copy."""
+
+    def __init__(self):
+        self._loaded: dict[tuple[int, str], _Loaded] = {}
+        self._cubins: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._ctx_ready = threading.local()
+
+    def _make_current(self, device_index: int) -> None:
+        # PyTorch makes the device's primary context current when it selects the device; a thread
+        # that never selected one has no current context, so make it current once per thread.
+        ready = self._ctx_ready.__dict__
+        if ready.get(device_index):
+            return
+        cu = driver()
+        ctx = _check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        dev = _check(cu.cuDeviceGet(device_index), "cuDeviceGet")
+        primary = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        if int(ctx) != int(primary):
+            _check(cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+        ready[device_index] = True
+
+    def load(self, variant: Variant, device_index: int) -> _Loaded:
+        """Load ``variant``'s cubin on a device (once) and check its parameter layout."""
+        key = (device_index, variant.symbol)
+        loaded = self._loaded.get(key)
+        if loaded is not None:
+            return loaded
+        with self._lock:
+            loaded = self._loaded.get(key)
+            if loaded is not None:
+                return loaded
+            path = str(variant.cubin)
+            data = self._cubins.get(path)
+            if data is None:
+                data = self._cubins[path] = variant.cubin.read_bytes()
+            packer = ArgPacker(variant.params)
+            declared = param_info(data, variant.symbol)
+            if declared[: len(packer.layout)] != packer.layout:
+                raise CudaError(f"{variant.symbol}: cubin parameters {declared} do not match the "
+                                f"cutile_python_v1 packing {packer.layout}")
+            cu = driver()
+            with torch.cuda.device(device_index):
+                self._make_current(device_index)
+                module = _check(cu.cuModuleLoadData(data), f"cuModuleLoadData({variant.symbol})")
+                function = _check(cu.cuModuleGetFunction(module, variant.symbol.encode()),
+                                  f"cuModuleGetFunction({variant.symbol})")
+            loaded = self._loaded[key] = _Loaded(function, packer, variant)
+            return loaded
+
+    def launch(self, variant: Variant, grid: tuple[int, int, int], args, device_index: int) -> None:
+        """Launch a variant on PyTorch's current stream of ``device_index``.
+
+        Raises:
+            CudaError: loading or launching failed (e.g. no binary for this GPU).
+        """
+        loaded = self.load(variant, device_index)
+        self.launch_values(loaded, grid, loaded.packer.values(args), device_index)
+
+    def launch_values(self, loaded: _Loaded, grid, values, device_index: int) -> None:
+        """Launch an already loaded variant with flat parameter values (see ``ArgPacker``)."""
+        address = loaded.params_address(values)
+        if torch.cuda.current_device() != device_index:
+            with torch.cuda.device(device_index):
+                self._launch(loaded, grid, address, device_index)
+        else:
+            self._launch(loaded, grid, address, device_index)
+
+    def _launch(self, loaded: _Loaded, grid, address: int, device_index: int) -> None:
+        if not self._ctx_ready.__dict__.get(device_index):
+            self._make_current(device_index)
+        cu = _driver
+        err = cu.cuLaunchKernel(loaded.function, grid[0], grid[1], grid[2], 1, 1, 1, 0,
+                                _current_raw_stream(device_index), address, 0)[0]
+        if err != cu.CUresult.CUDA_SUCCESS:
+            _check((err,), f"cuLaunchKernel({loaded.variant.symbol}, grid={grid})")

@@ -1,0 +1,186 @@
+"""RMSNorm and fused residual-add + RMSNorm: torch custom ops, fake implementations, functional API.
+
+The math and rounding order are those of transformers' ``LlamaRMSNorm`` (see
+``kernel_src/norm.py``); :func:`rms_norm_reference` restates them in PyTorch and is both the
+fallback and the test oracle's model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import dispatch
+from .._ops import add_op_namespace_prefix
+from ..kernel_src._spec import next_power_of_2
+from ..kernel_src.norm import CHUNK, MAX_BLOCK_N
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm exactly as transformers' ``LlamaRMSNorm.forward`` computes it (v5.22.2).
+
+    Normalises in float32, rounds to ``x.dtype``, then multiplies by ``weight`` (so the result
+    has ``torch.promote_types(weight.dtype, x.dtype)``).
+    """
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (the decoder layer's residual add), then ``(rms_norm(s), s)``."""
+    s = x + residual
+    return rms_norm_reference(s, weight, eps), s
+
+
+def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name}: weight of shape {tuple(weight.shape)} does not match hidden size "
+                         f"{x.shape[-1] if x.dim() else None} of input {tuple(x.shape)}")
+
+
+def _kernel_refusal(tensors) -> str | None:
+    """Why the kernels cannot take these tensors at all (before any variant is looked at)."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        return f"mixed dtypes {sorted(map(str, dtypes))} (kernels take one dtype for all operands)"
+    if next(iter(dtypes)) not in _KERNEL_DTYPES:
+        return f"dtype {next(iter(dtypes))} (kernels take bfloat16, float16, float32)"
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return f"operands on several devices {sorted(map(str, devices))}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _want(n: int) -> tuple:
+    return (("BLOCK_N", next_power_of_2(n)),) if n <= MAX_BLOCK_N else (("CHUNK", CHUNK),)
+
+
+def _grid(rows: int):
+    return lambda consts: ((rows + consts["ROWS"] - 1) // consts["ROWS"], 1, 1)
+
+
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_shapes(x, weight, "rms_norm")
+    if x.device.type != "cuda":
+        dispatch.reference_call("rms_norm")
+        return rms_norm_reference(x, weight, eps)
+    why = _kernel_refusal((x, weight))
+    if why is not None:
+        dispatch.fallback("rms_norm", why)
+        return rms_norm_reference(x, weight, eps)
+    rows = x.reshape(-1, x.shape[-1])  # a view whenever the leading dims collapse, else a copy
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.numel() == 0 or rms_norm_into(rows, weight, y, eps):
+        return y.view(x.shape)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: float) -> bool:
+    """Launch the RMSNorm kernel on CUDA tensors ``x`` (M, N), ``weight`` (N,) into ``y`` (M, N).
+
+    Returns False (nothing written) when no cuTile path fits; the caller then falls back.
+    """
+    n = x.shape[1]
+    return dispatch.run("rms_norm", _want(n), (x, weight, y, float(eps)), 2, _grid(x.shape[0]))
+
+
+def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_shapes(x, weight, "add_rms_norm")
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    if x.device.type != "cuda":
+        dispatch.reference_call("add_rms_norm")
+        return add_rms_norm_reference(x, residual, weight, eps)
+    why = _kernel_refusal((x, residual, weight))
+    if why is not None:
+        dispatch.fallback("add_rms_norm", why)
+        return add_rms_norm_reference(x, residual, weight, eps)
+    n = x.shape[-1]
+    a, b = x.reshape(-1, n), residual.reshape(-1, n)
+    y = torch.empty(a.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(a.shape, dtype=x.dtype, device=x.device)
+    if a.numel() == 0 or add_rms_norm_into(a, b, weight, y, s, eps):
+        return y.view(x.shape), s.view(x.shape)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
+                      residual_out: torch.Tensor, eps: float) -> bool:
+    """Launch the fused kernel on CUDA tensors: ``x``, ``residual``, ``y``, ``residual_out`` (M, N),
+    ``weight`` (N,). Returns False (nothing written) when no cuTile path fits."""
+    n = x.shape[1]
+    return dispatch.run("add_rms_norm", _want(n), (x, residual, weight, y, residual_out, float(eps)), 3,
+                        _grid(x.shape[0]))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rms_norm"), mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_impl(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("add_rms_norm"), mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_rms_norm_impl(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _add_rms_norm_fake(x, residual, weight, eps):
+    s_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, s_dtype)), x.new_empty(x.shape, dtype=s_dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension, with transformers' ``LlamaRMSNorm`` rounding order.
+
+    Args:
+        x: ``(..., N)`` activations, any N, any number of rows, rows may be strided;
+            bfloat16, float16 or float32.
+        weight: ``(N,)`` scale, same dtype as ``x`` for the cuTile kernel.
+        eps: added to the mean square before the reciprocal square root.
+
+    Returns:
+        ``(..., N)`` contiguous tensor of dtype ``promote_types(weight.dtype, x.dtype)``.
+
+    On CUDA this runs a cuTile kernel (prebuilt, else JIT); inputs the kernels cannot take (mixed
+    dtypes, float64, aliasing operands, no build for the GPU) take :func:`rms_norm_reference` and
+    log the reason once. On other devices it is :func:`rms_norm_reference`. Under
+    ``torch.compile`` it is the custom op ``<namespace>::rms_norm`` with a fake implementation.
+
+    Raises:
+        ValueError: ``weight`` is not ``(N,)``.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(x, weight, eps)
+    return _rms_norm_impl(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm: ``s = x + residual``; returns ``(rms_norm(s, weight), s)``.
+
+    ``s`` is rounded to the input dtype before it is normalised, as the decoder layer's separate
+    add does. Shapes and dtypes as :func:`rms_norm`, with ``residual`` shaped like ``x``; both
+    outputs are new contiguous tensors.
+
+    Raises:
+        ValueError: mismatched shapes.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    if torch.compiler.is_compiling():
+        return _add_rms_norm_op(x, residual, weight, eps)
+    return _add_rms_norm_impl(x, residual, weight, eps)

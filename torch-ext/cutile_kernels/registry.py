@@ -1,0 +1,243 @@
+"""The variant registry: which prebuilt cubin fits a call.
+
+The build writes a manifest with, for every variant, the assumptions its array arguments were
+compiled with (dtype, rank, unit strides, stride / shape divisibility, base alignment, index
+width). :func:`select` checks them on the actual tensors (cuTile gives undefined behaviour, i.e.
+wrong numbers, when a compiled assumption does not hold) and returns the first variant that fits,
+in the build matrix's order of preference, or the reason none does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+ENV_BUILD_DIR = "CUTILE_KERNELS_BUILD_DIR"
+VARIANT_DIR = "torch-cuda"
+PACKAGE = "cutile_kernels"
+
+_INT32_MAX = 2**31 - 1
+_TILE_HEADROOM = 2**24
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+                "int32": torch.int32, "int64": torch.int64}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def default_build_dir() -> Path:
+    """The ``build/`` directory the runtime and ``kernel_config()`` use when none is given.
+
+    ``$CUTILE_KERNELS_BUILD_DIR`` if set; else ``<checkout>/build`` when this package runs from a
+    source checkout (editable install); else ``~/.cache/cutile-kernels/build``.
+    """
+    env = os.environ.get(ENV_BUILD_DIR)
+    if env:
+        return Path(env).expanduser().resolve()
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "kernel_src").is_dir():
+        return checkout / "build"
+    return Path.home() / ".cache" / "cutile-kernels" / "build"
+
+
+def package_dir_of(build_dir: Path) -> Path:
+    """``<build>/torch-cuda/cutile_kernels``: where the manifest and cubins of a build live."""
+    return Path(build_dir) / VARIANT_DIR / PACKAGE
+
+
+def find_package_dir() -> Path | None:
+    """The directory holding the manifest this process uses, or None if there is no build.
+
+    A package loaded from a build variant (``kernels.get_local_kernel`` or the Hub) uses its own
+    manifest; the source package uses :func:`default_build_dir`.
+    """
+    here = Path(__file__).resolve().parent
+    if (here / "manifest.json").is_file():
+        return here
+    pkg = package_dir_of(default_build_dir())
+    return pkg if (pkg / "manifest.json").is_file() else None
+
+
+@dataclass(frozen=True)
+class ArrayCheck:
+    """The compiled assumptions of one array parameter, in a form cheap to test."""
+
+    index: int
+    name: str
+    dtype: torch.dtype
+    ndim: int
+    stride_one: tuple[int, ...]
+    stride_divisible_by: tuple[int, ...]
+    shape_divisible_by: tuple[int, ...]
+    base_addr_divisible_by: int
+    index_bits: int
+
+    def violation(self, t: torch.Tensor) -> str | None:
+        """Why ``t`` breaks this parameter's assumptions, or None if it satisfies all of them."""
+        if t.dtype != self.dtype:
+            return f"{self.name}: dtype {t.dtype} != {self.dtype}"
+        if t.dim() != self.ndim:
+            return f"{self.name}: rank {t.dim()} != {self.ndim}"
+        shape, strides = t.shape, t.stride()
+        for d in range(self.ndim):
+            if shape[d] == 1:
+                continue  # the index along a size-1 dim is always 0; its stride is repacked
+            if strides[d] < 0:
+                return f"{self.name}: negative stride"
+            if d in self.stride_one and strides[d] != 1:
+                return f"{self.name}: stride[{d}]={strides[d]} is not 1"
+            if strides[d] % self.stride_divisible_by[d]:
+                return f"{self.name}: stride[{d}]={strides[d]} not divisible by {self.stride_divisible_by[d]}"
+        for d in range(self.ndim):
+            if shape[d] % self.shape_divisible_by[d]:
+                return f"{self.name}: shape[{d}]={shape[d]} not divisible by {self.shape_divisible_by[d]}"
+        if t.data_ptr() % self.base_addr_divisible_by:
+            return f"{self.name}: base address not {self.base_addr_divisible_by}-byte aligned"
+        if self.index_bits == 32 and _max_offset(t) > _INT32_MAX:
+            return f"{self.name}: offsets exceed int32 indexing"
+        return None
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    # Largest element offset, plus headroom for tile indices that run past the edge (masked).
+    return sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + _TILE_HEADROOM
+
+
+def internal_overlap(t: torch.Tensor) -> bool:
+    """True if two in-bounds indices of ``t`` address the same element (e.g. expand(), stride 0)."""
+    dims = sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1)
+    extent = 1
+    for st, s in dims:
+        if st < extent:
+            return True
+        extent = st * (s - 1) + extent
+    return False
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) bytes that ``t`` can touch."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size())
+
+
+def overlapping_pair(tensors) -> tuple[int, int] | None:
+    """Indices of two arrays whose memory overlaps (kernels assume no aliasing), or None."""
+    ranges = [byte_range(t) for t in tensors]
+    for i in range(len(ranges)):
+        for j in range(i + 1, len(ranges)):
+            (a0, a1), (b0, b1) = ranges[i], ranges[j]
+            if a0 < b1 and b0 < a1:
+                return i, j
+    return None
+
+
+@dataclass
+class Variant:
+    """One prebuilt cubin of one kernel, as described by the manifest."""
+
+    kernel: str
+    tag: str
+    arch: str
+    symbol: str
+    function: str
+    module: str
+    cubin: Path
+    constants: dict
+    params: list[dict]
+    arrays: tuple[ArrayCheck, ...] = field(default=())
+
+    @classmethod
+    def from_manifest(cls, entry: dict, pkg_dir: Path) -> "Variant":
+        arrays = []
+        for i, p in enumerate(entry["params"]):
+            if p["kind"] == "array":
+                arrays.append(ArrayCheck(
+                    index=i, name=p["name"], dtype=TORCH_DTYPES[p["dtype"]], ndim=p["ndim"],
+                    stride_one=tuple(p["stride_one"]),
+                    stride_divisible_by=tuple(p["stride_divisible_by"]),
+                    shape_divisible_by=tuple(p["shape_divisible_by"]),
+                    base_addr_divisible_by=p["base_addr_divisible_by"],
+                    index_bits=64 if p["index_dtype"] == "int64" else 32,
+                ))
+        return cls(kernel=entry["kernel"], tag=entry["variant"], arch=entry["arch"], symbol=entry["symbol"],
+                   function=entry["function"], module=entry["module"], cubin=pkg_dir / entry["cubin"],
+                   constants=dict(entry["constants"]), params=list(entry["params"]), arrays=tuple(arrays))
+
+    def violation(self, args) -> str | None:
+        """Why the call's arguments break this variant's assumptions, or None if they fit."""
+        for check in self.arrays:
+            reason = check.violation(args[check.index])
+            if reason is not None:
+                return reason
+        return None
+
+
+class Registry:
+    """All variants of one build, indexed by (kernel, arch)."""
+
+    def __init__(self, pkg_dir: Path | None):
+        self.pkg_dir = pkg_dir
+        self.manifest: dict = {}
+        self._by_kernel_arch: dict[tuple[str, str], list[Variant]] = {}
+        if pkg_dir is not None:
+            self.manifest = json.loads((pkg_dir / "manifest.json").read_text())
+            for entry in self.manifest.get("variants", []):
+                v = Variant.from_manifest(entry, pkg_dir)
+                self._by_kernel_arch.setdefault((v.kernel, v.arch), []).append(v)
+        self.archs = sorted({a for _, a in self._by_kernel_arch}, key=_arch_key)
+        self._candidates: dict = {}
+
+    def variants(self, kernel: str | None = None, arch: str | None = None) -> list[Variant]:
+        return [v for (k, a), vs in self._by_kernel_arch.items() for v in vs
+                if (kernel is None or k == kernel) and (arch is None or a == arch)]
+
+    def arch_for(self, capability: tuple[int, int]) -> str | None:
+        """The built arch whose cubins run on a device of this compute capability.
+
+        A cubin runs on the same major version with an equal or newer minor; sm_90 and sm_100
+        cubins from tileiras are arch-specific (sm_90a, ...), so they need the exact capability.
+        """
+        major, minor = capability
+        best = None
+        for arch in self.archs:
+            a_major, a_minor = _arch_key(arch)
+            exact_only = a_major in (9, 10)
+            ok = (a_major, a_minor) == (major, minor) if exact_only else (a_major == major and a_minor <= minor)
+            if ok and (best is None or _arch_key(arch) > _arch_key(best)):
+                best = arch
+        return best
+
+    def select(self, kernel: str, arch: str, want: dict, args) -> tuple[Variant | None, str]:
+        """The first variant of ``kernel`` for ``arch`` whose constants include ``want`` and whose
+        assumptions hold for ``args``; else (None, the reason the last candidate was refused)."""
+        key = (kernel, arch, tuple(sorted(want.items())))
+        cands = self._candidates.get(key)
+        if cands is None:
+            cands = [v for v in self._by_kernel_arch.get((kernel, arch), ())
+                     if all(v.constants.get(k) == val for k, val in want.items())]
+            self._candidates[key] = cands
+        if not cands:
+            return None, f"no prebuilt {kernel} variant for {arch} with {want}"
+        reason = ""
+        for v in cands:
+            reason = v.violation(args)
+            if reason is None:
+                return v, ""
+        return None, f"no prebuilt {kernel} variant fits ({reason})"
+
+
+def _arch_key(arch: str) -> tuple[int, int]:
+    digits = arch.removeprefix("sm_").rstrip("af")
+    return int(digits[:-1]), int(digits[-1])
+
+
+@lru_cache(maxsize=None)
+def registry() -> Registry:
+    """The process-wide registry of this package copy (loaded once, on first use)."""
+    return Registry(find_package_dir())
