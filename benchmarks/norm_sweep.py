@@ -28,16 +28,20 @@ def sweep_specs():
                            norm._params(kind, "bfloat16", layout, consts))
 
     exp = "benchmarks.norm_variants"
-    rows = {8192: (1, 2, 4, 8), 4096: (1, 2, 4, 8, 16), 2048: (2, 4, 8, 16, 32), 1024: (4, 8, 16, 32),
-            128: (32, 64, 128, 256)}
-    specs = [spec("rms_norm", "rms_norm_kernel", bn, r) for bn, rs in rows.items() for r in rs]
-    specs += [spec("rms_norm", "rms_norm_kernel", 4096, r, "generic") for r in (1, 4, 8)]
-    specs += [spec("rms_norm", "rms_norm_notma_kernel", bn, r, module=exp, label=".notma")
-              for bn, rs in ((4096, (1, 4, 8)), (2048, (8, 16)), (1024, (16, 32))) for r in rs]
-    specs += [spec("rms_norm", "rms_norm_persistent_kernel", bn, r, module=exp, label=".persistent")
-              for bn, rs in ((4096, (1, 2, 4)), (2048, (4, 8)), (1024, (16,))) for r in rs]
-    specs += [spec("add_rms_norm", "add_rms_norm_kernel", bn, r) for bn, rs in ((4096, (2, 4, 8)), (2048, (4, 8, 16)))
-              for r in rs]
+    specs = []
+    grid = {4096: (1, 2, 4, 8), 2048: (2, 4, 8, 16), 1024: (4, 8, 16, 32), 128: (64, 128, 256)}
+    for fn, module, label in [("rms_norm_kernel", "norm", ""), ("rms_norm_w8_kernel", exp, ".w8"),
+                              ("rms_norm_occ4_kernel", exp, ".occ4"), ("rms_norm_notma_kernel", exp, ".notma"),
+                              ("rms_norm_notma_w8_kernel", exp, ".notma.w8"),
+                              ("rms_norm_persistent_kernel", exp, ".persistent"),
+                              ("rms_norm_persistent_w8_kernel", exp, ".persistent.w8")]:
+        for bn, rs in grid.items():
+            for r in rs:
+                specs.append(spec("rms_norm", fn, bn, r, module=module, label=label))
+    for fn, module, label in [("add_rms_norm_kernel", "norm", ""), ("add_rms_norm_w8_kernel", exp, ".w8")]:
+        for bn, rs in ((4096, (2, 4, 8)), (2048, (4, 8, 16)), (1024, (8, 16, 32))):
+            for r in rs:
+                specs.append(spec("add_rms_norm", fn, bn, r, module=module, label=label))
     return specs
 
 
@@ -48,20 +52,31 @@ def export(out: str) -> None:
     print(m["build_stats"])
 
 
-def _time(fn, reps=50, warmup=5):
+def _time(fn, reps=20, per_graph=10):
+    """Median microseconds per call of ``fn``: ``per_graph`` calls captured in one CUDA graph, so
+    host launch cost is out of the number; ``reps`` timed replays after a warm-up."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(per_graph):
+            fn()
+    for _ in range(3):
+        g.replay()
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        g.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
+        times.append(s.elapsed_time(e) * 1e3 / per_graph)
     return statistics.median(times)
 
 
@@ -75,8 +90,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     launcher = Launcher()
     torch.manual_seed(0)
     results = []
-    shapes = [(8192, 4096), (16384, 4096), (4096, 2048), (16384, 2048), (2048, 2048), (16, 2048),
-              (32768, 1024), (65536, 128), (2048, 8192)]
+    shapes = [(8192, 4096), (2048, 2048), (16384, 2048), (2048, 1024), (32768, 1024), (16, 2048),
+              (65536, 128), (32768, 128)]
     for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -117,19 +132,77 @@ def run(sweep_dir: str, json_out: str | None) -> None:
         Path(json_out).write_text(json.dumps(results, indent=1))
 
 
+def headline(json_out: str | None = None) -> list:
+    """The shipped build through the public ops against torch, on model-sized inputs: median
+    microseconds per call (graph replays), two input sets alternating so that repeated calls do not
+    hit L2, and bandwidth over the bytes that must move (inputs read once, outputs written once)."""
+    import torch
+
+    import cutile_kernels
+
+    rows = []
+    for m, n in [(8192, 4096), (2048, 2048), (2048, 1024), (16384, 2048), (65536, 128), (4096, 896), (4096, 5120)]:
+        xs = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        rs = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+        it = {"i": 0}
+
+        def alt(f):
+            def call():
+                it["i"] ^= 1
+                return f(it["i"])
+            return call
+
+        cases = [
+            ("rms_norm", "cutile", (2 * m * n + n) * 2, alt(lambda i: cutile_kernels.rms_norm(xs[i], w, 1e-6))),
+            ("rms_norm", "F.rms_norm", (2 * m * n + n) * 2,
+             alt(lambda i: torch.nn.functional.rms_norm(xs[i], (n,), w, 1e-6))),
+            ("rms_norm", "hf_eager", (2 * m * n + n) * 2, alt(lambda i: cutile_kernels.rms_norm_reference(xs[i], w, 1e-6))),
+            ("add_rms_norm", "cutile", (5 * m * n + n) * 2,
+             alt(lambda i: cutile_kernels.add_rms_norm(xs[i], rs[i], w, 1e-6))),
+            ("add_rms_norm", "hf_eager", (5 * m * n + n) * 2,
+             alt(lambda i: cutile_kernels.add_rms_norm_reference(xs[i], rs[i], w, 1e-6))),
+        ]
+        for op, impl, nbytes, fn in cases:
+            us = _time(fn)
+            row = {"headline": op, "impl": impl, "m": m, "n": n, "bytes": nbytes, "us": round(us, 2),
+                   "GBps": round(nbytes / us / 1e3, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def host_overhead(calls: int = 2000):
     """Wall-clock microseconds per call on a decode-sized input (1 x 2048 bf16), where the
-    host-side cost (dispatch, checks, packing, launch) dominates the GPU time."""
+    host-side cost dominates, split into its parts: the public op, the dispatch into a preallocated
+    output, the cuda-python launch of a pre-packed variant, and torch baselines."""
     import time
 
     import torch
 
     import cutile_kernels
+    from cutile_kernels import dispatch
+    from cutile_kernels.ops import norm
 
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    cutile_kernels.rms_norm(x, w, 1e-6)
+    plan = dispatch._PLANS[dispatch._signature("rms_norm", (("BLOCK_N", 2048),), (x, w, y, 1e-6))]
+    values = list(plan.values)
+    for slot, i in plan.ptr_slots:
+        values[slot] = (x, w, y)[i].data_ptr()
+    for slot, i in plan.scalar_slots:
+        values[slot] = 1e-6
+    launcher = dispatch._LAUNCHER
     rows = []
     for name, fn in [("cutile_kernels.rms_norm", lambda: cutile_kernels.rms_norm(x, w, 1e-6)),
+                     ("rms_norm_into (dispatch.run)", lambda: norm.rms_norm_into(x, w, y, 1e-6)),
+                     ("launcher.launch_values (pre-packed)", lambda: launcher.launch_values(plan.loaded, plan.grid, values, 0)),
+                     ("dispatch._signature", lambda: dispatch._signature("rms_norm", (("BLOCK_N", 2048),), (x, w, y, 1e-6))),
+                     ("torch.empty", lambda: torch.empty((1, 2048), device="cuda", dtype=torch.bfloat16)),
                      ("torch_eager_reference", lambda: cutile_kernels.rms_norm_reference(x, w, 1e-6)),
                      ("F.rms_norm", lambda: torch.nn.functional.rms_norm(x, (2048,), w, 1e-6))]:
         for _ in range(50):
@@ -159,9 +232,14 @@ if __name__ == "__main__":
     r = sub.add_parser("run")
     r.add_argument("--dir", default=".sweep")
     r.add_argument("--json")
+    h = sub.add_parser("headline", help="the shipped build vs torch, plus host overhead")
+    h.add_argument("--json")
     a = p.parse_args()
     if a.cmd == "export":
         export(a.out)
-    else:
+    elif a.cmd == "run":
         run(a.dir, a.json)
+    else:
+        headline(a.json)
+        host_overhead()
     sys.exit(0)

@@ -31,3 +31,17 @@ def rms_norm_persistent_kernel(x, weight, y, eps: float, BLOCK_N: ct.Constant[in
         ms = ct.sum(h * h, axis=1, keepdims=True) * inv_n
         h = (h * (1.0 / ct.sqrt(ms + eps))).astype(x.dtype).astype(ct.float32)
         ct.store(y, index=(t, 0), tile=(h * w).astype(y.dtype))
+
+
+def _shipped():
+    from cutile_kernels.kernel_src import norm
+
+    return norm.rms_norm_kernel, norm.add_rms_norm_kernel
+
+
+# Compiler-hint variants of the shipped kernels: 8 worker warps (4 is the default) and occupancy.
+rms_norm_w8_kernel = _shipped()[0].replace_hints(num_worker_warps=8)
+rms_norm_occ4_kernel = _shipped()[0].replace_hints(occupancy=4)
+add_rms_norm_w8_kernel = _shipped()[1].replace_hints(num_worker_warps=8)
+rms_norm_persistent_w8_kernel = rms_norm_persistent_kernel.replace_hints(num_worker_warps=8)
+rms_norm_notma_w8_kernel = rms_norm_notma_kernel.replace_hints(num_worker_warps=8)

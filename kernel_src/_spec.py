@@ -137,4 +137,5 @@ DTYPE_TAGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (cuTile tile dimensions must be powers of two)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

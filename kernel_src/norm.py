@@ -24,40 +24,60 @@ import cuda.tile as ct
 from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
+RN = ct.RoundingMode.RN
 
 
 @ct.function
-def _inv_rms(mean_square, eps):
-    # 1 / sqrt(ms + eps) with IEEE-rounded sqrt and division: torch.rsqrt is within an ulp of
-    # exact in float32, the approximate rsqrt is not. It runs once per row, so it costs nothing.
-    return 1.0 / ct.sqrt(mean_square + eps)
+def _sum_sq(h, dtype):
+    # Row sums of squares of a float32 tile. For float32 inputs they accumulate in float64, so that
+    # the kernel's only float32 roundings are the ones transformers' formula has; for 16-bit inputs
+    # the rounding to the output dtype dwarfs the accumulator's, and float32 is kept.
+    if dtype == ct.float32:
+        hd = h.astype(ct.float64)
+        return ct.sum(hd * hd, axis=1, keepdims=True)
+    else:
+        return ct.sum(h * h, axis=1, keepdims=True)
 
 
-@ct.kernel
+@ct.function
+def _inv_rms(sum_sq, n, eps):
+    # 1 / sqrt(mean + eps), the mean rounded to float32 as torch's is, then correctly rounded sqrt
+    # and division (the defaults are the approximate forms). Once per row: it costs nothing.
+    ms = ct.truediv(sum_sq, n, rounding_mode=RN).astype(ct.float32)
+    return ct.truediv(1.0, ct.sqrt(ms + eps, rounding_mode=RN), rounding_mode=RN)
+
+
+@ct.function
+def _scale(h, inv_rms, w, dtype):
+    # transformers' order: normalise in float32, round to the input dtype, multiply by the weight.
+    return (h * inv_rms).astype(dtype).astype(ct.float32) * w
+
+
+# Hints from the sm_90 sweep (benchmarks/norm_sweep.py): occupancy 4 was the fastest RMSNorm at
+# every width, 8 worker warps the fastest fused add (it moves 2.5x the bytes per row).
+@ct.kernel(occupancy=4)
 def rms_norm_kernel(x, weight, y, eps: float, BLOCK_N: ct.Constant[int], ROWS: ct.Constant[int]):
     """y = RMSNorm(x) * weight for ROWS rows per block. x, y: (M, N), N <= BLOCK_N; weight: (N,)."""
     bid = ct.bid(0)
-    inv_n = 1.0 / x.shape[1]
     h = ct.load(x, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
-    h = (h * _inv_rms(ct.sum(h * h, axis=1, keepdims=True) * inv_n, eps)).astype(x.dtype).astype(ct.float32)
-    w = ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32)
-    ct.store(y, index=(bid, 0), tile=(h * ct.reshape(w, (1, BLOCK_N))).astype(y.dtype))
+    w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
+    inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
+    ct.store(y, index=(bid, 0), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
 
 
-@ct.kernel
+@ct.kernel(num_worker_warps=8)
 def add_rms_norm_kernel(x, residual, weight, y, residual_out, eps: float,
                         BLOCK_N: ct.Constant[int], ROWS: ct.Constant[int]):
     """residual_out = x + residual; y = RMSNorm(residual_out) * weight. Shapes as rms_norm_kernel."""
     bid = ct.bid(0)
-    inv_n = 1.0 / x.shape[1]
     a = ct.load(x, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
     b = ct.load(residual, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
     s = (a + b).astype(residual_out.dtype)
     ct.store(residual_out, index=(bid, 0), tile=s)
     h = s.astype(ct.float32)
-    h = (h * _inv_rms(ct.sum(h * h, axis=1, keepdims=True) * inv_n, eps)).astype(x.dtype).astype(ct.float32)
-    w = ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32)
-    ct.store(y, index=(bid, 0), tile=(h * ct.reshape(w, (1, BLOCK_N))).astype(y.dtype))
+    w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
+    inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
+    ct.store(y, index=(bid, 0), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
 
 
 @ct.kernel
@@ -65,17 +85,16 @@ def rms_norm_chunked_kernel(x, weight, y, eps: float, CHUNK: ct.Constant[int], R
     """rms_norm_kernel for rows of any length: one sweep for the sum of squares, one to write."""
     bid = ct.bid(0)
     n_chunks = ct.cdiv(x.shape[1], CHUNK)
-    inv_n = 1.0 / x.shape[1]
-    acc = ct.zeros((ROWS, CHUNK), dtype=ct.float32)
+    h = ct.load(x, index=(bid, 0), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+    acc = _sum_sq(h, x.dtype)
+    for j in range(1, n_chunks):
+        h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        acc = acc + _sum_sq(h, x.dtype)
+    inv_rms = _inv_rms(acc, x.shape[1], eps)
     for j in range(n_chunks):
         h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
-        acc = acc + h * h
-    inv_rms = _inv_rms(ct.sum(acc, axis=1, keepdims=True) * inv_n, eps)
-    for j in range(n_chunks):
-        h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
-        h = (h * inv_rms).astype(x.dtype).astype(ct.float32)
-        w = ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32)
-        ct.store(y, index=(bid, j), tile=(h * ct.reshape(w, (1, CHUNK))).astype(y.dtype))
+        w = ct.reshape(ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32), (1, CHUNK))
+        ct.store(y, index=(bid, j), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
 
 
 @ct.kernel
@@ -85,23 +104,24 @@ def add_rms_norm_chunked_kernel(x, residual, weight, y, residual_out, eps: float
     instead of reading residual_out back, because reading another thread's store needs a fence."""
     bid = ct.bid(0)
     n_chunks = ct.cdiv(x.shape[1], CHUNK)
-    inv_n = 1.0 / x.shape[1]
-    acc = ct.zeros((ROWS, CHUNK), dtype=ct.float32)
-    for j in range(n_chunks):
+    a = ct.load(x, index=(bid, 0), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+    b = ct.load(residual, index=(bid, 0), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+    s = (a + b).astype(residual_out.dtype)
+    ct.store(residual_out, index=(bid, 0), tile=s)
+    acc = _sum_sq(s.astype(ct.float32), x.dtype)
+    for j in range(1, n_chunks):
         a = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
         b = ct.load(residual, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
         s = (a + b).astype(residual_out.dtype)
         ct.store(residual_out, index=(bid, j), tile=s)
-        h = s.astype(ct.float32)
-        acc = acc + h * h
-    inv_rms = _inv_rms(ct.sum(acc, axis=1, keepdims=True) * inv_n, eps)
+        acc = acc + _sum_sq(s.astype(ct.float32), x.dtype)
+    inv_rms = _inv_rms(acc, x.shape[1], eps)
     for j in range(n_chunks):
         a = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
         b = ct.load(residual, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
         h = (a + b).astype(residual_out.dtype).astype(ct.float32)
-        h = (h * inv_rms).astype(x.dtype).astype(ct.float32)
-        w = ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32)
-        ct.store(y, index=(bid, j), tile=(h * ct.reshape(w, (1, CHUNK))).astype(y.dtype))
+        w = ct.reshape(ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32), (1, CHUNK))
+        ct.store(y, index=(bid, j), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,15 +134,16 @@ MAX_BLOCK_N = 8192
 BLOCK_NS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 #: Chunk width of the chunked kernels.
 CHUNK = 2048
-#: Rows per block for a single-tile width: aim for about 4096 elements per block, so that short
-#: rows (decode batches, per-head norms) still give each block enough bytes in flight.
-ROWS_FOR_BLOCK_N = {64: 64, 128: 32, 256: 16, 512: 8, 1024: 4, 2048: 2, 4096: 1, 8192: 1}
+#: Rows per block of the single-tile kernels, per kernel and layout, from the sm_90 sweep
+#: (benchmarks/norm_sweep.py): about 8192 elements per RMSNorm block and 16-32k per fused block
+#: when the layout is aligned; small tiles when it is not, where big tiles ran 5-10x slower.
+ROWS = {
+    ("rms_norm", "aligned"): {64: 128, 128: 64, 256: 32, 512: 16, 1024: 8, 2048: 4, 4096: 2, 8192: 1},
+    ("add_rms_norm", "aligned"): {64: 256, 128: 128, 256: 64, 512: 32, 1024: 16, 2048: 16, 4096: 8, 8192: 4},
+    ("rms_norm", "generic"): {64: 32, 128: 16, 256: 8, 512: 4, 1024: 2, 2048: 1, 4096: 1, 8192: 1},
+    ("add_rms_norm", "generic"): {64: 32, 128: 16, 256: 8, 512: 4, 1024: 2, 2048: 1, 4096: 1, 8192: 1},
+}
 CHUNKED_ROWS = 1
-
-
-def rows_for(block_n: int) -> int:
-    """Rows per block of the single-tile kernels for a given padded width."""
-    return ROWS_FOR_BLOCK_N[block_n]
 
 
 def _params(kind: str, dtype: str, layout: str, consts: dict):
@@ -143,7 +164,7 @@ def _matrix() -> list[VariantSpec]:
             for layout in LAYOUTS:
                 d = DTYPE_TAGS[dtype]
                 for bn in BLOCK_NS:
-                    consts = {"BLOCK_N": bn, "ROWS": rows_for(bn)}
+                    consts = {"BLOCK_N": bn, "ROWS": ROWS[(kind, layout)][bn]}
                     specs.append(VariantSpec(kind, "norm", f"{kind}_kernel",
                                              f"{d}.n{bn}.r{consts['ROWS']}.{layout}",
                                              _params(kind, dtype, layout, consts)))

@@ -1,2 +1,123 @@
-def main():
-    raise SystemExit("todo")
+"""The ``cutile-kernels`` command.
+
+    cutile-kernels bench [MODEL]      stock vs kernelized, correctness gate and timings
+    cutile-kernels build              compile every kernel variant ahead of time
+    cutile-kernels preset NAME        write a preset checkpoint (real config, seeded weights)
+    cutile-kernels info               what this install has: build, archs, variants, JIT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _bench(args) -> int:
+    import torch
+
+    from . import bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    base = bench.BenchSettings() if device.startswith("cuda") else bench.BenchSettings.for_cpu()
+    overrides = {k: v for k, v in {
+        "device": device, "seed": args.seed, "prompt_batch": args.prompt_batch, "prompt_len": args.prompt_len,
+        "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
+        "decode_batches": tuple(args.decode_batch) if args.decode_batch else None,
+        "profile": False if args.no_profile else None,
+    }.items() if v is not None}
+    settings = bench.BenchSettings(**{**base.__dict__, **overrides})
+    report = bench.run(args.model, settings, out_dir=args.out, progress=not args.quiet)
+    bench.print_report(report)
+    if args.out:
+        print(f"wrote {args.out}/bench.json")
+    return 0 if report.get("gate", {}).get("passed", True) else 1
+
+
+def _build(args) -> int:
+    from cutile_kernels import registry
+    from cutile_kernels_build import build
+
+    out = args.out or registry.default_build_dir()
+    manifest = build(out, archs=args.arch, kernels=args.kernel, jobs=args.jobs, progress=not args.quiet,
+                     force=args.force)
+    stats = manifest["build_stats"]
+    print(f"{len(manifest['variants'])} variants for {', '.join(manifest['archs'])}: compiled {stats['compiled']}, "
+          f"reused {stats['reused']} in {stats['seconds']} s -> {stats['variant_dir']}")
+    return 0
+
+
+def _preset(args) -> int:
+    from . import presets
+
+    path = presets.materialize(args.name, out_dir=args.out, seed=args.seed, device=args.device)
+    print(path)
+    return 0
+
+
+def _info(args) -> int:
+    from cutile_kernels import dispatch, registry
+
+    reg = registry.registry()
+    info = {
+        "build": str(reg.pkg_dir) if reg.pkg_dir else None,
+        "default_build_dir": str(registry.default_build_dir()),
+        "archs": reg.archs,
+        "variants": len(reg.variants()),
+        "kernels": sorted({v.kernel for v in reg.variants()}),
+        "jit_available": dispatch.jit_available(),
+        "toolchain": {k: reg.manifest.get(k) for k in ("cuda_tile", "tileiras")},
+    }
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
+
+    p = argparse.ArgumentParser(prog="cutile-kernels", description=__doc__.splitlines()[0])
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("bench", help="stock vs kernelized model: correctness gate and timings")
+    b.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    b.add_argument("--out", help="directory for bench.json")
+    b.add_argument("--device")
+    b.add_argument("--seed", type=int)
+    b.add_argument("--prompt-batch", type=int)
+    b.add_argument("--prompt-len", type=int)
+    b.add_argument("--prefill-len", type=int)
+    b.add_argument("--decode-batch", type=int, nargs="+")
+    b.add_argument("--decode-steps", type=int)
+    b.add_argument("--repeats", type=int)
+    b.add_argument("--no-profile", action="store_true")
+    b.add_argument("--quiet", action="store_true")
+    b.set_defaults(func=_bench)
+
+    c = sub.add_parser("build", help="compile every kernel variant ahead of time (no GPU needed)")
+    c.add_argument("--out", help="build directory (default: $CUTILE_KERNELS_BUILD_DIR or <checkout>/build)")
+    c.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
+    c.add_argument("--kernel", nargs="+", help="only these kernels")
+    c.add_argument("--jobs", type=int)
+    c.add_argument("--force", action="store_true", help="recompile unchanged variants too")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=_build)
+
+    r = sub.add_parser("preset", help="write a preset checkpoint (real config, seeded weights)")
+    r.add_argument("name")
+    r.add_argument("--out")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default="cpu")
+    r.set_defaults(func=_preset)
+
+    i = sub.add_parser("info", help="what this install has")
+    i.set_defaults(func=_info)
+
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -149,10 +149,10 @@ _MAX_PLANS = 4096
 
 
 def _signature(kernel: str, want: tuple, args) -> tuple:
-    key = [kernel, want, args[0].get_device()]
+    key = [kernel, want]
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15))
+            key.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device()))
         else:
             key.append(type(a))
     return tuple(key)
@@ -160,6 +160,9 @@ def _signature(kernel: str, want: tuple, args) -> tuple:
 
 def _make_plan(kernel: str, want: tuple, args, n_inputs: int, grid, device_index: int):
     """The _Plan for a new call signature, or the reason no prebuilt variant takes it."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(t.get_device() != device_index for t in tensors):
+        return f"operands on several devices {sorted({str(t.device) for t in tensors})}"
     for t in args[:n_inputs]:
         if not t.is_contiguous() and _registry.internal_overlap(t):
             return "an input has internally overlapping elements (stride 0 or expand())"
@@ -211,8 +214,9 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         return fallback(kernel, f"disabled by {ENV_DISABLE}")
     key = _signature(kernel, want, args)
     plan = _PLANS.get(key)
+    device_index = key[2][4]
     if plan is None:
-        plan = _make_plan(kernel, want, args, n_inputs, grid, key[2])
+        plan = _make_plan(kernel, want, args, n_inputs, grid, device_index)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -225,7 +229,7 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         return fallback(kernel, f"inputs of {kernel} overlap in memory (the kernels assume no aliasing)")
     for slot, i in plan.scalar_slots:
         values[slot] = args[i]
-    _LAUNCHER.launch_values(plan.loaded, plan.grid, values, key[2])
+    _LAUNCHER.launch_values(plan.loaded, plan.grid, values, device_index)
     STATS.launches[plan.symbol] += 1
     return True
 

@@ -224,8 +224,12 @@ class Registry:
             self._candidates[key] = cands
         if not cands:
             return None, f"no prebuilt {kernel} variant for {arch} with {want}"
+        dtypes = tuple(args[c.index].dtype for c in cands[0].arrays)
+        same_dtype = [v for v in cands if all(c.dtype == d for c, d in zip(v.arrays, dtypes))]
+        if not same_dtype:
+            return None, f"no prebuilt {kernel} variant takes dtypes {[str(d) for d in dtypes]}"
         reason = ""
-        for v in cands:
+        for v in same_dtype:  # the last one is the most permissive layout: report its reason
             reason = v.violation(args)
             if reason is None:
                 return v, ""

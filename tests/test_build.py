@@ -1,0 +1,312 @@
+"""The ahead-of-time build: what a build directory contains, incremental rebuilds, errors that
+name the failing variant, and the build-matrix vocabulary. CPU only (cuTile compiles without a
+GPU); only a handful of variants are compiled here."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+import textwrap
+
+import pytest
+
+from cutile_kernels import kernel_src, registry
+from cutile_kernels.kernel_src import _spec
+from cutile_kernels.kernel_src._spec import ArrayParam, ConstParam, ScalarParam, VariantSpec
+from cutile_kernels.kernel_src.norm import VARIANTS
+
+import cutile_kernels_build as builder
+from cutile_kernels_build import BuildError, aot
+
+ENTRY_FIELDS = {"kernel", "variant", "arch", "symbol", "params", "constants", "hash", "cuda_tile",
+                "tileiras", "cubin_bytes"}
+
+
+@pytest.fixture(scope="module")
+def manifest(built_package_dir):
+    return json.loads((built_package_dir / "manifest.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The build directory the tests run against
+# ---------------------------------------------------------------------------------------------
+
+def test_manifest_covers_every_variant_and_arch(built_package_dir, manifest):
+    archs = manifest["archs"]
+    assert archs and set(archs) <= {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
+    specs = kernel_src.all_variants()
+    assert len(specs) > 0
+    by_key: dict = {}
+    for e in manifest["variants"]:
+        by_key.setdefault((e["kernel"], e["variant"], e["arch"]), []).append(e)
+    assert len(manifest["variants"]) == len(specs) * len(archs)
+    for arch in archs:
+        for spec in specs:
+            entries = by_key.get((spec.kernel, spec.tag, arch), [])
+            assert len(entries) == 1, f"{spec.kernel} {spec.tag} {arch}: {len(entries)} manifest entries"
+            e = entries[0]
+            missing = ENTRY_FIELDS - e.keys()
+            assert not missing, f"{spec.tag} {arch} lacks {missing}"
+            assert e["symbol"] == aot.signature(spec).symbol
+            assert e["constants"] == spec.constants
+            assert e["params"] == json.loads(json.dumps(spec.params_json()))
+            assert e["function"] == spec.function and e["module"] == spec.module
+            assert e["calling_convention"] == "cutile_python_v1"
+            assert e["cuda_tile"] == manifest["cuda_tile"] and e["tileiras"] == manifest["tileiras"]
+            assert isinstance(e["hash"], str) and len(e["hash"]) == 20
+            int(e["hash"], 16)
+            path = built_package_dir / e["cubin"]
+            assert e["cubin"] == f"cubins/{arch}/{e['symbol']}.cubin"
+            assert path.is_file(), path
+            size = path.stat().st_size
+            assert size > 0 and size == e["cubin_bytes"]
+    # Hashes differ per arch (the arch is part of what a cubin depends on).
+    if len(archs) > 1:
+        for spec in specs[:3]:
+            hashes = {by_key[(spec.kernel, spec.tag, a)][0]["hash"] for a in archs}
+            assert len(hashes) == len(archs)
+
+
+def test_no_stray_cubins(built_package_dir, manifest):
+    on_disk = {p.relative_to(built_package_dir).as_posix() for p in (built_package_dir / "cubins").rglob("*.cubin")}
+    assert on_disk == {e["cubin"] for e in manifest["variants"]}
+
+
+def test_symbols_are_unique_per_arch(manifest):
+    seen = [(e["arch"], e["symbol"]) for e in manifest["variants"]]
+    assert len(seen) == len(set(seen))
+    tags = [(e["kernel"], e["variant"]) for e in manifest["variants"] if e["arch"] == manifest["archs"][0]]
+    assert len(tags) == len(set(tags))
+
+
+def test_metadata_json(built_package_dir, manifest):
+    variant = built_package_dir.parent
+    meta = json.loads((variant / "metadata.json").read_text())
+    assert meta["name"] == "cutile-kernels"
+    assert meta["id"].startswith("_cutile_kernels_cuda_")
+    assert len(meta["id"]) > len("_cutile_kernels_cuda_")
+    assert meta["version"] == 1
+    assert meta["backend"]["type"] == "cuda"
+    assert len(meta["backend"]["archs"]) == len(manifest["archs"])
+    for cap, arch in zip(meta["backend"]["archs"], manifest["archs"]):
+        assert cap.replace(".", "").rstrip("a") == arch.removeprefix("sm_")
+
+    from kernels._rust import Backend, Metadata
+
+    parsed = Metadata.read_from_file(str(variant / "metadata.json"))
+    assert parsed.id == meta["id"]
+    assert str(parsed.name) == "cutile-kernels"
+    assert parsed.version == 1
+    assert parsed.backend.backend_type == Backend.CUDA
+    assert list(parsed.backend.archs) == meta["backend"]["archs"]
+
+
+def test_ops_namespace_matches_metadata_id(built_package_dir):
+    meta = json.loads((built_package_dir.parent / "metadata.json").read_text())
+    tree = ast.parse((built_package_dir / "_ops.py").read_text())
+    assigns = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+               for t in node.targets if isinstance(t, ast.Name)}
+    assert "NAMESPACE" in assigns
+    assert ast.literal_eval(assigns["NAMESPACE"]) == meta["id"]
+
+
+def test_built_package_carries_runtime_layers_and_kernel_src(built_package_dir):
+    for rel in ("__init__.py", "registry.py", "cubin.py", "launcher.py", "dispatch.py", "ops/norm.py",
+                "layers/__init__.py", "layers/norm.py", "layers/hub.py", "kernel_src/_spec.py",
+                "kernel_src/norm.py"):
+        assert (built_package_dir / rel).is_file(), rel
+
+
+# ---------------------------------------------------------------------------------------------
+# Incremental builds (a tiny custom spec list, compiled for sm_90 only)
+# ---------------------------------------------------------------------------------------------
+
+def _cubins(out):
+    return {p.name: p for p in (out / "torch-cuda" / "cutile_kernels" / "cubins").rglob("*.cubin")}
+
+
+def _build(out, specs, **kw):
+    return builder.build(out, archs=["sm_90"], jobs=1, progress=False, specs=specs, **kw)
+
+
+@pytest.mark.slow
+def test_incremental_build(tmp_path):
+    # rms_norm bf16 BLOCK_N=64: its aligned and its generic variant.
+    specs = [next(s for s in VARIANTS if s.kernel == "rms_norm" and s.tag.startswith("bf16.")
+                  and s.tag.endswith(layout) and s.constants.get("BLOCK_N") == 64)
+             for layout in ("aligned", "generic")]
+    assert specs[0].params[0].base_addr_divisible_by == 16 and specs[1].params[0].base_addr_divisible_by == 1
+    names = {f"{aot.signature(s).symbol}.cubin" for s in specs}
+    out = tmp_path / "b"
+
+    m1 = _build(out, specs)
+    assert m1["build_stats"]["compiled"] == 2 and m1["build_stats"]["reused"] == 0
+    assert m1["build_stats"]["variant_dir"] == str((out / "torch-cuda").resolve())
+    files = _cubins(out)
+    assert set(files) == names
+    assert all(p.stat().st_size > 0 for p in files.values())
+    written = json.loads((out / "torch-cuda" / "cutile_kernels" / "manifest.json").read_text())
+    assert written["archs"] == ["sm_90"] and "build_stats" not in written
+    assert [e["variant"] for e in written["variants"]] == [s.tag for s in specs]
+    assert all(e["cubin_bytes"] == files[e["symbol"] + ".cubin"].stat().st_size for e in written["variants"])
+    meta = json.loads((out / "torch-cuda" / "metadata.json").read_text())
+    assert meta["backend"]["archs"] == ["9.0a"]
+
+    inodes = {n: p.stat().st_ino for n, p in files.items()}
+    m2 = _build(out, specs)
+    assert m2["build_stats"]["compiled"] == 0 and m2["build_stats"]["reused"] == 2
+    assert {n: p.stat().st_ino for n, p in _cubins(out).items()} == inodes  # nothing rewritten
+    assert m2["variants"] == m1["variants"]
+    meta2 = json.loads((out / "torch-cuda" / "metadata.json").read_text())
+    assert meta2["id"] == meta["id"]  # unchanged package -> unchanged namespace
+
+    m3 = _build(out, specs, force=True)
+    assert m3["build_stats"]["compiled"] == 2 and m3["build_stats"]["reused"] == 0
+
+    # Delete one cubin: exactly that one is recompiled; the other file is left alone.
+    files = _cubins(out)
+    victim = f"{aot.signature(specs[1]).symbol}.cubin"
+    keeper = f"{aot.signature(specs[0]).symbol}.cubin"
+    keeper_ino = files[keeper].stat().st_ino
+    files[victim].unlink()
+    m4 = _build(out, specs)
+    assert m4["build_stats"]["compiled"] == 1 and m4["build_stats"]["reused"] == 1
+    files = _cubins(out)
+    assert set(files) == names and files[victim].stat().st_size > 0
+    assert files[keeper].stat().st_ino == keeper_ino
+
+    # Shrink the spec list: the dropped variant's cubin and manifest entry go away.
+    m5 = _build(out, specs[:1])
+    assert m5["build_stats"]["compiled"] == 0 and m5["build_stats"]["reused"] == 1
+    assert set(_cubins(out)) == {keeper}
+    assert [e["variant"] for e in m5["variants"]] == [specs[0].tag]
+    on_disk = json.loads((out / "torch-cuda" / "cutile_kernels" / "manifest.json").read_text())
+    assert [e["variant"] for e in on_disk["variants"]] == [specs[0].tag]
+    # The tmp build is a usable registry.
+    reg = registry.Registry(out.resolve() / "torch-cuda" / "cutile_kernels")
+    assert reg.archs == ["sm_90"] and [v.tag for v in reg.variants()] == [specs[0].tag]
+
+
+def test_build_kernels_filter_and_duplicates(tmp_path):
+    # kernels= filters the spec list before anything compiles: nothing to build here.
+    m = builder.build(tmp_path / "b", archs=["sm_90"], jobs=1, progress=False,
+                      specs=[VARIANTS[0]], kernels=["add_rms_norm"])
+    assert m["variants"] == [] and m["build_stats"]["compiled"] == 0
+    with pytest.raises(BuildError, match="duplicate symbol"):
+        builder.build(tmp_path / "c", archs=["sm_90"], jobs=1, progress=False, specs=[VARIANTS[0], VARIANTS[0]])
+
+
+def test_variant_hash_depends_on_arch_and_params():
+    a, b = VARIANTS[0], VARIANTS[1]
+    assert aot.variant_hash(a, "sm_90") == aot.variant_hash(a, "sm_90")
+    assert aot.variant_hash(a, "sm_90") != aot.variant_hash(a, "sm_80")
+    assert aot.variant_hash(a, "sm_90") != aot.variant_hash(b, "sm_90")
+    assert aot.signature(a).symbol != aot.signature(b).symbol
+    assert aot.signature(a).symbol.startswith(a.function)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile errors name the variant
+# ---------------------------------------------------------------------------------------------
+
+BROKEN = textwrap.dedent('''
+    import cuda.tile as ct
+
+
+    @ct.kernel
+    def broken_kernel(x, y):
+        t = ct.load(x, index=(0,), shape=(96,))  # 96 is not a power of two
+        ct.store(y, index=(0,), tile=t)
+''')
+
+
+@pytest.fixture
+def broken_spec(tmp_path, monkeypatch):
+    pkg = tmp_path / "cutile_test_brokenpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "k.py").write_text(BROKEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield VariantSpec("broken_norm", "cutile_test_brokenpkg.k", "broken_kernel", "fp32.n96.generic",
+                      (_spec.array("x", "float32", 1, "generic"), _spec.array("y", "float32", 1, "generic")))
+    for name in [n for n in sys.modules if n.startswith("cutile_test_brokenpkg")]:
+        del sys.modules[name]
+
+
+def test_compile_variant_error_names_kernel_variant_arch(broken_spec):
+    with pytest.raises(BuildError) as info:
+        aot.compile_variant(broken_spec, "sm_90")
+    msg = str(info.value)
+    assert "broken_norm" in msg and "fp32.n96.generic" in msg and "sm_90" in msg
+    assert "power of two" in msg  # the compiler's own diagnosis is kept
+    assert info.value.__cause__ is not None
+
+
+@pytest.mark.slow
+def test_build_error_names_kernel_variant_arch(broken_spec, tmp_path):
+    with pytest.raises(BuildError) as info:
+        builder.build(tmp_path / "out", archs=["sm_90"], jobs=1, progress=False, specs=[broken_spec])
+    msg = str(info.value)
+    assert "broken_norm" in msg and "fp32.n96.generic" in msg and "sm_90" in msg
+    # A failed build writes no manifest claiming the variant exists.
+    assert not (tmp_path / "out" / "torch-cuda" / "cutile_kernels" / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The build-matrix vocabulary
+# ---------------------------------------------------------------------------------------------
+
+def test_constant_must_come_last():
+    x = _spec.array("x", "float32", 2, "generic")
+    with pytest.raises(ValueError, match="must come last"):
+        VariantSpec("k", "norm", "f", "t", (x, ConstParam("B", 4), ScalarParam("eps", "float32")))
+    with pytest.raises(ValueError, match="must come last"):
+        VariantSpec("k", "norm", "f", "t", (ConstParam("B", 4), x))
+    ok = VariantSpec("k", "norm", "f", "t", (x, ScalarParam("eps", "float32"), ConstParam("B", 4), ConstParam("R", 2)))
+    assert ok.constants == {"B": 4, "R": 2}
+    assert [p["kind"] for p in ok.params_json()] == ["array", "scalar", "constant", "constant"]
+
+
+@pytest.mark.parametrize("dtype,vec", [("bfloat16", 8), ("float16", 8), ("float32", 4)])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_aligned_layout(dtype, vec, ndim):
+    p = _spec.array("x", dtype, ndim, "aligned")
+    assert vec == 16 // _spec.DTYPE_BYTES[dtype]
+    assert p.stride_one == (ndim - 1,)
+    assert p.shape_divisible_by == (1,) * (ndim - 1) + (16,)
+    assert p.base_addr_divisible_by == 16
+    assert p.stride_divisible_by == (vec,) * (ndim - 1) + (1,)
+    assert p.index_dtype == "int32" and p.kind == "array" and p.ndim == ndim
+
+
+def test_generic_layout_and_errors():
+    g = _spec.array("x", "bfloat16", 2, "generic")
+    assert g == ArrayParam("x", "bfloat16", 2)
+    assert g.stride_one == () and g.stride_divisible_by == (1, 1) and g.shape_divisible_by == (1, 1)
+    assert g.base_addr_divisible_by == 1
+    with pytest.raises(ValueError, match="unknown layout"):
+        _spec.array("x", "bfloat16", 2, "tma")
+    with pytest.raises(ValueError, match="needs 2 entries"):
+        ArrayParam("x", "bfloat16", 2, stride_divisible_by=(8,))
+
+
+def test_next_power_of_2():
+    assert [_spec.next_power_of_2(n) for n in (1, 2, 3, 64, 65, 1000, 4096, 4097)] == \
+        [1, 2, 4, 64, 128, 1024, 4096, 8192]
+
+
+def test_next_power_of_2_of_zero():
+    assert _spec.next_power_of_2(0) == 1
+
+
+def test_matrix_order_and_tags():
+    specs = kernel_src.all_variants()
+    tags = [(s.kernel, s.tag) for s in specs]
+    assert len(tags) == len(set(tags))
+    # Within a kernel and dtype, every aligned variant precedes every generic one (preference order).
+    for kernel in {s.kernel for s in specs}:
+        for d in ("bf16", "fp16", "fp32"):
+            layouts = [s.tag.rsplit(".", 1)[1] for s in specs if s.kernel == kernel and s.tag.startswith(d + ".")]
+            assert layouts == sorted(layouts)  # "aligned" < "generic"
+            assert layouts.count("aligned") == layouts.count("generic") > 0

@@ -1,0 +1,144 @@
+"""Benchmark presets: real architectures' configs with seeded weights, saved with safetensors.
+
+No weights are downloaded. A preset is the ``config.json`` of a public checkpoint (copied here
+with its source repository named) and a seed. :func:`materialize` builds the model from the
+config, draws its weights from the seed (transformers' own initialisation, then the norm weights
+moved off 1.0 so that a wrong weight multiply is visible), saves it with ``save_pretrained``
+(safetensors), and every benchmark path loads it back through ``from_pretrained``: the real
+loading path is exercised.
+
+``tiny`` is the embedded default: a two-layer Llama that runs on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger("cutile_kernels")
+
+ENV_CACHE = "CUTILE_KERNELS_PRESET_DIR"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    source: str  # the Hub repository whose config.json this is
+    config: dict
+
+
+PRESETS = {
+    p.name: p
+    for p in [
+        Preset("tiny", "(embedded; Llama architecture)", {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
+            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+        }),
+        Preset("llama-3.2-1b", "meta-llama/Llama-3.2-1B", {
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64,
+            "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+            "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32,
+            "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+            "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "rope_theta": 500000.0, "tie_word_embeddings": True, "use_cache": True, "vocab_size": 128256,
+        }),
+        Preset("qwen3-0.6b", "Qwen/Qwen3-0.6B", {
+            "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+            "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+            "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+            "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+            "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "use_cache": True,
+            "use_sliding_window": False, "vocab_size": 151936,
+        }),
+        Preset("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", {
+            "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+            "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 1536,
+            "initializer_range": 0.02, "intermediate_size": 8960, "max_position_embeddings": 131072,
+            "max_window_layers": 28, "num_attention_heads": 12, "num_hidden_layers": 28,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+            "tie_word_embeddings": True, "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+            "vocab_size": 151936,
+        }),
+        Preset("mistral-7b-v0.3", "mistralai/Mistral-7B-v0.3", {
+            "model_type": "mistral", "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0,
+            "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+            "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+            "vocab_size": 32768,
+        }),
+    ]
+}
+
+
+def preset_dir() -> Path:
+    """Where materialised presets are cached (``$CUTILE_KERNELS_PRESET_DIR`` or
+    ``~/.cache/cutile-kernels/presets``)."""
+    env = os.environ.get(ENV_CACHE)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "cutile-kernels" / "presets"
+
+
+def make_config(name: str):
+    """The transformers config of a preset."""
+    from transformers import AutoConfig
+
+    cfg = dict(PRESETS[name].config)
+    return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+
+
+def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int = 0,
+                device: str = "cpu") -> Path:
+    """Build a preset's checkpoint (bf16, safetensors) once and return its directory.
+
+    Args:
+        name: a key of :data:`PRESETS`.
+        out_dir: where to write it (default: ``preset_dir()/<name>-seed<seed>``).
+        seed: the weight seed.
+        device: where to draw the weights (``cuda`` is much faster for the 7B preset).
+
+    Raises:
+        KeyError: unknown preset.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    out = Path(out_dir) if out_dir is not None else preset_dir() / f"{name}-seed{seed}"
+    marker = out / "cutile_preset.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    logger.info("materialising preset %s (seed %d) into %s", name, seed, out)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(make_config(name), dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname and p.dim() == 1:  # RMSNorm weights: 1 + N(0, 0.1), not all ones
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32))
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps({"preset": name, "source": PRESETS[name].source, "seed": seed}) + "\n")
+    del model
+    return out
+
+
+def resolve(model: str, seed: int = 0, device: str = "cpu") -> tuple[Path, str]:
+    """A checkpoint directory for a preset name or a path, and a label for reports."""
+    if model in PRESETS:
+        return materialize(model, seed=seed, device=device), f"{model} (preset from {PRESETS[model].source}, seed {seed})"
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    return path, str(path)
