@@ -280,7 +280,7 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
         with torch.inference_mode():
             logits = m(prompt, use_cache=False).logits.float()
         report["paths"][path] = {"correctness": logit_metrics(logits, ref),
-                                 "kernelized_layers": _kernelized_layers(m)}
+                                 "kernelized_layers": kernelized_layers(m)}
         hits[path] = top5_hits(logits, ref)
         del logits
     bar.update()
@@ -380,7 +380,7 @@ class DecodeTimer:
         return self.timer(self.step)
 
 
-def _kernelized_layers(model) -> dict:
+def kernelized_layers(model) -> dict:
     """Count of modules whose forward was replaced, by replacement layer class."""
     counts = {}
     for mod in model.modules():

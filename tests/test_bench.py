@@ -1,0 +1,106 @@
+"""The bench and the CLI on the embedded model (CPU), and the quickstart example."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cutile_kernels_tools import bench, cli, presets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def preset_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(presets.ENV_CACHE, str(tmp_path / "presets"))
+    return tmp_path / "presets"
+
+
+def test_presets_are_real_configs():
+    cfg = presets.make_config("llama-3.2-1b")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.vocab_size) == (2048, 16, 8, 128256)
+    assert cfg.rope_parameters["rope_type"] == "llama3"
+    q = presets.make_config("qwen3-0.6b")
+    assert (q.hidden_size, q.head_dim, q.num_hidden_layers) == (1024, 128, 28)
+    assert presets.make_config("mistral-7b-v0.3").intermediate_size == 14336
+    assert presets.make_config("qwen2.5-1.5b").num_key_value_heads == 2
+    with pytest.raises(KeyError):
+        presets.materialize("nope")
+    with pytest.raises(FileNotFoundError):
+        presets.resolve("/nonexistent/dir")
+
+
+def test_materialize_writes_safetensors_once(preset_cache):
+    path = presets.materialize("tiny", seed=3)
+    files = {p.name for p in path.iterdir()}
+    assert "model.safetensors" in files and "config.json" in files
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert presets.materialize("tiny", seed=3) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rewritten
+    from safetensors.torch import load_file
+
+    norms = {k: v for k, v in load_file(path / "model.safetensors").items() if "norm" in k}
+    assert norms and all(not torch.all(v == 1) for v in norms.values())  # seeded, not all ones
+
+
+def test_logit_metrics_values():
+    ref = torch.randn(2, 3, 50)
+    m = bench.logit_metrics(ref.clone(), ref)
+    assert m["max_abs_err"] == 0 and m["rel_l2_err"] == 0 and m["kl"] < 1e-7 and m["top5_agreement"] == 1
+    shuffled = ref[..., torch.randperm(50)]
+    worse = bench.logit_metrics(shuffled, ref)
+    assert worse["kl"] > 0.1 and worse["top5_agreement"] < 1 and worse["rel_l2_err"] > 0.5
+
+
+def test_gate_uses_paired_top5_test():
+    c = {"rel_l2_err": 1.0, "kl": 1.0, "top5_agreement": 0.9}
+    paths = {"stock": {"correctness": dict(c)}, "cutile": {"correctness": dict(c)}}
+    base = torch.zeros(1000, dtype=torch.bool)
+    stock, ours = base.clone(), base.clone()
+    stock[:30] = True
+    ours[:27] = True  # 3 slots lost, 0 won: within noise (3 <= 2 * sqrt(3))
+    assert bench.gate(paths, {"stock": stock, "cutile": ours})["passed"]
+    ours[:] = False  # 30 lost: significant
+    assert not bench.gate(paths, {"stock": stock, "cutile": ours})["passed"]
+    paths["cutile"]["correctness"]["rel_l2_err"] = 1.2
+    assert not bench.gate(paths, {"stock": stock, "cutile": stock})["passed"]
+
+
+def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = cli.main(["bench", "--out", str(out), "--quiet", "--decode-steps", "3", "--repeats", "2"])
+    assert rc == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["schema"] == bench.SCHEMA
+    assert set(report["paths"]) == {"stock", "cutile"}
+    for p in report["paths"].values():
+        assert p["prefill_ms"]["n"] == 2 and p["prefill_ms"]["median"] > 0
+        assert [d["batch"] for d in p["decode"]] == [1, 4] and all(d["tokens_per_s"] > 0 for d in p["decode"])
+        assert 0.5 < p["correctness"]["top5_agreement"] <= 1
+    # On the CPU nothing is kernelized: both paths compute the same logits.
+    assert report["paths"]["cutile"]["correctness"] == report["paths"]["stock"]["correctness"]
+    assert report["gate"]["passed"] and report["cutile_kernels_ran"] is False
+    assert "no cuTile kernel ran" in report["note"]
+    assert "no cuTile kernel ran" in capsys.readouterr().out
+
+
+def test_cli_info_and_build_help(capsys):
+    assert cli.main(["info"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"build", "archs", "variants", "kernels", "jit_available"} <= set(info)
+    with pytest.raises(SystemExit):
+        cli.main(["build", "--help"])
+
+
+def test_quickstart_example_runs_on_cpu(preset_cache):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "0 RMSNorm layers kernelized" in res.stdout and "max |stock - ours| = 0.000e+00" in res.stdout
