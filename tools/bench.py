@@ -326,7 +326,18 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
 
 
 def interleave(models: dict, make_timer) -> dict:
-    """Per path, the milliseconds of each timed call, the paths taking turns call by call."""
+    """Per path, the milliseconds of each timed call, the paths taking turns call by call.
+
+    Every path first runs the whole sequence once untimed (a rehearsal). Kernels that build a plan
+    per new shape (cuDNN attention does, for each KV length of a decode) would otherwise charge
+    the plans to whichever path meets a length first: on the H200 that made the first path's
+    decode steps 4.5x slower, and the path after it look fast. Timed runs see warm caches alike.
+    """
+    for m in models.values():
+        rehearsal = make_timer(m)
+        for _ in range(rehearsal.warmup + rehearsal.count):
+            rehearsal.step()
+        del rehearsal
     timers = {path: make_timer(m) for path, m in models.items()}
     for _ in range(next(iter(timers.values())).warmup):
         for t in timers.values():
