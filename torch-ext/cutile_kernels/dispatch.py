@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections import Counter
 from functools import lru_cache
 from typing import Callable
@@ -52,7 +51,6 @@ class Stats:
     """What ran: launches per variant symbol, JIT launches and fallbacks per (kernel, reason)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
         self.reset()
 
     def reset(self):
@@ -143,7 +141,18 @@ class _Plan:
         self.symbol = loaded.variant.symbol
 
 
-#: Call signature -> _Plan, or the reason no prebuilt variant fits (a str).
+class _NoPlan(str):
+    """Why no prebuilt variant takes a call signature; ``jit_ok`` says whether a JIT compile may
+    (it may not when the operands themselves are unfit: several devices, overlapping memory)."""
+
+    jit_ok = True
+
+
+class _Unfit(_NoPlan):
+    jit_ok = False
+
+
+#: Call signature -> _Plan, or the reason no prebuilt variant fits (a _NoPlan).
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
@@ -162,23 +171,23 @@ def _make_plan(kernel: str, want: tuple, args, n_inputs: int, grid, device_index
     """The _Plan for a new call signature, or the reason no prebuilt variant takes it."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if any(t.get_device() != device_index for t in tensors):
-        return f"operands on several devices {sorted({str(t.device) for t in tensors})}"
+        return _Unfit(f"operands on several devices {sorted({str(t.device) for t in tensors})}")
     for t in args[:n_inputs]:
         if not t.is_contiguous() and _registry.internal_overlap(t):
-            return "an input has internally overlapping elements (stride 0 or expand())"
+            return _Unfit("an input has internally overlapping elements (stride 0 or expand())")
     cap, arch = _arch_of(device_index)
     reg = _registry.registry()
     if reg.pkg_dir is None:
-        return "no cuTile build found (run `cutile-kernels build`)"
+        return _NoPlan("no cuTile build found (run `cutile-kernels build`)")
     if arch is None:
-        return f"the build has no cubins for sm_{cap[0]}{cap[1]} (built: {', '.join(reg.archs)})"
+        return _NoPlan(f"the build has no cubins for sm_{cap[0]}{cap[1]} (built: {', '.join(reg.archs)})")
     variant, why = reg.select(kernel, arch, dict(want), args)
     if variant is None:
-        return why
+        return _NoPlan(why)
     try:
         loaded = _LAUNCHER.load(variant, device_index)
     except CudaError as exc:  # e.g. no binary for this GPU: a declared fallback, not a crash
-        return str(exc)
+        return _NoPlan(str(exc))
     return _Plan(loaded, grid(variant.constants), args, n_inputs)
 
 
@@ -220,8 +229,10 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    if plan.__class__ is str:
-        return _jit(kernel, want, args, grid, plan) if jit_available() else fallback(kernel, plan)
+    if isinstance(plan, _NoPlan):
+        if plan.jit_ok and jit_available():
+            return _jit(kernel, want, args, grid, str(plan))
+        return fallback(kernel, str(plan))
     values = list(plan.values)
     for slot, i in plan.ptr_slots:
         values[slot] = args[i].data_ptr()
