@@ -8,7 +8,8 @@ machine without a GPU, assembled into the Hugging Face ``kernels`` noarch varian
     <out>/torch-cuda/cutile_kernels/cubins/<sm_XX>/<symbol>.cubin
 
 A variant whose content hash (source, assumptions, arch, toolchain) is unchanged and whose cubin
-is present is not recompiled. Run it with ``cutile-kernels build``.
+is present is not recompiled. The build is assembled beside the old one and swapped in when it is
+complete, so a failed build leaves the previous one intact. Run it with ``cutile-kernels build``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ DIST_NAME = "cutile-kernels"
 VARIANT_DIR = "torch-cuda"
 #: Major version of the Hub kernel (the ``v1`` branch).
 KERNEL_VERSION = 1
+
+#: What ``tileiras`` 13.4 takes as ``--gpu-name`` (cuTile runs on Ampere and newer).
+SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_88", "sm_89", "sm_90", "sm_100", "sm_103", "sm_107",
+                   "sm_110", "sm_120", "sm_121")
 
 _ARCH_CAPABILITY = {"sm_80": "8.0", "sm_86": "8.6", "sm_89": "8.9", "sm_90": "9.0a",
                     "sm_100": "10.0a", "sm_120": "12.0"}
@@ -61,24 +66,44 @@ def _source_dirs() -> dict[str, Path]:
 
 
 def _copy_package(dest: Path) -> None:
+    """Copy the three source trees into ``dest`` (a fresh directory), without the source
+    ``_ops.py``: the build writes its own, with this build's namespace."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "cubins", "manifest.json")
     for sub, src in _source_dirs().items():
-        target = dest / sub if sub else dest
-        if sub == "":
-            # Refresh the Python files but keep the cubins of earlier builds.
-            for item in src.iterdir():
-                if item.name in ("__pycache__", "cubins", "manifest.json", "layers", "kernel_src"):
-                    continue
-                out = target / item.name
-                if item.is_dir():
-                    shutil.rmtree(out, ignore_errors=True)
-                    shutil.copytree(item, out, ignore=ignore)
-                else:
-                    target.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(item, out)
-        else:
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(src, target, ignore=ignore)
+        if sub:
+            shutil.copytree(src, dest / sub, ignore=ignore)
+            continue
+        for item in src.iterdir():
+            if item.name in ("__pycache__", "cubins", "manifest.json", "layers", "kernel_src", "_ops.py"):
+                continue
+            if item.is_dir():
+                shutil.copytree(item, dest / item.name, ignore=ignore)
+            else:
+                shutil.copy2(item, dest / item.name)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def validate(archs, kernels, specs) -> None:
+    """Refuse arguments that would build nothing useful, before anything is written.
+
+    Raises:
+        ValueError: an arch tileiras does not target, or a kernel name no spec has.
+    """
+    bad = [a for a in archs if a not in SUPPORTED_ARCHS]
+    if bad or not archs:
+        raise ValueError(f"unsupported arch {bad or archs}; tileiras 13.4 targets {', '.join(SUPPORTED_ARCHS)}")
+    if kernels is not None:
+        known = sorted({s.kernel for s in specs})
+        unknown = [k for k in kernels if k not in known]
+        if unknown or not kernels:
+            raise ValueError(f"unknown kernel {unknown or kernels}; known: {', '.join(known)}")
 
 
 def _package_digest(pkg: Path) -> str:
@@ -117,7 +142,8 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
     Args:
         out_dir: the ``build/`` directory; the variant goes to ``<out_dir>/torch-cuda``.
         archs: target architectures (``sm_80``, ``sm_90``, ``sm_100``, ``sm_120``, ...).
-        kernels: optional list of kernel names to build (default: all).
+        kernels: optional list of kernel names to build (default: all); the manifest then holds
+            only these.
         jobs: parallel compiler processes (default: the CPU count).
         progress: show a tqdm progress bar.
         force: recompile even variants whose hash and cubin are unchanged.
@@ -128,18 +154,26 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
         ``build_stats`` entry: variants compiled, reused, and seconds.
 
     Raises:
-        BuildError: a variant failed to compile (the message names kernel, variant and arch).
+        ValueError: an unsupported arch or an unknown kernel name (nothing is written).
+        BuildError: a variant failed to compile (the message names kernel, variant and arch); the
+            previous build is left as it was.
     """
     out_dir = Path(out_dir).resolve()
+    all_specs = kernel_src.all_variants() if specs is None else specs
+    archs = list(dict.fromkeys(archs))
+    validate(archs, kernels, all_specs)
+    specs = [s for s in all_specs if kernels is None or s.kernel in kernels]
     variant_dir = out_dir / VARIANT_DIR
-    pkg = variant_dir / PACKAGE
-    pkg.mkdir(parents=True, exist_ok=True)
-    _copy_package(pkg)
+    old_pkg = variant_dir / PACKAGE
+    old = {(v["arch"], v["symbol"]): v for v in _load_manifest(old_pkg / "manifest.json").get("variants", [])}
 
-    manifest_path = pkg / "manifest.json"
-    old = {(v["arch"], v["symbol"]): v for v in _load_manifest(manifest_path).get("variants", [])}
-    specs = kernel_src.all_variants() if specs is None else specs
-    specs = [s for s in specs if kernels is None or s.kernel in kernels]
+    # Everything is assembled in a staging directory and swapped in at the end, so that a failed
+    # or interrupted build leaves the previous build as it was.
+    staging = out_dir / f".{VARIANT_DIR}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    pkg = staging / PACKAGE
+    pkg.mkdir(parents=True)
+    _copy_package(pkg)
     tool = toolchain_versions()
 
     entries, todo, seen = [], [], set()
@@ -158,7 +192,8 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
                 "params": spec.params_json(), "hash": variant_hash(spec, arch), **tool,
             }
             prev = old.get(key)
-            if not force and prev and prev.get("hash") == entry["hash"] and (pkg / rel).is_file():
+            if not force and prev and prev.get("hash") == entry["hash"] and (old_pkg / rel).is_file():
+                _link_or_copy(old_pkg / rel, pkg / rel)
                 entry["cubin_bytes"], entry["compile_s"] = prev["cubin_bytes"], prev["compile_s"]
             else:
                 todo.append((spec, arch, entry))
@@ -189,22 +224,15 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
                 if bar is not None:
                     bar.close()
 
-    # Drop cubins no variant refers to any more (a shrunk matrix, a changed signature).
-    wanted = {pkg / e["cubin"] for e in entries}
-    for path in (pkg / "cubins").rglob("*.cubin"):
-        if path not in wanted:
-            path.unlink()
-
     manifest = {
         "format": MANIFEST_FORMAT,
         "package": PACKAGE,
-        "archs": list(archs),
+        "archs": archs,
         **tool,
         "variants": entries,
     }
-    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    digest = _package_digest(pkg)
-    namespace = f"_{PACKAGE}_cuda_{digest[:10]}"
+    (pkg / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    namespace = f"_{PACKAGE}_cuda_{_package_digest(pkg)[:10]}"
     _write_ops(pkg, namespace)
     metadata = {
         "name": DIST_NAME,
@@ -214,7 +242,13 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
         "python-depends": [],
         "backend": {"type": "cuda", "archs": [_ARCH_CAPABILITY.get(a, a) for a in archs]},
     }
-    (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=1) + "\n")
+    (staging / "metadata.json").write_text(json.dumps(metadata, indent=1) + "\n")
+    retired = out_dir / f".{VARIANT_DIR}.old"
+    shutil.rmtree(retired, ignore_errors=True)
+    if variant_dir.exists():
+        variant_dir.rename(retired)
+    staging.rename(variant_dir)
+    shutil.rmtree(retired, ignore_errors=True)
     manifest["build_stats"] = {"compiled": len(todo), "reused": len(entries) - len(todo),
                                "seconds": round(time.perf_counter() - t0, 1), "variant_dir": str(variant_dir)}
     return manifest

@@ -4,21 +4,51 @@ transformers decorates ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ``M
 (and ~130 more) with ``@use_kernel_forward_from_hub("RMSNorm")``; ``kernelize`` rebinds their
 ``forward`` to :class:`CutileRMSNorm.forward`, which reads the module's own ``weight`` and
 ``variance_epsilon``. Gemma-style ``(1 + weight)`` norms are not decorated and are not mapped.
+
+The hub name covers classes that round differently (in transformers 5.22, 12 of 137: Olmo2/3,
+GptOss, NemotronH, DeepseekV4... multiply by the weight before casting back). Our kernel computes
+``LlamaRMSNorm``'s formula, so the layer runs it only for classes whose ``forward`` is
+``LlamaRMSNorm.forward``'s code; any other keeps its own forward and says so once.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from .. import dispatch
 from ..ops.norm import rms_norm
+
+
+def _code_key(fn):
+    code = fn.__code__
+    consts = code.co_consts[1:] if code.co_consts and isinstance(code.co_consts[0], str) else code.co_consts
+    return code.co_code, code.co_names, consts, code.co_varnames, code.co_argcount
+
+
+@functools.lru_cache(maxsize=None)
+def computes_llama_rms_norm(cls: type) -> bool:
+    """True if ``cls.forward`` is ``LlamaRMSNorm.forward``'s code (same bytecode, names, constants).
+
+    Classes "copied from" Llama compile to identical code; a different rounding order does not.
+    """
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    fn = getattr(cls, "forward", None)
+    try:
+        return _code_key(fn) == _code_key(LlamaRMSNorm.forward)
+    except AttributeError:  # not a Python function
+        return False
 
 
 class CutileRMSNorm(nn.Module):
     """``LlamaRMSNorm.forward`` on the cuTile RMSNorm kernel (inference only).
 
     Borrows ``weight`` (``(N,)``) and ``variance_epsilon`` from the module it replaces; input
-    ``(..., N)``, output of the same shape and of dtype ``promote_types(weight, input)``.
+    ``(..., N)``, output of the same shape and of dtype ``promote_types(weight, input)``. A module
+    whose class computes another formula keeps its own forward (see the module docstring).
     """
 
     weight: torch.Tensor
@@ -28,6 +58,10 @@ class CutileRMSNorm(nn.Module):
     has_backward = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        cls = type(self)
+        if not computes_llama_rms_norm(cls):
+            dispatch.fallback("rms_norm", f"{cls.__name__} is not LlamaRMSNorm's formula; it keeps its own forward")
+            return cls.forward(self, hidden_states)
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 

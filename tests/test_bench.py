@@ -104,3 +104,32 @@ def test_quickstart_example_runs_on_cpu(preset_cache):
                          text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "0 RMSNorm layers kernelized" in res.stdout and "max |stock - ours| = 0.000e+00" in res.stdout
+
+
+def test_materialize_refuses_to_overwrite_foreign_directories(preset_cache, tmp_path):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        presets.materialize("tiny", out_dir=foreign)
+    assert (foreign / "keep.txt").read_text() == "mine"
+    path = presets.materialize("tiny", out_dir=tmp_path / "t", seed=1)
+    marker = json.loads((path / "cutile_preset.json").read_text())
+    assert marker["preset"] == "tiny" and marker["seed"] == 1 and len(marker["config_sha256"]) == 64
+    # Another seed in the same directory is rebuilt, not returned as is.
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    presets.materialize("tiny", out_dir=path, seed=2)
+    assert json.loads((path / "cutile_preset.json").read_text())["seed"] == 2
+    assert (path / "model.safetensors").stat().st_mtime_ns != mtime
+
+
+def test_cli_reports_bad_arguments_without_a_traceback(capsys, tmp_path):
+    assert cli.main(["build", "--arch", "sm_75", "--out", str(tmp_path / "b")]) == 2
+    assert "unsupported arch" in capsys.readouterr().err
+    assert cli.main(["build", "--kernel", "rmsnorm", "--out", str(tmp_path / "b")]) == 2
+    assert "unknown kernel" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+    assert cli.main(["bench", str(tmp_path / "missing")]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--repeats", "0"])

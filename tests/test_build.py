@@ -188,13 +188,31 @@ def test_incremental_build(tmp_path):
     assert reg.archs == ["sm_90"] and [v.tag for v in reg.variants()] == [specs[0].tag]
 
 
-def test_build_kernels_filter_and_duplicates(tmp_path):
-    # kernels= filters the spec list before anything compiles: nothing to build here.
-    m = builder.build(tmp_path / "b", archs=["sm_90"], jobs=1, progress=False,
-                      specs=[VARIANTS[0]], kernels=["add_rms_norm"])
-    assert m["variants"] == [] and m["build_stats"]["compiled"] == 0
+def test_build_refuses_bad_arguments_before_writing(tmp_path):
+    out = tmp_path / "b"
+    with pytest.raises(ValueError, match="unknown kernel"):
+        builder.build(out, archs=["sm_90"], jobs=1, progress=False, specs=[VARIANTS[0]], kernels=["rmsnorm"])
+    with pytest.raises(ValueError, match="unsupported arch"):
+        builder.build(out, archs=["sm_75"], jobs=1, progress=False, specs=[VARIANTS[0]])
+    with pytest.raises(ValueError, match="unsupported arch"):
+        builder.build(out, archs=["sm90"], jobs=1, progress=False, specs=[VARIANTS[0]])
+    assert not out.exists() or not any(out.iterdir())
     with pytest.raises(BuildError, match="duplicate symbol"):
         builder.build(tmp_path / "c", archs=["sm_90"], jobs=1, progress=False, specs=[VARIANTS[0], VARIANTS[0]])
+
+
+def test_failed_build_leaves_the_previous_build_intact(tmp_path, broken_spec):
+    out = tmp_path / "b"
+    builder.build(out, archs=["sm_90"], jobs=1, progress=False, specs=[VARIANTS[0]])
+    variant = out / builder.VARIANT_DIR
+    before = {p.relative_to(variant): p.read_bytes() for p in variant.rglob("*") if p.is_file()}
+    with pytest.raises(BuildError):
+        builder.build(out, archs=["sm_90"], jobs=1, progress=False, specs=[VARIANTS[0], broken_spec])
+    after = {p.relative_to(variant): p.read_bytes() for p in variant.rglob("*") if p.is_file()}
+    assert after == before
+    ops = (variant / builder.PACKAGE / "_ops.py").read_text()
+    meta = json.loads((variant / "metadata.json").read_text())
+    assert f"NAMESPACE = {meta['id']!r}" in ops
 
 
 def test_variant_hash_depends_on_arch_and_params():

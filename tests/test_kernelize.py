@@ -333,3 +333,28 @@ def test_save_after_kernelize_is_byte_identical(ckpt, variant, monkeypatch, tmp_
         a, b = want[k], got[k]
         assert a.dtype == b.dtype and a.shape == b.shape, k
         assert a.contiguous().view(torch.uint8).numpy().tobytes() == b.contiguous().view(torch.uint8).numpy().tobytes(), k
+
+
+def test_layer_runs_only_for_llama_formula_classes(caplog):
+    """The "RMSNorm" hub name also covers classes that round differently: those keep their own
+    forward (and say so), the Llama-formula ones take ours."""
+    import types
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from cutile_kernels.layers.norm import computes_llama_rms_norm
+
+    assert computes_llama_rms_norm(LlamaRMSNorm) and computes_llama_rms_norm(MistralRMSNorm)
+    assert not computes_llama_rms_norm(GptOssRMSNorm) and not computes_llama_rms_norm(Olmo2RMSNorm)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    mod = GptOssRMSNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        mod.weight.copy_(torch.rand(64) + 0.5)
+    want = mod(x)
+    mod.forward = types.MethodType(CutileRMSNorm.forward, mod)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        got = mod(x)
+    assert torch.equal(got, want)
+    assert "GptOssRMSNorm is not LlamaRMSNorm's formula" in caplog.text

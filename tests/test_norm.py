@@ -73,12 +73,40 @@ def test_shape_errors():
         cutile_kernels.add_rms_norm(torch.randn(4, 8), torch.randn(4, 9), torch.randn(8))
 
 
-def test_custom_ops_pass_opcheck():
-    x = torch.randn(6, 64, dtype=torch.bfloat16)
-    w = torch.randn(64, dtype=torch.bfloat16)
-    torch.library.opcheck(norm_ops._rms_norm_op, (x, w, 1e-6), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(norm_ops._add_rms_norm_op, (x, x.clone(), w, 1e-6),
-                          test_utils=("test_schema", "test_faketensor"))
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+def test_custom_ops_pass_opcheck(layout):
+    x = torch.randn(6, 5, 64, dtype=torch.float32)
+    if layout == "permuted":
+        x = x.transpose(0, 1)  # non-contiguous: the op's outputs are contiguous like its fake's
+    w = torch.randn(64, dtype=torch.float32, requires_grad=True)
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(norm_ops._rms_norm_op, (x, w, 1e-6), test_utils=utils)
+    torch.library.opcheck(norm_ops._add_rms_norm_op, (x, torch.randn_like(x), w, 1e-6), test_utils=utils)
+    y = cutile_kernels.rms_norm(x, w.detach())
+    assert y.is_contiguous() and torch.equal(y, cutile_kernels.rms_norm_reference(x, w.detach(), 1e-6))
+
+
+def test_gradients_follow_the_reference_formula():
+    x = torch.randn(4, 7, 96, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(4, 7, 96, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(96, dtype=torch.float64, requires_grad=True)
+    y, s = cutile_kernels.add_rms_norm(x, r, w, 1e-5)
+    z = cutile_kernels.rms_norm(y * 3, w, 1e-5)
+    assert z.grad_fn is not None and "rms_norm" in z.grad_fn.name()
+    (z.square().sum() + s.sum()).backward()
+    got = [t.grad.clone() for t in (x, r, w)]
+    for t in (x, r, w):
+        t.grad = None
+    y2, s2 = cutile_kernels.add_rms_norm_reference(x, r, w, 1e-5)
+    (cutile_kernels.rms_norm_reference(y2 * 3, w, 1e-5).square().sum() + s2.sum()).backward()
+    for a, b in zip(got, (x.grad, r.grad, w.grad)):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_small_hidden_sizes_use_the_smallest_tile():
+    assert norm_ops._want(16) == norm_ops._want(64) == (("BLOCK_N", 64),)
+    assert norm_ops._want(65) == (("BLOCK_N", 128),)
+    assert norm_ops._want(8193)[0][0] == "CHUNK"
 
 
 def test_fake_implementations_give_shapes_and_dtypes():
@@ -228,6 +256,31 @@ def test_unsupported_inputs_fall_back_and_say_so(caplog):
     ra, rs = cutile_kernels.add_rms_norm_reference(a, b, buf[256:], 1e-6)
     assert torch.equal(ya, ra) and torch.equal(sa, rs)
     assert any("overlap" in k for k in dispatch.stats()["fallbacks"])
+
+
+@pytest.mark.gpu
+def test_gradients_on_the_kernel_path(strict):
+    x = torch.randn(33, 2048, device="cuda", dtype=torch.float32, requires_grad=True)
+    w = torch.randn(2048, device="cuda", dtype=torch.float32, requires_grad=True)
+    before = sum(dispatch.stats()["launches"].values())
+    y = cutile_kernels.rms_norm(x, w, 1e-6)
+    assert sum(dispatch.stats()["launches"].values()) == before + 1  # the forward ran our kernel
+    g = torch.randn_like(y)
+    y.backward(g)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    cutile_kernels.rms_norm_reference(x, w, 1e-6).backward(g)
+    assert torch.allclose(gx, x.grad, rtol=1e-5, atol=1e-5) and torch.allclose(gw, w.grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [16, 32, 48])
+def test_tiny_hidden_sizes_run_the_kernel(hidden, strict):
+    x = torch.randn(9, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    y = cutile_kernels.rms_norm(x, w, 1e-6)
+    ref, stock = _exact(x, w, 1e-6), cutile_kernels.rms_norm_reference(x, w, 1e-6)
+    assert _errors(y, ref)[1] <= 1.1 * _errors(stock, ref)[1] + 1e-7
 
 
 @pytest.mark.gpu

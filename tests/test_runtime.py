@@ -297,12 +297,15 @@ def _check(reg, sel_arch, layout="generic"):
 def test_int32_overflow_is_a_violation(reg, sel_arch):
     check = _check(reg, sel_arch)
     assert check.index_bits == 32
-    headroom = registry._TILE_HEADROOM
+    extent = check.tile_extent  # the variant's largest tile dimension may reach past the edge
+    assert extent == max(v for v in next(v for v in reg.variants("rms_norm", sel_arch)
+                                         if v.arrays[0] is check).constants.values())
     # Meta tensors carry shape and strides but no storage, so huge strides are free.
-    limit = registry._INT32_MAX - headroom - 15  # max offset = stride + 15 + headroom
-    ok = torch.empty_strided((2, 16), (limit, 1), device="meta", dtype=BF16)
-    over = torch.empty_strided((2, 16), (limit + 1, 1), device="meta", dtype=BF16)
-    assert registry._max_offset(ok) == registry._INT32_MAX
+    # max offset = (2 - 1) * stride + (16 - 1) * 1 + extent * stride
+    stride = (registry._INT32_MAX - 15) // (extent + 1)
+    ok = torch.empty_strided((2, 16), (stride, 1), device="meta", dtype=BF16)
+    over = torch.empty_strided((2, 16), (stride + 1, 1), device="meta", dtype=BF16)
+    assert registry._max_offset(ok, extent) <= registry._INT32_MAX < registry._max_offset(over, extent)
     assert check.violation(ok) is None
     assert check.violation(over) == "x: offsets exceed int32 indexing"
 
@@ -332,7 +335,7 @@ def test_int32_overflow_via_max_offset(reg, sel_arch, monkeypatch):
     check = _check(reg, sel_arch, "aligned")
     x = torch.randn(4, 64, dtype=BF16)
     assert check.violation(x) is None
-    monkeypatch.setattr(registry, "_max_offset", lambda t: 2**31)
+    monkeypatch.setattr(registry, "_max_offset", lambda t, extent=1: 2**31)
     assert "int32" in check.violation(x)
 
 

@@ -1,4 +1,4 @@
-"""The ``cutile-kernels`` command.
+"""cutile-kernels: cuTile kernels for Hugging Face transformers models.
 
     cutile-kernels bench [MODEL]      stock vs kernelized, correctness gate and timings
     cutile-kernels build              compile every kernel variant ahead of time
@@ -28,20 +28,27 @@ def _bench(args) -> int:
         "profile": False if args.no_profile else None,
     }.items() if v is not None}
     settings = bench.BenchSettings(**{**base.__dict__, **overrides})
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("cutile-kernels bench: --device cuda, but torch sees no CUDA device")
     report = bench.run(args.model, settings, out_dir=args.out, progress=not args.quiet)
     bench.print_report(report)
     if args.out:
         print(f"wrote {args.out}/bench.json")
-    return 0 if report.get("gate", {}).get("passed", True) else 1
+    if not report.get("gate", {}).get("passed", True):
+        return 1
+    if device.startswith("cuda") and not report.get("cutile_kernels_ran", False):
+        return 2  # on a GPU the point of the run is our kernels: none ran (see the report's fallbacks)
+    return 0
 
 
 def _build(args) -> int:
     from cutile_kernels import registry
+    from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
     from cutile_kernels_build import build
 
     out = args.out or registry.default_build_dir()
-    manifest = build(out, archs=args.arch, kernels=args.kernel, jobs=args.jobs, progress=not args.quiet,
-                     force=args.force)
+    manifest = build(out, archs=args.arch or list(DEFAULT_ARCHS), kernels=args.kernel, jobs=args.jobs,
+                     progress=not args.quiet, force=args.force)
     stats = manifest["build_stats"]
     print(f"{len(manifest['variants'])} variants for {', '.join(manifest['archs'])}: compiled {stats['compiled']}, "
           f"reused {stats['reused']} in {stats['seconds']} s -> {stats['variant_dir']}")
@@ -76,29 +83,30 @@ def _info(args) -> int:
 def main(argv=None) -> int:
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
 
-    p = argparse.ArgumentParser(prog="cutile-kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="cutile-kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("bench", help="stock vs kernelized model: correctness gate and timings")
     b.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
-    b.add_argument("--out", help="directory for bench.json")
-    b.add_argument("--device")
-    b.add_argument("--seed", type=int)
-    b.add_argument("--prompt-batch", type=int)
-    b.add_argument("--prompt-len", type=int)
-    b.add_argument("--prefill-len", type=int)
-    b.add_argument("--decode-batch", type=int, nargs="+")
-    b.add_argument("--decode-steps", type=int)
-    b.add_argument("--repeats", type=int)
-    b.add_argument("--no-profile", action="store_true")
-    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--out", help="directory to write bench.json to (default: print only)")
+    b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    b.add_argument("--seed", type=int, help="weight and prompt seed (default 0)")
+    b.add_argument("--prompt-batch", type=_positive, help="prompts in the correctness batch")
+    b.add_argument("--prompt-len", type=_positive, help="tokens per correctness prompt")
+    b.add_argument("--prefill-len", type=_positive, help="tokens of the timed batch-1 prefill")
+    b.add_argument("--decode-batch", type=_positive, nargs="+", help="decode batch sizes (default 1 16)")
+    b.add_argument("--decode-steps", type=_positive, help="timed decode steps per batch size")
+    b.add_argument("--repeats", type=_positive, help="timed prefills")
+    b.add_argument("--no-profile", action="store_true", help="skip the torch.profiler pass")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_bench)
 
     c = sub.add_parser("build", help="compile every kernel variant ahead of time (no GPU needed)")
     c.add_argument("--out", help="build directory (default: $CUTILE_KERNELS_BUILD_DIR or <checkout>/build)")
-    c.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS))
-    c.add_argument("--kernel", nargs="+", help="only these kernels")
+    c.add_argument("--arch", nargs="+", action="extend", help=f"target archs (default: {' '.join(DEFAULT_ARCHS)})")
+    c.add_argument("--kernel", nargs="+", action="extend", help="only these kernels (the manifest then holds only them)")
     c.add_argument("--jobs", type=int)
     c.add_argument("--force", action="store_true", help="recompile unchanged variants too")
     c.add_argument("--quiet", action="store_true")
@@ -116,7 +124,22 @@ def main(argv=None) -> int:
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    return args.func(args)
+    from cutile_kernels_build import BuildError
+
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, BuildError) as exc:
+        if args.verbose:
+            raise
+        print(f"cutile-kernels {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":

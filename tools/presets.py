@@ -12,6 +12,7 @@ loading path is exercised.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ class Preset:
 PRESETS = {
     p.name: p
     for p in [
-        Preset("tiny", "(embedded; Llama architecture)", {
+        Preset("tiny", "an embedded two-layer Llama", {
             "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
             "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
@@ -108,6 +109,7 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
 
     Raises:
         KeyError: unknown preset.
+        FileExistsError: ``out_dir`` is a non-empty directory that holds no preset.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -116,8 +118,13 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     out = Path(out_dir) if out_dir is not None else preset_dir() / f"{name}-seed{seed}"
     marker = out / "cutile_preset.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("seed") == seed:
-        return out
+    identity = {"preset": name, "source": PRESETS[name].source, "seed": seed,
+                "config_sha256": hashlib.sha256(json.dumps(PRESETS[name].config, sort_keys=True).encode()).hexdigest()}
+    if marker.is_file():
+        if json.loads(marker.read_text()) == identity:
+            return out
+    elif out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty and holds no preset: refusing to overwrite it")
     shutil.rmtree(out, ignore_errors=True)
     logger.info("materialising preset %s (seed %d) into %s", name, seed, out)
     torch.manual_seed(seed)
@@ -129,7 +136,7 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
             if "norm" in pname and p.dim() == 1:  # RMSNorm weights: 1 + N(0, 0.1), not all ones
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32))
     model.save_pretrained(out, safe_serialization=True)
-    marker.write_text(json.dumps({"preset": name, "source": PRESETS[name].source, "seed": seed}) + "\n")
+    marker.write_text(json.dumps(identity) + "\n")
     del model
     return out
 
@@ -137,7 +144,7 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
 def resolve(model: str, seed: int = 0, device: str = "cpu") -> tuple[Path, str]:
     """A checkpoint directory for a preset name or a path, and a label for reports."""
     if model in PRESETS:
-        return materialize(model, seed=seed, device=device), f"{model} (preset from {PRESETS[model].source}, seed {seed})"
+        return materialize(model, seed=seed, device=device), f"{model} (config of {PRESETS[model].source}, seed {seed})"
     path = Path(model)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")

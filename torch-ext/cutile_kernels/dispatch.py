@@ -112,11 +112,16 @@ def _arch_of(device_index: int) -> tuple[tuple[int, int], str | None]:
     return cap, _registry.registry().arch_for(cap)
 
 
-@lru_cache(maxsize=1)
 def jit_available() -> bool:
-    """True when cuda.tile can JIT-compile here: tileiras is found and JIT is not disabled."""
-    if os.environ.get(ENV_JIT, "").strip() == "0":
+    """True when cuda.tile can JIT-compile here: its ``tileiras`` toolchain is found and
+    ``CUTILE_KERNELS_JIT`` is not set to 0/false/no/off."""
+    if os.environ.get(ENV_JIT, "").strip().lower() in ("0", "false", "no", "off"):
         return False
+    return _jit_toolchain()
+
+
+@lru_cache(maxsize=1)
+def _jit_toolchain() -> bool:
     try:
         from cuda.tile._compile import _find_compiler_bin  # private in cuda-tile 1.7 (pinned)
 
@@ -245,16 +250,23 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
     return True
 
 
+@lru_cache(maxsize=None)
+def _jit_spec(kernel: str, want: tuple, dtypes: tuple):
+    """The kernel_src spec whose function and constants a JIT compile uses, or None."""
+    from . import kernel_src
+
+    for s in kernel_src.all_variants():
+        arrays = tuple(p.dtype for p in s.params if p.kind == "array")
+        if s.kernel == kernel and arrays == dtypes and all(s.constants.get(k) == v for k, v in want):
+            return s
+    return None
+
+
 def _jit(kernel: str, want: tuple, args: tuple, grid, why: str) -> bool:
     from . import kernel_src
 
-    dtypes = [_registry.DTYPE_NAMES.get(a.dtype) for a in args if isinstance(a, torch.Tensor)]
-    spec = None
-    for s in kernel_src.all_variants():
-        arrays = [p.dtype for p in s.params if p.kind == "array"]
-        if s.kernel == kernel and arrays == dtypes and all(s.constants.get(k) == v for k, v in want):
-            spec = s
-            break
+    dtypes = tuple(_registry.DTYPE_NAMES.get(a.dtype) for a in args if isinstance(a, torch.Tensor))
+    spec = _jit_spec(kernel, want, dtypes)
     if spec is None:
         return fallback(kernel, f"{why}; and no kernel_src variant to JIT for dtypes {dtypes}")
     import cuda.tile as ct

@@ -124,7 +124,7 @@ class Launcher:
                 data = self._cubins[path] = variant.cubin.read_bytes()
             packer = ArgPacker(variant.params)
             declared = param_info(data, variant.symbol)
-            if declared[: len(packer.layout)] != packer.layout:
+            if declared != packer.layout:
                 raise CudaError(f"{variant.symbol}: cubin parameters {declared} do not match the "
                                 f"cutile_python_v1 packing {packer.layout}")
             cu = driver()

@@ -22,7 +22,6 @@ VARIANT_DIR = "torch-cuda"
 PACKAGE = "cutile_kernels"
 
 _INT32_MAX = 2**31 - 1
-_TILE_HEADROOM = 2**24
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "int32": torch.int32, "int64": torch.int64}
@@ -75,6 +74,7 @@ class ArrayCheck:
     shape_divisible_by: tuple[int, ...]
     base_addr_divisible_by: int
     index_bits: int
+    tile_extent: int = 1
 
     def violation(self, t: torch.Tensor) -> str | None:
         """Why ``t`` breaks this parameter's assumptions, or None if it satisfies all of them."""
@@ -97,14 +97,16 @@ class ArrayCheck:
                 return f"{self.name}: shape[{d}]={shape[d]} not divisible by {self.shape_divisible_by[d]}"
         if t.data_ptr() % self.base_addr_divisible_by:
             return f"{self.name}: base address not {self.base_addr_divisible_by}-byte aligned"
-        if self.index_bits == 32 and _max_offset(t) > _INT32_MAX:
+        if self.index_bits == 32 and _max_offset(t, self.tile_extent) > _INT32_MAX:
             return f"{self.name}: offsets exceed int32 indexing"
         return None
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    # Largest element offset, plus headroom for tile indices that run past the edge (masked).
-    return sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + _TILE_HEADROOM
+def _max_offset(t: torch.Tensor, tile_extent: int = 1) -> int:
+    # Largest element offset, plus a tile's reach past the edge along any dimension (those lanes
+    # are masked, but their offsets are still computed in the index type).
+    strides = [st for s, st in zip(t.shape, t.stride()) if s > 1] or [1]
+    return sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + tile_extent * max(strides)
 
 
 def internal_overlap(t: torch.Tensor) -> bool:
@@ -164,6 +166,7 @@ class Variant:
                     shape_divisible_by=tuple(p["shape_divisible_by"]),
                     base_addr_divisible_by=p["base_addr_divisible_by"],
                     index_bits=64 if p["index_dtype"] == "int64" else 32,
+                    tile_extent=max([1] + [v for v in entry["constants"].values() if isinstance(v, int)]),
                 ))
         return cls(kernel=entry["kernel"], tag=entry["variant"], arch=entry["arch"], symbol=entry["symbol"],
                    function=entry["function"], module=entry["module"], cubin=pkg_dir / entry["cubin"],

@@ -14,7 +14,9 @@ import torch
 from .. import dispatch
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.norm import CHUNK, MAX_BLOCK_N
+from ..kernel_src.norm import BLOCK_NS, CHUNK, MAX_BLOCK_N
+
+MIN_BLOCK_N = min(BLOCK_NS)
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm exactly as transformers' ``LlamaRMSNorm.forward`` computes it (v5.22.2).
@@ -43,7 +45,7 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _want(n: int) -> tuple:
-    return (("BLOCK_N", next_power_of_2(n)),) if n <= MAX_BLOCK_N else (("CHUNK", CHUNK),)
+    return (("BLOCK_N", max(MIN_BLOCK_N, next_power_of_2(n))),) if n <= MAX_BLOCK_N else (("CHUNK", CHUNK),)
 
 
 def _grid(rows: int):
@@ -54,17 +56,18 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     _check_shapes(x, weight, "rms_norm")
     if not x.is_cuda:
         dispatch.reference_call("rms_norm")
-        return rms_norm_reference(x, weight, eps)
+        return rms_norm_reference(x, weight, eps).contiguous()
     rows = x.reshape(-1, x.shape[-1])  # a view whenever the leading dims collapse, else a copy
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.numel() == 0 or rms_norm_into(rows, weight, y, eps):
         return y.view(x.shape)
-    return rms_norm_reference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps).contiguous()
 
 
 def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: float) -> bool:
     """Launch the RMSNorm kernel on CUDA tensors ``x`` (M, N), ``weight`` (N,) into ``y`` (M, N).
 
+    ``y`` must be a new tensor of x's dtype (it is not checked, and must not alias the inputs).
     Returns False (nothing written) when no cuTile path fits; the caller then falls back.
     """
     n = x.shape[1]
@@ -78,20 +81,25 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
     if not x.is_cuda:
         dispatch.reference_call("add_rms_norm")
-        return add_rms_norm_reference(x, residual, weight, eps)
+        return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
     n = x.shape[-1]
     a, b = x.reshape(-1, n), residual.reshape(-1, n)
     y = torch.empty(a.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(a.shape, dtype=x.dtype, device=x.device)
     if a.numel() == 0 or add_rms_norm_into(a, b, weight, y, s, eps):
         return y.view(x.shape), s.view(x.shape)
-    return add_rms_norm_reference(x, residual, weight, eps)
+    return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
+
+
+def _contiguous(pair):
+    return tuple(t.contiguous() for t in pair)
 
 
 def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
                       residual_out: torch.Tensor, eps: float) -> bool:
     """Launch the fused kernel on CUDA tensors: ``x``, ``residual``, ``y``, ``residual_out`` (M, N),
-    ``weight`` (N,). Returns False (nothing written) when no cuTile path fits."""
+    ``weight`` (N,). The outputs must be new tensors of x's dtype (not checked). Returns False
+    (nothing written) when no cuTile path fits."""
     n = x.shape[1]
     return dispatch.run("add_rms_norm", _want(n), (x, residual, weight, y, residual_out, float(eps)), 3,
                         _grid(x.shape[0]))
@@ -119,6 +127,35 @@ def _add_rms_norm_fake(x, residual, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, s_dtype)), x.new_empty(x.shape, dtype=s_dtype)
 
 
+def _setup_context(ctx, inputs, output):
+    *tensors, eps = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.eps = eps
+
+
+def _reference_grads(reference, ctx, grads):
+    # The kernels have no backward: differentiate the reference on the saved inputs instead.
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+        outputs = reference(*inputs, ctx.eps)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+    return (*got, None)
+
+
+_rms_norm_op.register_autograd(lambda ctx, g: _reference_grads(rms_norm_reference, ctx, (g,)),
+                               setup_context=_setup_context)
+_add_rms_norm_op.register_autograd(lambda ctx, gy, gs: _reference_grads(add_rms_norm_reference, ctx, (gy, gs)),
+                                   setup_context=_setup_context)
+
+
+def _needs_op(*tensors) -> bool:
+    # The custom op (with its autograd formula) under torch.compile or when a gradient is wanted;
+    # otherwise the direct call, which skips the dispatcher's overhead.
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dimension, with transformers' ``LlamaRMSNorm`` rounding order.
 
@@ -134,13 +171,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     On CUDA this runs a cuTile kernel (prebuilt, else JIT); inputs the kernels cannot take (mixed
     dtypes, float64, aliasing operands, no build for the GPU) take :func:`rms_norm_reference` and
     log the reason once. On other devices it is :func:`rms_norm_reference`. Under
-    ``torch.compile`` it is the custom op ``<namespace>::rms_norm`` with a fake implementation.
+    ``torch.compile``, or when an input requires grad, it is the custom op
+    ``<namespace>::rms_norm`` (fake implementation; gradients from the reference formula).
 
     Raises:
         ValueError: ``weight`` is not ``(N,)``.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
     """
-    if torch.compiler.is_compiling():
+    if _needs_op(x, weight):
         return _rms_norm_op(x, weight, eps)
     return _rms_norm_impl(x, weight, eps)
 
@@ -156,7 +195,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     Raises:
         ValueError: mismatched shapes.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
     """
-    if torch.compiler.is_compiling():
+    if _needs_op(x, residual, weight):
         return _add_rms_norm_op(x, residual, weight, eps)
     return _add_rms_norm_impl(x, residual, weight, eps)
