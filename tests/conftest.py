@@ -22,14 +22,23 @@ def _gpu_skip_reason() -> str | None:
     return None
 
 
+def _jit_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from cutile_kernels import dispatch
+
+    return None if dispatch.jit_available() else "no cuTile JIT toolchain (tileiras)"
+
+
 def pytest_collection_modifyitems(config, items):
-    reason = None
+    reasons = {}
     for item in items:
-        if "gpu" in item.keywords:
-            if reason is None:
-                reason = _gpu_skip_reason() or ""
-            if reason:
-                item.add_marker(pytest.mark.skip(reason=reason))
+        for marker, why in (("gpu", _gpu_skip_reason), ("gpu_jit", _jit_skip_reason)):
+            if marker in item.keywords:
+                if marker not in reasons:
+                    reasons[marker] = why() or ""
+                if reasons[marker]:
+                    item.add_marker(pytest.mark.skip(reason=reasons[marker]))
 
 
 @pytest.fixture
