@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import cutile_kernels
 from cutile_kernels_tools import presets
-from cutile_kernels_tools.bench import kernelized_layers
+from cutile_kernels_tools.worker import kernelized_layers
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 checkpoint, label = presets.resolve(sys.argv[1] if len(sys.argv) > 1 else "tiny", device=device)

@@ -65,29 +65,83 @@ def test_gate_uses_paired_top5_test():
     stock, ours = base.clone(), base.clone()
     stock[:30] = True
     ours[:27] = True  # 3 slots lost, 0 won: within noise (3 <= 2 * sqrt(3))
-    assert bench.gate(paths, {"stock": stock, "cutile": ours})["passed"]
+    assert bench.gate(paths, {"stock": stock, "cutile": ours})["cutile"]["passed"]
     ours[:] = False  # 30 lost: significant
-    assert not bench.gate(paths, {"stock": stock, "cutile": ours})["passed"]
+    g = bench.gate(paths, {"stock": stock, "cutile": ours})["cutile"]
+    assert not g["passed"] and g["checks"][2]["lost"] == 30 and g["checks"][2]["won"] == 0
     paths["cutile"]["correctness"]["rel_l2_err"] = 1.2
-    assert not bench.gate(paths, {"stock": stock, "cutile": stock})["passed"]
+    assert not bench.gate(paths, {"stock": stock, "cutile": stock})["cutile"]["passed"]
+    assert "stock" not in bench.gate(paths, {"stock": stock, "cutile": stock})
 
 
 def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
+    from cutile_kernels_tools.schema import BenchReport
+
     out = tmp_path / "out"
     rc = cli.main(["bench", "--out", str(out), "--quiet", "--decode-steps", "3", "--repeats", "2"])
     assert rc == 0
     report = json.loads((out / "bench.json").read_text())
+    BenchReport.model_validate(report)
     assert report["schema"] == bench.SCHEMA
     assert set(report["paths"]) == {"stock", "cutile"}
+    assert report["skipped"]["stock-compile"].startswith("compiled paths")
+    assert report["limits"]["copy_bandwidth_Bps"] > 0 and report["limits"]["matmul_flops"] > 0
     for p in report["paths"].values():
+        assert p["ok"], p.get("error")
         assert p["prefill_ms"]["n"] == 2 and p["prefill_ms"]["median"] > 0
-        assert [d["batch"] for d in p["decode"]] == [1, 4] and all(d["tokens_per_s"] > 0 for d in p["decode"])
+        assert [d["batch"] for d in p["decode"]] == [1, 4]
+        assert all(d["tokens_per_s"] > 0 and d["ttft_ms"] > 0 for d in p["decode"])
+        assert 0 < p["roofline"]["prefill_fraction"] and all(0 < d["fraction"] for d in p["roofline"]["decode"])
         assert 0.5 < p["correctness"]["top5_agreement"] <= 1
+        cov = p["coverage"]
+        assert cov["launches"] > 50 and cov["ours_time_share"] == 0  # CPU: leaf aten ops, none ours
+        modules = {m for row in cov["uncovered"] for m in row["modules"]}
+        assert any("input_layernorm" in m for m in modules) and any("self_attn" in m for m in modules)
+        assert all(1 <= row["ceiling"] <= 2 for row in cov["uncovered"])
     # On the CPU nothing is kernelized: both paths compute the same logits.
     assert report["paths"]["cutile"]["correctness"] == report["paths"]["stock"]["correctness"]
-    assert report["gate"]["passed"] and report["cutile_kernels_ran"] is False
+    assert report["gate"]["cutile"]["passed"] and report["cutile_kernels_ran"] is False
     assert "no cuTile kernel ran" in report["note"]
-    assert "no cuTile kernel ran" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "no cuTile kernel ran" in text and "skipped liger" in text
+    md = (out / "report.md").read_text()
+    assert "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
+    for png in ("throughput.png", "breakdown.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failing_path_is_reported_not_fatal(preset_cache, tmp_path):
+    s = bench.BenchSettings.for_cpu()
+    result = bench._job(tmp_path, "stock", "path", tmp_path / "no-checkpoint", s, path="stock",
+                        top5=str(tmp_path / "t.pt"))
+    assert result["ok"] is False and result["error"]
+
+
+def test_schema_file_is_current():
+    from cutile_kernels_tools.schema import json_schema
+
+    assert json.loads((ROOT / "docs" / "bench-schema.json").read_text()) == json_schema()
+
+
+def test_amdahl_and_coverage_summary():
+    from cutile_kernels_tools import coverage
+
+    assert coverage.amdahl(0.5, 2.0) == pytest.approx(1 / 0.75)
+    assert coverage.amdahl(0.0, 10.0) == 1.0
+    records = [
+        {"kernel": "sym_ours", "us": 10.0, "op": None, "module": "model.layers.0.input_layernorm"},
+        {"kernel": "gemm_k", "us": 60.0, "op": "aten::mm", "module": "model.layers.0.mlp.up_proj"},
+        {"kernel": "gemm_k", "us": 20.0, "op": "aten::mm", "module": "model.layers.1.mlp.up_proj"},
+        {"kernel": "ew", "us": 10.0, "op": "aten::mul", "module": None},
+    ]
+    cov = coverage.summarize(records, {"sym_ours"}, speedup=4.0)
+    assert cov["launches"] == 4 and cov["ours_time_share"] == pytest.approx(0.1)
+    assert cov["ours_launch_share"] == pytest.approx(0.25)
+    top = cov["uncovered"][0]
+    assert top["kernel"] == "gemm_k" and top["count"] == 2 and top["share"] == pytest.approx(0.8)
+    assert top["modules"] == ["layers.*.mlp.up_proj"] and top["ops"] == ["aten::mm"]
+    assert top["ceiling"] == pytest.approx(1 / (0.2 + 0.8 / 4))
+    assert cov["by_class"] == {"ours": 10.0, "gemm": 80.0, "elementwise / other": 10.0}
 
 
 def test_cli_info_and_build_help(capsys):

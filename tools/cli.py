@@ -1,6 +1,6 @@
 """cutile-kernels: cuTile kernels for Hugging Face transformers models.
 
-    cutile-kernels bench [MODEL]      stock vs kernelized, correctness gate and timings
+    cutile-kernels bench [MODEL]      every path side by side: gates, timings, roofline, coverage
     cutile-kernels build              compile every kernel variant ahead of time
     cutile-kernels preset NAME        write a preset checkpoint (real config, seeded weights)
     cutile-kernels info               what this install has: build, archs, variants, JIT
@@ -25,7 +25,8 @@ def _bench(args) -> int:
         "device": device, "seed": args.seed, "prompt_batch": args.prompt_batch, "prompt_len": args.prompt_len,
         "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
         "decode_batches": tuple(args.decode_batch) if args.decode_batch else None,
-        "profile": False if args.no_profile else None,
+        "coverage": False if args.no_coverage else None,
+        "paths": tuple(args.paths) if args.paths else None,
     }.items() if v is not None}
     settings = bench.BenchSettings(**{**base.__dict__, **overrides})
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -33,8 +34,8 @@ def _bench(args) -> int:
     report = bench.run(args.model, settings, out_dir=args.out, progress=not args.quiet)
     bench.print_report(report)
     if args.out:
-        print(f"wrote {args.out}/bench.json")
-    if not report.get("gate", {}).get("passed", True):
+        print(f"wrote {args.out}/bench.json, report.md and plots")
+    if any(not g["passed"] for g in report.get("gate", {}).values()):
         return 1
     if device.startswith("cuda") and not report.get("cutile_kernels_ran", False):
         return 2  # on a GPU the point of the run is our kernels: none ran (see the report's fallbacks)
@@ -83,12 +84,14 @@ def _info(args) -> int:
 def main(argv=None) -> int:
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
 
+    from . import paths as bench_paths
+
     p = argparse.ArgumentParser(prog="cutile-kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    b = sub.add_parser("bench", help="stock vs kernelized model: correctness gate and timings")
+    b = sub.add_parser("bench", help="every path side by side: correctness gates, timings, coverage")
     b.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
     b.add_argument("--out", help="directory to write bench.json to (default: print only)")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -99,7 +102,9 @@ def main(argv=None) -> int:
     b.add_argument("--decode-batch", type=_positive, nargs="+", help="decode batch sizes (default 1 16)")
     b.add_argument("--decode-steps", type=_positive, help="timed decode steps per batch size")
     b.add_argument("--repeats", type=_positive, help="timed prefills")
-    b.add_argument("--no-profile", action="store_true", help="skip the torch.profiler pass")
+    b.add_argument("--paths", nargs="+", choices=list(bench_paths.PATHS),
+                   help="paths to run (default: all that can run here)")
+    b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_bench)
 

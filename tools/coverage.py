@@ -1,0 +1,168 @@
+"""Kernel coverage: which kernels a prefill and N decode steps run, and which of them are ours.
+
+torch.profiler records the steps; forward hooks wrap every module in a ``module::<name>`` range,
+so each kernel is traced back to the aten op that launched it and the innermost module it ran in.
+A kernel is ours when its name is exactly one of the loaded builds' variant symbols (no substring
+matching: ``matmul`` or ``norm`` in a name proves nothing). On a CPU the leaf aten ops stand in for
+kernels, so the pipeline runs, and is tested, without a GPU.
+
+For each uncovered kernel the report gives its share ``f`` of the device time and the Amdahl
+ceiling ``1 / (1 - f + f / s)`` of speeding it up ``s`` times.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+MODULE_PREFIX = "module::"
+
+#: Kernel classes for the time breakdown, decided by the aten op that launched the kernel.
+_CLASS_BY_OP = (
+    ("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")),
+    ("attention", ("attention", "sdpa", "flash", "aten::_efficient")),
+    ("reduction", ("aten::mean", "aten::sum", "aten::max", "aten::argmax", "aten::softmax", "aten::_softmax")),
+    ("copy / cat / cast", ("aten::copy_", "aten::cat", "aten::to", "aten::_to_copy", "aten::contiguous",
+                           "aten::clone", "aten::index", "aten::embedding", "aten::index_select")),
+)
+
+
+def amdahl(f: float, s: float) -> float:
+    """Whole-step speedup from making a share ``f`` of the time ``s`` times faster."""
+    return 1.0 / (1.0 - f + f / s)
+
+
+def kernel_class(name: str, op: str | None, ours: set[str]) -> str:
+    if name in ours:
+        return "ours"
+    text = (op or "").lower()
+    for cls, keys in _CLASS_BY_OP:
+        if any(k.lower() in text for k in keys):
+            return cls
+    return "elementwise / other"
+
+
+class _ModuleRanges:
+    """Forward hooks that open a profiler range per module call (innermost module of a kernel)."""
+
+    def __init__(self, model):
+        self.handles = []
+        self.stack = []
+        for name, mod in model.named_modules():
+            label = MODULE_PREFIX + (name or type(mod).__name__)
+            self.handles.append(mod.register_forward_pre_hook(self._enter(label)))
+            self.handles.append(mod.register_forward_hook(self._exit))
+
+    def _enter(self, label):
+        def hook(module, args):
+            rf = torch.autograd.profiler.record_function(label)
+            rf.__enter__()
+            self.stack.append(rf)
+        return hook
+
+    def _exit(self, module, args, output):
+        if self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _ancestors(evt):
+    p = evt.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
+
+
+def profile_steps(model, run_steps, device: str):
+    """Profile ``run_steps()`` with module ranges; returns the profiler's function events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    ranges = _ModuleRanges(model)
+    try:
+        with profile(activities=activities) as prof:
+            run_steps()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+    finally:
+        ranges.remove()
+    return prof.events()
+
+
+def attribute(events, device: str) -> list[dict]:
+    """One record per kernel launch: name, device microseconds, launching op, innermost module."""
+    records = []
+    if device.startswith("cuda"):
+        # A device kernel links (by correlation id) to the runtime call that launched it, whose
+        # CPU ancestors are the aten op (or our custom op) and the module ranges.
+        launches = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+        for evt in events:
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            launch = launches.get(getattr(evt, "linked_correlation_id", 0))
+            chain = [launch, *_ancestors(launch)] if launch is not None else []
+            op = next((a.name for a in chain if "::" in a.name and not a.name.startswith(MODULE_PREFIX)), None)
+            module = next((a.name[len(MODULE_PREFIX):] for a in chain if a.name.startswith(MODULE_PREFIX)), None)
+            records.append({"kernel": evt.name, "us": evt.time_range.end - evt.time_range.start,
+                            "op": op, "module": module})
+    else:
+        # CPU: leaf aten ops are the "kernels"; their self time is the device time.
+        for evt in events:
+            if evt.device_type != torch.autograd.DeviceType.CPU or not evt.name.startswith("aten::"):
+                continue
+            if any(c.name.startswith("aten::") for c in evt.cpu_children):
+                continue
+            module = next((a.name[len(MODULE_PREFIX):] for a in _ancestors(evt) if a.name.startswith(MODULE_PREFIX)), None)
+            records.append({"kernel": evt.name, "us": evt.self_cpu_time_total, "op": evt.name, "module": module})
+    return records
+
+
+def summarize(records: list[dict], ours: set[str], speedup: float = 2.0, top: int = 15) -> dict:
+    """Coverage from kernel records: totals, our share of time and launches, the time breakdown by
+    class, and the top uncovered kernels with their ops, modules and Amdahl ceiling at ``speedup``."""
+    total_us = sum(r["us"] for r in records) or 1e-9
+    per_kernel = defaultdict(lambda: {"count": 0, "us": 0.0, "ops": defaultdict(float), "modules": defaultdict(float)})
+    by_class = defaultdict(float)
+    for r in records:
+        k = per_kernel[r["kernel"]]
+        k["count"] += 1
+        k["us"] += r["us"]
+        k["ops"][r["op"] or "?"] += r["us"]
+        k["modules"][_module_kind(r["module"])] += r["us"]
+        by_class[kernel_class(r["kernel"], r["op"], ours)] += r["us"]
+    rows = []
+    for name, k in per_kernel.items():
+        f = k["us"] / total_us
+        rows.append({
+            "kernel": name, "ours": name in ours, "count": k["count"], "us": k["us"], "share": f,
+            "ops": [o for o, _ in sorted(k["ops"].items(), key=lambda x: -x[1])[:3]],
+            "modules": [m for m, _ in sorted(k["modules"].items(), key=lambda x: -x[1])[:3]],
+            "ceiling": amdahl(f, speedup),
+        })
+    rows.sort(key=lambda r: -r["us"])
+    ours_rows = [r for r in rows if r["ours"]]
+    launches = sum(r["count"] for r in rows) or 1
+    return {
+        "device_us": total_us,
+        "launches": launches,
+        "ours_time_share": sum(r["us"] for r in ours_rows) / total_us,
+        "ours_launch_share": sum(r["count"] for r in ours_rows) / launches,
+        "ours": ours_rows,
+        "uncovered": [r for r in rows if not r["ours"]][:top],
+        "by_class": dict(by_class),
+        "amdahl_speedup": speedup,
+    }
+
+
+def _module_kind(name: str | None) -> str:
+    """``model.layers.3.self_attn.q_proj`` -> ``layers.*.self_attn.q_proj`` (layers folded)."""
+    if not name:
+        return "?"
+    parts = ["*" if p.isdigit() else p for p in name.split(".")]
+    if parts and parts[0] == "model":
+        parts = parts[1:]
+    return ".".join(parts) or name

@@ -1,0 +1,89 @@
+"""The bench paths: every way a user might run the same checkpoint, each loaded in its own process.
+
+=================  ==============================================================================
+``stock``          transformers as is: eager, sdpa attention, DynamicCache
+``stock-compile``  transformers' recipe for speed: StaticCache and the decode step under
+                   ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA only)
+``liger``          Liger-Kernel's patches applied to the loaded model, when it is installed
+``tilegym``        NVIDIA TileGym's monkey patch (cuTile backend), applied before loading, when it
+                   is installed (it pins an older transformers: what fails is reported)
+``cutile``         ours: ``use_kernels=True, kernel_config=cutile_kernels.kernel_config()``
+``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
+=================  ==============================================================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    name: str
+    description: str
+    compile: bool = False
+    ours: bool = False
+
+    def unavailable(self, device: str) -> str | None:
+        """Why this path cannot run here, or None."""
+        if self.compile and not device.startswith("cuda"):
+            return "compiled paths use CUDA graphs: CUDA only"
+        if self.name == "liger" and importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel is not installed"
+        if self.name == "tilegym" and importlib.util.find_spec("tilegym") is None:
+            return "tilegym is not installed"
+        if self.name == "tilegym" and not device.startswith("cuda"):
+            return "TileGym's kernels need CUDA"
+        return None
+
+
+PATHS = {p.name: p for p in [
+    PathSpec("stock", "transformers eager (sdpa), DynamicCache"),
+    PathSpec("stock-compile", "transformers, StaticCache + torch.compile(reduce-overhead) decode", compile=True),
+    PathSpec("liger", "Liger-Kernel patches on transformers"),
+    PathSpec("tilegym", "NVIDIA TileGym monkey patch (cuTile)"),
+    PathSpec("cutile", "cutile-kernels: use_kernels=True with our kernel_config", ours=True),
+    PathSpec("cutile-compile", "cutile-kernels + StaticCache + torch.compile(reduce-overhead) decode",
+             compile=True, ours=True),
+]}
+
+
+def load(path: str, checkpoint: Path, dtype: torch.dtype, device: str):
+    """Load ``checkpoint`` the way ``path`` runs it (in the calling process: patches stay there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = PATHS[path] if path in PATHS else None
+    kw = {}
+    if spec is not None and spec.ours:
+        import cutile_kernels
+
+        kw = {"use_kernels": True, "kernel_config": cutile_kernels.kernel_config()}
+    if path == "tilegym":
+        _apply_tilegym(AutoConfig.from_pretrained(checkpoint).model_type)
+    # kernels warns once per hub layer nobody maps (SiLU, rotary_pos_emb...): expected, noise here.
+    kernels_logger = logging.getLogger("kernels")
+    level = kernels_logger.level
+    kernels_logger.setLevel(logging.ERROR)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, device_map=device, **kw)
+    finally:
+        kernels_logger.setLevel(level)
+    if path == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    return model.eval()
+
+
+def _apply_tilegym(model_type: str) -> None:
+    from tilegym.transformers import monkey_patch
+
+    apply = monkey_patch.MODEL_TYPE_TO_APPLY_TILEGYM_FN.get(model_type)
+    if apply is None:
+        raise RuntimeError(f"TileGym has no patch for model_type {model_type!r}")
+    apply(use_cutile=True)

@@ -1,0 +1,126 @@
+"""The bench report on disk: ``bench.json``, ``report.md`` and PNG plots (matplotlib)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .schema import BenchReport
+
+
+def write(report: dict, out: Path) -> list[Path]:
+    """Validate ``report`` against the schema and write it; returns the files written."""
+    BenchReport.model_validate(report)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "bench.json", out / "report.md"]
+    files[0].write_text(json.dumps(report, indent=1) + "\n")
+    plots = [p for p in (plot_throughput(report, out / "throughput.png"),
+                         plot_breakdown(report, out / "breakdown.png")) if p is not None]
+    files[1].write_text(markdown(report, [p.name for p in plots]))
+    return files + plots
+
+
+def _ok(report):
+    return {n: p for n, p in report["paths"].items() if p.get("ok")}
+
+
+def markdown(report: dict, plots: list[str]) -> str:
+    env, lim, s = report["environment"], report["limits"], report["settings"]
+    lines = [f"# Bench: {report['model']}", ""]
+    lines.append(f"Device: {env.get('gpu', env['device'])}; "
+                 + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + ".")
+    lines.append(f"Limits measured at the start: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write), "
+                 f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s (n = {lim['matmul_n']}).")
+    lines.append(f"Prefill: batch 1 x {s['prefill_len']} tokens, median of {s['repeats']}. Decode: greedy after "
+                 f"{s['decode_prompt_len']} prompt tokens, median of {s['decode_steps']} steps after a rehearsal. "
+                 f"Correctness: {s['prompt_batch']} x {s['prompt_len']} seeded tokens against float32 stock logits.")
+    lines += ["", "## Paths", "",
+              "| path | rel L2 err | KL | top-5 | gate | prefill ms | prefill tok/s | % roof | TTFT ms b1 | "
+              "decode tok/s | % roof | peak GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    gates = report.get("gate", {})
+    for name, p in report["paths"].items():
+        if not p.get("ok"):
+            lines.append(f"| {name} | failed: {p.get('error', '')[:120]} |" + " |" * 11)
+            continue
+        c, r = p["correctness"], p["roofline"]
+        gate = "-" if name not in gates else ("pass" if gates[name]["passed"] else "**FAIL**")
+        lines.append(
+            f"| {name} | {c['rel_l2_err']:.3e} | {c['kl']:.2e} | {c['top5_agreement']:.4f} | {gate} | "
+            f"{p['prefill_ms']['median']:.2f} | {p['prefill_tokens_per_s']:.0f} | {r['prefill_fraction']:.1%} | "
+            f"{p['decode'][0]['ttft_ms']:.2f} | "
+            + ", ".join(f"b{d['batch']} {d['tokens_per_s']:.1f}" for d in p["decode"]) + " | "
+            + ", ".join(f"{d['fraction']:.1%}" for d in r["decode"]) + f" | {p['peak_memory_bytes'] / 1e9:.2f} |")
+    for name, why in report["skipped"].items():
+        lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
+    for name, p in _ok(report).items():
+        cov = p.get("coverage")
+        if not cov:
+            continue
+        unit = "us"
+        lines += ["", f"## Coverage: {name}", "",
+                  f"{cov['launches']} launches, {cov['device_us']:.0f} {unit} of device time over one prefill and "
+                  f"{s['coverage_steps']} decode steps; ours: {cov['ours_time_share']:.1%} of the time, "
+                  f"{cov['ours_launch_share']:.1%} of the launches.", "",
+                  f"| kernel | ours | launches | {unit} | share | ops | modules | ceiling at {cov['amdahl_speedup']:g}x |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in cov["ours"] + cov["uncovered"]:
+            lines.append(f"| `{row['kernel'][:80]}` | {'yes' if row['ours'] else ''} | {row['count']} | "
+                         f"{row['us']:.1f} | {row['share']:.1%} | {', '.join(row['ops'])} | "
+                         f"{', '.join(row['modules'])} | {row['ceiling']:.3f} |")
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    if "note" in report:
+        lines += ["", report["note"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot_throughput(report: dict, path: Path) -> Path | None:
+    """Decode tokens/s against batch size, one line per path."""
+    ok = _ok(report)
+    if not ok:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, p in ok.items():
+        ax.plot([d["batch"] for d in p["decode"]], [d["tokens_per_s"] for d in p["decode"]], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(report["model"].split(" (")[0])
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_breakdown(report: dict, path: Path) -> Path | None:
+    """Device time by kernel class, one stacked bar per profiled path."""
+    covered = {n: p["coverage"] for n, p in _ok(report).items() if p.get("coverage")}
+    if not covered:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = sorted({c for cov in covered.values() for c in cov["by_class"]})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = [0.0] * len(covered)
+    for cls in classes:
+        values = [cov["by_class"].get(cls, 0.0) / 1e3 for cov in covered.values()]
+        ax.bar(list(covered), values, bottom=bottom, label=cls)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("device time, ms (one prefill + decode steps)")
+    ax.set_title("time by kernel class")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,139 @@
+"""The bench report's schema (``cutile-kernels/bench/2``), as pydantic models.
+
+``cutile-kernels bench --out DIR`` writes ``bench.json`` that validates against :class:`BenchReport`;
+``python -m cutile_kernels_tools.schema`` prints the JSON Schema (``docs/bench-schema.json`` holds
+it; a test keeps the two in step). Times are milliseconds unless a name says ``us``
+(microseconds); rates are per second; bandwidth in bytes/s; shares are fractions of 1.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Spread(_Model):
+    median: float
+    min: float
+    max: float
+    n: int
+
+
+class Correctness(_Model):
+    max_abs_err: float = Field(description="max |logits - reference|")
+    rel_l2_err: float = Field(description="||logits - reference|| / ||reference||")
+    kl: float = Field(description="mean KL(softmax(reference) || softmax(logits)), nats")
+    top5_agreement: float = Field(description="mean |top5 ∩ reference top5| / 5")
+
+
+class Decode(_Model):
+    batch: int
+    ttft_ms: float = Field(description="prefill of the decode prompt: time to the first token")
+    step_ms: Spread
+    tokens_per_s: float
+
+
+class KernelRow(_Model):
+    kernel: str
+    ours: bool
+    count: int
+    us: float = Field(description="device microseconds in the profiled window")
+    share: float
+    ops: list[str] = Field(description="aten ops that launched it, most time first")
+    modules: list[str] = Field(description="modules it ran in (layer index folded to *)")
+    ceiling: float = Field(description="Amdahl ceiling 1 / (1 - share + share / amdahl_speedup)")
+
+
+class Coverage(_Model):
+    device_us: float
+    launches: int
+    ours_time_share: float
+    ours_launch_share: float
+    ours: list[KernelRow]
+    uncovered: list[KernelRow]
+    by_class: dict[str, float] = Field(description="device microseconds per kernel class")
+    amdahl_speedup: float
+
+
+class Roofline(_Model):
+    prefill_floor_ms: float = Field(description="2 x parameters x tokens / measured matmul rate")
+    prefill_fraction: float
+    decode: list[dict] = Field(description="per batch: bound (weights read once per step) and fraction")
+
+
+class Runtime(_Model):
+    launches: dict[str, int] = Field(description="prebuilt variant symbol -> launches")
+    jit_launches: dict[str, int]
+    fallbacks: dict[str, int] = Field(description="'kernel: reason' -> calls")
+    reference_calls: dict[str, int]
+
+
+class PathResult(_Model):
+    ok: bool
+    error: Optional[str] = None
+    path: Optional[str] = None
+    description: Optional[str] = None
+    correctness: Optional[Correctness] = None
+    kernelized_layers: Optional[dict[str, int]] = None
+    weight_bytes: Optional[int] = None
+    n_params: Optional[int] = None
+    prefill_ms: Optional[Spread] = None
+    prefill_tokens_per_s: Optional[float] = None
+    decode: Optional[list[Decode]] = None
+    runtime: Optional[Runtime] = None
+    peak_memory_bytes: Optional[int] = None
+    coverage: Optional[Coverage] = None
+    roofline: Optional[Roofline] = None
+
+
+class Limits(_Model):
+    ok: bool
+    device: str
+    copy_bytes: int
+    copy_bandwidth_Bps: float
+    matmul_n: int
+    matmul_dtype: str
+    matmul_flops: float
+
+
+class GateCheck(_Model):
+    metric: str
+    path: float
+    stock: float
+    passed: bool
+    lost: Optional[int] = None
+    won: Optional[int] = None
+
+
+class Gate(_Model):
+    passed: bool
+    checks: list[GateCheck]
+
+
+class BenchReport(_Model):
+    schema_: str = Field(alias="schema")
+    model: str
+    checkpoint: str
+    environment: dict
+    settings: dict
+    limits: Limits
+    reference: dict
+    paths: dict[str, PathResult]
+    skipped: dict[str, str] = Field(description="path -> why it could not run here")
+    gate: Optional[dict[str, Gate]] = Field(default=None, description="per path, against stock eager")
+    cutile_kernels_ran: bool
+    note: Optional[str] = None
+
+
+def json_schema() -> dict:
+    return BenchReport.model_json_schema(by_alias=True)
+
+
+if __name__ == "__main__":
+    print(json.dumps(json_schema(), indent=1))
