@@ -1,6 +1,10 @@
 # Source on the GPU machine from the project root (after ../shared/device/prepare.sh and a build
 # were carried): installs the carried wheels and this project into /tmp/site, points the runtime
-# at the carried build, and prints the environment.
+# at the carried build, and prints the environment. The bench's report needs pydantic, which the
+# GPU image lacks: stage it with the rest,
+#   ../shared/device/prepare.sh pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+#   cutile-kernels build --arch sm_90
+# and on the GPU machine:
 #   source scripts/device-setup.sh
 source .device/setup.sh || return 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . >/tmp/pip-project.log 2>&1 \

@@ -187,3 +187,34 @@ def test_cli_reports_bad_arguments_without_a_traceback(capsys, tmp_path):
     assert "neither a preset" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "--repeats", "0"])
+
+
+def test_cuda_attribution_from_profiler_events():
+    """The CUDA branch of coverage.attribute on synthetic profiler events: module ranges are GPU
+    annotations (found on the H200: they are not kernels), the innermost containing range is the
+    module, and the op comes from the correlated CPU event."""
+    from types import SimpleNamespace as NS
+
+    from cutile_kernels_tools import coverage
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def dev(name, a, b, corr=0, ann=False):
+        return NS(name=name, device_type=cuda, time_range=NS(start=a, end=b), linked_correlation_id=corr,
+                  is_user_annotation=ann, id=-1, cpu_parent=None)
+
+    layer = NS(name="module::model.layers.0", device_type=cpu, id=1, cpu_parent=None)
+    mm = NS(name="aten::mm", device_type=cpu, id=7, cpu_parent=layer)
+    events = [
+        layer, mm,
+        dev("module::model.layers.0", 0, 100, ann=True),
+        dev("module::model.layers.0.mlp", 10, 60, ann=True),
+        dev("gemm_kernel", 20, 50, corr=7),
+        dev("our_symbol", 70, 80),
+        dev("gpu_user_annotation_other", 0, 5, ann=True),
+    ]
+    recs = coverage.attribute(events, "cuda")
+    assert recs == [
+        {"kernel": "gemm_kernel", "us": 30, "op": "aten::mm", "module": "model.layers.0.mlp"},
+        {"kernel": "our_symbol", "us": 10, "op": None, "module": "model.layers.0"},
+    ]

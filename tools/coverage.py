@@ -97,18 +97,23 @@ def attribute(events, device: str) -> list[dict]:
     """One record per kernel launch: name, device microseconds, launching op, innermost module."""
     records = []
     if device.startswith("cuda"):
-        # A device kernel links (by correlation id) to the runtime call that launched it, whose
-        # CPU ancestors are the aten op (or our custom op) and the module ranges.
-        launches = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
-        for evt in events:
-            if evt.device_type != torch.autograd.DeviceType.CUDA:
+        # On the GPU timeline the module ranges appear as user annotations: a kernel's module is the
+        # innermost one whose interval contains it (our kernels are launched from Python, outside
+        # any aten op, so CPU-side parentage would not find theirs). The launching op comes from
+        # the CPU event the kernel is correlated with, when there is one.
+        cpu_by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+        device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        ranges = sorted(((e.time_range.start, e.time_range.end, e.name[len(MODULE_PREFIX):])
+                         for e in device_events if e.name.startswith(MODULE_PREFIX)), key=lambda r: r[1] - r[0])
+        for evt in device_events:
+            if evt.name.startswith(MODULE_PREFIX) or getattr(evt, "is_user_annotation", False):
                 continue
-            launch = launches.get(getattr(evt, "linked_correlation_id", 0))
+            start, end = evt.time_range.start, evt.time_range.end
+            module = next((name for a, b, name in ranges if a <= start and end <= b), None)
+            launch = cpu_by_id.get(getattr(evt, "linked_correlation_id", 0))
             chain = [launch, *_ancestors(launch)] if launch is not None else []
             op = next((a.name for a in chain if "::" in a.name and not a.name.startswith(MODULE_PREFIX)), None)
-            module = next((a.name[len(MODULE_PREFIX):] for a in chain if a.name.startswith(MODULE_PREFIX)), None)
-            records.append({"kernel": evt.name, "us": evt.time_range.end - evt.time_range.start,
-                            "op": op, "module": module})
+            records.append({"kernel": evt.name, "us": end - start, "op": op, "module": module})
     else:
         # CPU: leaf aten ops are the "kernels"; their self time is the device time.
         for evt in events:
