@@ -158,8 +158,11 @@ def _job(tmp: Path, name: str, kind: str, checkpoint: Path, s: BenchSettings, **
            "reference": str(tmp / "reference.pt"), **extra}
     path = tmp / f"{name}.job.json"
     path.write_text(json.dumps(job))
-    proc = subprocess.run([sys.executable, "-m", WORKER, str(path)], capture_output=True, text=True,
-                          timeout=s.timeout_s, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        proc = subprocess.run([sys.executable, "-m", WORKER, str(path)], capture_output=True, text=True,
+                              timeout=s.timeout_s, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"worker timed out after {s.timeout_s} s"}
     out = Path(job["out"])
     if not out.is_file():
         return {"ok": False, "error": f"worker exited {proc.returncode} without a result",
