@@ -84,6 +84,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     import torch
 
     from cutile_kernels import ops, registry
+    from cutile_kernels.kernel_src._spec import next_power_of_2
     from cutile_kernels.launcher import Launcher
 
     reg = registry.Registry(registry.package_dir_of(Path(sweep_dir)))
@@ -100,7 +101,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
         ref_s = x.double() + r.double()
         for kind in ("rms_norm", "add_rms_norm"):
             bytes_moved = (2 * m * n + n) * 2 if kind == "rms_norm" else (5 * m * n + n) * 2
-            cands = [v for v in reg.variants(kind, "sm_90") if v.constants.get("BLOCK_N") == registry_bn(n)]
+            cands = [v for v in reg.variants(kind, "sm_90") if v.constants.get("BLOCK_N") == next_power_of_2(n)]
             for v in cands:
                 y = torch.full_like(x, float("nan"))
                 s = torch.full_like(x, float("nan"))
@@ -216,12 +217,6 @@ def host_overhead(calls: int = 2000):
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
-
-
-def registry_bn(n: int) -> int:
-    from cutile_kernels.kernel_src._spec import next_power_of_2
-
-    return next_power_of_2(n)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,15 @@ def variant_dir(build_dir=None) -> Path | None:
         registry.package_dir_of(build) / "manifest.json").is_file() else None
 
 
+def _built_variant(build_dir) -> Path | None:
+    """:func:`variant_dir`, with a warning naming the directory when there is no build."""
+    variant = variant_dir(build_dir)
+    if variant is None:
+        logger.warning("cutile_kernels: no build under %s; the model keeps its own layers "
+                       "(run `cutile-kernels build`)", build_dir or registry.default_build_dir())
+    return variant
+
+
 def _unwrap(value):
     """``"path:Layer"`` from the forms transformers rewrites mapping values into."""
     if isinstance(value, tuple):
@@ -90,12 +99,10 @@ def kernel_config(build_dir=None) -> KernelConfig:
             path, dtype=torch.bfloat16, device_map="cuda",
             use_kernels=True, kernel_config=cutile_kernels.kernel_config())
     """
-    variant = variant_dir(build_dir)
     if dispatch.disabled():
         return CutileKernelConfig({}, use_local_kernel=True)
+    variant = _built_variant(build_dir)
     if variant is None:
-        logger.warning("cutile_kernels: no build under %s; the model keeps its own layers "
-                       "(run `cutile-kernels build`)", build_dir or registry.default_build_dir())
         return CutileKernelConfig({}, use_local_kernel=True)
     mapping = {hub: f"{variant}:{cls}" for hub, cls in MAPPING.items()}
     return CutileKernelConfig(mapping, use_local_kernel=True)
@@ -114,12 +121,10 @@ def kernelize(model, mode=None, build_dir=None):
     from kernels import kernelize as kernels_kernelize
 
     param = next(model.parameters(), None)
-    variant = variant_dir(build_dir)
     if param is None or param.device.type != "cuda" or dispatch.disabled():
         return model
+    variant = _built_variant(build_dir)
     if variant is None:
-        logger.warning("cutile_kernels: no build under %s; the model keeps its own layers "
-                       "(run `cutile-kernels build`)", build_dir or registry.default_build_dir())
         return model
     if mode is None:
         mode = Mode.TRAINING if model.training else Mode.INFERENCE

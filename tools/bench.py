@@ -196,14 +196,15 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
                 if not result.get("ok"):
                     raise RuntimeError(f"bench {step} failed: {result.get('error')}\n{result.get('traceback', result.get('stderr', ''))}")
                 report[step] = result
+                if step == "reference":
+                    ref_logits = torch.load(tmp / "reference.pt")["logits"]
                 continue
             spec = bench_paths.PATHS[step]
             result = _job(tmp, step, "path", checkpoint, s, path=step, top5=str(tmp / f"{step}.top5.pt"),
                           coverage=s.coverage and (spec.ours or step == "stock"))
             report["paths"][step] = result
             if result.get("ok"):
-                ref = torch.load(tmp / "reference.pt")["logits"]
-                hits[step] = top5_hits(torch.load(tmp / f"{step}.top5.pt"), ref)
+                hits[step] = top5_hits(torch.load(tmp / f"{step}.top5.pt"), ref_logits)
     _derive(report, hits, s)
     if out_dir is not None:
         from . import report as report_out
