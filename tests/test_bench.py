@@ -88,7 +88,9 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert report["limits"]["copy_bandwidth_Bps"] > 0 and report["limits"]["matmul_flops"] > 0
     for p in report["paths"].values():
         assert p["ok"], p.get("error")
-        assert p["prefill_ms"]["n"] == 2 and p["prefill_ms"]["median"] > 0
+        assert p["prefill_ms"]["n"] == 2 * 2 and p["prefill_ms"]["median"] > 0  # 2 repeats x 2 rounds
+        assert len(p["prefill_ms"]["round_medians"]) == 2 and len(p["decode"][0]["ttft_round_ms"]) == 2
+        assert p["decode"][0]["step_ms"]["n"] == 3 * 2
         assert [d["batch"] for d in p["decode"]] == [1, 4]
         assert all(d["tokens_per_s"] > 0 and d["ttft_ms"] > 0 for d in p["decode"])
         assert 0 < p["roofline"]["prefill_fraction"] and all(0 < d["fraction"] for d in p["roofline"]["decode"])
@@ -105,16 +107,18 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "no cuTile kernel ran" in text and "skipped liger" in text
     md = (out / "report.md").read_text()
-    assert "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
+    assert "## Rounds" in md and "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
     for png in ("throughput.png", "breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_failing_path_is_reported_not_fatal(preset_cache, tmp_path):
     s = bench.BenchSettings.for_cpu()
-    result = bench._job(tmp_path, "stock", "path", tmp_path / "no-checkpoint", s, path="stock",
-                        top5=str(tmp_path / "t.pt"))
-    assert result["ok"] is False and result["error"]
+    w = bench._Worker(tmp_path, "stock", "path", tmp_path / "no-checkpoint", s, path="stock",
+                      top5=str(tmp_path / "t.pt"))
+    result = w.call("setup")
+    assert result["ok"] is False and "no-checkpoint" in result["error"] and "Traceback" in result["log_tail"]
+    assert not w.proc.is_alive()
 
 
 def test_schema_file_is_current():

@@ -22,10 +22,8 @@ as a table and, with an output directory, written as ``bench.json``, ``report.md
 
 from __future__ import annotations
 
-import json
-import os
+import multiprocessing
 import platform
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -37,12 +35,12 @@ from . import paths as bench_paths
 from . import presets
 
 SCHEMA = "cutile-kernels/bench/2"
-WORKER = "cutile_kernels_tools.worker"
 
 
 @dataclass
 class BenchSettings:
-    """What the bench runs. Lengths in tokens; ``repeats`` timed runs after ``warmup`` ones."""
+    """What the bench runs. Lengths in tokens. Each of ``rounds`` timing rounds runs ``repeats`` timed
+    prefills and ``decode_steps`` timed decode steps per batch size, after ``warmup`` untimed ones."""
 
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: str = "bfloat16"
@@ -55,6 +53,7 @@ class BenchSettings:
     decode_steps: int = 32
     warmup: int = 3
     repeats: int = 10
+    rounds: int = 3
     coverage: bool = True
     coverage_steps: int = 4
     amdahl_speedup: float = 2.0
@@ -65,7 +64,7 @@ class BenchSettings:
     def for_cpu(cls, **kw) -> "BenchSettings":
         """Small sizes for the embedded model on a CPU (runs in seconds per path)."""
         base = dict(device="cpu", prompt_len=16, prefill_len=32, decode_batches=(1, 4), decode_prompt_len=8,
-                    decode_steps=6, warmup=1, repeats=3, coverage_steps=2)
+                    decode_steps=6, warmup=1, repeats=3, rounds=2, coverage_steps=2)
         base.update(kw)
         return cls(**base)
 
@@ -153,26 +152,66 @@ def _environment(s: BenchSettings) -> dict:
     return env
 
 
-def _job(tmp: Path, name: str, kind: str, checkpoint: Path, s: BenchSettings, **extra) -> dict:
-    job = {"kind": kind, "checkpoint": str(checkpoint), "settings": asdict(s), "out": str(tmp / f"{name}.json"),
-           "reference": str(tmp / "reference.pt"), **extra}
-    path = tmp / f"{name}.job.json"
-    path.write_text(json.dumps(job))
-    try:
-        proc = subprocess.run([sys.executable, "-m", WORKER, str(path)], capture_output=True, text=True,
-                              timeout=s.timeout_s, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"worker timed out after {s.timeout_s} s"}
-    out = Path(job["out"])
-    if not out.is_file():
-        return {"ok": False, "error": f"worker exited {proc.returncode} without a result",
-                "stderr": proc.stderr[-4000:]}
-    return json.loads(out.read_text())
+class _Worker:
+    """One job in a fresh interpreter (``multiprocessing`` spawn), driven over a pipe; see
+    :func:`.worker.serve`. A reply is a dict with ``ok``; a crash, a timeout or an exception in the
+    worker comes back as ``ok: False`` with the error and the tail of the worker's log."""
+
+    def __init__(self, tmp: Path, name: str, kind: str, checkpoint: Path, s: BenchSettings, **extra):
+        from . import worker
+
+        job = {"kind": kind, "checkpoint": str(checkpoint), "settings": asdict(s), "log": str(tmp / f"{name}.log"),
+               "reference": str(tmp / "reference.pt"), **extra}
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker.serve, args=(child, job), name=f"bench-{name}")
+        self.proc.start()
+        child.close()
+        self.timeout_s, self.log = s.timeout_s, Path(job["log"])
+
+    def call(self, cmd: str) -> dict:
+        try:
+            self.conn.send(cmd)
+            if self.conn.poll(self.timeout_s):
+                reply = self.conn.recv()
+            else:
+                reply = {"ok": False, "error": f"worker timed out after {self.timeout_s} s in {cmd}"}
+        except (EOFError, OSError):
+            self.proc.join(10)
+            reply = {"ok": False, "error": f"worker exited ({self.proc.exitcode}) during {cmd}"}
+        if not reply.get("ok"):
+            reply.setdefault("log_tail", self.log.read_text()[-4000:] if self.log.is_file() else "")
+            self.close()
+        return reply
+
+    def close(self) -> None:
+        self.conn.close()
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def _one_shot(tmp: Path, kind: str, checkpoint: Path, s: BenchSettings) -> dict:
+    w = _Worker(tmp, kind, kind, checkpoint, s)
+    result = w.call("setup")
+    if not result.get("ok"):
+        raise RuntimeError(f"bench {kind} failed: {result.get('error')}\n{result.get('traceback', result.get('log_tail', ''))}")
+    w.call("finish")
+    w.close()
+    return result
 
 
 def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None = None, progress: bool = True) -> dict:
-    """Run the bench on a preset name or checkpoint directory; returns the report (see module doc)."""
+    """Run the bench on a preset name or checkpoint directory; returns the report (see module doc).
+
+    Every path gets its own worker process, set up one after another (load, logits, coverage,
+    rehearsal); then the paths are timed in ``s.rounds`` alternating rounds, the order rotated each
+    round, so that a drift of the machine's clocks or of a neighbour's load falls on all of them.
+    """
     from tqdm import tqdm
+
+    from . import worker
 
     s = s or (BenchSettings() if torch.cuda.is_available() else BenchSettings.for_cpu())
     checkpoint, label = presets.resolve(model, seed=s.seed, device=s.device)
@@ -187,25 +226,52 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
             runnable.append(name)
     with tempfile.TemporaryDirectory(prefix="cutile-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
-        bar = tqdm(["limits", "reference", *runnable], desc="bench", disable=not progress)
-        hits = {}
-        for step in bar:
-            bar.set_postfix_str(step)
-            if step in ("limits", "reference"):
-                result = _job(tmp, step, step, checkpoint, s)
-                if not result.get("ok"):
-                    raise RuntimeError(f"bench {step} failed: {result.get('error')}\n{result.get('traceback', result.get('stderr', ''))}")
-                report[step] = result
-                if step == "reference":
-                    ref_logits = torch.load(tmp / "reference.pt")["logits"]
-                continue
-            spec = bench_paths.PATHS[step]
-            result = _job(tmp, step, "path", checkpoint, s, path=step, top5=str(tmp / f"{step}.top5.pt"),
-                          coverage=s.coverage and (spec.ours or step == "stock"))
-            report["paths"][step] = result
-            if result.get("ok"):
-                hits[step] = top5_hits(torch.load(tmp / f"{step}.top5.pt"), ref_logits)
-    _derive(report, hits, s)
+        bar = tqdm(total=2 + len(runnable) * (2 + s.rounds), desc="bench", disable=not progress)
+        for kind in ("limits", "reference"):
+            bar.set_postfix_str(kind)
+            report[kind] = _one_shot(tmp, kind, checkpoint, s)
+            bar.update()
+        ref_logits = torch.load(tmp / "reference.pt")["logits"]
+        workers, setups, rounds, hits = {}, {}, {}, {}
+        try:
+            for name in runnable:
+                bar.set_postfix_str(f"{name}: setup")
+                spec = bench_paths.PATHS[name]
+                workers[name] = _Worker(tmp, name, "path", checkpoint, s, path=name, top5=str(tmp / f"{name}.top5.pt"),
+                                        coverage=s.coverage and (spec.ours or name == "stock"))
+                setups[name] = workers[name].call("setup")
+                if setups[name]["ok"]:
+                    hits[name] = top5_hits(torch.load(tmp / f"{name}.top5.pt"), ref_logits)
+                    rounds[name] = []
+                else:
+                    report["paths"][name] = setups[name]
+                bar.update()
+            for r in range(s.rounds):
+                live = [n for n in runnable if n in rounds]
+                for name in live[r % max(len(live), 1):] + live[:r % max(len(live), 1)]:
+                    bar.set_postfix_str(f"{name}: round {r + 1}/{s.rounds}")
+                    result = workers[name].call("round")
+                    if result["ok"]:
+                        rounds[name].append(result)
+                    else:
+                        report["paths"][name] = result
+                        del rounds[name]
+                    bar.update()
+            for name in runnable:
+                if name in rounds:
+                    result = workers[name].call("finish")
+                    if result["ok"]:
+                        report["paths"][name] = {**worker.combine_rounds(setups[name], rounds[name], asdict(s)),
+                                                 **result}
+                    else:
+                        report["paths"][name] = result
+                bar.update()
+        finally:
+            for w in workers.values():
+                w.close()
+            bar.close()
+    report["paths"] = {n: report["paths"][n] for n in runnable if n in report["paths"]}
+    _derive(report, {n: h for n, h in hits.items() if report["paths"].get(n, {}).get("ok")}, s)
     if out_dir is not None:
         from . import report as report_out
 

@@ -23,7 +23,7 @@ def _bench(args) -> int:
     base = bench.BenchSettings() if device.startswith("cuda") else bench.BenchSettings.for_cpu()
     overrides = {k: v for k, v in {
         "device": device, "seed": args.seed, "prompt_batch": args.prompt_batch, "prompt_len": args.prompt_len,
-        "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats,
+        "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats, "rounds": args.rounds,
         "decode_batches": tuple(args.decode_batch) if args.decode_batch else None,
         "coverage": False if args.no_coverage else None,
         "paths": tuple(args.paths) if args.paths else None,
@@ -99,9 +99,10 @@ def main(argv=None) -> int:
     b.add_argument("--prompt-batch", type=_positive, help="prompts in the correctness batch")
     b.add_argument("--prompt-len", type=_positive, help="tokens per correctness prompt")
     b.add_argument("--prefill-len", type=_positive, help="tokens of the timed batch-1 prefill")
-    b.add_argument("--decode-batch", type=_positive, nargs="+", help="decode batch sizes (default 1 16)")
+    b.add_argument("--decode-batch", type=_positive, nargs="+", help="decode batch sizes (default 1 4 16)")
     b.add_argument("--decode-steps", type=_positive, help="timed decode steps per batch size")
-    b.add_argument("--repeats", type=_positive, help="timed prefills")
+    b.add_argument("--repeats", type=_positive, help="timed prefills per round")
+    b.add_argument("--rounds", type=_positive, help="alternating timing rounds over the paths (default 3)")
     b.add_argument("--paths", nargs="+", choices=list(bench_paths.PATHS),
                    help="paths to run (default: all that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")

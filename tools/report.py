@@ -31,8 +31,10 @@ def markdown(report: dict, plots: list[str]) -> str:
                  + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + ".")
     lines.append(f"Limits measured at the start: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write), "
                  f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s (n = {lim['matmul_n']}).")
-    lines.append(f"Prefill: batch 1 x {s['prefill_len']} tokens, median of {s['repeats']}. Decode: greedy after "
-                 f"{s['decode_prompt_len']} prompt tokens, median of {s['decode_steps']} steps after a rehearsal. "
+    lines.append(f"Each path runs in its own process; after an untimed rehearsal the paths are timed in "
+                 f"{s.get('rounds', 1)} alternating rounds. Prefill: batch 1 x {s['prefill_len']} tokens, "
+                 f"{s['repeats']} per round. Decode: greedy after {s['decode_prompt_len']} prompt tokens, "
+                 f"{s['decode_steps']} steps per round after {s['warmup']} untimed. Medians over all samples. "
                  f"Correctness: {s['prompt_batch']} x {s['prompt_len']} seeded tokens against float32 stock logits.")
     lines += ["", "## Paths", "",
               "| path | rel L2 err | KL | top-5 | gate | prefill ms | prefill tok/s | % roof | TTFT ms b1 | "
@@ -53,6 +55,7 @@ def markdown(report: dict, plots: list[str]) -> str:
             + ", ".join(f"{d['fraction']:.1%}" for d in r["decode"]) + f" | {p['peak_memory_bytes'] / 1e9:.2f} |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
+    lines += _round_table(report)
     for name, p in _ok(report).items():
         cov = p.get("coverage")
         if not cov:
@@ -73,6 +76,22 @@ def markdown(report: dict, plots: list[str]) -> str:
     if "note" in report:
         lines += ["", report["note"]]
     return "\n".join(lines) + "\n"
+
+
+def _round_table(report: dict) -> list[str]:
+    """Per-round medians: how much the machine drifted while the paths alternated."""
+    ok = {n: p for n, p in _ok(report).items() if p["prefill_ms"].get("round_medians")}
+    if not ok:
+        return []
+    batches = [d["batch"] for d in next(iter(ok.values()))["decode"]]
+    lines = ["", "## Rounds", "", "Median of each timing round, in the order run (prefill ms; decode ms per step).", "",
+             "| path | prefill | " + " | ".join(f"decode b{b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
+    for name, p in ok.items():
+        cells = [", ".join(f"{x:.2f}" for x in p["prefill_ms"]["round_medians"])]
+        cells += [", ".join(f"{x:.2f}" for x in d["step_ms"]["round_medians"]) for d in p["decode"]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot_throughput(report: dict, path: Path) -> Path | None:

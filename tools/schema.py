@@ -19,10 +19,11 @@ class _Model(BaseModel):
 
 
 class Spread(_Model):
-    median: float
+    median: float = Field(description="median of every sample of every round")
     min: float
     max: float
     n: int
+    round_medians: Optional[list[float]] = Field(default=None, description="median of each timing round, in order")
 
 
 class Correctness(_Model):
@@ -34,7 +35,8 @@ class Correctness(_Model):
 
 class Decode(_Model):
     batch: int
-    ttft_ms: float = Field(description="prefill of the decode prompt: time to the first token")
+    ttft_ms: float = Field(description="prefill of the decode prompt: time to the first token (median over rounds)")
+    ttft_round_ms: Optional[list[float]] = Field(default=None, description="time to the first token in each round")
     step_ms: Spread
     tokens_per_s: float
 

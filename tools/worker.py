@@ -1,14 +1,21 @@
-"""One bench job in its own process: ``python -m cutile_kernels_tools.worker JOB.json``.
+"""Bench jobs in their own processes, driven by :mod:`.bench` over a pipe (``multiprocessing`` spawn:
+a fresh interpreter per path, so no patch leaks from one path into another).
 
-A job is the machine limits, the float32 reference logits, or one path (see :mod:`.paths`): load,
-logits on the shared prompt batch, prefill, time to first token and decode timing, peak memory,
-our launch counters and, when asked, kernel coverage. The result is written as JSON beside the job
-(top-5 indices as a tensor file, for the paired gate in the parent).
+A job is the machine limits, the float32 reference logits, or one path (see :mod:`.paths`). A path
+worker stays alive for the whole bench so that the parent can time the paths in alternating rounds
+on one warm GPU:
+
+* ``setup``: load; logits on the shared prompt batch (top-5 indices saved as a tensor file for the
+  paired gate); kernel coverage when asked; an untimed rehearsal of the prefill and of every decode
+  batch size (cuDNN attention builds a plan per KV length; compiled paths compile and capture);
+* ``round``: ``repeats`` timed prefills and, per batch size, a timed time-to-first-token and
+  ``decode_steps`` timed decode steps after ``warmup`` untimed ones, reusing the rehearsed caches;
+* ``finish``: our launch counters over the timed rounds and peak memory.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import resource
 import statistics
 import sys
@@ -63,8 +70,19 @@ class Decoder:
         else:
             self.cache = DynamicCache(config=model.config)
             self.step_fn = model
-        self.pos = prompt_len
+        self.prompt_len = self.pos = prompt_len
         self.device = device
+
+    def reset(self) -> None:
+        """Empty the cache for another run over the same lengths. A StaticCache is zeroed in place:
+        a new one would have new addresses, and the compiled step would recompile and recapture."""
+        from transformers import DynamicCache
+
+        if self.compiled:
+            self.cache.reset()
+        else:
+            self.cache = DynamicCache(config=self.model.config)
+        self.pos = self.prompt_len
 
     @torch.inference_mode()
     def prefill(self) -> float:
@@ -95,30 +113,17 @@ def _compiled_forward(model):
     return _COMPILED[id(model)]
 
 
-def measure_decode(model, s: dict, batch: int, compiled: bool) -> dict:
-    """Decode tokens/s at one batch size: an untimed rehearsal over the same lengths first (cuDNN
-    attention builds a plan per KV length; compiled paths compile and capture), then timed steps."""
-    steps = s["warmup"] + s["decode_steps"]
-    rehearsal = Decoder(model, batch, s["decode_prompt_len"], steps, s["device"], compiled, s["seed"])
-    rehearsal.prefill()
-    for _ in range(steps):
-        rehearsal.step()
-    del rehearsal
-    dec = Decoder(model, batch, s["decode_prompt_len"], steps, s["device"], compiled, s["seed"])
+def decode_run(dec: Decoder, warmup: int, steps: int) -> tuple[float, list[float]]:
+    """One run on a reset decoder: (time to first token ms, the timed step ms after ``warmup``)."""
+    dec.reset()
     ttft = dec.prefill()
-    ms = [dec.step() for _ in range(steps)][s["warmup"]:]
-    sp = spread(ms)
-    return {"batch": batch, "ttft_ms": ttft, "step_ms": sp, "tokens_per_s": batch / (sp["median"] / 1e3)}
+    ms = [dec.step() for _ in range(warmup + steps)]
+    return ttft, ms[warmup:]
 
 
-@torch.inference_mode()
-def measure_prefill(model, s: dict) -> dict:
+def prefill_ids(model, s: dict) -> torch.Tensor:
     gen = torch.Generator().manual_seed(s["seed"] + 7)
-    ids = torch.randint(0, model.config.vocab_size, (1, s["prefill_len"]), generator=gen).to(s["device"])
-    timer = _Timer(s["device"])
-    for _ in range(s["warmup"]):
-        model(ids, use_cache=False)
-    return spread([timer(lambda: model(ids, use_cache=False)) for _ in range(s["repeats"])])
+    return torch.randint(0, model.config.vocab_size, (1, s["prefill_len"]), generator=gen).to(s["device"])
 
 
 def runtime_copies() -> list:
@@ -169,30 +174,73 @@ def _peak_memory(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_path(job: dict) -> dict:
-    s, name = job["settings"], job["path"]
-    spec = paths.PATHS[name]
-    dtype = getattr(torch, s["dtype"])
-    model = paths.load(name, Path(job["checkpoint"]), dtype, s["device"])
-    ref = torch.load(job["reference"])
-    with torch.inference_mode():
-        logits = model(ref["prompt"].to(s["device"]), use_cache=False).logits.float().cpu()
-    from .bench import logit_metrics
+class PathSession:
+    """One path's model, kept loaded across the bench's timing rounds (see the module doc)."""
 
-    out = {"path": name, "description": spec.description, "correctness": logit_metrics(logits, ref["logits"]),
-           "kernelized_layers": kernelized_layers(model), "weight_bytes": limits.weight_bytes(model),
-           "n_params": sum(p.numel() for p in model.parameters())}
-    torch.save(logits.topk(5, dim=-1).indices, job["top5"])
-    del logits
-    for d in runtime_copies():
-        d.reset_stats()
-    out["prefill_ms"] = measure_prefill(model, s)
+    def __init__(self, job: dict):
+        self.job, self.s, self.name = job, job["settings"], job["path"]
+        self.spec = paths.PATHS[self.name]
+        self.timer = _Timer(self.s["device"])
+
+    def setup(self) -> dict:
+        s, job = self.s, self.job
+        model = self.model = paths.load(self.name, Path(job["checkpoint"]), getattr(torch, s["dtype"]), s["device"])
+        ref = torch.load(job["reference"])
+        with torch.inference_mode():
+            logits = model(ref["prompt"].to(s["device"]), use_cache=False).logits.float().cpu()
+        from .bench import logit_metrics
+
+        out = {"path": self.name, "description": self.spec.description,
+               "correctness": logit_metrics(logits, ref["logits"]), "kernelized_layers": kernelized_layers(model),
+               "weight_bytes": limits.weight_bytes(model), "n_params": sum(p.numel() for p in model.parameters())}
+        torch.save(logits.topk(5, dim=-1).indices, job["top5"])
+        del logits, ref
+        if job.get("coverage"):
+            out["coverage"] = run_coverage(model, s, self.spec.compile)
+        self.ids = prefill_ids(model, s)
+        self.decoders = {b: Decoder(model, b, s["decode_prompt_len"], s["warmup"] + s["decode_steps"], s["device"],
+                                    self.spec.compile, s["seed"]) for b in s["decode_batches"]}
+        with torch.inference_mode():  # the rehearsal: nothing timed is the first of its kind
+            for _ in range(s["warmup"]):
+                model(self.ids, use_cache=False)
+            for dec in self.decoders.values():
+                decode_run(dec, s["warmup"], s["decode_steps"])
+        for d in runtime_copies():
+            d.reset_stats()
+        return out
+
+    @torch.inference_mode()
+    def round(self) -> dict:
+        """Timed samples of one round: prefill ms, and per batch size TTFT ms and decode step ms."""
+        s = self.s
+        out = {"prefill_ms": [self.timer(lambda: self.model(self.ids, use_cache=False)) for _ in range(s["repeats"])],
+               "decode": {}}
+        for b, dec in self.decoders.items():
+            ttft, ms = decode_run(dec, s["warmup"], s["decode_steps"])
+            out["decode"][b] = {"ttft_ms": ttft, "step_ms": ms}
+        return out
+
+    def finish(self) -> dict:
+        return {"runtime": merged_stats(), "peak_memory_bytes": _peak_memory(self.s["device"])}
+
+
+def combine_rounds(setup: dict, rounds: list[dict], s: dict) -> dict:
+    """The path's result from its setup and its rounds: medians over every sample of every round,
+    with the per-round medians beside them (the spread between rounds is the machine's drift)."""
+    def merged(samples_per_round):
+        out = spread([x for r in samples_per_round for x in r])
+        out["round_medians"] = [statistics.median(r) for r in samples_per_round]
+        return out
+
+    out = dict(setup)
+    out["prefill_ms"] = merged([r["prefill_ms"] for r in rounds])
     out["prefill_tokens_per_s"] = s["prefill_len"] / (out["prefill_ms"]["median"] / 1e3)
-    out["decode"] = [measure_decode(model, s, b, spec.compile) for b in s["decode_batches"]]
-    out["runtime"] = merged_stats()
-    out["peak_memory_bytes"] = _peak_memory(s["device"])
-    if job.get("coverage"):
-        out["coverage"] = run_coverage(model, s, spec.compile)
+    out["decode"] = []
+    for b in s["decode_batches"]:
+        step = merged([r["decode"][b]["step_ms"] for r in rounds])
+        ttfts = [r["decode"][b]["ttft_ms"] for r in rounds]
+        out["decode"].append({"batch": b, "ttft_ms": statistics.median(ttfts), "ttft_round_ms": ttfts,
+                              "step_ms": step, "tokens_per_s": b / (step["median"] / 1e3)})
     return out
 
 
@@ -226,22 +274,41 @@ def run_reference(job: dict) -> dict:
     return {"model_type": model.config.model_type, "vocab_size": model.config.vocab_size}
 
 
-def main(argv=None) -> int:
-    job_path = Path((argv or sys.argv[1:])[0])
-    job = json.loads(job_path.read_text())
-    try:
-        if job["kind"] == "limits":
-            result = limits.measure(job["settings"]["device"])
-        elif job["kind"] == "reference":
-            result = run_reference(job)
-        else:
-            result = run_path(job)
-        result["ok"] = True
-    except Exception as exc:  # noqa: BLE001 - a failing path is reported, the bench goes on
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
-    Path(job["out"]).write_text(json.dumps(result, indent=1, default=float) + "\n")
-    return 0
+class _OneShot:
+    """A limits or reference job: all its work happens in ``setup``."""
+
+    def __init__(self, job: dict):
+        self.job = job
+
+    def setup(self) -> dict:
+        if self.job["kind"] == "limits":
+            return limits.measure(self.job["settings"]["device"])
+        return run_reference(self.job)
+
+    def finish(self) -> dict:
+        return {}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def serve(conn, job: dict) -> None:
+    """Worker process entry point: answer ``setup``, ``round`` and ``finish`` commands on ``conn``
+    (each reply a dict with ``ok``); stdout and stderr go to ``job["log"]``."""
+    with open(job["log"], "a", buffering=1) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = sys.stderr = log
+        session = PathSession(job) if job["kind"] == "path" else _OneShot(job)
+        while True:
+            try:
+                cmd = conn.recv()
+            except EOFError:
+                return
+            try:
+                reply = getattr(session, cmd)()
+                reply["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - a failing path is reported, the bench goes on
+                traceback.print_exc()
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                         "traceback": traceback.format_exc()[-4000:]}
+            conn.send(reply)
+            if cmd == "finish" or not reply["ok"]:
+                return
