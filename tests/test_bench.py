@@ -196,7 +196,7 @@ def test_cli_reports_bad_arguments_without_a_traceback(capsys, tmp_path):
 def test_cuda_attribution_from_profiler_events():
     """The CUDA branch of coverage.attribute on synthetic profiler events: module ranges are GPU
     annotations (found on the H200: they are not kernels), the innermost containing range is the
-    module, and the op comes from the correlated CPU event."""
+    module, and the op comes from the correlated CPU op event (not a runtime event with the same id)."""
     from types import SimpleNamespace as NS
 
     from cutile_kernels_tools import coverage
@@ -209,8 +209,10 @@ def test_cuda_attribution_from_profiler_events():
 
     layer = NS(name="module::model.layers.0", device_type=cpu, id=1, cpu_parent=None)
     mm = NS(name="aten::mm", device_type=cpu, id=7, cpu_parent=layer)
+    # A CUDA runtime event whose own id collides with the op's id, linked to the op.
+    launch = NS(name="cudaLaunchKernel", device_type=cpu, id=7, linked_correlation_id=7, cpu_parent=None)
     events = [
-        layer, mm,
+        layer, mm, launch,
         dev("module::model.layers.0", 0, 100, ann=True),
         dev("module::model.layers.0.mlp", 10, 60, ann=True),
         dev("gemm_kernel", 20, 50, corr=7),

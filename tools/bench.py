@@ -40,7 +40,9 @@ SCHEMA = "cutile-kernels/bench/2"
 @dataclass
 class BenchSettings:
     """What the bench runs. Lengths in tokens. Each of ``rounds`` timing rounds runs ``repeats`` timed
-    prefills and ``decode_steps`` timed decode steps per batch size, after ``warmup`` untimed ones."""
+    prefills and ``decode_steps`` timed decode steps per batch size, after ``warmup`` untimed ones;
+    ``warm_rounds`` untimed rounds over all paths come first (on the H200 the first round after the
+    setups ran 10-50 % slower on every path)."""
 
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     dtype: str = "bfloat16"
@@ -54,6 +56,7 @@ class BenchSettings:
     warmup: int = 3
     repeats: int = 10
     rounds: int = 3
+    warm_rounds: int = 1
     coverage: bool = True
     coverage_steps: int = 4
     amdahl_speedup: float = 2.0
@@ -206,8 +209,9 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
     """Run the bench on a preset name or checkpoint directory; returns the report (see module doc).
 
     Every path gets its own worker process, set up one after another (load, logits, coverage,
-    rehearsal); then the paths are timed in ``s.rounds`` alternating rounds, the order rotated each
-    round, so that a drift of the machine's clocks or of a neighbour's load falls on all of them.
+    rehearsal); then, after ``s.warm_rounds`` untimed rounds, the paths are timed in ``s.rounds``
+    alternating rounds, the order rotated each round, so that a drift of the machine's clocks or of
+    a neighbour's load falls on all of them.
     """
     from tqdm import tqdm
 
@@ -226,7 +230,7 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
             runnable.append(name)
     with tempfile.TemporaryDirectory(prefix="cutile-bench-") as tmp_dir:
         tmp = Path(tmp_dir)
-        bar = tqdm(total=2 + len(runnable) * (2 + s.rounds), desc="bench", disable=not progress)
+        bar = tqdm(total=2 + len(runnable) * (2 + s.warm_rounds + s.rounds), desc="bench", disable=not progress)
         for kind in ("limits", "reference"):
             bar.set_postfix_str(kind)
             report[kind] = _one_shot(tmp, kind, checkpoint, s)
@@ -246,13 +250,14 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
                 else:
                     report["paths"][name] = setups[name]
                 bar.update()
-            for r in range(s.rounds):
+            for r in range(-s.warm_rounds, s.rounds):
                 live = [n for n in runnable if n in rounds]
                 for name in live[r % max(len(live), 1):] + live[:r % max(len(live), 1)]:
-                    bar.set_postfix_str(f"{name}: round {r + 1}/{s.rounds}")
+                    bar.set_postfix_str(f"{name}: " + (f"round {r + 1}/{s.rounds}" if r >= 0 else "warm round"))
                     result = workers[name].call("round")
                     if result["ok"]:
-                        rounds[name].append(result)
+                        if r >= 0:
+                            rounds[name].append(result)
                     else:
                         report["paths"][name] = result
                         del rounds[name]

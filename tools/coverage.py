@@ -101,7 +101,12 @@ def attribute(events, device: str) -> list[dict]:
         # innermost one whose interval contains it (our kernels are launched from Python, outside
         # any aten op, so CPU-side parentage would not find theirs). The launching op comes from
         # the CPU event the kernel is correlated with, when there is one.
-        cpu_by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+        # Kernels link to the op that launched them by the op's id; CUDA runtime events (the
+        # cudaLaunchKernel calls) link to it too and carry ids of their own, from another counter
+        # that collides with op ids (seen on the H200: every op came back unknown). Index only the
+        # frontend events, the ones not linked to anything.
+        cpu_by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                     and not getattr(e, "linked_correlation_id", 0)}
         device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         ranges = sorted(((e.time_range.start, e.time_range.end, e.name[len(MODULE_PREFIX):])
                          for e in device_events if e.name.startswith(MODULE_PREFIX)), key=lambda r: r[1] - r[0])

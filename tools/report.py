@@ -31,8 +31,8 @@ def markdown(report: dict, plots: list[str]) -> str:
                  + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + ".")
     lines.append(f"Limits measured at the start: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write), "
                  f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s (n = {lim['matmul_n']}).")
-    lines.append(f"Each path runs in its own process; after an untimed rehearsal the paths are timed in "
-                 f"{s.get('rounds', 1)} alternating rounds. Prefill: batch 1 x {s['prefill_len']} tokens, "
+    lines.append(f"Each path runs in its own process; after an untimed rehearsal and {s.get('warm_rounds', 0)} "
+                 f"untimed round(s) the paths are timed in {s.get('rounds', 1)} alternating rounds. Prefill: batch 1 x {s['prefill_len']} tokens, "
                  f"{s['repeats']} per round. Decode: greedy after {s['decode_prompt_len']} prompt tokens, "
                  f"{s['decode_steps']} steps per round after {s['warmup']} untimed. Medians over all samples. "
                  f"Correctness: {s['prompt_batch']} x {s['prompt_len']} seeded tokens against float32 stock logits.")
