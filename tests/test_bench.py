@@ -196,31 +196,41 @@ def test_cli_reports_bad_arguments_without_a_traceback(capsys, tmp_path):
 def test_cuda_attribution_from_profiler_events():
     """The CUDA branch of coverage.attribute on synthetic profiler events: module ranges are GPU
     annotations (found on the H200: they are not kernels), the innermost containing range is the
-    module, and the op comes from the correlated CPU op event (not a runtime event with the same id)."""
+    module, and the op is the innermost aten op around the runtime call torch hung the kernel on."""
     from types import SimpleNamespace as NS
 
     from cutile_kernels_tools import coverage
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def dev(name, a, b, corr=0, ann=False):
-        return NS(name=name, device_type=cuda, time_range=NS(start=a, end=b), linked_correlation_id=corr,
-                  is_user_annotation=ann, id=-1, cpu_parent=None)
+    def dev(name, a, b, ann=False):
+        return NS(name=name, device_type=cuda, time_range=NS(start=a, end=b), is_user_annotation=ann, cpu_parent=None)
 
-    layer = NS(name="module::model.layers.0", device_type=cpu, id=1, cpu_parent=None)
-    mm = NS(name="aten::mm", device_type=cpu, id=7, cpu_parent=layer)
-    # A CUDA runtime event whose own id collides with the op's id, linked to the op.
-    launch = NS(name="cudaLaunchKernel", device_type=cpu, id=7, linked_correlation_id=7, cpu_parent=None)
+    def host(name, a, b, kernels=()):
+        return NS(name=name, device_type=cpu, time_range=NS(start=a, end=b), cpu_parent=None,
+                  kernels=[NS(name=k, duration=d) for k, d in kernels])
+
+    # CPU side: module range > aten::linear > aten::mm; torch hangs the kernels on the CUDA runtime
+    # call, which CUPTI records under another thread id, so it has no CPU parent.
     events = [
-        layer, mm, launch,
+        host("module::model.layers.0", 0, 100),
+        host("aten::linear", 10, 40),
+        host("aten::mm", 12, 38),
+        host("cudaLaunchKernel", 30, 32, kernels=[("gemm_kernel", 30)]),
+        host("aten::add", 41, 45),
+        host("cutile_kernels::rms_norm", 55, 65),
+        host("cuLaunchKernel", 60, 61, kernels=[("our_symbol", 10)]),
+        host("cuLaunchKernel", 90, 91, kernels=[("orphan", 1)]),
         dev("module::model.layers.0", 0, 100, ann=True),
         dev("module::model.layers.0.mlp", 10, 60, ann=True),
-        dev("gemm_kernel", 20, 50, corr=7),
+        dev("gemm_kernel", 20, 50),
         dev("our_symbol", 70, 80),
+        dev("orphan", 95, 96),
         dev("gpu_user_annotation_other", 0, 5, ann=True),
     ]
     recs = coverage.attribute(events, "cuda")
     assert recs == [
         {"kernel": "gemm_kernel", "us": 30, "op": "aten::mm", "module": "model.layers.0.mlp"},
-        {"kernel": "our_symbol", "us": 10, "op": None, "module": "model.layers.0"},
+        {"kernel": "our_symbol", "us": 10, "op": "cutile_kernels::rms_norm", "module": "model.layers.0"},
+        {"kernel": "orphan", "us": 1, "op": None, "module": "model.layers.0"},
     ]

@@ -77,6 +77,29 @@ def _ancestors(evt):
         p = p.cpu_parent
 
 
+def _is_op(name: str) -> bool:
+    return "::" in name and not name.startswith(MODULE_PREFIX)
+
+
+class _Intervals:
+    """Nested (start, end, name) intervals; :meth:`innermost` finds the deepest one holding a time."""
+
+    def __init__(self, items):
+        self.items = sorted(items, key=lambda r: (r[0], -r[1]))
+        self.starts = [r[0] for r in self.items]
+
+    def innermost(self, t: float, max_walk: int = 512) -> str | None:
+        import bisect
+
+        # Walking back from the last interval that starts at or before t, the first one still open
+        # at t is the innermost (intervals on one thread nest); siblings that ended are skipped.
+        i = bisect.bisect_right(self.starts, t) - 1
+        for j in range(i, max(i - max_walk, -1), -1):
+            if self.items[j][1] >= t:
+                return self.items[j][2]
+        return None
+
+
 def profile_steps(model, run_steps, device: str):
     """Profile ``run_steps()`` with module ranges; returns the profiler's function events."""
     from torch.profiler import ProfilerActivity, profile
@@ -101,12 +124,19 @@ def attribute(events, device: str) -> list[dict]:
         # innermost one whose interval contains it (our kernels are launched from Python, outside
         # any aten op, so CPU-side parentage would not find theirs). The launching op comes from
         # the CPU event the kernel is correlated with, when there is one.
-        # Kernels link to the op that launched them by the op's id; CUDA runtime events (the
-        # cudaLaunchKernel calls) link to it too and carry ids of their own, from another counter
-        # that collides with op ids (seen on the H200: every op came back unknown). Index only the
-        # frontend events, the ones not linked to anything.
-        cpu_by_id = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU
-                     and not getattr(e, "linked_correlation_id", 0)}
+        # The launching op: torch attaches each kernel to the CPU event it is correlated with
+        # (``FunctionEvent.kernels``; torch 2.11 keeps no link on the kernel's own event, seen on the
+        # H200). That event may be the CUDA runtime call, recorded by CUPTI under another thread id
+        # and so without a CPU parent: then the op is the innermost aten op whose interval holds
+        # the call. A kernel name launched by several ops gets the one with the most time.
+        cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+        ops = _Intervals((e.time_range.start, e.time_range.end, e.name) for e in cpu if _is_op(e.name))
+        op_time = defaultdict(lambda: defaultdict(float))
+        for e in cpu:
+            for k in getattr(e, "kernels", None) or ():
+                op = e.name if _is_op(e.name) else ops.innermost(e.time_range.start)
+                op_time[k.name][op] += k.duration
+        op_of = {name: max(t, key=t.get) for name, t in op_time.items()}
         device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         ranges = sorted(((e.time_range.start, e.time_range.end, e.name[len(MODULE_PREFIX):])
                          for e in device_events if e.name.startswith(MODULE_PREFIX)), key=lambda r: r[1] - r[0])
@@ -115,9 +145,7 @@ def attribute(events, device: str) -> list[dict]:
                 continue
             start, end = evt.time_range.start, evt.time_range.end
             module = next((name for a, b, name in ranges if a <= start and end <= b), None)
-            launch = cpu_by_id.get(getattr(evt, "linked_correlation_id", 0))
-            chain = [launch, *_ancestors(launch)] if launch is not None else []
-            op = next((a.name for a in chain if "::" in a.name and not a.name.startswith(MODULE_PREFIX)), None)
+            op = op_of.get(evt.name)
             records.append({"kernel": evt.name, "us": end - start, "op": op, "module": module})
     else:
         # CPU: leaf aten ops are the "kernels"; their self time is the device time.
