@@ -7,10 +7,11 @@ names to them; :data:`MAPPING` gathers those rows, so adding a layer edits only 
 
 from __future__ import annotations
 
-from . import norm
+from . import norm, rope
 from .norm import CutileRMSNorm
+from .rope import CutileRotaryPosEmb
 
-_FAMILY_MODULES = (norm,)
+_FAMILY_MODULES = (norm, rope)
 
 #: transformers hub layer name -> class name in this package, gathered from the family modules.
 MAPPING: dict[str, str] = {}
@@ -19,6 +20,11 @@ for _mod in _FAMILY_MODULES:
         if _hub_name in MAPPING:
             raise RuntimeError(f"hub layer {_hub_name!r} is mapped twice")
         MAPPING[_hub_name] = _cls_name
+
+from .attention import cutile_attention_forward, register_attention  # noqa: E402
+
+# attn_implementation="cutile" works as soon as the package is imported.
+register_attention()
 
 
 def kernel_config(build_dir=None):
@@ -35,4 +41,4 @@ def kernelize(model, mode=None, build_dir=None):
     return _kernelize(model, mode=mode, build_dir=build_dir)
 
 
-__all__ = ["CutileRMSNorm", "MAPPING", "kernel_config", "kernelize"]
+__all__ = ["CutileRMSNorm", "CutileRotaryPosEmb", "MAPPING", "kernel_config", "kernelize"]

@@ -6,8 +6,9 @@ Two entry points, one mapping (``layers.MAPPING``), both loading the build varia
 * :func:`kernel_config` for ``from_pretrained(..., use_kernels=True, kernel_config=...)``;
 * :func:`kernelize` for a model that is already loaded.
 
-On a model that is not on CUDA, with ``CUTILE_KERNELS_DISABLE=1``, or without a build, nothing
-changes (the last logs a warning naming ``cutile-kernels build``).
+Both also apply the fallback patcher (``layers.patch``) to CUDA models, for what the mapping
+cannot reach. On a model that is not on CUDA, with ``CUTILE_KERNELS_DISABLE=1``, or without a
+build, nothing changes (the last logs a warning naming ``cutile-kernels build``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ def _built_variant(build_dir) -> Path | None:
     return variant
 
 
+def _mapping_in_build(variant: Path) -> dict[str, str]:
+    """The rows of ``MAPPING`` whose layer class the build at ``variant`` ships, with a warning
+    naming the others: a build made by an older cutile-kernels lacks newer layers, and mapping
+    one of those makes ``kernels`` raise (``Layer ... not found``) even on a CPU model."""
+    from kernels import get_local_kernel
+
+    built = get_local_kernel(variant).layers
+    missing = sorted(cls for cls in MAPPING.values() if not hasattr(built, cls))
+    if missing:
+        logger.warning("cutile_kernels: the build under %s has no %s (it predates them); those layers stay "
+                       "stock (run `cutile-kernels build`)", variant, ", ".join(missing))
+    return {hub: cls for hub, cls in MAPPING.items() if hasattr(built, cls)}
+
+
 def _unwrap(value):
     """``"path:Layer"`` from the forms transformers rewrites mapping values into."""
     if isinstance(value, tuple):
@@ -63,7 +78,15 @@ class CutileKernelConfig(KernelConfig):
 
     On a model that is not on CUDA the mapping becomes empty, so nothing is replaced (stock
     transformers raises for a local mapping on ``cpu``).
+
+    With ``patch_model=True`` (what :func:`kernel_config` sets when a build is found), a CUDA model
+    also gets the fallback patcher's patches (``layers.patch.patch``) when transformers prepares
+    the mapping, i.e. after its weights are loaded and before the hub layers are swapped.
     """
+
+    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, patch_model=False):
+        super().__init__(kernel_mapping, use_local_kernel=use_local_kernel, inherit_mapping=inherit_mapping)
+        self.patch_model = patch_model
 
     def sanitize_kernel_mapping(self, model):
         self.store_registered_layer_names(model)
@@ -79,6 +102,10 @@ class CutileKernelConfig(KernelConfig):
             self.kernel_mapping = {}
             return
         super().create_compatible_mapping(model, compile=compile)
+        if self.patch_model:
+            from .patch import patch
+
+            patch(model)
 
 
 def kernel_config(build_dir=None) -> KernelConfig:
@@ -90,8 +117,9 @@ def kernel_config(build_dir=None) -> KernelConfig:
 
     Returns:
         A :class:`CutileKernelConfig` mapping each transformers hub layer name in
-        ``layers.MAPPING`` to ``"<build>/torch-cuda:<Layer>"`` with ``use_local_kernel=True``, or an
-        empty one (nothing changes) when disabled or when no build exists.
+        ``layers.MAPPING`` to ``"<build>/torch-cuda:<Layer>"`` with ``use_local_kernel=True`` that
+        also applies the fallback patcher to CUDA models (``patch_model=True``), or an empty one
+        (nothing changes) when disabled or when no build exists.
 
     Example::
 
@@ -104,8 +132,8 @@ def kernel_config(build_dir=None) -> KernelConfig:
     variant = _built_variant(build_dir)
     if variant is None:
         return CutileKernelConfig({}, use_local_kernel=True)
-    mapping = {hub: f"{variant}:{cls}" for hub, cls in MAPPING.items()}
-    return CutileKernelConfig(mapping, use_local_kernel=True)
+    mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items()}
+    return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True)
 
 
 def kernelize(model, mode=None, build_dir=None):
@@ -116,6 +144,10 @@ def kernelize(model, mode=None, build_dir=None):
         mode: a ``kernels.Mode`` (default: INFERENCE, or TRAINING when ``model.training``; our
             layers are inference-only, so TRAINING keeps the original forwards).
         build_dir: as for :func:`kernel_config`.
+
+    After the hub layers (and transformers' ``rotary_pos_emb`` function) are swapped, the fallback
+    patcher's registered patches are applied too (``layers.patch.patch``: e.g. the residual add
+    fused into the decoder layers' RMSNorms); ``cutile_kernels.unpatch(model)`` undoes those.
     """
     from kernels import LocalLayerRepository, Mode, use_kernel_mapping
     from kernels import kernelize as kernels_kernelize
@@ -131,8 +163,11 @@ def kernelize(model, mode=None, build_dir=None):
     mapping = {
         hub: {"cuda": {m: LocalLayerRepository(variant, layer_name=cls)
                        for m in (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE)}}
-        for hub, cls in MAPPING.items()
+        for hub, cls in _mapping_in_build(variant).items()
     }
     with use_kernel_mapping(mapping, inherit_mapping=False):
         kernels_kernelize(model, mode=mode, device="cuda", use_fallback=True)
+    from .patch import patch
+
+    patch(model)
     return model

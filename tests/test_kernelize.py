@@ -156,11 +156,10 @@ def test_validator_is_real():
 
 
 def test_mapping_names_are_transformers_hub_names():
-    assert layers.MAPPING == {"RMSNorm": "CutileRMSNorm"}
-    for hub_name, cls_name in layers.MAPPING.items():
-        assert getattr(layers, cls_name) is CutileRMSNorm
-        for norm_cls in (LlamaRMSNorm, Qwen3RMSNorm):
-            assert norm_cls.kernel_layer_name == hub_name
+    assert layers.MAPPING == {"RMSNorm": "CutileRMSNorm", "rotary_pos_emb": "CutileRotaryPosEmb"}
+    assert getattr(layers, layers.MAPPING["RMSNorm"]) is CutileRMSNorm
+    for norm_cls in (LlamaRMSNorm, Qwen3RMSNorm):
+        assert norm_cls.kernel_layer_name == "RMSNorm"
 
 
 def test_layer_forward_is_the_reference_on_cpu():
@@ -223,7 +222,8 @@ def test_cutile_kernelize_on_cpu_changes_nothing(ckpt, variant):
 def test_from_pretrained_with_kernel_config_on_cpu(ckpt, variant):
     cfg = cutile_kernels.kernel_config(build_dir=variant.parent)
     assert isinstance(cfg, CutileKernelConfig) and cfg.use_local_kernel
-    assert cfg.kernel_mapping == {"RMSNorm": f"{variant}:CutileRMSNorm"}
+    assert cfg.kernel_mapping == {"RMSNorm": f"{variant}:CutileRMSNorm",
+                                  "rotary_pos_emb": f"{variant}:CutileRotaryPosEmb"}
     model = ckpt.load(use_kernels=True, kernel_config=cfg)
     assert model.kernel_config is cfg
     assert cfg.kernel_mapping == {}  # a CPU model: nothing mapped
@@ -257,7 +257,7 @@ def test_cutile_kernel_config_survives_local_mapping(ckpt, variant, pretend_cuda
     cfg = cutile_kernels.kernel_config(build_dir=variant.parent)
     model = ckpt.load(use_kernels=True, kernel_config=cfg)
     assert model.kernel_config is cfg
-    assert set(cfg.kernel_mapping) == {"RMSNorm"}
+    assert set(cfg.kernel_mapping) == {"RMSNorm", "rotary_pos_emb"}
     by_mode = cfg.kernel_mapping["RMSNorm"]["cuda"]
     assert set(by_mode) == {Mode.INFERENCE}
     repo = by_mode[Mode.INFERENCE]
@@ -311,7 +311,8 @@ def test_kernel_config_without_build_warns(tmp_path, caplog, monkeypatch):
 def test_kernel_config_default_build_dir_from_env(tmp_path, monkeypatch, variant):
     monkeypatch.delenv("CUTILE_KERNELS_DISABLE", raising=False)
     monkeypatch.setenv("CUTILE_KERNELS_BUILD_DIR", str(variant.parent))
-    assert cutile_kernels.kernel_config().kernel_mapping == {"RMSNorm": f"{variant}:CutileRMSNorm"}
+    assert cutile_kernels.kernel_config().kernel_mapping == {"RMSNorm": f"{variant}:CutileRMSNorm",
+                                                             "rotary_pos_emb": f"{variant}:CutileRotaryPosEmb"}
     monkeypatch.setenv("CUTILE_KERNELS_BUILD_DIR", str(tmp_path))
     assert cutile_kernels.kernel_config().kernel_mapping == {}
 

@@ -44,15 +44,25 @@ def kernel_class(name: str, op: str | None, ours: set[str]) -> str:
 
 
 class _ModuleRanges:
-    """Forward hooks that open a profiler range per module call (innermost module of a kernel)."""
+    """Forward hooks that open a profiler range per module call (innermost module of a kernel).
+
+    The hooks are marked transparent (``layers.patch.TRANSPARENT_HOOK``): the fallback patcher's
+    fusions otherwise step aside for hooked modules, and the profile would not be of the model
+    that is timed. A module a fusion skips gets no range; its kernels count to the caller's.
+    """
 
     def __init__(self, model):
+        from cutile_kernels.layers.patch import TRANSPARENT_HOOK
+
         self.handles = []
         self.stack = []
+        exit_hook = self._exit_hook()
+        setattr(exit_hook, TRANSPARENT_HOOK, True)
         for name, mod in model.named_modules():
-            label = MODULE_PREFIX + (name or type(mod).__name__)
-            self.handles.append(mod.register_forward_pre_hook(self._enter(label)))
-            self.handles.append(mod.register_forward_hook(self._exit))
+            enter_hook = self._enter(MODULE_PREFIX + (name or type(mod).__name__))
+            setattr(enter_hook, TRANSPARENT_HOOK, True)
+            self.handles.append(mod.register_forward_pre_hook(enter_hook))
+            self.handles.append(mod.register_forward_hook(exit_hook))
 
     def _enter(self, label):
         def hook(module, args):
@@ -61,9 +71,11 @@ class _ModuleRanges:
             self.stack.append(rf)
         return hook
 
-    def _exit(self, module, args, output):
-        if self.stack:
-            self.stack.pop().__exit__(None, None, None)
+    def _exit_hook(self):
+        def hook(module, args, output):
+            if self.stack:
+                self.stack.pop().__exit__(None, None, None)
+        return hook
 
     def remove(self):
         for h in self.handles:

@@ -16,21 +16,37 @@ Layout of the package (the same in a source checkout and in a build variant):
 from . import dispatch, layers, registry
 from .dispatch import FallbackError, reset_stats, stats
 from .layers import kernel_config, kernelize
-from .ops import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from .ops import attention, attention_reference
+from .ops import apply_rope, apply_rope_reference
+from .layers.patch import patch, unpatch
+from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference, silu, silu_and_mul,
+                  silu_and_mul_fused, silu_and_mul_fused_reference, silu_and_mul_reference, silu_reference)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FallbackError",
     "add_rms_norm",
+    "apply_rope",
+    "apply_rope_reference",
+    "attention",
+    "attention_reference",
     "add_rms_norm_reference",
     "dispatch",
     "kernel_config",
     "kernelize",
     "layers",
+    "patch",
     "registry",
     "reset_stats",
     "rms_norm",
     "rms_norm_reference",
+    "silu",
+    "silu_and_mul",
+    "silu_and_mul_fused",
+    "silu_and_mul_fused_reference",
+    "silu_and_mul_reference",
+    "silu_reference",
     "stats",
+    "unpatch",
 ]

@@ -24,7 +24,7 @@ PACKAGE = "cutile_kernels"
 _INT32_MAX = 2**31 - 1
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "int32": torch.int32, "int64": torch.int64}
+                "int8": torch.int8, "int32": torch.int32, "int64": torch.int64}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 

@@ -1,5 +1,12 @@
 """Torch custom ops over the cuTile kernels, one module per op family, and their functional API."""
 
+from .activation import (silu, silu_and_mul, silu_and_mul_fused, silu_and_mul_fused_reference,
+                         silu_and_mul_reference, silu_reference)
+from .attention import attention, attention_reference
 from .norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from .rope import apply_rope, apply_rope_reference
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
+__all__ = ["attention", "attention_reference", "add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference",
+           "apply_rope", "apply_rope_reference",
+           "silu", "silu_and_mul", "silu_and_mul_fused", "silu_and_mul_fused_reference",
+           "silu_and_mul_reference", "silu_reference"]

@@ -1,0 +1,173 @@
+"""Attention microbenchmark on a GPU: the ``"cutile"`` attention function against transformers' sdpa one.
+
+    python benchmarks/attention_bench.py --json attention-bench.json
+
+Shapes of Llama-3.2-1B (32 query / 8 KV heads, head_dim 64) and Qwen3-0.6B (16 / 8, 128), bf16.
+Both sides are timed as a model calls them, through transformers' attention-function signature
+(``cutile_attention_forward`` vs ``sdpa_attention_forward``: q a transposed projection, K/V cache
+tensors, output the contiguous (B, S, H, D) tensor), plus torch SDPA's best case for prefill
+(``is_causal=True, enable_gqa=True``: cuDNN / flash):
+
+* ``prefill``: 1 x 2048 causal, no mask; and 4 x 1024 left-padded (boolean mask: sdpa then
+  repeats K/V to the query heads and runs its masked kernel);
+* ``decode-dynamic``: b = 1 and 16, one query over KV 128 .. 4096, no mask (DynamicCache);
+* ``decode-static``: the same over a 4096-slot static cache, the unfilled slots masked (what
+  ``generate(cache_implementation="static")`` passes).
+
+Each case is checked first (strict mode, so no fallback) against the sdpa output. Numbers are
+medians of CUDA-event measurements over back-to-back calls (``us``: host + GPU per call, as a
+model makes it) and over CUDA-graph replays (``graph_us``: GPU time). ``TFLOPs`` counts the
+visible (query, key) pairs x 4 x head_dim; ``GBps`` the K and V bytes a decode step must read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import types
+
+SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
+KV_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
+STATIC_SLOTS = 4096
+
+
+def _median_us(fn, reps=11, inner=10):
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def _graph_us(fn, inner=10):
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    return _median_us(graph.replay, inner=1) / inner
+
+
+def _inputs(B, Hq, Hkv, D, Sq, Skv, device="cuda"):
+    import torch
+
+    q = torch.randn(B, Sq, Hq, D, device=device, dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, Hkv, Skv, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, Skv, D, device=device, dtype=torch.bfloat16)
+    return q, k, v
+
+
+def _mask(B, Sq, Skv, q_offset, seen, pads):
+    """sdpa_mask's boolean mask: ``seen`` tokens of which the first ``pads[b]`` are padding."""
+    import torch
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    pad = torch.ones(B, seen, dtype=torch.bool, device="cuda")
+    for b, p in enumerate(pads):
+        pad[b, :p] = False
+    return sdpa_mask(batch_size=B, q_length=Sq, kv_length=Skv, q_offset=q_offset, mask_function=causal_mask_function,
+                     attention_mask=pad, allow_is_causal_skip=False, device="cuda")
+
+
+def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes):
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from cutile_kernels.layers.attention import cutile_attention_forward
+
+    Hq, Hkv, D = SHAPES[shape]
+    q, k, v = _inputs(B, Hq, Hkv, D, Sq, Skv)
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=Hq // Hkv, training=False)
+    scale = D ** -0.5
+    paths = {
+        "cutile": lambda: cutile_attention_forward(module, q, k, v, mask, scaling=scale),
+        "sdpa": lambda: sdpa_attention_forward(module, q, k, v, mask, scaling=scale),
+    }
+    if mask is None and Sq == Skv:
+        paths["torch-sdpa-causal-gqa"] = lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    ours, stock = paths["cutile"]()[0].float(), paths["sdpa"]()[0].float()
+    rows = torch.ones(B, Sq, dtype=torch.bool, device="cuda") if mask is None else mask.any(-1)[:, 0].expand(B, Sq)
+    rel = ((ours[rows] - stock[rows]).norm() / stock[rows].norm()).item()
+    assert rel < 2e-2, f"{name} {shape}: cutile differs from sdpa by {rel:.3g}"
+    row = {"case": name, "shape": shape, "B": B, "Sq": Sq, "Skv": Skv, "masked": mask is not None, "rel_diff_vs_sdpa": rel}
+    for path, fn in paths.items():
+        us = _median_us(fn)
+        gus = _graph_us(fn)
+        row[path] = {"us": round(us, 2), "graph_us": round(gus, 2),
+                     "TFLOPs": round(4 * pairs * Hq * D / (gus * 1e-6) / 1e12, 2),
+                     "GBps": round(kv_bytes(Hkv, D) / (gus * 1e-6) / 1e9, 1)}
+    row["speedup_graph"] = round(row["sdpa"]["graph_us"] / row["cutile"]["graph_us"], 3)
+    return row
+
+
+def run():
+    cases = []
+    for shape in SHAPES:
+        cases.append(_case("prefill-1x2048", shape, 1, 2048, 2048, None, 2048 * 2049 // 2,
+                           lambda hkv, d: 0))
+        pads = [0, 100, 400, 900]
+        mask = _mask(4, 1024, 1024, 0, 1024, pads)
+        cases.append(_case("prefill-4x1024-padded", shape, 4, 1024, 1024, mask,
+                           sum((1024 - p) * (1024 - p + 1) // 2 for p in pads), lambda hkv, d: 0))
+        for B in (1, 16):
+            for kv in KV_LENGTHS:
+                cases.append(_case(f"decode-dynamic-b{B}", shape, B, 1, kv, None, B * kv,
+                                   lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2))
+                mask = _mask(B, 1, STATIC_SLOTS, kv - 1, kv, [0] * B)
+                cases.append(_case(f"decode-static-b{B}", shape, B, 1, STATIC_SLOTS, mask, B * kv,
+                                   lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2))
+    return cases
+
+
+def _table(cases):
+    lines = ["| case | shape | KV | cutile us (graph) | sdpa us (graph) | speedup | cutile TFLOP/s | cutile GB/s | torch causal GQA us |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        best = c.get("torch-sdpa-causal-gqa", {}).get("graph_us", "")
+        lines.append(f"| {c['case']} | {c['shape']} | {c['Skv']} | {c['cutile']['us']} ({c['cutile']['graph_us']}) | "
+                     f"{c['sdpa']['us']} ({c['sdpa']['graph_us']}) | {c['speedup_graph']} | "
+                     f"{c['cutile']['TFLOPs']} | {c['cutile']['GBps']} | {best} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    os.environ["CUTILE_KERNELS_STRICT"] = "1"
+    import torch
+
+    import cutile_kernels
+
+    torch.manual_seed(0)
+    cases = run()
+    stats = cutile_kernels.stats()
+    print(_table(cases))
+    print("launches:", json.dumps(stats["launches"], indent=None)[:2000])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cases": cases,
+                       "stats": stats}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

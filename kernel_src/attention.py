@@ -1,0 +1,250 @@
+"""Scaled dot-product attention forward (flash attention): cuTile device code and build matrix.
+
+Math (Vaswani et al. 2017; online softmax as in Dao et al. 2022, "FlashAttention"), for query
+row ``i`` of batch ``b`` and query head ``h``, over key/value rows ``j`` of KV head
+``h // (Hq // Hkv)`` (grouped-query attention, K/V never repeated)::
+
+    s_ij = scale * <q_i, k_j>                         float32 accumulation (ct.mma)
+    s_ij = softcap * tanh(s_ij / softcap)             only when softcap > 0
+    o_i  = sum_j softmax_j(s_ij, visible j) * v_j     running max and sum, float32 accumulator
+
+Key ``j`` is visible to query ``i`` when every enabled condition holds (the same conditions as
+``ops.attention.attention_reference``):
+
+* ``j < Skv``: tiles reaching past the KV length are loaded with zero padding and masked;
+* ``causal``: ``j <= i + (Skv - Sq)``, lower-right aligned, i.e. query ``i`` sits at absolute
+  position ``Skv - Sq + i`` (prefill, chunked prefill and decode over a cache alike);
+* ``window > 0``: ``j > i + (Skv - Sq) - window``, transformers' ``sliding_window_overlay``
+  (masking_utils.py, v5.22.2): ``window`` keys including the query's own;
+* ``has_mask``: ``mask[b % MB, i, j] != 0``, ``mask`` an ``(MB, Sq, Skv)`` int8 array, ``MB`` 1
+  (shared by the batch) or ``B``.
+
+A row with no visible key gets a zero output (as torch's SDPA math path). The query heads of a
+KV group are packed into one tile (``HB`` heads x ``BS`` query rows = ``HB * BS`` rows), so one
+block reads each K/V tile once for all of them: that is what makes decode (``Sq`` = 1) fill a
+tensor-core tile. ``HB`` must divide ``Hq // Hkv``. Every tile dimension is a power of two: the
+head dim is loaded as ``D = next_power_of_2(head_dim)`` lanes with zero padding (zeros add
+nothing to ``<q, k>``; the padded output lanes are not stored).
+
+Split-KV (decode over long contexts): with ``num_splits > 1`` a block handles one slice of its
+KV tiles and writes the slice's normalised float32 output and log2-sum-exp (``part``, ``lse``);
+``attention_combine_kernel`` merges the slices (the log-sum-exp rescaling of FlashDecoding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.tile as ct
+
+from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, ScalarParam, VariantSpec, array
+
+ZERO = ct.PaddingMode.ZERO
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
+NEG_INF = -math.inf
+
+
+@ct.function
+def _kv_tile_range(qb, sq, skv, causal, window, BS: ct.Constant[int], BN: ct.Constant[int]):
+    # [first, last) KV tiles holding a key visible to some row of query block qb.
+    first_pos = qb * BS + (skv - sq)
+    last_pos = ct.minimum(qb * BS + BS, sq) - 1 + (skv - sq)
+    hi = skv
+    if causal != 0:
+        hi = ct.maximum(ct.minimum(skv, last_pos + 1), 0)
+    lo = 0
+    if window > 0:
+        lo = ct.minimum(ct.maximum(first_pos - window + 1, 0), hi)
+    return lo // BN, ct.cdiv(hi, BN)
+
+
+@ct.function
+def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, scale, softcap, window, has_mask, causal,
+            D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
+    """Online softmax over KV tiles [j_lo, j_hi) for one (batch, head block, query block).
+
+    Returns the unnormalised float32 accumulator (M, D), the running max (M, 1) in log2 units
+    (-inf for a row that saw no visible key) and the running sum (M, 1), M = HB * BS.
+    """
+    M = HB * BS
+    sq = q.shape[2]
+    skv = k.shape[2]
+    kvh = (hb * HB) // (q.shape[1] // k.shape[1])
+    qt = ct.reshape(ct.load(q, index=(b, hb, qb, 0), shape=(1, HB, BS, D), padding_mode=ZERO), (M, D))
+    # Absolute position of each row: row r is head hb * HB + r // BS, query qb * BS + r % BS.
+    rows = ct.arange(M, dtype=ct.int32)
+    pos = ct.reshape(qb * BS + rows % BS + (skv - sq), (M, 1))
+    first_pos = qb * BS + (skv - sq)
+    last_pos = ct.minimum(qb * BS + BS, sq) - 1 + (skv - sq)  # rows past Sq are never stored
+    cols = ct.reshape(ct.arange(BN, dtype=ct.int32), (1, BN))
+    mb = b % mask.shape[0]
+    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    m_i = ct.full((M, 1), NEG_INF, dtype=ct.float32)
+    l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((M, D), 0.0, dtype=ct.float32)
+    for j in range(j_lo, j_hi):
+        # A tile the mask hides entirely (the causal triangle of a padded batch, empty static
+        # cache slots) is skipped: exact for any mask, and it restores causal block skipping.
+        mt = ct.full((1, BS, BN), 1, dtype=ct.int8)
+        live = has_mask == 0
+        if has_mask != 0:
+            mt = ct.load(mask, index=(mb, qb, j), shape=(1, BS, BN), padding_mode=ZERO)
+            live = ct.max(mt) != 0
+        if live:
+            kt = ct.load(k, index=(b, kvh, 0, j), shape=(1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO)
+            s = ct.mma(qt, ct.reshape(kt, (D, BN)), ct.full((M, BN), 0.0, dtype=ct.float32))
+            if softcap > 0.0:
+                s = ct.tanh(s * (scale / softcap)) * (softcap * LOG2E)
+            else:
+                s = s * qk_scale
+            # Element masks only on tiles that need them: the KV end, the causal diagonal, the
+            # window's lower edge, or a mask tensor. Interior tiles of a prefill skip the work.
+            edge = (has_mask != 0) | ((j + 1) * BN > skv)
+            if causal != 0:
+                edge = edge | ((j + 1) * BN - 1 > first_pos)
+            if window > 0:
+                edge = edge | (j * BN <= last_pos - window)
+            if edge:
+                kidx = j * BN + cols
+                valid = ct.broadcast_to(kidx < skv, (M, BN))
+                if has_mask != 0:
+                    valid = valid & (ct.reshape(ct.broadcast_to(mt, (HB, BS, BN)), (M, BN)) != 0)
+                if causal != 0:
+                    valid = valid & (kidx <= pos)
+                if window > 0:
+                    valid = valid & (kidx > pos - window)
+                s = ct.where(valid, s, NEG_INF)
+            m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
+            # A row with no visible key so far keeps max -inf: subtract 0 instead, so that its
+            # probabilities are exp2(-inf) = 0 and not exp2(-inf + inf) = NaN.
+            m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
+            p = ct.exp2(s - m_use)
+            alpha = ct.exp2(m_i - m_use)
+            l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+            vt = ct.reshape(ct.load(v, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO), (BN, D))
+            acc = ct.mma(p.astype(v.dtype), vt, acc * alpha)
+            m_i = m_new
+    return acc, m_i, l_i
+
+
+@ct.kernel
+def attention_kernel(q, k, v, mask, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
+                     causal: int, num_splits: int,
+                     D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
+    """Attention forward for one (query block, batch x head block[, KV split]).
+
+    q: (B, Hq, Sq, head_dim); k, v: (B, Hkv, Skv, head_dim); mask: (MB, Sq, Skv) int8 (read only
+    when has_mask); o: (B, Hq, Sq, head_dim), usually a transposed view of a (B, Sq, Hq, head_dim)
+    buffer. With num_splits > 1: part (num_splits, B * Hq, Sq, D) and lse (num_splits, B * Hq, Sq)
+    float32 receive each split's normalised output and log2-sum-exp instead of o.
+    Grid: (cdiv(Sq, BS) * num_splits, B * Hq // HB).
+    """
+    qb = ct.bid(0) // num_splits
+    split = ct.bid(0) % num_splits
+    nhb = q.shape[1] // HB
+    b = ct.bid(1) // nhb
+    hb = ct.bid(1) % nhb
+    j_lo, j_hi = _kv_tile_range(qb, q.shape[2], k.shape[2], causal, window, BS, BN)
+    if num_splits > 1:
+        per = ct.cdiv(j_hi - j_lo, num_splits)
+        j_lo = ct.minimum(j_lo + split * per, j_hi)
+        j_hi = ct.minimum(j_lo + per, j_hi)
+    acc, m_i, l_i = _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, scale, softcap, window, has_mask, causal,
+                            D, HB, BS, BN)
+    out = acc / ct.where(l_i == 0.0, 1.0, l_i)
+    if num_splits > 1:
+        lse_rows = ct.where(l_i == 0.0, NEG_INF, m_i + ct.log2(ct.where(l_i == 0.0, 1.0, l_i)))
+        bh = b * nhb + hb
+        ct.store(part, index=(split, bh, qb, 0), tile=ct.reshape(out, (1, HB, BS, D)))
+        ct.store(lse, index=(split, bh, qb), tile=ct.reshape(lse_rows, (1, HB, BS)))
+    else:
+        ct.store(o, index=(b, hb, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, HB, BS, D)))
+
+
+#: The prefill tiles (128 query rows) on sm_90 take two warpgroups, one per 64-row wgmma; with one,
+#: head_dim 256 does not compile (tileiras 13.4). Elsewhere the default (4 warps) compiles them all.
+attention_prefill_kernel = attention_kernel.replace_hints(num_worker_warps=ct.ByTarget(sm_90=8, default=4))
+
+
+@ct.kernel
+def attention_combine_kernel(part, lse, o, num_splits: int, D: ct.Constant[int], BS: ct.Constant[int]):
+    """Merge the splits of attention_kernel: o[b, h, i] = sum_s w_s part[s, b*Hq+h, i] / sum_s w_s,
+    w_s = exp2(lse_s - max_s lse_s); a row no split saw (all lse -inf) gets zeros.
+    part: (num_splits, B * Hq, Sq, D), lse: (num_splits, B * Hq, Sq) float32; o: (B, Hq, Sq,
+    head_dim). Grid: (cdiv(Sq, BS), B * Hq)."""
+    qb = ct.bid(0)
+    bh = ct.bid(1)
+    b = bh // o.shape[1]
+    h = bh % o.shape[1]
+    m_i = ct.full((BS, 1), NEG_INF, dtype=ct.float32)
+    l_i = ct.full((BS, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((BS, D), 0.0, dtype=ct.float32)
+    for s in range(num_splits):
+        ls = ct.reshape(ct.load(lse, index=(s, bh, qb), shape=(1, 1, BS), padding_mode=ct.PaddingMode.NEG_INF),
+                        (BS, 1))
+        m_new = ct.maximum(m_i, ls)
+        m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
+        w = ct.exp2(ls - m_use)
+        alpha = ct.exp2(m_i - m_use)
+        ps = ct.reshape(ct.load(part, index=(s, bh, qb, 0), shape=(1, 1, BS, D), padding_mode=ZERO), (BS, D))
+        acc = acc * alpha + ps * w
+        l_i = l_i * alpha + w
+        m_i = m_new
+    out = acc / ct.where(l_i == 0.0, 1.0, l_i)
+    ct.store(o, index=(b, h, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, 1, BS, D)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Build matrix
+# ---------------------------------------------------------------------------------------------
+
+#: Padded head dims built (64 takes head_dim <= 64, e.g. 32 and 64; 128 takes 80, 96, 128).
+HEAD_DIMS = (64, 128, 256)
+#: Prefill tiles per padded head dim: (HB, BS, BN). One query head per block, 128 query rows
+#: (64 for D = 256, whose float32 accumulator would not fit in registers at 128 rows).
+PREFILL = {64: (1, 128, 64), 128: (1, 128, 64), 256: (1, 64, 64)}
+#: Decode / short-chunk tiles: 16 rows = HB query heads of one KV group x (16 // HB) queries.
+DECODE_ROWS = 16
+DECODE_HEADS = (1, 2, 4)
+DECODE_BN = {64: 128, 128: 128, 256: 64}
+#: Query rows per block of the combine kernel.
+COMBINE_BS = 16
+DTYPES = ("bfloat16", "float16")
+
+
+def _attention_params(dtype: str, consts: dict) -> tuple:
+    qkv = [array(n, dtype, 4, "aligned") for n in ("q", "k", "v")]
+    return tuple(qkv + [
+        ArrayParam("mask", "int8", 3),                # any strides and length
+        array("o", dtype, 4, "aligned"),
+        array("part", "float32", 4, "aligned"),
+        ArrayParam("lse", "float32", 3),              # its last dim is Sq: any length
+        ScalarParam("scale", "float32"), ScalarParam("softcap", "float32"), ScalarParam("window", "int32"),
+        ScalarParam("has_mask", "int32"), ScalarParam("causal", "int32"), ScalarParam("num_splits", "int32"),
+    ] + [ConstParam(n, val) for n, val in consts.items()])
+
+
+def _combine_params(dtype: str, consts: dict) -> tuple:
+    return (array("part", "float32", 4, "aligned"), ArrayParam("lse", "float32", 3), array("o", dtype, 4, "aligned"),
+            ScalarParam("num_splits", "int32")) + tuple(ConstParam(n, val) for n, val in consts.items())
+
+
+def _matrix() -> list[VariantSpec]:
+    specs = []
+    for dtype in DTYPES:
+        d = DTYPE_TAGS[dtype]
+        for dp in HEAD_DIMS:
+            configs = [(PREFILL[dp], "attention_prefill_kernel")]
+            configs += [((hb, DECODE_ROWS // hb, DECODE_BN[dp]), "attention_kernel") for hb in DECODE_HEADS]
+            for (hb, bs, bn), function in configs:
+                consts = {"D": dp, "HB": hb, "BS": bs, "BN": bn}
+                specs.append(VariantSpec("attention", "attention", function,
+                                         f"{d}.d{dp}.h{hb}.m{bs}.n{bn}", _attention_params(dtype, consts)))
+            consts = {"D": dp, "BS": COMBINE_BS}
+            specs.append(VariantSpec("attention_combine", "attention", "attention_combine_kernel",
+                                     f"{d}.d{dp}.m{COMBINE_BS}", _combine_params(dtype, consts)))
+    return specs
+
+
+#: Every variant of this family.
+VARIANTS: list[VariantSpec] = _matrix()

@@ -1,0 +1,126 @@
+"""Rotary position embedding (RoPE) of q and k in one launch: cuTile device code and build matrix.
+
+Math (Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding"), in the
+form and rounding order of transformers' ``apply_rotary_pos_emb`` (models/llama/modeling_llama.py
+at v5.22.2), with ``cos``/``sin`` as the model's rotary embedding returns them (already scaled,
+in the model dtype). Each row ``x`` of R rotated elements is two halves ``x1 = x[:R/2]``,
+``x2 = x[R/2:]``; ``rotate_half(x) = (-x2, x1)``; so, per half::
+
+    out1 = round(round(x1 * cos1) - round(x2 * sin1))
+    out2 = round(round(x2 * cos2) + round(x1 * sin2))
+
+where ``round`` rounds to the input dtype, as eager torch rounds each elementwise op (the
+products and the sum are separate kernels there; the sum is formed in float32). Both halves of
+cos and sin are read (Llama's are equal, but nothing here relies on it).
+
+Layout handed to the kernel: the host views the last dimension of q, k (``(B, H, S, R)``) and of
+cos, sin (``(B or 1, S, R)``) as ``(2, R/2)``, so a half is a tile along the last axis and the
+kernel never gathers. ``R/2`` is loaded as the next power of two with zero padding; the padded
+lanes are masked on store. Strides are arbitrary (transformers passes transposed views).
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, VariantSpec, array
+
+ZERO = ct.PaddingMode.ZERO
+
+
+@ct.function
+def _rounded_mul(a, b, dtype):
+    # One product rounded to `dtype`, as torch's elementwise mul. For 16-bit inputs the float32
+    # product of two 16-bit values is exact, so one rounding remains. For float32 the product is
+    # formed exactly in float64 and rounded once: a float32 multiply feeding the add would be
+    # contracted into an FMA by cuTile, which rounds differently from torch's two kernels.
+    if dtype == ct.float32:
+        return (a.astype(ct.float64) * b.astype(ct.float64)).astype(ct.float32)
+    else:
+        return (a * b).astype(dtype).astype(ct.float32)
+
+
+@ct.function
+def _rotate(x, out, b, h, s, c1, c2, s1, s2, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
+            HEADS: ct.Constant[int]):
+    # x, out: (B, H, S, 2, R/2); (b, h, s) index tiles of (1, HEADS, ROWS); c*, s*: (1, ROWS, BLOCK)
+    # float32 tiles of cos and sin, shared by the HEADS heads.
+    shape = (1, HEADS, ROWS, 1, BLOCK)
+    x1 = ct.reshape(ct.load(x, index=(b, h, s, 0, 0), shape=shape, padding_mode=ZERO),
+                    (HEADS, ROWS, BLOCK)).astype(ct.float32)
+    x2 = ct.reshape(ct.load(x, index=(b, h, s, 1, 0), shape=shape, padding_mode=ZERO),
+                    (HEADS, ROWS, BLOCK)).astype(ct.float32)
+    o1 = _rounded_mul(x1, c1, x.dtype) - _rounded_mul(x2, s1, x.dtype)
+    o2 = _rounded_mul(x2, c2, x.dtype) + _rounded_mul(x1, s2, x.dtype)
+    ct.store(out, index=(b, h, s, 0, 0), tile=ct.reshape(o1.astype(out.dtype), shape))
+    ct.store(out, index=(b, h, s, 1, 0), tile=ct.reshape(o2.astype(out.dtype), shape))
+
+
+@ct.function
+def _half(t, b, s, i, BLOCK: ct.Constant[int], ROWS: ct.Constant[int]):
+    # Half `i` of ROWS positions of cos or sin ((B or 1, S, 2, R/2)) as a float32 (1, ROWS, BLOCK) tile.
+    tile = ct.load(t, index=(b, s, i, 0), shape=(1, ROWS, 1, BLOCK), padding_mode=ZERO)
+    return ct.reshape(tile, (1, ROWS, BLOCK)).astype(ct.float32)
+
+
+@ct.kernel
+def rope_kernel(q, k, cos, sin, q_out, k_out, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
+                HEADS: ct.Constant[int]):
+    """Rotate ROWS positions of HEADS heads of q or of k per block.
+
+    q, q_out: (B, Hq, S, 2, R/2); k, k_out: (B, Hkv, S, 2, R/2); cos, sin: (B or 1, S, 2, R/2);
+    R/2 <= BLOCK. Grid: (cdiv(S, ROWS), cdiv(Hq, HEADS) + cdiv(Hkv, HEADS), B); the first
+    cdiv(Hq, HEADS) head tiles are q's, the rest k's. The cos/sin tiles are loaded once per block
+    and serve all its heads.
+    """
+    s = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    cb = b % cos.shape[0]  # cos/sin of batch 1 serve every row (position_ids of batch 1)
+    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
+    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
+    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
+    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    q_tiles = ct.cdiv(q.shape[1], HEADS)
+    if h < q_tiles:
+        _rotate(q, q_out, b, h, s, c1, c2, s1, s2, BLOCK, ROWS, HEADS)
+    else:
+        _rotate(k, k_out, b, h - q_tiles, s, c1, c2, s1, s2, BLOCK, ROWS, HEADS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build matrix
+# ---------------------------------------------------------------------------------------------
+
+#: Half-widths built (R/2 padded up to one of them): 32 serves head_dim <= 64, 64 serves 80, 96
+#: and 128, 128 serves 256. Wider rotary dims take the PyTorch path.
+BLOCKS = (32, 64, 128)
+#: Heads per tile: the block's cos/sin tiles are read once for all of them (cos and sin are half
+#: of q's bytes per position at 4 heads, twice them at 1).
+HEADS = 4
+#: Positions per tile: 4096 elements of q or k per tile (HEADS * ROWS * 2 * BLOCK).
+ROWS = {32: 16, 64: 8, 128: 4}
+
+
+def _params(dtype: str, layout: str, consts: dict):
+    params = [array(a, dtype, 5, layout) for a in ("q", "k")]
+    params += [array(a, dtype, 4, layout) for a in ("cos", "sin")]
+    params += [array(a, dtype, 5, layout) for a in ("q_out", "k_out")]
+    params += [ConstParam(k, v) for k, v in consts.items()]
+    return tuple(params)
+
+
+def _matrix() -> list[VariantSpec]:
+    specs = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for layout in LAYOUTS:
+            for block in BLOCKS:
+                consts = {"BLOCK": block, "ROWS": ROWS[block], "HEADS": HEADS}
+                specs.append(VariantSpec("rope", "rope", "rope_kernel",
+                                         f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x{ROWS[block]}.{layout}",
+                                         _params(dtype, layout, consts)))
+    return specs
+
+
+#: Every variant of this family, in the runtime's order of preference (aligned before generic).
+VARIANTS: list[VariantSpec] = _matrix()

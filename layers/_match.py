@@ -1,0 +1,43 @@
+"""Deciding whether a piece of transformers code is the code one of our kernels reproduces.
+
+Two checks, both cheap and cached by their callers:
+
+* :func:`same_code`: two functions compile to the same bytecode, names and constants (classes
+  "copied from" Llama compile to identical code; a different formula does not);
+* :func:`statements_digest`: a digest of a function's statements as ``ast.unparse`` prints them
+  (docstring dropped), compared with the digest of the transformers version a kernel was written
+  against. It catches the reference itself changing in a later transformers, which the first
+  check cannot see (every copy would change with it).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+
+from .norm import _code_key
+
+
+def same_code(fn, ref) -> bool:
+    """True if ``fn`` and ``ref`` are Python functions with the same code (see module docstring)."""
+    try:
+        return _code_key(fn) == _code_key(ref)
+    except AttributeError:  # not a Python function
+        return False
+
+
+def statements_digest(fn) -> str | None:
+    """16 hex digits of SHA-256 over ``fn``'s body statements, one per line as ``ast.unparse``
+    prints them (docstring dropped), or None when the source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    text = "\n".join(ast.unparse(s) for s in body)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

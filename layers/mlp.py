@@ -1,0 +1,281 @@
+"""SwiGLU MLP: the ``SiLU`` hub layer, and a gate/up-fused MLP for Llama-formula MLP classes.
+
+``LlamaMLP.forward`` (transformers v5.22.2; Mistral, Qwen2, Qwen3 and ~120 other classes compile
+to the same code) is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: two GEMMs on the same
+input, then ``F.silu`` and a multiply, three elementwise passes over (tokens, intermediate).
+:func:`fuse_mlp` rewrites such a module in place to one GEMM on the stacked weight
+``gate_up_proj.weight = [gate; up]`` (``(2I, H)``, cuBLAS through ``F.linear``) followed by our
+``silu_and_mul`` on the two halves of its output (one pass) and ``down_proj``.
+
+Weights: the stacked weight is the only copy (the two originals are freed), and the module's
+``state_dict()`` still has the stock keys ``gate_proj.weight`` and ``up_proj.weight`` (views of the
+two halves, so ``save_pretrained`` writes the stock checkpoint, same keys and bytes);
+``load_state_dict`` with the stock keys writes into the stacked weight. :func:`unfuse_mlp` restores
+the stock modules.
+
+Why after loading and not through transformers' load-time hooks (v5.22.2): a ``<Layer>Layout``
+class that ``register_kernel_replacements_and_fusions`` loads for a ``kernel_config`` entry (a) in
+the string-key case is patched in by class name (``LlamaMLP`` or a regex) but registers its
+``conversion_mapping`` for the ``model_type`` of *any* model loaded with that config, so one
+config that serves every architecture would concatenate ``mlp.gate_proj``/``mlp.up_proj`` of a
+Gemma or Phi checkpoint into a key their MLPs lack (the weights would load as missing, i.e.
+random); (b) in the tuple-key (fusion) case replaces ``gate_proj`` with the layout and ``up_proj``
+with ``nn.Identity``, while the parent's own ``LlamaMLP.forward`` still runs ``act_fn(gate(x)) *
+up(x)``, which cannot express SwiGLU; (c) registers the patch and the conversion process-wide
+and permanently, and re-registering appends the converter again on every load. The
+``fusion_config`` route (``transformers.fusion_mapping``) has a per-module ``is_fusable`` check,
+but its registry is private and the flag is serialised into ``config.json``. So the fusion runs
+on the loaded model (the fallback patcher calls :func:`fuse_mlp`), which also covers models
+loaded before kernelize.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from ..ops.activation import silu, silu_and_mul_fused
+from ._match import same_code, statements_digest
+
+logger = logging.getLogger("cutile_kernels")
+
+#: ``statements_digest(LlamaMLP.forward)`` in transformers 5.22.2, the formula the fused forward
+#: reproduces; if transformers changes it, nothing is fused.
+LLAMA_MLP_DIGEST = "5b8abf7af12a4b42"
+
+#: The stacked gate/up projection that :func:`fuse_mlp` adds (``(2I, H)`` weight, gate rows first).
+FUSED_NAME = "gate_up_proj"
+_STOCK = ("gate_proj", "up_proj")
+
+
+class CutileSiLU(nn.Module):
+    """transformers' ``SiLUActivation`` (hub name ``"SiLU"``) on the cuTile SiLU kernel.
+
+    Input any shape; output of the same shape and dtype, ``silu`` computed in float32 and rounded
+    once, as ``nn.functional.silu``. It is what ``LlamaMLP.act_fn`` is (``ACT2FN["silu"]``), so
+    kernelize reaches every unfused Llama-formula MLP; a fused MLP does not call ``act_fn``.
+    """
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return silu(input)
+
+
+class CutileSwiGLUMLP(nn.Module):
+    """``LlamaMLP.forward`` on a stacked gate/up weight: ``down(silu_and_mul(gate_up(x)))``.
+
+    Borrows ``gate_up_proj`` (``nn.Linear(H, 2I)``, rows ``[gate; up]``) and ``down_proj``
+    (``nn.Linear(I, H)``) from the module :func:`fuse_mlp` rewrote. Input ``(..., H)``, output
+    ``(..., H)`` of the weights' dtype. The GEMMs are cuBLAS (``F.linear``); the activation is
+    one cuTile pass over the two halves of the GEMM output (transformers' rounding order).
+    """
+
+    gate_up_proj: nn.Linear
+    down_proj: nn.Linear
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul_fused(self.gate_up_proj(x)))
+
+
+@functools.lru_cache(maxsize=None)
+def computes_llama_mlp(cls: type) -> bool:
+    """True if ``cls.forward`` is ``LlamaMLP.forward``'s code (same bytecode, names, constants),
+    and ``LlamaMLP.forward`` is still the transformers 5.22.2 formula (:data:`LLAMA_MLP_DIGEST`)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return (statements_digest(LlamaMLP.forward) == LLAMA_MLP_DIGEST
+            and same_code(getattr(cls, "forward", None), LlamaMLP.forward))
+
+
+def _silu_classes() -> tuple:
+    from transformers.activations import SiLUActivation
+
+    return (SiLUActivation, nn.SiLU)
+
+
+def _linear_problem(m) -> str | None:
+    # Exactly nn.Linear with a plain dense weight: no subclass (quantized layers), no hooks that
+    # fusing would drop (accelerate offload, PEFT), no tensor subclass (DTensor), no meta weight.
+    if type(m) is not nn.Linear:
+        return f"is a {type(m).__name__}, not nn.Linear"
+    if m.bias is not None:
+        return "has a bias"
+    if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
+        return "has forward hooks"
+    w = m.weight
+    if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor:
+        return f"has a {type(w.data).__name__} weight"
+    return "has a meta weight" if w.is_meta else None
+
+
+def why_not_fusable(module: nn.Module) -> str | None:
+    """Why :func:`fuse_mlp` leaves ``module`` alone, or None if it fuses it (see
+    :func:`is_fusable_mlp`)."""
+    if getattr(module, "_cutile_unfused_class", None) is not None:
+        return "already fused"
+    if not computes_llama_mlp(type(module)):
+        return "its forward is not LlamaMLP.forward (transformers 5.22.2)"
+    if type(getattr(module, "act_fn", None)) not in _silu_classes():
+        return f"act_fn is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        problem = _linear_problem(getattr(module, name, None))
+        if problem:
+            return f"{name} {problem}"
+    g, u, d = module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
+    if g.shape != u.shape or d.shape != (g.shape[1], g.shape[0]):
+        return f"weight shapes {tuple(g.shape)}, {tuple(u.shape)}, {tuple(d.shape)} do not chain"
+    if not (g.dtype == u.dtype == d.dtype and g.device == u.device == d.device):
+        return "weights differ in dtype or device"
+    return None
+
+
+def is_fusable_mlp(module: nn.Module) -> bool:
+    """True if :func:`fuse_mlp` applies to ``module``.
+
+    That is: its class computes ``LlamaMLP.forward`` (:func:`computes_llama_mlp`), ``act_fn`` is
+    transformers' ``SiLUActivation`` or ``nn.SiLU``, and ``gate_proj``, ``up_proj``,
+    ``down_proj`` are plain bias-free ``nn.Linear`` layers with ``(I, H)``, ``(I, H)``, ``(H, I)``
+    weights of one dtype on one device, without forward hooks. Already fused modules are not.
+    """
+    return why_not_fusable(module) is None
+
+
+@functools.lru_cache(maxsize=None)
+def fused_class(cls: type) -> type:
+    """The subclass of ``cls`` that a fused module is switched to: ``cls`` with
+    :class:`CutileSwiGLUMLP`'s forward (``isinstance`` checks against ``cls`` still hold)."""
+    return type(f"CutileFused{cls.__name__}", (cls,), {
+        "forward": CutileSwiGLUMLP.forward,
+        "_cutile_unfused_class": cls,
+        "__module__": __name__,
+        "__doc__": f"{cls.__name__} with gate_proj and up_proj stacked into {FUSED_NAME} (see layers.mlp).",
+    })
+
+
+def _replace_children(module: nn.Module, old: tuple, new: dict) -> None:
+    # Swap children in place, keeping the module order (hence state_dict and parameter order).
+    children = {}
+    for name, child in module._modules.items():
+        if name == old[0]:
+            children.update(new)
+        elif name not in old:
+            children[name] = child
+    module._modules = children
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    # Write the stock keys: the halves of the stacked weight, as views (no copy), in stock order.
+    key = prefix + FUSED_NAME + ".weight"
+    if key not in state_dict:
+        return
+    keys = list(state_dict)
+    later = keys[keys.index(key) + 1:]
+    w = state_dict.pop(key)
+    half = w.shape[0] // 2
+    state_dict[prefix + "gate_proj.weight"] = w[:half]
+    state_dict[prefix + "up_proj.weight"] = w[half:]
+    for k in later:
+        state_dict[k] = state_dict.pop(k)
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+    # Accept the stock keys: stack them into the fused key, which the module then loads as usual.
+    gate = state_dict.pop(prefix + "gate_proj.weight", None)
+    up = state_dict.pop(prefix + "up_proj.weight", None)
+    if gate is None and up is None:
+        return
+    w = getattr(module, FUSED_NAME).weight.detach()
+    half = w.shape[0] // 2
+    gate = w[:half] if gate is None else gate
+    up = w[half:] if up is None else up
+    if gate.shape != up.shape:
+        error_msgs.append(f"size mismatch for {prefix}gate_proj.weight {tuple(gate.shape)} and "
+                          f"{prefix}up_proj.weight {tuple(up.shape)}")
+        return
+    state_dict[prefix + FUSED_NAME + ".weight"] = torch.cat([gate, up.to(gate.device)], dim=0)
+
+
+def _fuse_one(module: nn.Module) -> None:
+    gate, up = module.gate_proj, module.up_proj
+    with torch.no_grad():
+        stacked = torch.cat([gate.weight, up.weight], dim=0)
+    linear = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
+    linear.weight = nn.Parameter(stacked, requires_grad=gate.weight.requires_grad)
+    linear.train(gate.training)
+    _replace_children(module, _STOCK, {FUSED_NAME: linear})
+    module.__class__ = fused_class(type(module))
+    module._cutile_fusion_hooks = (module.register_state_dict_post_hook(_state_dict_hook),
+                                   module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook))
+
+
+def _unfuse_one(module: nn.Module) -> None:
+    fused = getattr(module, FUSED_NAME)
+    w = fused.weight
+    half = w.shape[0] // 2
+    stock = {}
+    for name, rows in zip(_STOCK, (slice(0, half), slice(half, None))):
+        linear = nn.Linear(w.shape[1], half, bias=False, device="meta")
+        with torch.no_grad():
+            linear.weight = nn.Parameter(w[rows].clone(), requires_grad=w.requires_grad)
+        linear.train(fused.training)
+        stock[name] = linear
+    _replace_children(module, (FUSED_NAME,), stock)
+    for handle in module.__dict__.pop("_cutile_fusion_hooks", ()):
+        handle.remove()
+    module.__class__ = module._cutile_unfused_class
+
+
+def fuse_mlp(model: nn.Module) -> int:
+    """Stack ``gate_proj`` and ``up_proj`` of every fusable MLP in ``model`` (in place).
+
+    Each module for which :func:`is_fusable_mlp` holds gets a ``gate_up_proj`` ``nn.Linear(H,
+    2I)`` whose weight is ``cat([gate_proj.weight, up_proj.weight])``; ``gate_proj`` and
+    ``up_proj`` are removed (their weights are freed once nothing else refers to them; at most
+    one module's pair is held twice at a time), and the module's class becomes
+    :func:`fused_class` of its class, whose forward is :class:`CutileSwiGLUMLP`'s. ``state_dict``
+    and ``load_state_dict`` keep using the stock keys (see the module docstring). Works on any
+    device; on CUDA the activation is our kernel, elsewhere the reference formula. Modules that
+    are already fused, or not fusable, are left alone.
+
+    Returns:
+        The number of modules fused by this call.
+    """
+    targets, skipped = [], Counter()
+    for m in model.modules():
+        why = why_not_fusable(m)
+        if why is None:
+            targets.append(m)
+        elif all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")) and why != "already fused":
+            skipped[(type(m).__name__, why)] += 1
+    for m in targets:
+        _fuse_one(m)
+    if targets:
+        logger.info("cutile_kernels: stacked gate_proj and up_proj of %d MLPs (%s)", len(targets),
+                    ", ".join(sorted({type(m).__name__ for m in targets})))
+    for (cls, why), n in sorted(skipped.items()):
+        logger.info("cutile_kernels: left %d %s unfused: %s", n, cls, why)
+    return len(targets)
+
+
+def unfuse_mlp(model: nn.Module) -> int:
+    """Undo :func:`fuse_mlp`: give every fused MLP in ``model`` back its own ``gate_proj`` and
+    ``up_proj`` (copies of the two halves, after which the stacked weight is freed) and its
+    original class. Returns the number of modules restored."""
+    targets = [m for m in model.modules() if getattr(type(m), "_cutile_unfused_class", None) is not None]
+    for m in targets:
+        _unfuse_one(m)
+    return len(targets)
+
+
+#: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
+MAPPING = {"SiLU": "CutileSiLU"}

@@ -1,0 +1,395 @@
+"""The fallback patcher: changes to a loaded model that the kernelize mapping cannot express.
+
+transformers' hub hooks let ``kernels`` swap the forward of decorated layers and functions
+(``layers.MAPPING``). Everything else is a *patch* registered here: fusions that cross module
+boundaries, forwards of undecorated classes, attention registration, weight fusion at load (and
+un-fusion at save). :func:`patch` applies the registered patches to a model in place,
+:func:`unpatch` undoes them; ``cutile_kernels.kernelize`` and ``kernel_config`` call
+:func:`patch` on CUDA models.
+
+A patch is two functions (see :class:`Patch`): ``apply(model) -> int`` changes the model in place
+and returns how many modules it changed (0: nothing here for it, or already applied), is
+idempotent, and logs what it changed and what it left alone and why; ``undo(model) -> int``
+restores what ``apply`` changed. A patch that changes parameters or buffers sets
+``changes_weights``: :func:`patch` then wraps the model's ``save_pretrained`` so that a save
+undoes it first and re-applies it after, and the checkpoint has the stock keys and bytes.
+
+Adding one, e.g. fused gate/up projections (``layers/mlp.py``, whose ``fuse_mlp``/``unfuse_mlp``
+have this contract), is one call at the end of this module::
+
+    from .mlp import fuse_mlp, unfuse_mlp
+
+    register(Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
+                   description="gate_proj and up_proj of each MLP as one GEMM"))
+
+(``changes_weights=True`` is for a patch whose own ``state_dict`` does not already give back the
+stock keys; mlp.py's hooks do.)
+
+The first patch here, ``decoder_add_rms_norm``, fuses the decoder layer's residual adds into the
+RMSNorms that follow them (see :func:`fuse_decoder_layers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..ops.norm import add_rms_norm
+from ._match import same_code, statements_digest
+from .norm import computes_llama_rms_norm
+
+logger = logging.getLogger("cutile_kernels")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One registered patch.
+
+    Attributes:
+        name: unique key (``decoder_add_rms_norm``), used in reports and ``patch(model, names=...)``.
+        apply: ``apply(model) -> int``, see the module docstring.
+        undo: ``undo(model) -> int``, or None when the patch cannot be undone.
+        description: one line for logs and reports.
+        changes_weights: apply changes parameters or buffers; saves are wrapped (module docstring).
+    """
+
+    name: str
+    apply: Callable[[nn.Module], int]
+    undo: Callable[[nn.Module], int] | None = None
+    description: str = ""
+    changes_weights: bool = False
+
+
+@dataclass
+class PatchReport:
+    """What one :func:`patch` or :func:`unpatch` call did.
+
+    Attributes:
+        changed: patch name -> modules changed by this call (0: nothing to do, or already done).
+        active: names of the patches in effect on the model after the call, in apply order.
+    """
+
+    changed: dict[str, int] = field(default_factory=dict)
+    active: list[str] = field(default_factory=list)
+
+
+#: The registered patches, in apply order (undone in reverse order).
+PATCHES: dict[str, Patch] = {}
+
+#: Attribute of the model (plain, not a submodule) holding {patch name: modules changed}.
+_STATE = "_cutile_patches"
+
+
+def register(p: Patch, replace: bool = False) -> Patch:
+    """Add a patch to the registry (appended to the apply order) and return it.
+
+    Raises:
+        ValueError: a patch of that name is registered and ``replace`` is False.
+    """
+    if p.name in PATCHES and not replace:
+        raise ValueError(f"a patch named {p.name!r} is already registered")
+    PATCHES[p.name] = p
+    return p
+
+
+def _select(names) -> list[Patch]:
+    if names is None:
+        return list(PATCHES.values())
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in PATCHES]
+    if unknown:
+        raise KeyError(f"unknown patch(es) {unknown}; registered: {list(PATCHES)}")
+    return [PATCHES[n] for n in PATCHES if n in names]
+
+
+def _state(model: nn.Module) -> dict[str, int]:
+    state = model.__dict__.get(_STATE)
+    if state is None:
+        state = {}
+        model.__dict__[_STATE] = state
+    return state
+
+
+def applied(model: nn.Module) -> dict[str, int]:
+    """{patch name: modules it changed} for the patches in effect on ``model``."""
+    return dict(model.__dict__.get(_STATE, {}))
+
+
+def patch(model: nn.Module, names=None) -> PatchReport:
+    """Apply the registered patches (or only ``names``) to ``model`` in place.
+
+    Idempotent: a patch already in effect changes nothing more; calling it again after new
+    modules appeared patches those. Works on a model loaded long before (nothing is hooked into
+    loading). On a CPU model the patched forwards compute the stock formulas (the ops' reference
+    paths), so results do not change.
+
+    Args:
+        model: a loaded ``nn.Module`` (usually a transformers ``PreTrainedModel``).
+        names: a patch name or names (default: every registered patch).
+
+    Returns:
+        A :class:`PatchReport`.
+
+    Raises:
+        KeyError: an unknown name in ``names``.
+    """
+    state = _state(model)
+    report = PatchReport()
+    for p in _select(names):
+        n = int(p.apply(model))
+        report.changed[p.name] = n
+        if n or p.name in state:
+            state[p.name] = state.get(p.name, 0) + n
+    _sync_save_wrapper(model)
+    report.active = list(state)
+    return report
+
+
+def unpatch(model: nn.Module, names=None) -> PatchReport:
+    """Undo the patches in effect on ``model`` (or only ``names``), in reverse apply order.
+
+    A patch without ``undo`` stays in effect and logs a warning.
+
+    Returns:
+        A :class:`PatchReport` whose ``changed`` counts the modules restored.
+    """
+    state = _state(model)
+    report = PatchReport()
+    for p in reversed(_select(names)):
+        if p.name not in state:
+            continue
+        if p.undo is None:
+            logger.warning("cutile_kernels: patch %s cannot be undone; it stays in effect", p.name)
+            continue
+        report.changed[p.name] = int(p.undo(model))
+        del state[p.name]
+    _sync_save_wrapper(model)
+    report.active = list(state)
+    return report
+
+
+def _patched_save_pretrained(self, *args, **kwargs):
+    # Saves the stock checkpoint: weight-changing patches are undone for the save, then re-applied.
+    names = [n for n in applied(self) if PATCHES[n].changes_weights]
+    unpatch(self, names)
+    try:
+        return type(self).save_pretrained(self, *args, **kwargs)
+    finally:
+        patch(self, names)
+
+
+def _sync_save_wrapper(model: nn.Module) -> None:
+    wants = any(PATCHES[n].changes_weights for n in applied(model) if n in PATCHES)
+    current = model.__dict__.get("save_pretrained")
+    ours = getattr(current, "__func__", None) is _patched_save_pretrained
+    if wants and current is None and hasattr(type(model), "save_pretrained"):
+        model.save_pretrained = types.MethodType(_patched_save_pretrained, model)
+    elif not wants and ours:
+        del model.__dict__["save_pretrained"]
+
+
+# ---------------------------------------------------------------------------------------------
+# decoder_add_rms_norm: residual add + RMSNorm in Llama-style decoder layers
+# ---------------------------------------------------------------------------------------------
+
+#: ``statements_digest(LlamaDecoderLayer.forward)`` in transformers 5.22.2: the forward that
+#: :func:`_fused_decoder_forward` computes (pre-norm attention and MLP blocks, each added back to
+#: the residual stream). Another transformers version's forward must be re-read before it is fused.
+LLAMA_DECODER_DIGEST = "b139d1b607c01194"
+
+_FORWARD_ATTRS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+class _Inbox:
+    """The normed input one layer leaves for the next: ``pending = (s, rms_norm(s))``, where ``s`` is
+    the tensor the first layer returned. The next layer uses it only if it is called with exactly
+    ``s`` (the same object), so anything in between that replaces the hidden states is safe."""
+
+    __slots__ = ("norm", "pending")
+
+    def __init__(self, norm: nn.Module):
+        self.norm = norm
+        self.pending = None
+
+
+@functools.lru_cache(maxsize=None)
+def decoder_verdict(cls: type) -> str | None:
+    """Why ``cls`` (a decoder layer class) cannot take the fused forward, or None if it can:
+    its ``forward`` must be ``LlamaDecoderLayer.forward``'s code, and that must still be the
+    transformers 5.22.2 forward (:data:`LLAMA_DECODER_DIGEST`)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if statements_digest(LlamaDecoderLayer.forward) != LLAMA_DECODER_DIGEST:
+        return "this transformers' LlamaDecoderLayer.forward is not the one the fused forward reproduces (5.22.2)"
+    if not same_code(getattr(cls, "forward", None), LlamaDecoderLayer.forward):
+        return "its forward is not LlamaDecoderLayer.forward's code"
+    return None
+
+
+def _llama_norm(m) -> bool:
+    # A Llama-formula RMSNorm whose forward is its class's or our CutileRMSNorm (same formula).
+    if not (computes_llama_rms_norm(type(m)) and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and hasattr(m, "variance_epsilon")):
+        return False
+    fwd = m.__dict__.get("forward")
+    return fwd is None or getattr(getattr(fwd, "__func__", None), "__qualname__", "") == "CutileRMSNorm.forward"
+
+
+#: A forward hook whose function carries this attribute (set to True) only observes, e.g. the
+#: bench's profiler ranges: the fusions may skip it, as they skip the norm module it hooks.
+TRANSPARENT_HOOK = "_cutile_transparent"
+
+
+def _blocking(hooks) -> bool:
+    return any(not getattr(h, TRANSPARENT_HOOK, False) for h in hooks.values())
+
+
+def _unhooked(m: nn.Module) -> bool:
+    # Calling the fused op instead of the norm module would skip its hooks.
+    return not (_blocking(m._forward_hooks) or _blocking(m._forward_pre_hooks) or m._backward_hooks
+                or _blocking(nn.modules.module._global_forward_hooks)
+                or _blocking(nn.modules.module._global_forward_pre_hooks))
+
+
+def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                           use_cache=False, position_embeddings=None, **kwargs):
+    """``LlamaDecoderLayer.forward`` (5.22.2) with the attention block's residual add fused into
+    ``post_attention_layernorm`` and, when the next layer waits for it, the MLP block's residual
+    add fused into the next layer's ``input_layernorm``. Same arguments and result."""
+    inbox = self._cutile_inbox
+    handed = None
+    if inbox is not None:
+        handed, inbox.pending = inbox.pending, None
+    residual = hidden_states
+    if handed is not None and handed[0] is hidden_states:
+        hidden_states = handed[1]
+    else:
+        hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                      position_ids=position_ids, past_key_values=past_key_values,
+                                      use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    post = self.post_attention_layernorm
+    if _unhooked(post):
+        hidden_states, residual = add_rms_norm(hidden_states, residual, post.weight, post.variance_epsilon)
+    else:
+        residual = residual + hidden_states
+        hidden_states = post(residual)
+    hidden_states = self.mlp(hidden_states)
+    nxt = self._cutile_next
+    if (nxt is not None and not (self.training and getattr(self, "gradient_checkpointing", False))
+            and nxt.norm.weight.device == hidden_states.device and _unhooked(nxt.norm)):
+        normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
+        nxt.pending = (out, normed)
+        return out
+    return residual + hidden_states
+
+
+def _is_fused(layer: nn.Module) -> bool:
+    return getattr(layer.__dict__.get("forward"), "__func__", None) is _fused_decoder_forward
+
+
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Patch ``decoder_add_rms_norm``: fuse the decoder layers' residual adds into their RMSNorms.
+
+    A stock Llama-style layer computes ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))`` and
+    the next layer starts with its own ``norm1(out)``. Patched layers (instance ``forward``
+    replaced) compute ``norm2(x + a)`` and ``x + a`` in one ``add_rms_norm`` (in-layer), and
+    ``next.norm1(h + m)`` and ``h + m`` in one more, handing the normed tensor to the next layer
+    (cross-layer), which uses it only when called with exactly the tensor this layer returned.
+    Results equal the stock ones: each sum is rounded once to the activation dtype, as the stock
+    add rounds it, and the norm is the stock formula.
+
+    Applies to layers whose class's forward is ``LlamaDecoderLayer.forward``'s code (Llama,
+    Mistral, Qwen2, Qwen3 and ~60 more in 5.22.2; see :func:`decoder_verdict`), whose
+    ``post_attention_layernorm`` is a Llama-formula RMSNorm, and whose forward nobody else has
+    replaced (e.g. accelerate's device hooks). Cross-layer handoff links consecutive patched layers
+    of one ``ModuleList`` whose next ``input_layernorm`` is a Llama-formula RMSNorm; it is skipped
+    at run time under gradient checkpointing, across devices, and when that norm has hooks. The
+    last layer's final add stays a plain add (the model's final norm is not a decoder layer).
+    Layers of other classes are left alone, with a log line per class.
+
+    Returns:
+        The number of layers newly patched.
+    """
+    new, refused = Counter(), Counter()
+    reasons: dict[str, str] = {}
+    for _, m in model.named_modules():
+        if not all(hasattr(m, a) for a in _FORWARD_ATTRS):
+            continue
+        name = type(m).__name__
+        if _is_fused(m):
+            continue
+        why = decoder_verdict(type(m))
+        if why is None and not _llama_norm(m.post_attention_layernorm):
+            why = "its post_attention_layernorm is not a Llama-formula RMSNorm"
+        if why is None and "forward" in m.__dict__:
+            why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
+        if why is not None:
+            refused[name] += 1
+            reasons[name] = why
+            continue
+        m.__dict__["_cutile_inbox"] = None
+        m.__dict__["_cutile_next"] = None
+        m.forward = types.MethodType(_fused_decoder_forward, m)
+        new[name] += 1
+    links = _link_layers(model)
+    for name, n in new.items():
+        logger.info("cutile_kernels: patch decoder_add_rms_norm: residual add fused into "
+                    "post_attention_layernorm in %d %s", n, name)
+    if new:
+        logger.info("cutile_kernels: patch decoder_add_rms_norm: residual add fused into the next "
+                    "layer's input_layernorm across %d layer pairs", links)
+    for name, n in refused.items():
+        logger.info("cutile_kernels: patch decoder_add_rms_norm leaves %d %s alone: %s", n, name, reasons[name])
+    return sum(new.values())
+
+
+def _link_layers(model: nn.Module) -> int:
+    # (Re)link consecutive fused layers of every ModuleList for the cross-layer handoff.
+    links = 0
+    for _, seq in model.named_modules():
+        if not isinstance(seq, nn.ModuleList):
+            continue
+        layers = list(seq)
+        for a, b in zip(layers, layers[1:]):
+            if _is_fused(a) and _is_fused(b) and _llama_norm(b.input_layernorm):
+                inbox = b.__dict__["_cutile_inbox"]
+                if inbox is None or inbox.norm is not b.input_layernorm:
+                    inbox = _Inbox(b.input_layernorm)
+                    b.__dict__["_cutile_inbox"] = inbox
+                a.__dict__["_cutile_next"] = inbox
+                links += 1
+    return links
+
+
+def unfuse_decoder_layers(model: nn.Module) -> int:
+    """Undo :func:`fuse_decoder_layers`: restore the class forward of every patched layer.
+
+    Returns:
+        The number of layers restored.
+    """
+    n = 0
+    for _, m in model.named_modules():
+        if _is_fused(m):
+            for attr in ("forward", "_cutile_inbox", "_cutile_next"):
+                m.__dict__.pop(attr, None)
+            n += 1
+    if n:
+        logger.info("cutile_kernels: patch decoder_add_rms_norm undone on %d layers", n)
+    return n
+
+
+register(Patch("decoder_add_rms_norm", apply=fuse_decoder_layers, undo=unfuse_decoder_layers,
+               description="residual add + RMSNorm fused in Llama-style decoder layers, within and across layers"))
+
+from .mlp import fuse_mlp, unfuse_mlp  # noqa: E402 - registered after the decoder patch, applied after it
+
+register(Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
+               description="gate_proj and up_proj of each SwiGLU MLP as one GEMM, then our silu_and_mul"))

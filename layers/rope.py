@@ -1,0 +1,101 @@
+"""RoPE layer for transformers' ``"rotary_pos_emb"`` hub function, and its mapping row.
+
+transformers 5.22.2 decorates ``apply_rotary_pos_emb`` in 118 modeling modules with
+``@use_kernel_forward_from_hub("rotary_pos_emb")``. ``kernels`` turns each decorated function into
+an instance of a one-off ``nn.Module`` class (``Func``) whose ``forward`` calls the function, and
+``@use_kernelized_func`` on the attention class lists that instance in the attention module's
+``_kernel_funcs``, where ``kernels.kernelize`` finds it and rebinds its ``forward`` to ours (as for
+any hub layer). The instance is the module-level ``apply_rotary_pos_emb`` the attention calls, so
+the swap reaches every model of that modeling module in the process; on CPU tensors our forward
+is the reference formula, bit-identical to the stock one.
+
+The hub name covers functions with other math. Of the 118, 104 compile to the same code as
+Llama's with Llama's ``rotate_half`` (Mistral, Qwen2, Qwen3, Phi, Gemma, ...). The others keep
+their own forward: Olmo, Olmo2, Olmo3, OlmoHybrid, FlexOlmo, Beam (cast back to the input
+dtype), HunyuanVL (float32 cos/sin), ESM, Evolla, ModernBERT, ModernBERT-decoder (float32 math),
+GPT-OSS (half-width cos/sin), OpenAI privacy filter (interleaved pairs), and NanoChat (Llama's
+code, but its ``rotate_half`` flips the other sign).
+
+Partial rotary (``partial_rotary_factor < 1``): models that use Llama's function slice q and k to
+the rotary part first (Phi), so the layer sees ``cos`` as wide as its (strided) ``q``; the op also
+takes a narrower ``cos`` (the first R elements rotated, the rest passed through).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .. import dispatch
+from ..ops.rope import apply_rope
+from ._match import same_code, statements_digest
+
+#: ``statements_digest`` of Llama's ``apply_rotary_pos_emb`` and ``rotate_half`` in transformers
+#: 5.22.2 (``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``): the
+#: formula ``kernel_src/rope.py`` reproduces.
+LLAMA_ROPE_DIGESTS = ("257620718ecff20c", "b92c1a98279c25d0")
+
+
+def wrapped_function(cls: type):
+    """The Python function a ``kernels`` ``Func`` class wraps (its ``forward``'s closure), or None."""
+    try:
+        return inspect.getclosurevars(cls.forward).nonlocals.get("func")
+    except (AttributeError, TypeError):
+        return None
+
+
+def _llama_functions():
+    from transformers.models.llama import modeling_llama
+
+    return wrapped_function(type(modeling_llama.apply_rotary_pos_emb)), modeling_llama.rotate_half
+
+
+_VERDICTS: dict[type, bool] = {}
+
+
+@torch.compiler.disable
+def _judge(cls: type) -> bool:
+    fn = wrapped_function(cls)
+    llama_fn, llama_rotate = _llama_functions()
+    rotate = getattr(fn, "__globals__", {}).get("rotate_half")
+    ok = (fn is not None and llama_fn is not None
+          and (statements_digest(llama_fn), statements_digest(llama_rotate)) == LLAMA_ROPE_DIGESTS
+          and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
+    _VERDICTS[cls] = ok
+    return ok
+
+
+def computes_llama_rope(cls: type) -> bool:
+    """True if the ``Func`` class ``cls`` wraps a function computing Llama's RoPE formula: same code
+    as Llama's ``apply_rotary_pos_emb``, resolving ``rotate_half`` to the same code as Llama's, and
+    Llama's pair still being the transformers 5.22.2 formula (:data:`LLAMA_ROPE_DIGESTS`)."""
+    verdict = _VERDICTS.get(cls)
+    return _judge(cls) if verdict is None else verdict
+
+
+class CutileRotaryPosEmb(nn.Module):
+    """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` on the cuTile RoPE kernel.
+
+    Replaces the forward of the ``Func`` module ``kernels`` makes of a decorated function (see the
+    module docstring); stateless. Shapes, dtypes and layouts as :func:`cutile_kernels.apply_rope`;
+    returns ``(q_embed, k_embed)``. A function with another formula keeps its own forward and
+    says so once.
+    """
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        cls = type(self)
+        if not computes_llama_rope(cls):
+            fn = wrapped_function(cls)
+            name = f"{fn.__module__}.{fn.__qualname__}" if fn is not None else cls.__qualname__
+            dispatch.fallback("rope", f"{name} is not Llama's apply_rotary_pos_emb formula; it keeps its own")
+            return cls.forward(self, q, k, cos, sin, unsqueeze_dim)
+        return apply_rope(q, k, cos, sin, unsqueeze_dim)
+
+
+#: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
+MAPPING = {"rotary_pos_emb": "CutileRotaryPosEmb"}

@@ -1,0 +1,218 @@
+"""A NumPy interpreter for the cuTile calls our kernels use, so that a kernel's tile logic (block
+indexing, tile ranges, masks, online softmax, split-KV) runs on a CPU in the tests.
+
+:func:`emulate` re-binds a ``@ct.kernel``'s Python function (and the ``@ct.function`` helpers of
+its module) to this module's ``ct`` stand-in and runs it once per block of a grid. Arrays are
+NumPy views that share the torch tensors' memory and strides. What cuTile leaves undefined is an
+error here: a tile entirely outside its array, a store of the wrong dtype, mma operands of two
+dtypes. Loads with ``PaddingMode.UNDETERMINED`` pad floats with NaN, so relying on them shows.
+
+It checks logic, not numerics: bfloat16 is not emulated (run it on float32 / float64 tensors),
+and the compiler's choices (TMA, tensor-core precision) are the GPU tests' business.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import cuda.tile as _ct
+import numpy as np
+import torch
+
+PaddingMode = _ct.PaddingMode
+RoundingMode = _ct.RoundingMode
+Constant = _ct.Constant
+
+float16, float32, float64 = np.float16, np.float32, np.float64
+bfloat16 = np.float32  # not emulated: computed in float32
+int8, int16, int32, int64, bool_ = np.int8, np.int16, np.int32, np.int64, np.bool_
+
+_block = (0, 0, 0)
+_grid = (1, 1, 1)
+
+
+class UndefinedBehaviour(AssertionError):
+    """The kernel did something cuTile leaves undefined."""
+
+
+def bid(axis):
+    return _block[axis]
+
+
+def num_blocks(axis):
+    return _grid[axis]
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def _pad_value(mode, dtype):
+    if mode == PaddingMode.ZERO:
+        return 0
+    if mode == PaddingMode.NEG_INF:
+        return -np.inf
+    if mode == PaddingMode.POS_INF:
+        return np.inf
+    return np.nan if np.issubdtype(dtype, np.floating) else np.iinfo(dtype).min
+
+
+def _view(arr, order):
+    if order == "C":
+        return arr
+    if order == "F":
+        return arr.transpose()
+    return arr.transpose(order)
+
+
+def _spans(arr, index, shape):
+    if len(index) != arr.ndim or len(shape) != arr.ndim:
+        raise UndefinedBehaviour(f"index {index} / tile {shape} do not match a {arr.ndim}-D array")
+    for s in shape:
+        if s & (s - 1):
+            raise UndefinedBehaviour(f"tile dimension {s} is not a power of two")
+    src, dst = [], []
+    for i, s, n in zip(index, shape, arr.shape):
+        lo = int(i) * s
+        if lo < 0 or lo >= n:
+            raise UndefinedBehaviour(f"tile {index} x {shape} lies entirely outside an array of shape {arr.shape}")
+        hi = min(lo + s, n)
+        src.append(slice(lo, hi))
+        dst.append(slice(0, hi - lo))
+    return tuple(src), tuple(dst)
+
+
+def load(arr, index, shape, order="C", padding_mode=PaddingMode.UNDETERMINED, **_hints):
+    a = _view(arr, order)
+    shape = tuple(shape)
+    out = np.full(shape, _pad_value(padding_mode, a.dtype), dtype=a.dtype)
+    src, dst = _spans(a, tuple(index), shape)
+    out[dst] = a[src]
+    return out
+
+
+def store(arr, index, tile, order="C", **_hints):
+    a = _view(arr, order)
+    tile = np.asarray(tile)
+    if tile.dtype != a.dtype:
+        raise UndefinedBehaviour(f"store of a {tile.dtype} tile into a {a.dtype} array")
+    src, dst = _spans(a, tuple(index), tile.shape)
+    a[src] = tile[dst]
+
+
+def full(shape, fill_value, dtype):
+    return np.full(shape, fill_value, dtype=dtype)
+
+
+def zeros(shape, dtype):
+    return np.zeros(shape, dtype=dtype)
+
+
+def arange(size, *, dtype, start=0, step=1):
+    return np.arange(start, start + size * step, step, dtype=dtype)
+
+
+def reshape(x, shape):
+    x = np.asarray(x)
+    if x.size != int(np.prod(shape)):
+        raise UndefinedBehaviour(f"reshape of {x.shape} to {shape}")
+    return x.reshape(shape)
+
+
+def broadcast_to(x, shape):
+    return np.broadcast_to(x, shape).copy()
+
+
+def permute(x, axes):
+    return np.transpose(x, axes)
+
+
+def transpose(x, axis0=None, axis1=None):
+    return np.swapaxes(x, -1, -2) if axis0 is None else np.swapaxes(x, axis0, axis1)
+
+
+def mma(x, y, acc, **_):
+    if x.dtype != y.dtype:
+        raise UndefinedBehaviour(f"mma of {x.dtype} and {y.dtype} (cuTile does not promote)")
+    return (np.matmul(x.astype(acc.dtype), y.astype(acc.dtype)) + acc).astype(acc.dtype)
+
+
+def where(cond, x, y):
+    out = np.where(cond, x, y)
+    return out
+
+
+def maximum(x, y, **_):
+    return np.maximum(x, y)
+
+
+def minimum(x, y, **_):
+    return np.minimum(x, y)
+
+
+def max(x, axis=None, keepdims=False, **_):  # noqa: A001 - the cuTile name
+    return np.max(x, axis=axis, keepdims=keepdims)
+
+
+def sum(x, axis=None, keepdims=False, **_):  # noqa: A001 - the cuTile name
+    return np.sum(x, axis=axis, keepdims=keepdims, dtype=np.asarray(x).dtype)
+
+
+def exp2(x, **_):
+    return np.exp2(x)
+
+
+def log2(x, **_):
+    return np.log2(x)
+
+
+def tanh(x, **_):
+    return np.tanh(x)
+
+
+def exp(x, **_):
+    return np.exp(x)
+
+
+def sqrt(x, **_):
+    return np.sqrt(x)
+
+
+def truediv(x, y, **_):
+    return np.true_divide(x, y)
+
+
+def astype(x, dtype, **_):
+    return np.asarray(x).astype(dtype)
+
+
+_SHIM = types.ModuleType("cutile_numpy_ct")
+_SHIM.__dict__.update({k: v for k, v in globals().items() if not k.startswith("__")})
+
+
+def _rebind(fn, env):
+    return types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def emulate(kernel, module):
+    """A callable ``run(grid, args)`` executing ``kernel`` (a ``@ct.kernel`` of ``module``) on
+    NumPy; ``args`` as ``ct.launch`` takes them (constants included), tensors as torch CPU tensors
+    of a NumPy-convertible dtype."""
+    env = dict(vars(module))
+    env["ct"] = _SHIM
+    for name, val in vars(module).items():
+        if getattr(val, "_cutile_function_wrapper", False):
+            env[name] = _rebind(val.__wrapped__, env)
+    fn = _rebind(kernel._pyfunc, env)
+
+    def run(grid, args):
+        global _block, _grid
+        arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        _grid = grid
+        for blk in itertools.product(*(range(g) for g in grid)):
+            _block = blk
+            fn(*arrays)
+
+    return run

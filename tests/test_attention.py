@@ -1,0 +1,740 @@
+"""Attention: semantics of the reference against transformers' masks and sdpa (CPU, float64), the
+kernel's tile logic run by a NumPy interpreter of cuTile (CPU), the ``"cutile"`` attention
+function and its registration, kernelized models against stock ones (CPU: reference path and
+emulated kernel; GPU: the cubins), and AOT compilation of the variants."""
+
+from __future__ import annotations
+
+import copy
+
+import importlib
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cutile_kernels
+from cutile_kernels import dispatch, registry
+from cutile_kernels.kernel_src import attention as kattn
+from cutile_kernels.layers import attention as lattn
+
+attn_ops = importlib.import_module("cutile_kernels.ops.attention")  # the package exports the function too
+
+from cutile_numpy import emulate
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.masking_utils import (  # noqa: E402
+    causal_mask_function,
+    sdpa_mask,
+    sliding_window_causal_mask_function,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+def make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype=torch.float64, device="cpu", scale=1.0):
+    """q as transformers passes it (a (B, Hq, Sq, D) view of a (B, Sq, Hq, D) projection), k and v
+    as a cache holds them (contiguous (B, Hkv, Skv, D))."""
+    q = (torch.randn(B, Sq, Hq, D, device=device, dtype=torch.float32) * scale).to(dtype).transpose(1, 2)
+    k = (torch.randn(B, Hkv, Skv, D, device=device, dtype=torch.float32) * scale).to(dtype)
+    v = torch.randn(B, Hkv, Skv, D, device=device, dtype=torch.float32).to(dtype)
+    return q, k, v
+
+
+def hf_mask(B, Sq, Skv, q_offset, padding=None, window=None, kv_offset=0, device="cpu"):
+    """The boolean mask transformers' sdpa_mask builds (never skipped)."""
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    return sdpa_mask(batch_size=B, q_length=Sq, kv_length=Skv, q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=fn, attention_mask=padding, allow_is_causal_skip=False, device=device)
+
+
+def left_padding(B, S, pads, device="cpu"):
+    m = torch.ones(B, S, dtype=torch.bool, device=device)
+    for b, p in enumerate(pads):
+        m[b, :p] = False
+    return m
+
+
+def sdpa_gqa(q, k, v, mask=None, scale=None, is_causal=False):
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                          attn_mask=mask, scale=scale, is_causal=is_causal)
+
+
+def emulated_attention(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None, splits=None, sms=132):
+    """The kernel launches the op would make, executed by the NumPy cuTile interpreter.
+    Returns (output (B, Hq, Sq, D), the launched kernel names)."""
+    B, Hq, Sq, D = q.shape
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    out = torch.full((B, Sq, Hq, D), float("nan"), dtype=q.dtype)
+    plan = attn_ops.launches(q, k, v, mask, out, scale, causal, window, softcap, splits, sms=sms)
+    assert not isinstance(plan, str), plan
+    for kernel, want, args, _n, grid in plan:
+        (spec,) = {s.function: s for s in kattn.VARIANTS  # the bf16 and fp16 variants run the same code
+                   if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
+        run = emulate(getattr(kattn, spec.function), kattn)
+        run(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
+    return out.transpose(1, 2), [p[0] for p in plan]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the reference's semantics are transformers' masks and sdpa's math
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("Sq,Skv", [(7, 7), (1, 9), (5, 12), (16, 16), (3, 40)])
+@pytest.mark.parametrize("window", [None, 1, 3, 8])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 2), (4, 1), (3, 3)])
+def test_reference_causal_and_window_are_transformers_masks(Sq, Skv, window, heads):
+    Hq, Hkv = heads
+    q, k, v = make_qkv(2, Hq, Hkv, Sq, Skv, 16)
+    # A cache holding every past token (DynamicCache): the queries are the last Sq positions.
+    want = sdpa_gqa(q, k, v, hf_mask(2, Sq, Skv, Skv - Sq, window=window), scale=0.3)
+    got = cutile_kernels.attention_reference(q, k, v, None, 0.3, True, window)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_matches_sdpa_on_padding_and_static_cache_masks():
+    B, Sq, D = 3, 6, 32
+    # Left-padded prefill.
+    pad = left_padding(B, Sq, [0, 2, 5])
+    q, k, v = make_qkv(B, 4, 2, Sq, Sq, D)
+    m = hf_mask(B, Sq, Sq, 0, pad)
+    torch.testing.assert_close(cutile_kernels.attention_reference(q, k, v, m, 0.2, False), sdpa_gqa(q, k, v, m, 0.2),
+                               rtol=1e-12, atol=1e-12)
+    # Three new tokens into a static cache of 16 slots holding 5 (2D mask covers 8 seen tokens).
+    pad8 = left_padding(B, 8, [0, 1, 3])
+    q, k, v = make_qkv(B, 4, 2, 3, 16, D)
+    m = hf_mask(B, 3, 16, 5, pad8)
+    assert not m[..., 8:].any()  # the empty slots are masked
+    torch.testing.assert_close(cutile_kernels.attention_reference(q, k, v, m, 0.2, False), sdpa_gqa(q, k, v, m, 0.2),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_reference_softcap_and_empty_rows():
+    q, k, v = make_qkv(1, 2, 1, 4, 6, 8, scale=3.0)
+    cap = 2.5
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.5
+    s = cap * torch.tanh(s / cap)
+    vis = attn_ops.visible_mask(1, 4, 6, None, True, None)
+    want = torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    got = cutile_kernels.attention_reference(q, k, v, None, 0.5, True, None, cap)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    m = torch.ones(1, 1, 4, 6, dtype=torch.bool)
+    m[0, 0, 2] = False  # a query that sees nothing gets zeros (sdpa's math path agrees)
+    out = cutile_kernels.attention_reference(q, k, v, m, 0.5, False)
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    torch.testing.assert_close(out, sdpa_gqa(q, k, v, m, 0.5), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_layout_and_shape_errors():
+    q, k, v = make_qkv(2, 4, 2, 5, 7, 16)
+    out = cutile_kernels.attention_reference(q, k, v)
+    assert out.shape == (2, 4, 5, 16) and out.transpose(1, 2).is_contiguous()
+    with pytest.raises(ValueError, match="not a multiple"):
+        cutile_kernels.attention(q, k[:, :1].expand(2, 3, 7, 16), v[:, :1].expand(2, 3, 7, 16))
+    with pytest.raises(ValueError, match="mask of shape"):
+        cutile_kernels.attention(q, k, v, torch.ones(2, 1, 5, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="boolean"):
+        cutile_kernels.attention(q, k, v, torch.zeros(2, 1, 5, 7))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernel's tile logic (NumPy interpreter of the cuTile calls) against the reference
+# ---------------------------------------------------------------------------------------------
+
+#: (B, Hq, Hkv, Sq, Skv, head_dim, extra): family head shapes, decode and prefill lengths, masks.
+EMULATED = [
+    (1, 4, 1, 1, 1, 64, {}),                       # one key
+    (2, 8, 2, 1, 300, 64, {}),                     # Llama GQA 4, decode
+    (1, 4, 2, 7, 7, 128, {}),                      # Qwen3 GQA 2, short prefill (decode tiles)
+    (1, 6, 1, 17, 17, 128, {}),                    # Qwen2.5 GQA 6, prefill tiles, 17 queries
+    (2, 4, 1, 130, 130, 64, {}),                   # one KV head, two query blocks
+    (1, 2, 2, 70, 200, 80, {}),                    # MHA, head_dim 80, chunk over a cache
+    (1, 4, 4, 3, 45, 96, {"window": 5}),           # head_dim 96, sliding window, decode tiles
+    (2, 2, 1, 150, 150, 256, {"window": 33}),      # head_dim 256, window across tiles
+    (1, 4, 2, 20, 50, 32, {"softcap": 3.0}),       # softcap, head_dim 32 padded to 64
+    (1, 2, 2, 9, 5, 64, {}),                       # more queries than keys: first rows see nothing
+    (1, 8, 2, 1, 600, 64, {"splits": 5}),          # split-KV, forced
+    (1, 8, 1, 1, 1000, 64, {"sms": 132}),          # split-KV chosen by the grid heuristic
+    (2, 8, 8, 4, 500, 128, {"splits": 7, "window": 100}),
+    (1, 2, 2, 5, 5, 64, {"causal": False}),
+]
+
+
+@pytest.mark.parametrize("case", EMULATED, ids=lambda c: "-".join(map(str, c[:6])) + "".join(f"-{k}{v}" for k, v in c[6].items()))
+def test_emulated_kernel_matches_reference(case):
+    B, Hq, Hkv, Sq, Skv, D, extra = case
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    kw = {"causal": extra.get("causal", True), "window": extra.get("window"), "softcap": extra.get("softcap")}
+    got, kernels = emulated_attention(q, k, v, None, 0.17, splits=extra.get("splits"), sms=extra.get("sms", 132), **kw)
+    want = cutile_kernels.attention_reference(q, k, v, None, 0.17, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32 inside; logic errors are O(0.1)
+    assert ("attention_combine" in kernels) == (extra.get("splits", 1) > 1 or "sms" in extra)
+
+
+@pytest.mark.parametrize("kind", ["left-padded prefill", "chunk over a padded cache", "static-cache decode",
+                                  "static-cache decode, split", "sliding window + padding", "batch-shared mask"])
+def test_emulated_kernel_with_transformers_masks(kind):
+    B, Hq, Hkv, D = 3, 4, 2, 64
+    if kind == "left-padded prefill":
+        Sq = Skv = 140
+        m = hf_mask(B, Sq, Skv, 0, left_padding(B, Skv, [0, 3, 70]))
+    elif kind == "chunk over a padded cache":
+        Sq, Skv = 9, 30
+        m = hf_mask(B, Sq, Skv, Skv - Sq, left_padding(B, Skv, [0, 3, 25]))
+    elif kind.startswith("static-cache decode"):
+        Sq, Skv = 1, 300
+        m = hf_mask(B, Sq, Skv, 12, left_padding(B, 13, [0, 2, 5]))
+    elif kind == "sliding window + padding":
+        Sq = Skv = 40
+        m = hf_mask(B, Sq, Skv, 0, left_padding(B, Skv, [0, 3, 9]), window=6)
+    else:
+        Sq, Skv = 5, 20
+        m = hf_mask(1, Sq, Skv, Skv - Sq).expand(B, 1, Sq, Skv)  # stride 0 along the batch
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    splits = 4 if kind.endswith("split") else 1
+    got, kernels = emulated_attention(q, k, v, m, 0.125, causal=False, splits=splits)
+    want = cutile_kernels.attention_reference(q, k, v, m, 0.125, False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(kernels) == (2 if splits > 1 else 1)
+
+
+def test_emulator_flags_undefined_behaviour():
+    from cutile_numpy import UndefinedBehaviour, load
+
+    import numpy as np
+
+    with pytest.raises(UndefinedBehaviour, match="entirely outside"):
+        load(np.zeros((4, 4)), (1, 0), (4, 4))
+    assert np.isnan(load(np.zeros((3,)), (0,), (4,))[3])  # undetermined padding is visible
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: host-side choices
+# ---------------------------------------------------------------------------------------------
+
+def test_tiles_and_splits():
+    assert attn_ops.tiles_for(64, 2048, 4) == (64, 1, 128, 64)
+    assert attn_ops.tiles_for(80, 1, 4) == (128, 4, 4, 128)       # decode: 4 heads of a group x 4 queries
+    assert attn_ops.tiles_for(128, 7, 6) == (128, 2, 8, 128)      # group 6: 2 heads per tile
+    assert attn_ops.tiles_for(128, 16, 1) == (128, 1, 16, 128)
+    assert attn_ops.tiles_for(32, 17, 2) == (64, 1, 128, 64)
+    assert attn_ops.tiles_for(256, 5000, 8)[0] == 256
+    assert attn_ops.tiles_for(512, 1, 1) is None
+    assert attn_ops.num_splits(blocks=8, kv_tiles=32, sms=132) == 16        # capped by 2 tiles per split
+    assert attn_ops.num_splits(blocks=8, kv_tiles=1000, sms=132) == 33      # fills 2 x SMs
+    assert attn_ops.num_splits(blocks=1, kv_tiles=1000, sms=132) == 64      # at most 64 splits
+    assert attn_ops.num_splits(blocks=200, kv_tiles=1000, sms=132) == 1     # the grid is full already
+    assert attn_ops.num_splits(blocks=1, kv_tiles=3, sms=132) == 1          # too short to split
+
+
+def test_kernel_mask_views_without_copies():
+    m = hf_mask(1, 5, 9, 4).expand(3, 1, 5, 9)
+    km = attn_ops.kernel_mask(m)
+    assert km.shape == (1, 5, 9) and km.dtype == torch.int8 and km.data_ptr() == m.data_ptr()
+    m2 = hf_mask(3, 5, 9, 4, left_padding(3, 9, [0, 1, 2]))
+    km2 = attn_ops.kernel_mask(m2)
+    assert km2.shape == (3, 5, 9) and torch.equal(km2.bool(), m2[:, 0])
+    assert attn_ops.kernel_mask(None) is None
+
+
+def test_launch_plan_layout_and_decode_split():
+    B, Hq, Hkv, D = 1, 32, 8, 64
+    q, k, v = make_qkv(B, Hq, Hkv, 1, 4096, D, torch.float32)
+    out = torch.empty(B, 1, Hq, D)
+    plan = attn_ops.launches(q, k, v, None, out, 0.125, sms=132)
+    assert [p[0] for p in plan] == ["attention", "attention_combine"]
+    kernel, want, args, n_inputs, grid = plan[0]
+    assert dict(want) == {"D": 64, "HB": 4, "BS": 4, "BN": 128} and n_inputs == 4
+    splits = args[-1]
+    assert grid({}) == (splits, B * Hq // 4, 1) and splits > 1
+    assert args[4].shape == (B, Hq, 1, D) and args[4].data_ptr() == out.data_ptr()  # o is a view of out
+    prefill = attn_ops.launches(*make_qkv(B, Hq, Hkv, 2048, 2048, D, torch.float32), None,
+                                torch.empty(B, 2048, Hq, D), 0.125, sms=132)
+    assert len(prefill) == 1 and prefill[0][2][-1] == 1  # prefill never splits
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the custom op
+# ---------------------------------------------------------------------------------------------
+
+def test_custom_op_passes_opcheck():
+    q, k, v = make_qkv(2, 4, 2, 5, 7, 16, torch.float32)
+    m = hf_mask(2, 5, 7, 2, left_padding(2, 7, [0, 3]))
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(attn_ops._attention_op, (q, k, v, m, 0.25, False, 0, 0.0), test_utils=utils)
+    torch.library.opcheck(attn_ops._attention_op, (q, k, v, None, 0.25, True, 3, 5.0), test_utils=utils)
+
+
+def test_fake_gives_the_output_layout():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 7, 8, 64, dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.empty(2, 2, 30, 64, dtype=torch.bfloat16)
+        out = attn_ops._attention_op(q, k, k, None, 0.1, True, 0, 0.0)
+    assert out.shape == (2, 8, 7, 64) and out.dtype == torch.bfloat16 and out.transpose(1, 2).is_contiguous()
+
+
+def test_gradients_follow_the_reference():
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 4, 2, 6, 9, 8))
+    out = cutile_kernels.attention(q, k, v, scale=0.3, window=4)
+    assert out.grad_fn is not None and "attention" in out.grad_fn.name()
+    out.square().sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    cutile_kernels.attention_reference(q, k, v, None, 0.3, True, 4).square().sum().backward()
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_compile_on_cpu_matches_eager():
+    q, k, v = make_qkv(1, 4, 2, 5, 5, 16, torch.float32)
+    fn = torch.compile(lambda q, k, v: cutile_kernels.attention(q * 2, k, v, window=3) + 1, backend="eager",
+                       fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), cutile_kernels.attention_reference(q * 2, k, v, window=3) + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the attention function and its registration
+# ---------------------------------------------------------------------------------------------
+
+def _module(groups, causal=True, training=False):
+    return types.SimpleNamespace(is_causal=causal, num_key_value_groups=groups, training=training)
+
+
+def test_registered_with_transformers():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    assert AttentionInterface._global_mapping["cutile"] is lattn.cutile_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["cutile"] is sdpa_mask
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "static-cache prefill", "padded", "window, no mask",
+                                  "padded static decode"])
+def test_attention_function_matches_sdpa_forward(kind):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, Hq, Hkv, D = 2, 4, 2, 32
+    mask, window = None, None
+    if kind == "prefill":
+        Sq = Skv = 9
+    elif kind == "decode":
+        Sq, Skv = 1, 12
+    elif kind == "static-cache prefill":  # sdpa_mask returns None; the cache holds 20 slots, 6 filled
+        Sq, Skv = 6, 20
+    elif kind == "padded":
+        Sq = Skv = 9
+        mask = hf_mask(B, Sq, Skv, 0, left_padding(B, Skv, [0, 4]))
+    elif kind == "window, no mask":
+        Sq = Skv = 9
+        window = 30  # sdpa_mask skips the mask only when the window cannot bite
+    else:
+        Sq, Skv = 1, 16
+        mask = hf_mask(B, Sq, Skv, 7, left_padding(B, 8, [0, 4]))
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    got, w = lattn.cutile_attention_forward(_module(Hq // Hkv), q, k, v, mask, scaling=0.2, sliding_window=window)
+    want, _ = sdpa_attention_forward(_module(Hq // Hkv), q, k, v, mask, scaling=0.2)
+    assert w is None and got.shape == (B, Sq, Hq, D) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_unsupported_inputs_take_eager_and_say_so(caplog, monkeypatch):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = make_qkv(2, 4, 2, 5, 5, 16)
+    boolean = hf_mask(2, 5, 5, 0, left_padding(2, 5, [0, 2]))
+    additive = torch.zeros(boolean.shape, dtype=torch.float64).masked_fill(~boolean, torch.finfo(torch.float64).min)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        got, _ = lattn.cutile_attention_forward(_module(2), q, k, v, additive, scaling=0.25)
+    want, _ = sdpa_attention_forward(_module(2), q, k, v, additive, scaling=0.25)
+    rows = boolean.any(-1)[:, 0]  # padding queries see nothing: eager averages, sdpa gives NaN there
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-6)  # eager: float32 softmax
+    assert "falls back" in caplog.text and "float64" in caplog.text
+    # Dropout while training: eager with dropout (p=1 drops everything: zeros prove it ran).
+    got, _ = lattn.cutile_attention_forward(_module(2, training=True), q, k, v, None, scaling=0.25, dropout=1.0)
+    assert torch.equal(got, torch.zeros_like(got))
+    monkeypatch.setenv("CUTILE_KERNELS_STRICT", "1")
+    with pytest.raises(cutile_kernels.FallbackError, match="sinks"):
+        lattn.cutile_attention_forward(_module(2), q, k, v, None, s_aux=torch.zeros(4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: attn_implementation="cutile" against the stock model
+# ---------------------------------------------------------------------------------------------
+
+def small_configs():
+    """Two-layer configs of the four families, shrunk for the CPU, with their attention edges:
+    GQA 2, GQA 6, one KV head, head_dim 80, a short sliding window on every / the second layer."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return {
+        "llama": AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=32, **common),
+        "qwen3": AutoConfig.for_model("qwen3", num_attention_heads=6, num_key_value_heads=1, head_dim=16, **common),
+        "qwen2-window": AutoConfig.for_model("qwen2", num_attention_heads=6, num_key_value_heads=1,
+                                             use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                                             **common),
+        "mistral-window": AutoConfig.for_model("mistral", num_attention_heads=4, num_key_value_heads=1,
+                                               head_dim=80, sliding_window=6, **common),
+    }
+
+
+def build_models(cfg, dtype, device, seed=0):
+    """The stock (sdpa) and cutile versions of one randomly initialised model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    # Each model gets its own config: from_config records attn_implementation on the config object,
+    # so a shared one made the "stock" model run our attention too (seen on the H200).
+    with torch.device(device):  # initialise where the model runs (the real vocabularies are large)
+        stock = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in stock.named_parameters():
+                if "norm" in name and p.dim() == 1:
+                    p.copy_(1 + 0.2 * torch.randn_like(p))
+        ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="cutile", dtype=torch.float32)
+    ours.load_state_dict(stock.state_dict())
+    assert ours.config._attn_implementation == "cutile" and stock.config._attn_implementation == "sdpa"
+    assert all(getattr(m, "config", stock.config)._attn_implementation == "sdpa" for m in stock.modules())
+    return stock.to(device=device, dtype=dtype).eval(), ours.to(device=device, dtype=dtype).eval()
+
+
+def padded_batch(vocab, lengths, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), S), generator=g)
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, : S - n] = 0
+        mask[b, S - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def forward_logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+def chunked_logits(model, ids, mask, chunks):
+    """Prefill in chunks over a DynamicCache (each chunk attends to the cache and itself)."""
+    from transformers import DynamicCache
+
+    cache, out, start = DynamicCache(config=model.config), [], 0
+    with torch.no_grad():
+        for n in chunks:
+            out.append(model(input_ids=ids[:, start:start + n], attention_mask=mask[:, :start + n],
+                             past_key_values=cache, use_cache=True).logits.float())
+            start += n
+    return torch.cat(out, 1)
+
+
+def generate_scores(model, ids, mask, cache, steps=6):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                             cache_implementation=cache, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=0, min_new_tokens=steps, disable_compile=True)
+    return out.sequences, torch.stack(out.scores, 1).float()
+
+
+def valid(logits, mask):
+    return logits[mask.bool()]
+
+
+@pytest.fixture(params=["reference", "emulated kernel"])
+def cpu_path(request, monkeypatch):
+    """On the CPU the op computes its reference; "emulated kernel" routes it through the NumPy
+    interpreter of the cuTile kernel instead, so the model tests exercise the kernel's logic."""
+    calls = []
+    if request.param == "emulated kernel":
+        def via_kernel(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None):
+            calls.append((tuple(q.shape), tuple(k.shape), mask is not None, window))
+            return emulated_attention(q, k, v, mask, scale, causal, window, softcap)[0]
+
+        monkeypatch.setattr(attn_ops, "attention_reference", via_kernel)
+    yield request.param
+    if request.param == "emulated kernel":  # the kernel served prefill, decode, masked and unmasked calls
+        assert any(c[0][2] == 1 for c in calls) and any(c[0][2] > 1 for c in calls)
+        assert any(c[2] for c in calls) and any(not c[2] for c in calls)
+
+
+@pytest.mark.parametrize("family", list(small_configs()))
+def test_cpu_model_matches_stock(family, cpu_path):
+    cfg = small_configs()[family]
+    stock, ours = build_models(cfg, torch.float32, "cpu")
+    ids, mask = padded_batch(cfg.vocab_size, [11, 7, 3], "cpu")
+    # Left-padded batch: every real position's logits agree.
+    want, got = forward_logits(stock, ids, mask), forward_logits(ours, ids, mask)
+    torch.testing.assert_close(valid(got, mask), valid(want, mask), rtol=1e-4, atol=1e-4)
+    # Each row alone gives the same logits as inside the padded batch.
+    for b, n in enumerate([11, 7, 3]):
+        alone = forward_logits(ours, ids[b:b + 1, -n:], mask[b:b + 1, -n:])
+        torch.testing.assert_close(alone[0], got[b, -n:], rtol=1e-4, atol=1e-4)
+    # Chunked prefill over a cache equals the one-shot forward.
+    chunked = chunked_logits(ours, ids, mask, [4, 5, 2])
+    torch.testing.assert_close(valid(chunked, mask), valid(want, mask), rtol=1e-4, atol=1e-4)
+    # generate() with a DynamicCache and a StaticCache: same tokens and scores as stock.
+    for cache in ("dynamic", "static"):
+        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
+        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
+        assert torch.equal(seq_o, seq_s), cache
+        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_preset_loads_with_cutile_attention(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from cutile_kernels_tools import presets
+
+    path = presets.materialize("tiny", tmp_path / "tiny")
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="cutile").eval()
+    assert ours.config._attn_implementation == "cutile"
+    ids, mask = padded_batch(stock.config.vocab_size, [9, 4], "cpu")
+    torch.testing.assert_close(valid(forward_logits(ours, ids, mask), mask),
+                               valid(forward_logits(stock, ids, mask), mask), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# AOT: the variants compile for sm_90 (tensor cores, TMA)
+# ---------------------------------------------------------------------------------------------
+
+def test_matrix_is_moderate_and_covers_the_dispatch():
+    specs = kattn.VARIANTS
+    assert len(specs) <= 40
+    tags = {(s.kernel, s.tag) for s in specs}
+    assert len(tags) == len(specs)
+    for dtype in ("bfloat16", "float16"):
+        for head_dim in (32, 64, 80, 96, 128, 256):
+            for sq in (1, 7, 16, 17, 2048):
+                for group in (1, 2, 3, 4, 6, 8, 32):
+                    want = dict(zip(("D", "HB", "BS", "BN"), attn_ops.tiles_for(head_dim, sq, group)))
+                    assert any(s.kernel == "attention" and s.constants == want
+                               and s.params[0].dtype == dtype for s in specs), (dtype, head_dim, sq, group)
+        for dp in kattn.HEAD_DIMS:
+            assert any(s.kernel == "attention_combine" and s.constants["D"] == dp and s.params[2].dtype == dtype
+                       for s in specs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tag", ["bf16.d128.h1.m128.n64", "fp16.d64.h4.m4.n128"])
+def test_variants_compile_for_sm90(tag):
+    from cutile_kernels_build import aot
+
+    (spec,) = [s for s in kattn.VARIANTS if s.tag == tag]
+    data, seconds = aot.compile_variant(spec, "sm_90")
+    assert data[:4] == b"\x7fELF"
+    assert b"cp.async.bulk.tensor" in data  # TMA loads: the aligned assumptions were used
+    if "h1.m128" in tag:
+        assert b"wgmma" in data  # Hopper tensor cores for the prefill tile
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the kernels against float64, outputs poisoned first
+# ---------------------------------------------------------------------------------------------
+
+#: (Hq, Hkv, head_dim): Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-1.5B, Mistral-7B, one KV head, 80, 96, 256.
+FAMILY_HEADS = [(32, 8, 64), (16, 8, 128), (12, 2, 128), (32, 8, 128), (8, 1, 128), (16, 1, 64),
+                (8, 8, 80), (12, 4, 96), (8, 2, 256)]
+
+GPU_CASES = (
+    [(1, h, 2048, 2048, torch.bfloat16) for h in FAMILY_HEADS[:4]]
+    + [(1, h, 4099, 4099, torch.bfloat16) for h in FAMILY_HEADS[:2]]
+    + [(b, h, 1, skv, torch.bfloat16) for h in FAMILY_HEADS for b, skv in ((1, 4096), (16, 1000))]
+    + [(2, h, 7, 300, torch.bfloat16) for h in FAMILY_HEADS]
+    + [(2, h, 333, 333, d) for h in FAMILY_HEADS[4:] for d in (torch.bfloat16, torch.float16)]
+    + [(3, (16, 8, 128), 1, 1, torch.float16), (1, (32, 8, 64), 1, 129, torch.float16)]
+    + [(1, (8, 2, 64), 20, 5, torch.bfloat16)]  # more queries than keys: the first rows see nothing
+)
+
+
+def _gpu_id(c):
+    B, (Hq, Hkv, D), Sq, Skv, dtype = c
+    return f"b{B}-h{Hq}x{Hkv}-d{D}-q{Sq}-kv{Skv}-{str(dtype).split('.')[-1]}"
+
+
+def _rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _check_against_float64(q, k, v, mask, scale, causal=True, window=None, softcap=None, splits=None,
+                           stock_fn=None, factor=1.25, floor=4e-3):
+    """Run the kernel into a NaN-poisoned output and bound its relative L2 error against the
+    float64 reference by ``factor`` x the error of torch's SDPA in the same dtype (or ``floor``,
+    about twice a 16-bit rounding of the output). Queries that see no key must get zeros."""
+    B, Hq, Sq, D = q.shape
+    out = torch.full((B, Sq, Hq, D), float("nan"), device=q.device, dtype=q.dtype)
+    assert attn_ops.attention_into(q, k, v, mask, out, scale, causal, window, softcap, splits)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "an output element was not written"
+    ref = cutile_kernels.attention_reference(q.double(), k.double(), v.double(), mask, scale, causal, window,
+                                             softcap).transpose(1, 2)
+    rows = attn_ops.visible_mask(B, Sq, k.shape[2], mask, causal, window, device=q.device).any(-1)[:, 0]
+    rows = rows.expand(B, Sq)
+    assert torch.equal(out[~rows], torch.zeros_like(out[~rows]))
+    ours = _rel(out[rows], ref[rows])
+    bound = floor
+    if stock_fn is not None:  # what torch's own SDPA in this dtype gets wrong on the same inputs
+        bound = max(factor * _rel(stock_fn().transpose(1, 2)[rows], ref[rows]), bound)
+    assert ours <= bound, (ours, bound)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
+def test_kernel_matches_float64(case, strict):
+    B, (Hq, Hkv, D), Sq, Skv, dtype = case
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype, "cuda")
+    scale = 1 / math.sqrt(D)
+    # Stock comparison: sdpa's lower-right causal is the explicit mask (is_causal is upper-left).
+    m = hf_mask(1, Sq, Skv, Skv - Sq, device="cuda")
+    _check_against_float64(q, k, v, None, scale, stock_fn=lambda: sdpa_gqa(q, k, v, m, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", FAMILY_HEADS[:4], ids=str)
+def test_fp16_large_values_do_not_overflow(heads, strict):
+    Hq, Hkv, D = heads
+    q, k, v = make_qkv(2, Hq, Hkv, 300, 300, D, torch.float16, "cuda", scale=30.0)  # |q.k| ~ 1e4 .. 1e5
+    _check_against_float64(q, k, v, None, 1.0, floor=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["left-padded prefill", "static-cache decode", "static-cache chunk",
+                                  "sliding window mask", "window no mask", "softcap", "forced split"])
+def test_kernel_masks_window_softcap(kind, strict):
+    B, Hq, Hkv, D = 3, 32, 8, 128
+    mask, causal, window, softcap, splits = None, True, None, None, None
+    if kind == "left-padded prefill":
+        Sq = Skv = 1000
+        mask, causal = hf_mask(B, Sq, Skv, 0, left_padding(B, Skv, [0, 17, 700], "cuda"), device="cuda"), False
+    elif kind == "static-cache decode":
+        Sq, Skv = 1, 4096
+        mask, causal = hf_mask(B, Sq, Skv, 900, left_padding(B, 901, [0, 5, 300], "cuda"), device="cuda"), False
+    elif kind == "static-cache chunk":
+        Sq, Skv = 5, 2048
+        mask, causal = hf_mask(B, Sq, Skv, 600, left_padding(B, 605, [0, 5, 300], "cuda"), device="cuda"), False
+    elif kind == "sliding window mask":
+        Sq = Skv = 1500
+        mask = hf_mask(B, Sq, Skv, 0, left_padding(B, Skv, [0, 3, 40], "cuda"), window=256, device="cuda")
+        causal = False
+    elif kind == "window no mask":
+        Sq, Skv, window = 700, 1200, 129
+    elif kind == "softcap":
+        Sq = Skv = 600
+        softcap = 20.0
+    else:
+        Sq, Skv, splits = 1, 3000, 9
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, torch.bfloat16, "cuda")
+    scale = 1 / math.sqrt(D)
+    stock = None
+    if softcap is None:
+        full = attn_ops.visible_mask(B, Sq, Skv, mask, causal, window, device="cuda")
+        stock = lambda: sdpa_gqa(q, k, v, full, scale)  # noqa: E731
+    _check_against_float64(q, k, v, mask, scale, causal, window, softcap, splits, stock_fn=stock)
+
+
+@pytest.mark.gpu
+def test_splits_agree_with_one_pass(strict):
+    q, k, v = make_qkv(2, 16, 8, 1, 5000, 128, torch.bfloat16, "cuda")
+    outs = []
+    for splits in (1, 3, 16):
+        out = torch.empty(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+        assert attn_ops.attention_into(q, k, v, None, out, 0.088, splits=splits)
+        outs.append(out.float())
+    assert (outs[1] - outs[0]).abs().max().item() < 2e-2 and (outs[2] - outs[0]).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_and_compile(strict):
+    q, k, v = make_qkv(4, 16, 8, 1, 777, 128, torch.bfloat16, "cuda")
+    eager = cutile_kernels.attention(q, k, v)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cutile_kernels.attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cutile_kernels.attention(q, k, v)
+    q.copy_(torch.randn_like(q))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, cutile_kernels.attention(q, k, v)) and not torch.equal(out, eager)
+    compiled = torch.compile(lambda q, k, v: cutile_kernels.attention(q * 1, k, v, window=100), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), cutile_kernels.attention(q, k, v, window=100))
+
+
+@pytest.mark.gpu
+def test_unsupported_dtype_falls_back(caplog):
+    q, k, v = make_qkv(1, 4, 2, 5, 5, 64, torch.float32, "cuda")
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        out = cutile_kernels.attention(q, k, v)
+    torch.testing.assert_close(out, cutile_kernels.attention_reference(q, k, v))
+    assert "float32" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: kernelized models (bf16) against the float32 stock model
+# ---------------------------------------------------------------------------------------------
+
+def _gpu_configs():
+    """The tiny preset and two-layer versions of the four families' real configs (Qwen2 with its
+    sliding window on the second layer, Mistral with a 64-token window and a narrower MLP)."""
+    from transformers import AutoConfig
+
+    from cutile_kernels_tools import presets
+
+    edits = {"qwen2.5-1.5b": {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+             "mistral-7b-v0.3": {"sliding_window": 64, "intermediate_size": 2048}}
+    cfgs = {}
+    for name in ("tiny", "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-1.5b", "mistral-7b-v0.3"):
+        cfg = {**presets.PRESETS[name].config, "num_hidden_layers": 2, **edits.get(name, {})}
+        cfgs[name] = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    return cfgs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["tiny", "llama-3.2-1b", "qwen3-0.6b", "qwen2.5-1.5b", "mistral-7b-v0.3"])
+def test_gpu_model_against_fp32_stock(family, strict):
+    cfg = _gpu_configs()[family]
+    ref, _ = build_models(cfg, torch.float32, "cuda")
+    stock, ours = build_models(cfg, torch.bfloat16, "cuda")
+    lengths = [150, 97, 31]
+    ids, mask = padded_batch(cfg.vocab_size, lengths, "cuda")
+    want = forward_logits(ref, ids, mask)
+
+    def err(x):
+        return ((valid(x, mask) - valid(want, mask)).norm() / valid(want, mask).norm()).item()
+
+    got, stock_bf16 = forward_logits(ours, ids, mask), forward_logits(stock, ids, mask)
+    assert err(got) <= 1.25 * err(stock_bf16) + 1e-3, (err(got), err(stock_bf16))
+    # Each row alone: the same logits as in the padded batch, as close as stock's own rows are.
+    for b, n in enumerate(lengths):
+        alone = forward_logits(ours, ids[b:b + 1, -n:], mask[b:b + 1, -n:])[0]
+        stock_alone = forward_logits(stock, ids[b:b + 1, -n:], mask[b:b + 1, -n:])[0]
+        d_ours = ((alone - got[b, -n:]).norm() / got[b, -n:].norm()).item()
+        d_stock = ((stock_alone - stock_bf16[b, -n:]).norm() / stock_bf16[b, -n:].norm()).item()
+        assert d_ours <= max(2 * d_stock, 1e-2), (b, d_ours, d_stock)
+    # Chunked prefill over a DynamicCache.
+    chunked = chunked_logits(ours, ids, mask, [64, 1, 50, 35])
+    assert err(chunked) <= 1.25 * err(stock_bf16) + 2e-3
+    # generate(): each step's scores against the fp32 model's teacher-forced logits of the same
+    # sequence, as close as stock bf16 generate's are to its own sequence.
+    for cache in ("dynamic", "static"):
+        errs = {}
+        for name, model in (("ours", ours), ("stock", stock)):
+            seq, scores = generate_scores(model, ids, mask, cache, steps=8)
+            full_mask = torch.cat([mask, torch.ones(mask.shape[0], 8, dtype=mask.dtype, device="cuda")], 1)
+            tf = forward_logits(ref, seq, full_mask)[:, ids.shape[1] - 1:-1]
+            fin = torch.isfinite(scores)  # min_new_tokens sets EOS to -inf
+            errs[name] = ((scores - tf)[fin].norm() / tf[fin].norm()).item()
+        assert errs["ours"] <= 1.25 * errs["stock"] + 2e-3, (cache, errs)
+    assert sum(dispatch.stats()["launches"].get(v.symbol, 0) for v in registry.registry().variants("attention")) > 0

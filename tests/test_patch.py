@@ -1,0 +1,454 @@
+"""The fallback patcher: the registry, and the residual add fused into the decoder layers' RMSNorms.
+
+On the CPU the fused op takes its reference path, which computes the stock formulas, so a patched
+model's logits must equal the stock model's exactly; on the GPU they are compared with a float32
+reference (the kernel rounds like the stock add and norm, but is not required to be bit-identical).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import cutile_kernels
+from cutile_kernels import dispatch
+from cutile_kernels.layers import patch as patcher
+from cutile_kernels.layers.patch import Patch, PatchReport
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+LOGGER = "cutile_kernels"
+
+
+def _config(model_type: str, layers: int = 3):
+    if model_type == "tiny":
+        from cutile_kernels_tools.presets import make_config
+
+        return make_config("tiny")
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256)
+    if model_type in ("qwen3", "mistral", "gemma"):
+        kw["head_dim"] = 16
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def _model(model_type: str, dtype=torch.float32, layers: int = 3):
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_config(model_type, layers)).to(dtype).eval()
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:  # norm weights start at 1: make them matter
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _decoder_layers(model):
+    return list(model.model.layers)
+
+
+def _fused(layer) -> bool:
+    return getattr(layer.__dict__.get("forward"), "__func__", None) is patcher._fused_decoder_forward
+
+
+def _logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw)
+
+
+#: Tests of the decoder patch alone; the MLP fusion has its own tests (tests/test_mlp.py).
+DEC = ["decoder_add_rms_norm"]
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 256, (2, 11))
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """A copy of the registry that a test may add to."""
+    monkeypatch.setattr(patcher, "PATCHES", dict(patcher.PATCHES))
+    yield patcher.PATCHES
+
+
+def test_registry_has_the_decoder_patch():
+    p = patcher.PATCHES["decoder_add_rms_norm"]
+    assert p.apply is patcher.fuse_decoder_layers and p.undo is patcher.unfuse_decoder_layers
+    assert not p.changes_weights
+    assert cutile_kernels.patch is patcher.patch and cutile_kernels.unpatch is patcher.unpatch
+
+
+def test_register_refuses_a_duplicate_and_unknown_names(scratch_registry):
+    with pytest.raises(ValueError, match="already registered"):
+        patcher.register(Patch("decoder_add_rms_norm", apply=lambda m: 0))
+    patcher.register(Patch("decoder_add_rms_norm", apply=lambda m: 0), replace=True)
+    with pytest.raises(KeyError, match="unknown patch"):
+        patcher.patch(torch.nn.Linear(2, 2), names=["no_such_patch"])
+
+
+def test_a_patch_that_does_not_apply_is_not_active(scratch_registry):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    report = patcher.patch(model)
+    assert isinstance(report, PatchReport)
+    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0} and report.active == []
+    assert patcher.applied(model) == {}
+
+
+class _DoubleWeight:
+    """A weight-changing patch for the tests: doubles every Linear's weight (undo halves it)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def apply(self, model):
+        n = 0
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and not getattr(m, "_doubled", False):
+                with torch.no_grad():
+                    m.weight.mul_(2)
+                m._doubled = True
+                n += 1
+        self.calls.append(("apply", n))
+        return n
+
+    def undo(self, model):
+        n = 0
+        for m in model.modules():
+            if getattr(m, "_doubled", False):
+                with torch.no_grad():
+                    m.weight.div_(2)
+                del m._doubled
+                n += 1
+        self.calls.append(("undo", n))
+        return n
+
+
+def test_weight_changing_patch_saves_the_stock_checkpoint(scratch_registry, tmp_path, ids):
+    model = _model("tiny")
+    model.save_pretrained(tmp_path / "stock")
+    dbl = _DoubleWeight()
+    patcher.register(Patch("double", apply=dbl.apply, undo=dbl.undo, changes_weights=True))
+    report = cutile_kernels.patch(model)
+    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "double"] and report.changed["double"] > 0
+    assert "save_pretrained" in model.__dict__  # the save is wrapped while a weight patch is active
+    model.save_pretrained(tmp_path / "patched")
+    _assert_same_checkpoint(tmp_path / "stock", tmp_path / "patched")
+    assert patcher.applied(model)["double"] > 0  # re-applied after the save
+    assert dbl.calls[-2:] == [("undo", dbl.calls[0][1]), ("apply", dbl.calls[0][1])]
+    cutile_kernels.unpatch(model)
+    assert "save_pretrained" not in model.__dict__ and patcher.applied(model) == {}
+    assert dbl.calls[-1] == ("undo", dbl.calls[0][1])
+
+
+def test_unpatch_leaves_a_patch_without_undo(scratch_registry, caplog):
+    patcher.register(Patch("sticky", apply=lambda m: 1))
+    model = torch.nn.Linear(2, 2)
+    cutile_kernels.patch(model, names="sticky")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        report = cutile_kernels.unpatch(model)
+    assert report.active == ["sticky"] and "cannot be undone" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# decoder_add_rms_norm on the CPU: exact, reaches every layer, undoable, saves the stock keys
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["tiny", "llama", "mistral", "qwen2", "qwen3"])
+def test_patched_logits_equal_stock(model_type, ids, caplog):
+    model = _model(model_type)
+    want = _logits(model, ids, output_hidden_states=True)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        report = cutile_kernels.patch(model, names=DEC)
+    n = len(_decoder_layers(model))
+    assert report.changed == {"decoder_add_rms_norm": n} and report.active == ["decoder_add_rms_norm"]
+    assert all(_fused(layer) for layer in _decoder_layers(model))
+    assert f"post_attention_layernorm in {n} {type(_decoder_layers(model)[0]).__name__}" in caplog.text
+    assert f"across {n - 1} layer pairs" in caplog.text
+    cutile_kernels.reset_stats()
+    got = _logits(model, ids, output_hidden_states=True)
+    assert torch.equal(got.logits, want.logits)
+    assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, want.hidden_states))
+    # One fused op per layer for the attention block and one per layer pair across layers.
+    assert cutile_kernels.stats()["reference_calls"] == {"add_rms_norm": 2 * n - 1}
+
+
+@pytest.mark.parametrize("model_type", ["tiny", "llama", "mistral", "qwen2", "qwen3"])
+def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp_path):
+    model = _model(model_type)
+    want = _logits(model, ids).logits
+    model.save_pretrained(tmp_path / "stock")
+    report = cutile_kernels.patch(model)
+    n = len(_decoder_layers(model))
+    assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n}
+    assert report.active == ["decoder_add_rms_norm", "fused_gate_up"]
+    assert torch.equal(_logits(model, ids).logits, want)
+    model.save_pretrained(tmp_path / "patched")
+    a = (tmp_path / "stock" / "model.safetensors").read_bytes()
+    assert (tmp_path / "patched" / "model.safetensors").read_bytes() == a
+    assert cutile_kernels.unpatch(model).changed == {"fused_gate_up": n, "decoder_add_rms_norm": n}
+    assert torch.equal(_logits(model, ids).logits, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_patched_logits_equal_stock_in_16_bit(dtype, ids):
+    model = _model("qwen3", dtype)
+    want = _logits(model, ids).logits
+    cutile_kernels.patch(model)
+    assert torch.equal(_logits(model, ids).logits, want)
+
+
+def test_patch_is_idempotent_and_unpatch_restores(ids):
+    model = _model("llama")
+    want = _logits(model, ids).logits
+    assert cutile_kernels.patch(model, names=DEC).changed == {"decoder_add_rms_norm": 3}
+    assert cutile_kernels.patch(model, names=DEC).changed == {"decoder_add_rms_norm": 0}
+    assert patcher.applied(model) == {"decoder_add_rms_norm": 3}
+    report = cutile_kernels.unpatch(model)
+    assert report.changed == {"decoder_add_rms_norm": 3} and report.active == []
+    for layer in _decoder_layers(model):
+        assert not {"forward", "_cutile_inbox", "_cutile_next"} & set(layer.__dict__)
+        assert layer.forward.__func__ is type(layer).forward
+    assert cutile_kernels.unpatch(model).changed == {}
+    cutile_kernels.reset_stats()
+    assert torch.equal(_logits(model, ids).logits, want)
+    assert cutile_kernels.stats()["reference_calls"] == {}
+
+
+def test_patching_an_already_loaded_model(tmp_path, ids):
+    """Loaded with from_pretrained and used first: patching afterwards reaches every layer."""
+    _model("qwen2").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    want = _logits(model, ids).logits
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(ids))
+    cutile_kernels.patch(model)
+    assert all(_fused(layer) for layer in _decoder_layers(model))
+    assert torch.equal(_logits(model, ids).logits, want)
+
+
+def test_generate_with_cache_and_left_padding_unchanged():
+    model = _model("llama")
+    ids = torch.randint(3, 256, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+    cutile_kernels.patch(model)
+    with torch.no_grad():
+        got = model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
+
+
+def test_save_after_patch_writes_the_stock_checkpoint(tmp_path, ids):
+    model = _model("tiny", torch.bfloat16)
+    model.save_pretrained(tmp_path / "stock")
+    cutile_kernels.patch(model)
+    _logits(model, ids)
+    model.save_pretrained(tmp_path / "patched")
+    _assert_same_checkpoint(tmp_path / "stock", tmp_path / "patched")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "patched").eval()
+    assert not any(_fused(layer) for layer in _decoder_layers(reloaded))
+
+
+def _assert_same_checkpoint(a, b):
+    want, got = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert set(got) == set(want) and any("layernorm" in k for k in got)
+    for key in want:
+        x, y = want[key], got[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        assert x.contiguous().view(torch.uint8).numpy().tobytes() == y.contiguous().view(torch.uint8).numpy().tobytes(), key
+
+
+def test_gradients_equal_stock():
+    model = _model("llama").train()
+    ids = torch.randint(0, 256, (2, 7))
+    stock = {n: g for n, g in _grads(model, ids).items()}
+    cutile_kernels.patch(model, names=DEC)
+    got = _grads(model, ids)
+    for name, g in stock.items():
+        assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-7), name
+
+
+def _grads(model, ids):
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_skips_the_cross_layer_handoff():
+    model = _model("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 256, (2, 7))
+    stock = _grads(model, ids)
+    cutile_kernels.patch(model, names=DEC)
+    cutile_kernels.reset_stats()
+    got = _grads(model, ids)
+    for name, g in stock.items():
+        assert torch.allclose(got[name], g, rtol=1e-5, atol=1e-7), name
+    # Forward + recompute: in-layer fusion only (3 layers, twice).
+    assert cutile_kernels.stats()["reference_calls"] == {"add_rms_norm": 6}
+
+
+def test_compile_fullgraph_matches_eager(ids):
+    model = _model("llama")
+    want = _logits(model, ids).logits
+    cutile_kernels.patch(model)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert torch.equal(_logits(compiled, ids).logits, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the patch leaves alone, and when it steps aside at run time
+# ---------------------------------------------------------------------------------------------
+
+def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
+    # Gemma's decoder layer has Llama's forward code, but its norms are (1 + weight) norms.
+    model = _model("gemma")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        report = cutile_kernels.patch(model)
+    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0} and report.active == []  # GELU MLP
+    assert not any(_fused(layer) for layer in _decoder_layers(model))
+    assert "leaves 3 GemmaDecoderLayer alone: its post_attention_layernorm is not a Llama-formula RMSNorm" \
+        in caplog.text
+
+
+def test_other_decoder_forwards_are_left_alone(ids, caplog):
+    # Granite's layer has the same four parts but scales the residual branch (residual_multiplier).
+    model = _model("granite")
+    want = _logits(model, ids).logits
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        cutile_kernels.patch(model)
+    assert not any(_fused(layer) for layer in _decoder_layers(model))
+    assert "leaves 3 GraniteDecoderLayer alone: its forward is not LlamaDecoderLayer.forward's code" in caplog.text
+    assert torch.equal(_logits(model, ids).logits, want)
+
+
+def test_the_four_families_have_llama_decoder_code():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    from cutile_kernels.layers._match import statements_digest
+
+    assert statements_digest(LlamaDecoderLayer.forward) == patcher.LLAMA_DECODER_DIGEST
+    for cls in (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer):
+        assert patcher.decoder_verdict(cls) is None, cls
+
+
+def test_a_layer_with_a_replaced_forward_is_left_alone():
+    model = _model("llama")
+    layer0 = _decoder_layers(model)[0]
+    layer0.forward = lambda *a, **k: None  # e.g. accelerate's device hook
+    report = cutile_kernels.patch(model, names=DEC)
+    assert report.changed == {"decoder_add_rms_norm": 2} and not _fused(layer0)
+
+
+def test_norm_hooks_still_run(ids):
+    """A hook on a norm the fusion would bypass: the layer calls the norm module instead."""
+    model = _model("llama")
+    seen = []
+    post = _decoder_layers(model)[1].post_attention_layernorm
+    nxt = _decoder_layers(model)[2].input_layernorm
+    for m in (post, nxt):
+        m.register_forward_hook(lambda mod, args, out: seen.append(mod) or out * 1.5)
+    want = _logits(model, ids).logits
+    cutile_kernels.patch(model)
+    seen.clear()
+    got = _logits(model, ids).logits
+    assert seen == [post, nxt] and torch.equal(got, want)
+
+
+def test_handoff_is_ignored_when_the_hidden_states_are_replaced(ids):
+    """Something between two layers returns a new tensor: the next layer must norm that one."""
+    model = _model("llama")
+    layer1 = _decoder_layers(model)[1]
+    layer1.register_forward_hook(lambda mod, args, out: out + 0.25)
+    want = _logits(model, ids).logits
+    cutile_kernels.patch(model)
+    assert torch.equal(_logits(model, ids).logits, want)
+    assert all(layer._cutile_inbox is None or layer._cutile_inbox.pending is None for layer in _decoder_layers(model))
+
+
+def test_kernel_config_patches_the_model_it_prepares(monkeypatch, ids):
+    """The from_pretrained path: CutileKernelConfig(patch_model=True) patches a CUDA model while
+    transformers prepares the mapping (the CPU model pretends to be on CUDA)."""
+    import transformers.utils.kernel_config as kc
+
+    from cutile_kernels.layers.hub import CutileKernelConfig
+
+    monkeypatch.setattr(kc, "infer_device", lambda model: "cuda")
+    model = _model("qwen3")
+    want = _logits(model, ids).logits
+    CutileKernelConfig({}, use_local_kernel=True).create_compatible_mapping(model)
+    assert not any(_fused(layer) for layer in _decoder_layers(model))  # patch_model defaults to False
+    CutileKernelConfig({}, use_local_kernel=True, patch_model=True).create_compatible_mapping(model)
+    assert all(_fused(layer) for layer in _decoder_layers(model))
+    assert torch.equal(_logits(model, ids).logits, want)
+
+
+def test_kernelize_on_cpu_does_not_patch(ids):
+    model = _model("llama")
+    cutile_kernels.kernelize(model)
+    assert not any(_fused(layer) for layer in _decoder_layers(model)) and patcher.applied(model) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the fused kernels in real decoder layers
+# ---------------------------------------------------------------------------------------------
+
+def _error(logits, ref):
+    return ((logits.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["tiny", "qwen3", "mistral"])
+def test_patched_model_on_gpu_is_as_close_to_float32_as_stock(model_type, strict):
+    model = _model(model_type, layers=4).to("cuda")
+    ids = torch.randint(0, 256, (2, 37), device="cuda")
+    ref = _logits(model, ids).logits  # float32 reference of the stock model
+    model.to(torch.bfloat16)
+    stock = _logits(model, ids).logits
+    cutile_kernels.patch(model)
+    before = dispatch.stats()["launches"]
+    got = _logits(model, ids).logits
+    after = dispatch.stats()["launches"]
+    fused = sum(n - before.get(s, 0) for s, n in after.items() if "add_rms_norm" in s)
+    n = len(_decoder_layers(model))
+    assert fused == 2 * n - 1  # every add + norm pair ran the fused kernel
+    assert _error(got, ref) <= 1.1 * _error(stock, ref) + 1e-6, (_error(got, ref), _error(stock, ref))
+    kl = torch.nn.functional.kl_div(got.float().log_softmax(-1), ref.float().log_softmax(-1), log_target=True,
+                                    reduction="batchmean")
+    kl_stock = torch.nn.functional.kl_div(stock.float().log_softmax(-1), ref.float().log_softmax(-1),
+                                          log_target=True, reduction="batchmean")
+    assert kl <= 1.1 * kl_stock + 1e-6, (kl.item(), kl_stock.item())
+
+
+def test_profiling_ranges_do_not_turn_the_fusion_off(ids):
+    """The bench's coverage hooks are transparent: the profiled model runs the same fusions as the
+    timed one (on the H200 the hooks had made every patched layer take the stock path)."""
+    from cutile_kernels_tools import coverage
+
+    model = _model("llama")
+    cutile_kernels.patch(model, names=DEC)
+    n = len(_decoder_layers(model))
+    cutile_kernels.reset_stats()
+    events = coverage.profile_steps(model, lambda: _logits(model, ids), "cpu")
+    assert cutile_kernels.stats()["reference_calls"] == {"add_rms_norm": 2 * n - 1}
+    modules = {r["module"] for r in coverage.attribute(events, "cpu")}
+    assert "model.layers.1.mlp.down_proj" in modules
+    assert not any(m and m.endswith("post_attention_layernorm") for m in modules)  # fused into the layer

@@ -1,0 +1,244 @@
+"""SiLU and SiLU-and-mul: torch custom ops, fake implementations, functional API.
+
+The math and rounding order are those of transformers' ``LlamaMLP`` (see
+``kernel_src/activation.py``): ``act_fn(gate) * up`` with ``act_fn`` = ``nn.functional.silu``.
+The ``*_reference`` functions restate it in PyTorch; they are the fallback and the tests' model of
+what stock transformers computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from .._ops import add_op_namespace_prefix
+from ..kernel_src.activation import DECODE_MAX_ROWS, TILES
+
+
+def silu_reference(x: torch.Tensor) -> torch.Tensor:
+    """``nn.functional.silu(x)``: what transformers' ``SiLUActivation.forward`` returns (v5.22.2)."""
+    return F.silu(x)
+
+
+def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` exactly as ``LlamaMLP.forward`` computes it: silu rounded to gate's
+    dtype first, then the product (of dtype ``promote_types(gate.dtype, up.dtype)``)."""
+    return F.silu(gate) * up
+
+
+def silu_and_mul_fused_reference(x: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_and_mul_reference` of the two halves of ``x`` (..., 2N): gate first, then up.
+
+    The gate half is made contiguous first, as the stock ``gate_proj`` output is: on the CPU,
+    torch's vectorised and strided silu loops differ in the last float32 bit.
+    """
+    gate, up = x.chunk(2, dim=-1)
+    return silu_and_mul_reference(gate.contiguous(), up)
+
+
+def _want(rows: int) -> tuple:
+    r, b = TILES["decode" if rows <= DECODE_MAX_ROWS else "prefill"]
+    return (("ROWS", r), ("BLOCK", b))
+
+
+def _grid(rows: int, n: int):
+    return lambda c: ((rows + c["ROWS"] - 1) // c["ROWS"], (n + c["BLOCK"] - 1) // c["BLOCK"], 1)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])  # a view whenever the leading dims collapse, else a copy
+
+
+def fused_view(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """The (M, 2, N) view ``x`` of one tensor with ``x[:, 0] == gate`` and ``x[:, 1] == up``, when
+    ``gate`` and ``up`` (both (M, N)) are equally strided windows of the same storage with ``up``
+    after ``gate`` (e.g. the two halves of a fused gate/up GEMM output); else None."""
+    if (gate.dim() != 2 or gate.shape != up.shape or gate.stride() != up.stride() or gate.dtype != up.dtype
+            or gate.device != up.device or gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()):
+        return None
+    step = up.storage_offset() - gate.storage_offset()
+    if step <= 0:
+        return None
+    (m, n), (s0, s1) = gate.shape, gate.stride()
+    return gate.as_strided((m, 2, n), (s0, step, s1), gate.storage_offset())
+
+
+def silu_and_mul_into(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> bool:
+    """Launch SiLU-and-mul on CUDA tensors ``gate``, ``up`` (M, N) into ``out`` (M, N).
+
+    When ``gate`` and ``up`` are the halves of one fused tensor (:func:`fused_view`) this launches
+    the fused kernel on that tensor. ``out`` must be a new tensor of gate's dtype (not checked).
+    Returns False (nothing written) when no cuTile path fits; the caller then falls back.
+    """
+    x = fused_view(gate, up)
+    if x is not None:
+        return silu_and_mul_fused_into(x, out)
+    m, n = gate.shape
+    return dispatch.run("silu_and_mul", _want(m), (gate, up, out), 2, _grid(m, n))
+
+
+def silu_and_mul_fused_into(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Launch the fused kernel on a CUDA ``x`` (M, 2, N) (``x[:, 0]`` gate, ``x[:, 1]`` up) into a
+    new ``out`` (M, N) of x's dtype. Returns False (nothing written) when no cuTile path fits."""
+    m, _, n = x.shape
+    return dispatch.run("silu_and_mul_fused", _want(m), (x, out), 1, _grid(m, n))
+
+
+def silu_into(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Launch SiLU on a CUDA ``x`` (M, N) into a new ``out`` (M, N) of x's dtype. Returns False
+    (nothing written) when no cuTile path fits."""
+    m, n = x.shape
+    return dispatch.run("silu", _want(m), (x, out), 1, _grid(m, n))
+
+
+def _silu_and_mul_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.shape != up.shape or gate.dim() < 1:
+        raise ValueError(f"silu_and_mul: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
+    if not gate.is_cuda:
+        dispatch.reference_call("silu_and_mul")
+        return silu_and_mul_reference(gate, up).contiguous()
+    if gate.dtype != up.dtype:
+        dispatch.fallback("silu_and_mul", f"gate and up dtypes differ ({gate.dtype}, {up.dtype})")
+        return silu_and_mul_reference(gate, up).contiguous()
+    g, u = _rows(gate), _rows(up)
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0 or silu_and_mul_into(g, u, out):
+        return out.view(gate.shape)
+    return silu_and_mul_reference(gate, up).contiguous()
+
+
+def _silu_and_mul_fused_impl(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul_fused: last dimension of {tuple(x.shape)} is not even (gate and up halves)")
+    if not x.is_cuda:
+        dispatch.reference_call("silu_and_mul_fused")
+        return silu_and_mul_fused_reference(x).contiguous()
+    n = x.shape[-1] // 2
+    rows = _rows(x)
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0 or silu_and_mul_fused_into(rows.unflatten(-1, (2, n)), out):
+        return out.view(*x.shape[:-1], n)
+    return silu_and_mul_fused_reference(x).contiguous()
+
+
+def _silu_impl(x: torch.Tensor) -> torch.Tensor:
+    if not x.is_cuda:
+        dispatch.reference_call("silu")
+        return silu_reference(x).contiguous()
+    rows = _rows(x) if x.dim() else x.reshape(1, 1)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0 or silu_into(rows, out):
+        return out.view(x.shape)
+    return silu_reference(x).contiguous()
+
+
+@torch.library.custom_op(add_op_namespace_prefix("silu_and_mul"), mutates_args=())
+def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul_impl(gate, up)
+
+
+@_silu_and_mul_op.register_fake
+def _silu_and_mul_fake(gate, up):
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("silu_and_mul_fused"), mutates_args=())
+def _silu_and_mul_fused_op(x: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul_fused_impl(x)
+
+
+@_silu_and_mul_fused_op.register_fake
+def _silu_and_mul_fused_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op(add_op_namespace_prefix("silu"), mutates_args=())
+def _silu_op(x: torch.Tensor) -> torch.Tensor:
+    return _silu_impl(x)
+
+
+@_silu_op.register_fake
+def _silu_fake(x):
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _reference_grads(reference):
+    # The kernels have no backward: differentiate the reference on the saved inputs instead.
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+            return torch.autograd.grad(reference(*inputs), inputs, grad, allow_unused=True)
+
+    return backward
+
+
+_silu_and_mul_op.register_autograd(_reference_grads(silu_and_mul_reference), setup_context=_setup_context)
+_silu_and_mul_fused_op.register_autograd(_reference_grads(silu_and_mul_fused_reference), setup_context=_setup_context)
+_silu_op.register_autograd(_reference_grads(silu_reference), setup_context=_setup_context)
+
+
+def _needs_op(*tensors) -> bool:
+    # The custom op (with its autograd formula) under torch.compile or when a gradient is wanted;
+    # otherwise the direct call, which skips the dispatcher's overhead.
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation ``silu(gate) * up``, with transformers' ``LlamaMLP`` rounding order.
+
+    Args:
+        gate: ``(..., N)`` gate projection, any N and rows; bfloat16, float16 or float32. Strided
+            rows are fine; the two halves of one fused ``(..., 2N)`` GEMM output (``x[..., :N]``,
+            ``x[..., N:]``) are recognised and read in one pass by the fused kernel.
+        up: ``(..., N)`` up projection, same shape (and, for the kernel, dtype) as ``gate``.
+
+    Returns:
+        ``(..., N)`` contiguous tensor of dtype ``promote_types(gate.dtype, up.dtype)``:
+        ``silu(gate)`` computed in float32 and rounded to the dtype, times ``up``, rounded.
+
+    On CUDA this runs a cuTile kernel (prebuilt, else JIT); inputs the kernels cannot take (mixed
+    dtypes, float64, overlapping inputs, no build for the GPU) take :func:`silu_and_mul_reference`
+    and log the reason once. On other devices it is the reference. Under ``torch.compile`` or
+    when an input requires grad it is the custom op ``<namespace>::silu_and_mul`` (fake
+    implementation; gradients from the reference formula).
+
+    Raises:
+        ValueError: ``gate`` and ``up`` differ in shape.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    if _needs_op(gate, up):
+        return _silu_and_mul_op(gate, up)
+    return _silu_and_mul_impl(gate, up)
+
+
+def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_and_mul` of the halves of ``x`` (..., 2N): ``silu(x[..., :N]) * x[..., N:]``.
+
+    ``x`` is what one GEMM on the fused weight ``[gate; up]`` returns (vLLM's ``SiluAndMul``
+    convention). Returns a contiguous ``(..., N)`` tensor of x's dtype.
+
+    Raises:
+        ValueError: the last dimension is odd.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    if _needs_op(x):
+        return _silu_and_mul_fused_op(x)
+    return _silu_and_mul_fused_impl(x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``nn.functional.silu(x)`` (transformers' ``SiLUActivation``): float32 math, one rounding.
+
+    ``x``: any shape, bfloat16, float16 or float32 for the kernel (others take the reference).
+    Returns a contiguous tensor of x's shape and dtype. Raises as :func:`silu_and_mul`.
+    """
+    if _needs_op(x):
+        return _silu_op(x)
+    return _silu_impl(x)

@@ -1,0 +1,326 @@
+"""Scaled dot-product attention (flash attention forward): custom op, fake, reference, dispatch.
+
+Semantics (``kernel_src/attention.py`` states the kernel's math): for ``q`` ``(B, Hq, Sq, D)``,
+``k``/``v`` ``(B, Hkv, Skv, D)`` with ``Hq % Hkv == 0`` (query head ``h`` reads KV head
+``h // (Hq // Hkv)``), key ``j`` is visible to query ``i`` of batch ``b`` when
+
+* ``causal``: ``j <= i + Skv - Sq`` (lower-right: the queries are the last ``Sq`` positions);
+* ``window``: ``j > i + Skv - Sq - window`` (transformers' ``sliding_window_overlay``);
+* ``mask``: ``mask[b, 0, i, j]`` is True (a boolean ``(B or 1, 1, Sq, Skv)`` tensor, True =
+  attend, the form transformers' ``sdpa_mask`` builds);
+
+then ``o_i = softmax(scale * q_i k^T [softcap: softcap * tanh(. / softcap)], visible) v``, and a
+query that sees no key gets zeros. :func:`attention_reference` restates this in PyTorch (float32,
+or float64 for float64 inputs); it is the fallback and the tests' model of the kernel.
+
+The output is ``(B, Hq, Sq, D)`` laid out as a contiguous ``(B, Sq, Hq, D)`` buffer (strides of
+``buf.transpose(1, 2)``), so that ``out.transpose(1, 2)`` is the contiguous
+``(B, Sq, Hq, D)`` tensor transformers' attention functions return, without a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .. import dispatch
+from .._ops import add_op_namespace_prefix
+from ..kernel_src._spec import next_power_of_2
+from ..kernel_src.attention import COMBINE_BS, DECODE_BN, DECODE_HEADS, DECODE_ROWS, HEAD_DIMS, PREFILL
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+#: Query lengths up to this take the decode tiles (query heads of a group packed into one tile).
+DECODE_MAX_SQ = DECODE_ROWS
+#: Split-KV: each split gets at least this many KV tiles, and there are at most MAX_SPLITS.
+MIN_TILES_PER_SPLIT = 2
+MAX_SPLITS = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+def visible_mask(batch: int, sq: int, skv: int, mask: torch.Tensor | None = None, causal: bool = True,
+                 window: int | None = None, device=None) -> torch.Tensor:
+    """Boolean ``(B or 1, 1, Sq, Skv)``: which keys each query sees (the module docstring's rule)."""
+    device = mask.device if mask is not None else device
+    i = torch.arange(sq, device=device).view(sq, 1) + (skv - sq)
+    j = torch.arange(skv, device=device).view(1, skv)
+    vis = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    if causal:
+        vis = vis & (j <= i)
+    if window is not None and window > 0:
+        vis = vis & (j > i - window)
+    vis = vis.view(1, 1, sq, skv)
+    if mask is not None:
+        vis = vis & mask.to(torch.bool)
+    return vis
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                        scale: float | None = None, causal: bool = True, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """Attention by explicit softmax, with the semantics of the module docstring.
+
+    Computes in float32 (float64 when ``q`` is float64), loops over query heads to bound memory,
+    and returns ``(B, Hq, Sq, D)`` in ``q.dtype`` with the op's memory layout.
+    """
+    _check(q, k, v, mask)
+    B, Hq, Sq, D = q.shape
+    Skv = k.shape[2]
+    group = Hq // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    vis = visible_mask(B, Sq, Skv, mask, causal, window, device=q.device)
+    out = torch.empty(B, Sq, Hq, v.shape[3], dtype=q.dtype, device=q.device)
+    for h in range(Hq):
+        qh, kh, vh = q[:, h].to(cdt), k[:, h // group].to(cdt), v[:, h // group].to(cdt)
+        s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~vis[:, 0], float("-inf"))
+        mx = s.amax(-1, keepdim=True)
+        e = torch.exp(s - torch.where(torch.isinf(mx), torch.zeros_like(mx), mx))
+        den = e.sum(-1, keepdim=True)
+        p = e / torch.where(den == 0, torch.ones_like(den), den)
+        out[:, :, h] = torch.matmul(p, vh).to(q.dtype)
+    return out.transpose(1, 2)
+
+
+def _check(q, k, v, mask) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention: q, k, v must be 4-D (B, H, S, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, Sq, D = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != B or k.shape[3] != D or v.shape[3] != D:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, Hkv, Skv, D) "
+                         f"with q's B and D (q is {tuple(q.shape)})")
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"attention: {Hq} query heads are not a multiple of {k.shape[1]} KV heads")
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2:] != (Sq, k.shape[2]):
+            raise ValueError(f"attention: mask of shape {tuple(mask.shape)} is not (B or 1, 1, Sq, Skv) = "
+                             f"({B}, 1, {Sq}, {k.shape[2]})")
+        if mask.dtype != torch.bool:
+            raise ValueError(f"attention: mask must be boolean (True = attend), got {mask.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def tiles_for(head_dim: int, sq: int, group: int) -> tuple | None:
+    """The (D, HB, BS, BN) tile constants for a call, or None when no variant takes the head dim.
+
+    Decode and short chunks (``Sq <= 16``) pack ``HB`` query heads of a KV group into one 16-row
+    tile (``HB`` the largest built value dividing the group size); longer queries take the
+    prefill tiles, one head per block.
+    """
+    dp = max(HEAD_DIMS[0], next_power_of_2(head_dim))
+    if dp not in HEAD_DIMS:
+        return None
+    if sq <= DECODE_MAX_SQ:
+        hb = max(h for h in DECODE_HEADS if group % h == 0)
+        return (dp, hb, DECODE_ROWS // hb, DECODE_BN[dp])
+    return (dp,) + PREFILL[dp]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(blocks: int, kv_tiles: int, sms: int) -> int:
+    """How many KV splits fill ``2 * sms`` blocks, keeping >= MIN_TILES_PER_SPLIT tiles per split."""
+    if blocks >= sms or kv_tiles < 2 * MIN_TILES_PER_SPLIT:
+        return 1
+    return max(1, min(-(-2 * sms // blocks), kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+_DUMMIES: dict = {}
+
+
+def _dummy(kind: str, device: torch.device, dp: int = 64) -> torch.Tensor:
+    # Stand-ins for the arrays a launch does not read (no mask) or write (no split): the kernel
+    # branches on a scalar and never touches them.
+    key = (kind, device, dp)
+    t = _DUMMIES.get(key)
+    if t is None:
+        shape, dtype = {"mask": ((1, 1, 1), torch.int8), "part": ((1, 1, 1, dp), torch.float32),
+                        "lse": ((1, 1, 1), torch.float32)}[kind]
+        t = _DUMMIES[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t
+
+
+def kernel_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernel's ``(MB, Sq, Skv)`` int8 view of a boolean ``(B or 1, 1, Sq, Skv)`` mask.
+
+    A batch dimension that is broadcast (stride 0, as ``sdpa_mask`` expands it) becomes MB = 1;
+    any other broadcast dimension is materialised. The bytes are reinterpreted, not copied.
+    """
+    if mask is None:
+        return None
+    m = mask[:, 0]
+    if m.shape[0] > 1 and m.stride(0) == 0:
+        m = m[:1]
+    if (m.shape[1] > 1 and m.stride(1) == 0) or (m.shape[2] > 1 and m.stride(2) == 0):
+        m = m.contiguous()
+    return m.view(torch.int8)
+
+
+def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor,
+             scale: float, causal: bool = True, window: int | None = None, softcap: float | None = None,
+             splits: int | None = None, sms: int | None = None) -> list[tuple] | str:
+    """The kernel launches that compute attention into ``out``, as ``dispatch.run`` arguments
+    ``(kernel, want, args, n_inputs, grid)``; or the reason no kernel takes the call.
+
+    One launch of ``attention``, or with ``splits > 1`` KV splits (default: chosen so that the
+    grid fills ``2 * sms`` blocks, for decode-sized queries) the split launch then
+    ``attention_combine``. ``sms`` defaults to the device's multiprocessor count.
+    """
+    B, Hq, Sq, D = q.shape
+    Skv = k.shape[2]
+    tiles = tiles_for(D, Sq, Hq // k.shape[1])
+    if tiles is None:
+        return f"head_dim {D} > {HEAD_DIMS[-1]}"
+    dp, hb, bs, bn = tiles
+    o = out.transpose(1, 2)
+    m = kernel_mask(mask)
+    has_mask = int(m is not None)
+    if m is None:
+        m = _dummy("mask", q.device)
+    q_blocks = -(-Sq // bs)
+    if splits is None:
+        splits = 1
+        if Sq <= DECODE_MAX_SQ:
+            sms = sms if sms is not None else _sm_count(q.device.index or 0)
+            splits = num_splits(q_blocks * B * (Hq // hb), -(-Skv // bn), sms)
+    want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
+    scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(bool(causal)), splits)
+    grid = (q_blocks * splits, B * (Hq // hb), 1)
+    if splits == 1:
+        args = (q, k, v, m, o, _dummy("part", q.device, dp), _dummy("lse", q.device)) + scalars
+        return [("attention", want, args, 4, lambda consts: grid)]
+    part = torch.empty(splits, B * Hq, Sq, dp, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, B * Hq, Sq, dtype=torch.float32, device=q.device)
+    cgrid = (-(-Sq // COMBINE_BS), B * Hq, 1)
+    return [("attention", want, (q, k, v, m, o, part, lse) + scalars, 4, lambda consts: grid),
+            ("attention_combine", (("D", dp), ("BS", COMBINE_BS)), (part, lse, o, splits), 2, lambda consts: cgrid)]
+
+
+def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   out: torch.Tensor, scale: float, causal: bool = True, window: int | None = None,
+                   softcap: float | None = None, splits: int | None = None) -> bool:
+    """Launch the attention kernel(s) on CUDA tensors into ``out`` ``(B, Sq, Hq, D)`` (contiguous,
+    new, of q's dtype; not checked). Arguments as :func:`attention`; ``splits`` forces the number
+    of KV splits. Returns False (nothing written) when no cuTile path fits; the caller then falls
+    back.
+
+    Raises:
+        FallbackError: no cuTile path and ``CUTILE_KERNELS_STRICT=1``.
+        RuntimeError: a split launch ran but the build has no combine kernel for it.
+    """
+    if q.dtype not in KERNEL_DTYPES:
+        return dispatch.fallback("attention", f"dtype {q.dtype} (the kernels take bfloat16 and float16)")
+    plan = launches(q, k, v, mask, out, scale, causal, window, softcap, splits)
+    if isinstance(plan, str):
+        return dispatch.fallback("attention", plan)
+    if not dispatch.run(*plan[0]):
+        return False
+    for step in plan[1:]:
+        if not dispatch.run(*step):
+            raise RuntimeError(f"attention: the split kernel ran but {step[0]} could not (the build must "
+                               "hold every attention kernel)")
+    return True
+
+
+def _attention_impl(q, k, v, mask, scale, causal, window, softcap):
+    _check(q, k, v, mask)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    if not q.is_cuda:
+        dispatch.reference_call("attention")
+        return attention_reference(q, k, v, mask, scale, causal, window, softcap)
+    B, Hq, Sq, D = q.shape
+    out = torch.empty(B, Sq, Hq, D, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out.transpose(1, 2)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        dispatch.fallback("attention", f"mixed dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    elif k.shape[2] == 0:
+        out.zero_()  # no key at all: every query sees nothing
+        return out.transpose(1, 2)
+    elif attention_into(q, k, v, mask, out, scale, causal, window, softcap):
+        return out.transpose(1, 2)
+    return attention_reference(q, k, v, mask, scale, causal, window, softcap)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("attention"), mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  causal: bool, window: int, softcap: float) -> torch.Tensor:
+    return _attention_impl(q, k, v, mask, scale, causal, window or None, softcap or None)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, mask, scale, causal, window, softcap):
+    B, Hq, Sq, D = q.shape
+    return q.new_empty(B, Sq, Hq, v.shape[3]).transpose(1, 2)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, causal, window, softcap = inputs
+    ctx.save_for_backward(q, k, v, mask)
+    ctx.params = (scale, causal, window or None, softcap or None)
+
+
+def _backward(ctx, grad):
+    # The kernel has no backward: differentiate the reference on the saved inputs instead.
+    q, k, v, mask = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = attention_reference(*inputs, mask, *ctx.params)
+        grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+    return (*grads, None, None, None, None, None)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+              scale: float | None = None, causal: bool = True, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
+    """Scaled dot-product attention forward with GQA, causal / sliding-window / boolean masks and
+    logit soft-capping (semantics in the module docstring).
+
+    Args:
+        q: ``(B, Hq, Sq, D)`` queries, any strides; bfloat16 or float16 for the kernel.
+        k, v: ``(B, Hkv, Skv, D)`` keys and values (``Hq % Hkv == 0``), same dtype as ``q``;
+            views of a cache are fine (nothing is read past ``Skv``).
+        mask: optional boolean ``(B or 1, 1, Sq, Skv)``, True where a query may attend.
+        scale: multiplies ``q k^T`` (default ``1 / sqrt(D)``).
+        causal: lower-right causal masking (query ``i`` is at position ``Skv - Sq + i``).
+        window: sliding window in keys (``j > i + Skv - Sq - window``); None or 0 for none.
+        softcap: ``softcap * tanh(s / softcap)`` on the scaled logits; None or 0 for none.
+
+    Returns:
+        ``(B, Hq, Sq, D)`` in ``q.dtype``, memory laid out as contiguous ``(B, Sq, Hq, D)``.
+
+    On CUDA this runs the cuTile kernel (prebuilt, else JIT) with float32 accumulation; what the
+    kernels cannot take (float32 or float64, head_dim > 256, mixed dtypes, no build for the GPU)
+    takes :func:`attention_reference` and logs the reason once. Under ``torch.compile`` or when an
+    input requires grad it is the custom op ``<namespace>::attention`` (fake implementation;
+    gradients from the reference).
+
+    Raises:
+        ValueError: shapes or mask do not match, or Hq is not a multiple of Hkv.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    window = int(window or 0)
+    softcap = float(softcap or 0.0)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+        return _attention_op(q, k, v, mask, float(scale), bool(causal), window, softcap)
+    return _attention_impl(q, k, v, mask, scale, causal, window or None, softcap or None)

@@ -1,0 +1,213 @@
+"""Rotary position embedding of q and k in one launch: torch custom op, fake, functional API.
+
+The math and rounding order are those of transformers' ``apply_rotary_pos_emb`` (see
+``kernel_src/rope.py``), taking the ``cos``/``sin`` that the model's rotary embedding returns, so
+every scaling type (default, linear, dynamic, yarn, llama3, ...) is already in them.
+:func:`apply_rope_reference` restates the formula in PyTorch; it is the fallback and the tests'
+model of what stock transformers computes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import dispatch
+from .._ops import add_op_namespace_prefix
+from ..kernel_src._spec import next_power_of_2
+from ..kernel_src.rope import BLOCKS
+from .norm import _needs_op
+
+MIN_BLOCK = min(BLOCKS)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # (x1, x2) -> (-x2, x1) over the last dimension, halves split at D // 2 as transformers does.
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    if rot in (1, x.shape[-1]):  # the transformers formula (cos broadcasts over the last dim)
+        return x * cos + _rotate_half(x) * sin
+    rotated = x[..., :rot] * cos + _rotate_half(x[..., :rot]) * sin
+    return torch.cat((rotated, x[..., rot:]), dim=-1)
+
+
+def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE exactly as transformers' ``apply_rotary_pos_emb`` computes it (Llama, v5.22.2).
+
+    ``cos``/``sin`` get a head axis at ``unsqueeze_dim`` and broadcast against ``q``/``k``; each
+    tensor becomes ``x * cos + rotate_half(x) * sin``, every op rounded to the result dtype
+    (``promote_types(x.dtype, cos.dtype)``). When cos's last dimension R is smaller than the
+    head dimension D (partial rotary, ``partial_rotary_factor < 1``), the first R elements are
+    rotated and the other D - R pass through unchanged (the GPT-NeoX / GLM convention).
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _mismatch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why q, k, cos, sin are not shaped as the kernel takes them, or None if they are."""
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+        return (f"expected q (B, Hq, S, D), k (B, Hkv, S, D), cos and sin (B or 1, S, R); got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    (b, _, s, d), rot = q.shape, cos.shape[-1]
+    if (k.shape[0] != b or k.shape[2] != s or k.shape[3] != d or cos.shape[0] not in (1, b)
+            or cos.shape[1] != s or rot % 2 or not 2 <= rot <= d):
+        return (f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} (cos/sin "
+                "need batch 1 or B, q's sequence length, and an even last dim <= D)")
+    return None
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    why = _mismatch(q, k, cos, sin)
+    if why is not None:
+        raise ValueError(f"rope: {why}")
+
+
+def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of x's shape laid out in x's memory order, as torch's elementwise ops lay out
+    their result: transformers' q/k are (B, S, H, D) buffers seen as (B, H, S, D), and stock RoPE
+    returns that layout, so attention and the KV cache get what they get without us."""
+    big = [d for d in range(x.dim()) if x.shape[d] > 1]
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # stable: ties keep dim order
+    if [d for d in order if x.shape[d] > 1] == big:
+        return torch.empty(x.shape, dtype=dtype, device=x.device)
+    return torch.empty_permuted(x.shape, order, dtype=dtype, device=x.device)
+
+
+def _outputs(q, k, cos, sin):
+    dq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
+    dk = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
+    return _empty_like_layout(q, dq), _empty_like_layout(k, dk)
+
+
+@functools.lru_cache(maxsize=None)
+def _want(rot: int) -> tuple:
+    return (("BLOCK", max(MIN_BLOCK, next_power_of_2(rot // 2))),)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _halves(x: torch.Tensor, rot: int) -> torch.Tensor:
+    # (..., D) -> (..., 2, R/2) view of the rotated part: each half is one tile along the last axis.
+    return x[..., :rot].unflatten(-1, (2, rot // 2))
+
+
+def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              q_out: torch.Tensor, k_out: torch.Tensor) -> bool:
+    """Launch the RoPE kernel on CUDA tensors shaped as the op takes them (q (B, Hq, S, D), k
+    (B, Hkv, S, D), cos and sin (B or 1, S, R); already checked).
+
+    ``q_out``/``k_out`` must be new tensors shaped like ``q``/``k`` (any strides; they must not
+    alias the inputs, which is not checked). Returns False (nothing written) when no cuTile path
+    fits; the caller then falls back.
+    """
+    (b, hq, s, d), hk, rot = q.shape, k.shape[1], cos.shape[-1]
+    args = (_halves(q, rot), _halves(k, rot), cos.unflatten(-1, (2, rot // 2)), sin.unflatten(-1, (2, rot // 2)),
+            _halves(q_out, rot), _halves(k_out, rot))
+    grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
+    if not dispatch.run("rope", _want(rot), args, 4, grid):
+        return False
+    if rot < d:  # partial rotary: the rest of each head passes through
+        q_out[..., rot:].copy_(q[..., rot:])
+        k_out[..., rot:].copy_(k[..., rot:])
+    return True
+
+
+def _rope_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, k, cos, sin)
+    q_out, k_out = _outputs(q, k, cos, sin)
+    if q.is_cuda:
+        if q_out.numel() == 0 and k_out.numel() == 0:
+            return q_out, k_out
+        if rope_into(q, k, cos, sin, q_out, k_out):
+            return q_out, k_out
+    else:
+        dispatch.reference_call("rope")
+    q_ref, k_ref = apply_rope_reference(q, k, cos, sin)
+    return q_out.copy_(q_ref), k_out.copy_(k_ref)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("rope"), mutates_args=())
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope_impl(q, k, cos, sin)
+
+
+@_rope_op.register_fake
+def _rope_fake(q, k, cos, sin):
+    _check(q, k, cos, sin)
+    return _outputs(q, k, cos, sin)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_q, grad_k):
+    # The kernel has no backward: differentiate the reference formula on the saved inputs.
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+        outputs = apply_rope_reference(*inputs)
+        pairs = [(o, g) for o, g in zip(outputs, (grad_q, grad_k)) if g is not None]
+        return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+
+
+_rope_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of ``q`` and ``k`` in one launch (transformers' formula).
+
+    Args:
+        q: ``(B, Hq, S, D)`` queries (``unsqueeze_dim=1``) or ``(B, S, Hq, D)`` (``unsqueeze_dim=2``),
+            any strides (transformers passes transposed views); bfloat16, float16 or float32.
+        k: keys, shaped like ``q`` with ``Hkv`` heads (one KV head is fine).
+        cos, sin: ``(B, S, R)`` or ``(1, S, R)`` as the model's rotary embedding returns them
+            (scaling already applied; per-row positions, e.g. left padding, are rows of B), same
+            dtype as q for the cuTile kernel. ``R == D``, or ``R < D`` (even) for partial rotary:
+            the first R elements of each head are rotated, the rest pass through.
+        unsqueeze_dim: where cos/sin get their head axis, as in transformers (1 or 2 for the
+            layouts above).
+
+    Inputs outside these shapes (but that transformers' formula broadcasts) take
+    :func:`apply_rope_reference`, which raises where transformers raises.
+
+    Returns:
+        ``(q_embed, k_embed)``: new tensors of q's and k's shapes, laid out in their memory order
+        (as eager torch lays out the stock result), dtype ``promote_types(x.dtype, cos.dtype)``.
+
+    On CUDA this runs one cuTile kernel for both tensors (prebuilt, else JIT) for head halves up
+    to 128 (D <= 256); other inputs take :func:`apply_rope_reference` and log the reason once. On other
+    devices it is :func:`apply_rope_reference`. Under ``torch.compile``, or when an input requires
+    grad, it is the custom op ``<namespace>::rope`` (fake implementation; gradients from the
+    reference formula).
+
+    Raises:
+        RuntimeError: shapes that do not broadcast (from the reference, as transformers').
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
+        return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
+    if unsqueeze_dim == 2:  # (B, S, H, D): the same kernel on (B, H, S, D) views
+        q_embed, k_embed = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+    if _mismatch(q, k, cos, sin) is not None:  # shapes outside the kernel's contract
+        return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
+    if _needs_op(q, k, cos, sin):
+        return _rope_op(q, k, cos, sin)
+    if not q.is_cuda:  # the reference as is (the op copies it into its declared layout)
+        dispatch.reference_call("rope")
+        return apply_rope_reference(q, k, cos, sin)
+    return _rope_impl(q, k, cos, sin)
