@@ -4,6 +4,10 @@
     cutile-kernels build              compile every kernel variant ahead of time
     cutile-kernels preset NAME        write a preset checkpoint (real config, seeded weights)
     cutile-kernels info               what this install has: build, archs, variants, JIT
+    cutile-kernels inventory validate the kernel inventory (FlashInfer-Bench format): also show, sync, export
+    cutile-kernels evaluate SOLUTION  a Solution against its Definition's reference, written as Traces
+    cutile-kernels autokernelize M    rank uncovered regions, --scaffold one, --score a written kernel
+    cutile-kernels publish            the build as a Hugging Face kernel repo (--dry-run: stage only)
 """
 
 from __future__ import annotations
@@ -81,6 +85,27 @@ def _info(args) -> int:
     return 0
 
 
+def _publish(args) -> int:
+    from . import publish
+
+    repo_id = args.repo_id or publish.default_repo_id()
+    plan, commits = publish.publish(repo_id, dry_run=args.dry_run, out_dir=args.out, build_dir=args.build,
+                                    inventory_dir=args.inventory, bench_files=args.bench, private=args.private)
+    for revision in plan.revisions:
+        files = plan.revision_files(revision)
+        print(f"{revision}: {len(files)} files, {publish.human_bytes(sum(f.size for f in files))}")
+        for f in files:
+            print(f"  {f.path_in_repo}  {publish.human_bytes(f.size)}")
+    if args.dry_run:
+        print(f"dry run: nothing uploaded; {len(plan.files)} files ({publish.human_bytes(plan.total_bytes)}) for "
+              f"{publish.REPO_TYPE} repo {plan.repo_id} staged in {plan.out_dir} "
+              f"(list: {plan.out_dir / publish.PLAN_FILE})")
+    else:
+        for revision, urls in commits.items():
+            print(f"{revision}: " + ", ".join(urls))
+    return 0
+
+
 def main(argv=None) -> int:
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
 
@@ -127,6 +152,21 @@ def main(argv=None) -> int:
 
     i = sub.add_parser("info", help="what this install has")
     i.set_defaults(func=_info)
+
+    from .inventory_cli import add_parsers as add_inventory_parsers
+
+    add_inventory_parsers(sub)
+
+    u = sub.add_parser("publish", help="the build as a Hugging Face kernel repo: card on main, build on v<version>")
+    u.add_argument("--repo-id", help="ORG/NAME (default: [general.hub] repo-id of build.toml)")
+    u.add_argument("--dry-run", action="store_true", help="stage and list the upload; touch no network")
+    u.add_argument("--out", help="staging directory (default: a new temporary one)")
+    u.add_argument("--build", help="build directory (default: $CUTILE_KERNELS_BUILD_DIR or <checkout>/build)")
+    u.add_argument("--inventory", help="kernel inventory for the card (default: <checkout>/inventory)")
+    u.add_argument("--bench", nargs="+", help="bench.json reports for the card (default: newest GPU report "
+                                              "per model under benchmarks/results)")
+    u.add_argument("--private", action="store_true", help="create the repository as private")
+    u.set_defaults(func=_publish)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")

@@ -1,0 +1,141 @@
+"""autokernelize on the embedded model (CPU): ranked regions, a scaffold whose reference is the
+module's own code, the keep/discard rule, the results log and a CPU score."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from cutile_kernels_tools import autokernelize as ak
+from cutile_kernels_tools import cli, evaluate, inventory, presets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv(presets.ENV_CACHE, str(tmp_path_factory.mktemp("presets")))
+    # No build: on a CPU the kernelize mapping does not apply anyway, and a shared build may lag the source.
+    mp.setenv("CUTILE_KERNELS_BUILD_DIR", str(tmp_path_factory.mktemp("no-build")))
+    model, label, device = ak.load_model("tiny", "cpu")
+    found = ak.regions(model, device)
+    yield model, label, found
+    mp.undo()
+
+
+def test_regions_rank_uncovered_time_with_amdahl_ceilings(tiny):
+    model, _, found = tiny
+    rows = found["regions"]
+    uncovered = [r for r in rows if not r["covered"]]
+    assert uncovered and [r["us"] for r in uncovered] == sorted((r["us"] for r in uncovered), reverse=True)
+    assert rows[:len(uncovered)] == uncovered  # uncovered first
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    for r in rows:
+        assert r["ceiling"] == pytest.approx(1 / (1 - r["share"] + r["share"] / 2))
+        assert r["ceiling_max"] == pytest.approx(1 / (1 - r["share"]))
+    norms = [r for r in rows if r["cls"] == "LlamaRMSNorm"]
+    assert norms and all("RMSNorm" in r["covered"] for r in norms)  # mapped to our layer
+    regions = {r["region"] for r in uncovered}
+    assert {"layers.*.mlp", "layers.*.self_attn"} <= regions
+    assert found["covered_share"] == pytest.approx(sum(r["share"] for r in norms))
+
+
+def test_scaffold_writes_a_definition_that_reproduces_the_module(tiny, tmp_path):
+    model, label, found = tiny
+    (tmp_path / "kernel_src").mkdir()
+    shutil.copy(ROOT / "kernel_src" / "__init__.py", tmp_path / "kernel_src" / "__init__.py")
+    region = next(r for r in found["regions"] if r["region"] == "layers.*.mlp")
+    out = ak.scaffold(model, region, label, tmp_path)
+    assert out["definition"] == "llama_mlp" and out["registered"]
+    assert "'llama_mlp')" in (tmp_path / "kernel_src" / "__init__.py").read_text()
+    for f in out["files"]:
+        assert Path(f).is_file()
+    compile(Path(out["files"][2]).read_text(), "stub", "exec")
+    compile(Path(out["files"][3]).read_text(), "test", "exec")
+
+    inv = inventory.Inventory.load(tmp_path / "inventory")
+    assert not inv.errors
+    d = inv.definitions["llama_mlp"]
+    assert list(d.inputs) == ["x", "gate_proj_weight", "up_proj_weight", "down_proj_weight"]
+    assert d.var_axes == ["batch_size", "seq_len"]
+    assert d.const_axes == {"hidden_size": 128, "intermediate_size": 256}
+    assert any(t.startswith("source:transformers@v") and "modeling_llama.py::LlamaMLP.forward" in t for t in d.tags)
+    # the reference is the module's code: exactly the module's output on the captured call
+    args, expected = ak.capture(model, "model.layers.1.mlp")
+    mlp = model.get_submodule("model.layers.1.mlp")
+    got = inventory.load_reference(d)(args["x"], mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    assert torch.equal(got, expected)
+    # and it validates: signature, workloads, outputs on the smallest workload
+    rep = inventory.Report()
+    inventory._check_definition(d, inv.workloads["llama_mlp"], rep)
+    assert rep.errors == [] and rep.warnings == []
+    assert {w.uuid.split("/")[1]: tuple(w.axes.values()) for w in inv.workloads["llama_mlp"]} == {
+        "decode-b1": (1, 1), "decode-b16": (16, 1), "prefill-2048": (1, 2048), "captured": (3, 11)}
+    with pytest.raises(FileExistsError):
+        ak.scaffold(model, region, label, tmp_path)
+
+
+def test_scaffold_of_attention_flattens_tuple_arguments(tiny, tmp_path):
+    model, label, found = tiny
+    (tmp_path / "kernel_src").mkdir()
+    shutil.copy(ROOT / "kernel_src" / "__init__.py", tmp_path / "kernel_src" / "__init__.py")
+    region = next(r for r in found["regions"] if r["region"] == "layers.*.self_attn")
+    ak.scaffold(model, region, label, tmp_path, name="attn_tiny")
+    d = inventory.Inventory.load(tmp_path / "inventory").definitions["attn_tiny"]
+    assert list(d.inputs)[:3] == ["hidden_states", "position_embeddings_0", "position_embeddings_1"]
+    args, expected = ak.capture(model, "model.layers.0.self_attn")
+    attn = model.get_submodule("model.layers.0.self_attn")
+    state = [p for _, p in attn.named_parameters()]
+    cos, sin = args["position_embeddings"]
+    extra = [args["kwargs"][k] for k in args["kwargs"] if isinstance(args["kwargs"][k], torch.Tensor)]
+    got = inventory.load_reference(d)(args["hidden_states"], cos, sin, *extra, *state)
+    assert torch.equal(got, expected[0])
+
+
+def test_decide_keeps_only_what_passes_and_does_not_slow_down():
+    base = {"prefill": 1000.0, "decode-b1": 100.0}
+    assert ak.decide("PASSED", True, {"prefill": 1000.0, "decode-b1": 99.5}, base) == (
+        True, "every gate passed; throughput did not drop")
+    keep, why = ak.decide("PASSED", True, {"prefill": 1000.0, "decode-b1": 95.0}, base)
+    assert not keep and why == "throughput dropped more than 1%: decode-b1 95.0 < 100.0"
+    assert ak.decide("INCORRECT_NUMERICAL", True, base, base) == (False, "evaluate: INCORRECT_NUMERICAL")
+    assert ak.decide("PASSED", False, base, base) == (False, "end-to-end logit gate failed")
+    assert ak.decide("PASSED", True, {"prefill": 900.0}, base, tolerance=0.2)[0]
+
+
+def test_results_log_round_trip(tmp_path):
+    log = tmp_path / "results.tsv"
+    ak.append_log(log, {"model": "m", "candidate": "a", "status": "discard", "reason": "evaluate: COMPILE_ERROR"})
+    ak.append_log(log, {"model": "m", "candidate": "b", "status": "keep", "prefill_tok_s": "1200.5",
+                        "decode_tok_s": '{"decode-b1": 97.0}', "description": "tabs\tand\nnewlines flattened"})
+    ak.append_log(log, {"model": "other", "candidate": "c", "status": "keep", "prefill_tok_s": "1",
+                        "decode_tok_s": '{"decode-b1": 1.0}'})
+    rows = ak.read_log(log)
+    assert [r["candidate"] for r in rows] == ["a", "b", "c"] and rows[1]["description"] == "tabs and newlines flattened"
+    assert log.read_text().splitlines()[0].split("\t") == list(ak.LOG_COLUMNS)
+    assert ak.last_kept(rows, "m") == {"prefill": 1200.5, "decode-b1": 97.0}
+    assert ak.last_kept(rows, "nope") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_score_on_cpu_discards_with_the_reason(tmp_path):
+    root = tmp_path / "inventory"
+    for sub in ("definitions", "solutions", "workloads"):
+        shutil.copytree(ROOT / "inventory" / sub, root / sub)
+    log = tmp_path / "log.tsv"
+    row = ak.score("tiny", "rms_norm", root=root, log=log, description="norm", checkout=ROOT)
+    assert row["candidate"] == "rms_norm_cutile" and row["status"] == "discard"
+    assert row["eval_status"] == evaluate.NOT_RUN and row["reason"].startswith(f"evaluate: {evaluate.NOT_RUN}: no CUDA")
+    assert ak.read_log(log)[0]["reason"] == row["reason"]
+    with pytest.raises(KeyError, match="no Solution or Definition"):
+        ak.score("tiny", "nothing", root=root, log=log, checkout=ROOT)
+
+
+def test_cli_lists_regions(tiny, capsys):
+    assert cli.main(["autokernelize", "tiny", "--device", "cpu", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "uncovered regions of tiny" in out and "ceiling 2x" in out and "covered: layers.*.input_layernorm" in out
+    assert cli.main(["autokernelize", "tiny", "--device", "cpu", "--scaffold", "no.such.region"]) == 2

@@ -1,0 +1,545 @@
+"""``cutile-kernels autokernelize``: grow kernel coverage of a model in a loop whose gates keep only
+what helps end to end.
+
+1. :func:`regions` profiles the kernelized model (the bench's coverage pass, :mod:`.coverage`) and
+   ranks the PyTorch regions -- innermost modules, layer index folded -- that no kernel of ours
+   covers, by device time, with their Amdahl ceilings (whole-step speedup if the region ran 2x
+   faster, and if it took no time at all). On a CPU the leaf aten ops stand in for kernels.
+2. :func:`scaffold` writes, for the chosen region, a Definition whose reference is the module's
+   own code (transformers' class at the installed, pinned release, run through
+   ``torch.func.functional_call``), Workloads from the model's shapes, a kernel stub with an empty
+   build matrix, a test, and the family's entry in ``kernel_src.FAMILIES``.
+3. Once the kernel is written, :func:`score` runs ``evaluate`` (every correctness gate, on the
+   GPU) and, only if that passes, the end-to-end bench (logit gates and throughput), then appends
+   keep or discard with the reason to the results log (:data:`LOG_COLUMNS`). A candidate is kept
+   only if every gate passes and no throughput figure drops below the last kept one (or stock's,
+   for the first) by more than ``tolerance``.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import datetime
+import inspect
+import json
+import pprint
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from . import coverage, inventory
+from .fib_schema import AxisConst, AxisVar, Definition, RandomInput, ScalarInput, TensorSpec, Workload
+
+#: Captured call shape: batch and sequence lengths unlikely to equal any config size, so that a
+#: dimension of this length is recognisably the batch or the sequence.
+CAPTURE_BATCH, CAPTURE_SEQ = 3, 11
+#: Config attributes that name a constant axis, in order of preference when sizes coincide.
+CONFIG_AXES = ("hidden_size", "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads",
+               "vocab_size")
+#: Workload shapes (batch, seq): decode at batch 1 and 16, prefill 1 x 2048 (the bench's), and the capture.
+WORKLOAD_SHAPES = {"decode-b1": (1, 1), "decode-b16": (16, 1), "prefill-2048": (1, 2048),
+                   "captured": (CAPTURE_BATCH, CAPTURE_SEQ)}
+LOG_COLUMNS = ("timestamp", "commit", "model", "candidate", "status", "eval_status", "gate", "coverage",
+               "prefill_tok_s", "decode_tok_s", "reason", "description")
+DEFAULT_LOG = Path("benchmarks") / "results" / "autokernelize.tsv"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Regions
+# ---------------------------------------------------------------------------------------------
+
+def load_model(model: str, device: str | None = None, seed: int = 0):
+    """The kernelized model (the bench's ``cutile`` path) and its label."""
+    from . import paths, presets
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    checkpoint, label = presets.resolve(model, seed=seed, device=device)
+    return paths.load("cutile", checkpoint, torch.bfloat16, device), label, device
+
+
+def _covered_by_layer(module) -> str | None:
+    """Why ``module`` counts as ours: its forward was replaced by one of our layers, or (where the
+    kernelize mapping does not apply, e.g. on a CPU) its hub layer name is in our mapping."""
+    from cutile_kernels.layers import MAPPING
+
+    func = getattr(module.__dict__.get("forward"), "__func__", None)
+    if func is not None and func.__qualname__.startswith("Cutile"):
+        return f"kernelized ({func.__qualname__.split('.')[0]})"
+    hub = getattr(type(module), "kernel_layer_name", None)
+    if hub in MAPPING:
+        return f"hub layer {hub!r} is mapped to {MAPPING[hub]} (runs our kernel on CUDA)"
+    return None
+
+
+def regions(model, device: str, steps: int = 2, prompt_len: int = 64, speedup: float = 2.0, seed: int = 0) -> dict:
+    """Profile one prefill of ``prompt_len`` tokens and ``steps`` decode steps (batch 1) and rank the
+    uncovered regions by device time.
+
+    Returns ``{"device_us", "covered_share", "regions": [...]}``; a region row has ``region`` (the
+    folded module path), ``module`` (a concrete path), ``cls``, ``us``, ``share``, ``launches``,
+    ``ops`` (top aten ops), ``ceiling`` (Amdahl at ``speedup``), ``ceiling_max`` (1 / (1 - share)),
+    ``covered`` (None, or why it is ours). Uncovered regions come first, by time.
+    """
+    from .worker import Decoder, our_symbols
+
+    dec = Decoder(model, 1, prompt_len, steps + 1, device, False, seed)
+
+    def run():
+        dec.prefill()
+        for _ in range(steps):
+            dec.step()
+
+    records = coverage.attribute(coverage.profile_steps(model, run, device), device)
+    ours = our_symbols() if device.startswith("cuda") else set()
+    total = sum(r["us"] for r in records) or 1e-9
+    rows: dict[str, dict] = {}
+    for r in records:
+        name = r["module"] or ""
+        kind = coverage._module_kind(name) if name else "(outside any module)"
+        row = rows.setdefault(kind, {"region": kind, "module": name, "us": 0.0, "launches": 0, "ops": {},
+                                     "ours_us": 0.0})
+        row["us"] += r["us"]
+        row["launches"] += 1
+        row["ops"][r["op"] or "?"] = row["ops"].get(r["op"] or "?", 0.0) + r["us"]
+        if r["kernel"] in ours:
+            row["ours_us"] += r["us"]
+    modules = dict(model.named_modules())
+    out = []
+    for row in rows.values():
+        mod = modules.get(row["module"])
+        row["cls"] = type(mod).__name__ if mod is not None else None
+        row["covered"] = (_covered_by_layer(mod) if mod is not None else None) or (
+            "our kernels" if row["ours_us"] >= 0.5 * row["us"] else None)
+        f = row["us"] / total
+        row.update(share=f, ceiling=coverage.amdahl(f, speedup), ceiling_max=1 / (1 - f) if f < 1 else float("inf"),
+                   ops=[o for o, _ in sorted(row["ops"].items(), key=lambda x: -x[1])[:3]])
+        out.append(row)
+    out.sort(key=lambda r: (r["covered"] is not None, -r["us"]))
+    return {"device_us": total, "amdahl_speedup": speedup,
+            "covered_share": sum(r["us"] for r in out if r["covered"]) / total, "regions": out}
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Scaffold
+# ---------------------------------------------------------------------------------------------
+
+def capture(model, module_name: str, batch: int = CAPTURE_BATCH, seq: int = CAPTURE_SEQ, seed: int = 0):
+    """The first call of ``module_name`` in a forward of ``batch`` x ``seq`` random tokens
+    (no cache): (bound arguments by parameter name, output)."""
+    mod = model.get_submodule(module_name)
+    seen = {}
+
+    def hook(m, args, kwargs, output):
+        if not seen:
+            bound = inspect.signature(type(m).forward).bind(m, *args, **kwargs)
+            arguments = dict(bound.arguments)
+            arguments.pop(next(iter(arguments)))  # self
+            seen["args"], seen["out"] = arguments, output
+
+    handle = mod.register_forward_hook(hook, with_kwargs=True)
+    try:
+        gen = torch.Generator().manual_seed(seed + 5)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(model.device)
+        with torch.inference_mode():
+            model(ids, use_cache=False)
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError(f"module {module_name!r} was not called in a forward pass")
+    return seen["args"], seen["out"]
+
+
+def _flat_tensors(value, name: str) -> list[tuple[str, torch.Tensor]] | None:
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return [(f"{name}_{i}", v) for i, v in enumerate(value)]
+    return None
+
+
+def _literal(value) -> bool:
+    try:
+        return ast.literal_eval(repr(value)) == value
+    except (ValueError, SyntaxError):
+        return False
+
+
+def _axis_namer(config, batch: int, seq: int):
+    sizes = {}
+    for attr in CONFIG_AXES:
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v not in sizes:
+            sizes[v] = attr
+
+    def name(tensor: str, dim: int, size: int) -> tuple[str, object]:
+        if size == batch:
+            return "batch_size", AxisVar(description="sequences in the batch")
+        if size == seq:
+            return "seq_len", AxisVar(description="tokens per sequence")
+        if size == batch * seq:
+            return "num_tokens", AxisVar(description="batch_size x seq_len, flattened")
+        if size in sizes:
+            return sizes[size], AxisConst(value=size, description=f"config.{sizes[size]}")
+        return f"{tensor}_dim{dim}", AxisConst(value=size)
+    return name
+
+
+def build_definition(model, region: dict, name: str, label: str) -> tuple[Definition, list[Workload]]:
+    """A Definition (and Workloads) for one region, from a captured call of its module.
+
+    Inputs are the module's tensor arguments (tuples of tensors flattened to ``<arg>_<i>``), then
+    its parameters and buffers (``.`` -> ``_``); other arguments must be literals (None, numbers,
+    strings) and are fixed in the reference. The reference builds the model skeleton from the
+    model's config on the meta device, takes the module at the same path and calls it with
+    ``torch.func.functional_call``: the module's own code at the installed transformers release.
+
+    Raises:
+        ValueError: an argument is neither a tensor, a tuple of tensors nor a literal.
+    """
+    import transformers
+
+    module_name = region["module"]
+    mod = model.get_submodule(module_name)
+    cls = type(mod)
+    arguments, output = capture(model, module_name)
+    sig = inspect.signature(cls.forward)
+    tensors: list[tuple[str, torch.Tensor]] = []
+    call_args: list[str] = []
+    for pname, value in arguments.items():
+        kind = sig.parameters[pname].kind
+        items = value.items() if kind == inspect.Parameter.VAR_KEYWORD else [(pname, value)]
+        for key, v in items:
+            flat = _flat_tensors(v, key)
+            if flat is not None:
+                tensors += flat
+                expr = flat[0][0] if isinstance(v, torch.Tensor) else f"({', '.join(n for n, _ in flat)},)"
+                call_args.append(f"{key!r}: {expr}")
+            elif v is None or _literal(v):
+                call_args.append(f"{key!r}: {v!r}")
+            else:
+                raise ValueError(f"{cls.__name__}.forward argument {key!r} is a {type(v).__name__}: write this "
+                                 "region's Definition by hand")
+    used = {n for n, _ in tensors}
+    state = []
+    for pname, t in [*mod.named_parameters(), *mod.named_buffers()]:
+        arg = pname.replace(".", "_")
+        if arg in used:
+            arg = f"param_{arg}"
+        used.add(arg)
+        state.append((arg, pname, t))
+    outs = _flat_tensors(output, "output") or [
+        (f"output_{i}", t) for i, t in enumerate(x for x in (output if isinstance(output, (tuple, list)) else ())
+                                                 if isinstance(x, torch.Tensor))]
+    if not outs:
+        raise ValueError(f"{cls.__name__}.forward returned no tensor")
+    if len(outs) == 1:
+        outs = [("output", outs[0][1])]
+
+    namer = _axis_namer(model.config, CAPTURE_BATCH, CAPTURE_SEQ)
+    axes: dict = {}
+
+    def spec(tname: str, t: torch.Tensor, role: str) -> TensorSpec:
+        shape = []
+        for i, size in enumerate(t.shape):
+            aname, axis = namer(tname, i, size)
+            axes.setdefault(aname, axis)
+            shape.append(aname)
+        return TensorSpec(shape=shape, dtype=str(t.dtype).removeprefix("torch."), description=role)
+
+    inputs = {n: spec(n, t, "argument of forward") for n, t in tensors}
+    inputs.update({arg: spec(arg, t, f"module state {pname}") for arg, pname, t in state})
+    outputs = {n: spec(n, t, "returned by forward") for n, t in outs}
+    constraints = ["num_tokens == batch_size * seq_len"] if {"num_tokens", "batch_size", "seq_len"} <= set(axes) else []
+
+    version = transformers.__version__
+    src_file = Path(inspect.getsourcefile(cls)).resolve()
+    rel = src_file.relative_to(Path(transformers.__file__).resolve().parent.parent)
+    lines = inspect.getsourcelines(cls.forward)
+    where = f"transformers v{version} src/{rel.as_posix()}::{cls.__name__}.forward (lines {lines[1]}-{lines[1] + len(lines[0]) - 1})"
+    config = dict(model.config.to_diff_dict())
+    config["model_type"] = model.config.model_type
+    for key in ("transformers_version", "dtype", "torch_dtype", "architectures"):
+        config.pop(key, None)
+    params = list(inputs)
+    state_map = ", ".join(f"{p!r}: {a}" for a, p, _ in state)
+    reference = (
+        f'"""Reference for {name}: {where}, i.e. the module {module_name!r} of {label}, run through\n'
+        "torch.func.functional_call on the model skeleton built from the same config (meta device).\n"
+        'Scaffolded by `cutile-kernels autokernelize`."""\n\n'
+        "import functools\n\nimport torch\nimport transformers\n\n"
+        f"CONFIG = {pprint.pformat(config, width=100, sort_dicts=True)}\n\n\n"
+        "@functools.lru_cache(maxsize=1)\n"
+        "def _module():\n"
+        "    cfg = dict(CONFIG)\n"
+        '    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)\n'
+        '    with torch.device("meta"):\n'
+        "        model = transformers.AutoModelForCausalLM.from_config(config)\n"
+        f"    return model.get_submodule({module_name!r}).eval()\n\n\n"
+        "def _tensors(out):\n"
+        "    if isinstance(out, torch.Tensor):\n        return out\n"
+        "    flat = tuple(t for t in out if isinstance(t, torch.Tensor))\n"
+        "    return flat[0] if len(flat) == 1 else flat\n\n\n"
+        f"def run({', '.join(params)}):\n"
+        f"    state = {{{state_map}}}\n"
+        f"    kwargs = {{{', '.join(call_args)}}}\n"
+        "    with torch.no_grad():\n"
+        "        return _tensors(torch.func.functional_call(_module(), state, args=(), kwargs=kwargs))\n"
+    )
+    definition = Definition(
+        name=name, op_type=re.sub(r"[^a-z0-9]+", "_", cls.__name__.lower()), axes=axes, inputs=inputs,
+        outputs=outputs, reference=reference, constraints=constraints,
+        tags=[f"family:{name}", "status:scaffold", f"source:transformers@v{version}:src/{rel.as_posix()}::{cls.__name__}.forward",
+              f"model:{label.split(' ')[0]}"],
+        description=f"{cls.__name__}.forward of {label} ({where}); scaffolded by autokernelize from region "
+                    f"{region['region']} ({region['share']:.1%} of the profiled device time).",
+    )
+    var = definition.var_axes
+    workloads = []
+    for tag, (b, s) in WORKLOAD_SHAPES.items():
+        values = {"batch_size": b, "seq_len": s, "num_tokens": b * s}
+        ax = {a: values[a] for a in var}
+        if any(w.axes == ax for w in workloads):
+            continue
+        workloads.append(Workload(axes=ax, inputs={n: RandomInput() if sp.shape is not None else ScalarInput(value=0)
+                                                   for n, sp in inputs.items()}, uuid=f"{label.split(' ')[0]}/{tag}"))
+    return definition, workloads
+
+
+def _stub(d: Definition) -> str:
+    arrays = [n for n, s in [*d.inputs.items(), *d.outputs.items()] if s.shape is not None]
+    return (
+        f'"""{d.name}: the cuTile kernel for Definition {d.name!r} (inventory/definitions/{d.name}/{d.name}.json).\n\n'
+        f"Scaffolded by `cutile-kernels autokernelize`; not written yet. {d.description}\n\n"
+        "Write the ``@ct.kernel`` below (see kernel_src/norm.py: padded power-of-two tiles, float32\n"
+        "accumulation, the reference's rounding order), then fill ``VARIANTS``, add the torch op in\n"
+        f"torch-ext/cutile_kernels/ops/{d.name}.py and score it with\n"
+        f"`cutile-kernels autokernelize <model> --score {d.name}`.\n"
+        '"""\n\n'
+        "from __future__ import annotations\n\n"
+        "import cuda.tile as ct\n\n"
+        "from ._spec import VariantSpec\n\n\n"
+        "@ct.kernel\n"
+        f"def {d.name}_kernel({', '.join(arrays)}, BLOCK: ct.Constant[int]):\n"
+        f'    """Inputs {", ".join(d.inputs)}; outputs {", ".join(d.outputs)} (shapes in the Definition)."""\n'
+        "    pass  # not written yet\n\n\n"
+        "#: The build matrix: one VariantSpec per compiled variant (dtype, constants, layout); empty\n"
+        "#: until the kernel is written, so the build and the runtime skip this family.\n"
+        "VARIANTS: list[VariantSpec] = []\n"
+    )
+
+
+def _test(d: Definition) -> str:
+    return (
+        f'"""{d.name} (scaffolded by `cutile-kernels autokernelize`): the Definition\'s reference on the CPU,\n'
+        'and its cuTile Solution through `evaluate` on a GPU."""\n\n'
+        "from pathlib import Path\n\nimport pytest\n\n"
+        "from cutile_kernels_tools import evaluate, inventory\n\n"
+        'INVENTORY = Path(__file__).resolve().parents[1] / "inventory"\n'
+        f"NAME = {d.name!r}\n\n\n"
+        "def test_reference_runs_on_the_model_shapes():\n"
+        "    inv = inventory.Inventory.load(INVENTORY)\n"
+        "    d = inv.definitions[NAME]\n"
+        "    run = inventory.load_reference(d)\n"
+        "    w = min(inv.workloads[NAME], key=lambda w: sum(w.axes.values()))\n"
+        '    out = run(*evaluate.reference_inputs(d, evaluate.make_inputs(d, w, "cpu")))\n'
+        "    assert evaluate.check_outputs(d, out, w.axes) == (None, \"\")\n\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_solution_passes_evaluate():\n"
+        "    inv = inventory.Inventory.load(INVENTORY)\n"
+        "    solutions = inv.solutions_of(NAME)\n"
+        '    assert solutions, f"no Solution for {NAME} yet: write the kernel, then `autokernelize --score`"\n'
+        "    result = evaluate.evaluate(solutions[0].name, INVENTORY)\n"
+        '    assert result.status == "PASSED", result.message\n'
+    )
+
+
+def register_family(target: Path, family: str) -> bool:
+    """Add ``family`` to ``FAMILIES`` in ``target/kernel_src/__init__.py``; False if already there.
+
+    Raises:
+        FileNotFoundError: no such file, or it has no ``FAMILIES = (...)`` tuple.
+    """
+    path = target / "kernel_src" / "__init__.py"
+    text = path.read_text()
+    m = re.search(r"^FAMILIES = \(([^)]*)\)", text, flags=re.M)
+    if m is None:
+        raise FileNotFoundError(f"{path} has no `FAMILIES = (...)` tuple")
+    names = ast.literal_eval(f"({m.group(1)})")
+    if family in names:
+        return False
+    new = f"FAMILIES = {tuple(names) + (family,)!r}"
+    path.write_text(text[:m.start()] + new + text[m.end():])
+    return True
+
+
+def scaffold(model, region: dict, label: str, target: Path, name: str | None = None,
+             inventory_root: Path | None = None) -> dict:
+    """Write the Definition, Workloads, kernel stub, test and build-matrix entry of ``region``
+    under ``target`` (a checkout); returns {"definition": name, "files": [...], "registered": bool}.
+
+    Raises:
+        FileExistsError: one of the files exists (nothing is written then).
+        ValueError: the region's module cannot be described automatically.
+    """
+    name = name or re.sub(r"\W+", "_", f"{model.config.model_type}_{region['region'].split('.')[-1]}").lower()
+    if not name.isidentifier():
+        raise ValueError(f"{name!r} is not a Python identifier: pass --name")
+    d, workloads = build_definition(model, region, name, label)
+    root = inventory_root or target / "inventory"
+    files = {
+        root / "definitions" / name / f"{name}.json": d.to_json() + "\n",
+        root / "workloads" / name / f"{name}.jsonl": "".join(
+            inventory.Trace(definition=name, workload=w).to_json(indent=None) + "\n" for w in workloads),
+        target / "kernel_src" / f"{name}.py": _stub(d),
+        target / "tests" / f"test_{name}.py": _test(d),
+    }
+    existing = [str(p) for p in files if p.exists()]
+    if existing:
+        raise FileExistsError(f"refusing to overwrite {', '.join(existing)}")
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    registered = register_family(target, name)
+    return {"definition": name, "files": [str(p) for p in files], "registered": registered}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Score and record
+# ---------------------------------------------------------------------------------------------
+
+def throughput(path: dict) -> dict:
+    """{"prefill": tokens/s, "decode-b<N>": tokens/s, ...} of one bench path."""
+    out = {"prefill": path["prefill_tokens_per_s"]}
+    out.update({f"decode-b{d['batch']}": d["tokens_per_s"] for d in path["decode"]})
+    return out
+
+
+def decide(eval_status: str, gate_passed: bool | None, now: dict | None, baseline: dict | None,
+           tolerance: float = 0.01) -> tuple[bool, str]:
+    """Keep or discard a candidate, and why.
+
+    Kept only if ``evaluate`` PASSED, the bench's logit gate passed, and every throughput figure
+    of ``now`` is at least ``(1 - tolerance)`` times the same figure of ``baseline`` (figures the
+    baseline lacks are not compared).
+    """
+    if eval_status != "PASSED":
+        return False, f"evaluate: {eval_status}"
+    if not gate_passed:
+        return False, "end-to-end logit gate failed"
+    if not now:
+        return False, "no end-to-end throughput"
+    if baseline:
+        drops = [f"{k} {now[k]:.1f} < {baseline[k]:.1f}" for k in now
+                 if k in baseline and now[k] < (1 - tolerance) * baseline[k]]
+        if drops:
+            return False, f"throughput dropped more than {tolerance:.0%}: " + "; ".join(drops)
+    return True, "every gate passed; throughput did not drop"
+
+
+def commit_id(cwd: Path) -> str:
+    """``git rev-parse --short HEAD`` of ``cwd``, with ``+dirty`` for uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def append_log(path: Path, row: dict) -> None:
+    """Append one row (missing columns empty) to the TSV results log, writing the header first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.is_file() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=LOG_COLUMNS, delimiter="\t", extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerow({k: " ".join(str(row.get(k, "")).split()) for k in LOG_COLUMNS})
+
+
+def last_kept(rows: list[dict], model: str) -> dict | None:
+    """Throughput of the last kept candidate for ``model`` in the log, or None."""
+    for row in reversed(rows):
+        if row["model"] == model and row["status"] == "keep" and row.get("decode_tok_s"):
+            return {"prefill": float(row["prefill_tok_s"]), **json.loads(row["decode_tok_s"])}
+    return None
+
+
+def ensure_solution(inv: inventory.Inventory, candidate: str, checkout: Path) -> str:
+    """The Solution to score for ``candidate`` (a Solution or Definition name); a cuda-tile
+    Solution is written for a Definition that has none once kernel_src has variants of the kernel
+    of the same name (``kernel_src/<candidate>.py``, op ``cutile_kernels.ops.<candidate>.<candidate>``).
+
+    Raises:
+        KeyError: nothing to score yet.
+    """
+    if candidate in inv.solutions:
+        return candidate
+    if candidate not in inv.definitions:
+        raise KeyError(f"no Solution or Definition named {candidate!r}")
+    found = inv.solutions_of(candidate)
+    if found:
+        return found[0].name
+    if candidate not in inventory.kernel_functions():
+        raise KeyError(f"kernel {candidate!r} has no variants in kernel_src yet: write it and its VARIANTS first")
+    d = inv.definitions[candidate]
+    s = inventory.make_solution(d, kernel=candidate, family=candidate, op=candidate, checkout=checkout)
+    inventory.write_solution(inv.root, s, inventory.family_dir(d))
+    return s.name
+
+
+def score(model: str, candidate: str, *, root: Path | None = None, log: Path | None = None, description: str = "",
+          tolerance: float = 0.01, device: str | None = None, bench_settings=None, checkout: Path | None = None,
+          progress: bool = False) -> dict:
+    """Evaluate ``candidate``, bench ``model`` if that passed, decide, append to the log; returns the row.
+
+    Raises:
+        KeyError: unknown candidate (see :func:`ensure_solution`).
+        FileNotFoundError: no inventory at ``root``.
+    """
+    from . import bench, evaluate
+
+    checkout = checkout or inventory.repo_root() or Path.cwd()
+    inv = inventory.Inventory.load(root)
+    solution = ensure_solution(inv, candidate, checkout)
+    result = evaluate.evaluate(solution, inv.root, device)
+    if result.traces:
+        inventory.append_traces(inv.root, inventory.family_dir(inv.definitions[result.definition]), result.traces)
+    row = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit_id(checkout), "model": model, "candidate": solution, "eval_status": result.status,
+           "description": description}
+    gate = now = base = None
+    if result.status == "PASSED":
+        s = bench_settings or bench.BenchSettings(paths=("stock", "cutile"))
+        report = bench.run(model, s, progress=progress)
+        paths = report["paths"]
+        ours = paths.get("cutile", {})
+        gate = bool(report.get("gate", {}).get("cutile", {}).get("passed")) and bool(report.get("cutile_kernels_ran"))
+        if ours.get("ok"):
+            now = throughput(ours)
+            cov = ours.get("coverage")
+            row["coverage"] = f"{cov['ours_time_share']:.4f}" if cov else ""
+            row.update(prefill_tok_s=f"{now['prefill']:.2f}",
+                       decode_tok_s=json.dumps({k: round(v, 2) for k, v in now.items() if k != "prefill"}))
+        log_path = log or checkout / DEFAULT_LOG
+        base = last_kept(read_log(log_path), model)
+        if base is None and paths.get("stock", {}).get("ok"):
+            base = throughput(paths["stock"])
+        row["gate"] = "passed" if gate else "failed"
+    keep, reason = decide(result.status, gate, now, base, tolerance)
+    row.update(status="keep" if keep else "discard", reason=reason if result.status == "PASSED" or not result.message
+               else f"{reason}: {result.message}")
+    append_log(log or checkout / DEFAULT_LOG, row)
+    return row
