@@ -87,11 +87,14 @@ class CutileKernelConfig(KernelConfig):
     def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, patch_model=False):
         super().__init__(kernel_mapping, use_local_kernel=use_local_kernel, inherit_mapping=inherit_mapping)
         self.patch_model = patch_model
+        # Loading rewrites kernel_mapping for the model at hand (rows dropped, emptied off CUDA);
+        # each load starts again from the full mapping, so one config serves many models.
+        self._full_mapping = dict(self.kernel_mapping or {})
 
     def sanitize_kernel_mapping(self, model):
         self.store_registered_layer_names(model)
         present = set(self.registered_layer_names.values())
-        self.kernel_mapping = {k: v for k, v in self.kernel_mapping.items() if k in present}
+        self.kernel_mapping = {k: _unwrap(v) for k, v in self._full_mapping.items() if k in present}
         super().sanitize_kernel_mapping(model)
 
     def create_compatible_mapping(self, model, compile=False):

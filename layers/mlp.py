@@ -56,8 +56,9 @@ class CutileSiLU(nn.Module):
     """transformers' ``SiLUActivation`` (hub name ``"SiLU"``) on the cuTile SiLU kernel.
 
     Input any shape; output of the same shape and dtype, ``silu`` computed in float32 and rounded
-    once, as ``nn.functional.silu``. It is what ``LlamaMLP.act_fn`` is (``ACT2FN["silu"]``), so
-    kernelize reaches every unfused Llama-formula MLP; a fused MLP does not call ``act_fn``.
+    once, as ``nn.functional.silu``. It is what ``LlamaMLP.act_fn`` is (``ACT2FN["silu"]``), so a
+    mapping row ``"SiLU"`` would reach every unfused Llama-formula MLP; the shipped mapping leaves
+    it out (see :data:`MAPPING`), and a fused MLP does not call ``act_fn``.
     """
 
     can_torch_compile = True
@@ -157,8 +158,22 @@ def fused_class(cls: type) -> type:
         "forward": CutileSwiGLUMLP.forward,
         "_cutile_unfused_class": cls,
         "__module__": __name__,
+        "__reduce_ex__": _reduce_fused,
         "__doc__": f"{cls.__name__} with gate_proj and up_proj stacked into {FUSED_NAME} (see layers.mlp).",
     })
+
+
+def _reduce_fused(self, protocol):
+    # A class made at run time cannot be pickled by name: pickle (torch.save(model), deepcopy,
+    # multiprocessing) rebuilds it from the stock class it was made from.
+    return _rebuild_fused, (self._cutile_unfused_class, self.__dict__.copy())
+
+
+def _rebuild_fused(base: type, state: dict) -> nn.Module:
+    cls = fused_class(base)
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
 
 
 def _replace_children(module: nn.Module, old: tuple, new: dict) -> None:
@@ -277,5 +292,8 @@ def unfuse_mlp(model: nn.Module) -> int:
     return len(targets)
 
 
-#: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
+#: transformers hub layer name -> layer class in this module. Not gathered into ``layers.MAPPING``
+#: (``layers/__init__.py`` leaves this module out): on the H200 our SiLU lost to ``F.silu`` at
+#: prefill (27.9 vs 19.6 us at 2048 x 8192 bf16, benchmarks/results/h200-2026-11-30b), and alone it
+#: saves no launch. The fused MLP (patch ``fused_gate_up``) is what runs in models.
 MAPPING = {"SiLU": "CutileSiLU"}

@@ -20,27 +20,25 @@ from torch import nn
 
 from .. import dispatch
 from ..ops.norm import rms_norm
+from ._match import same_code, statements_digest
 
 
-def _code_key(fn):
-    code = fn.__code__
-    consts = code.co_consts[1:] if code.co_consts and isinstance(code.co_consts[0], str) else code.co_consts
-    return code.co_code, code.co_names, consts, code.co_varnames, code.co_argcount
+#: ``statements_digest(LlamaRMSNorm.forward)`` of transformers 5.22.2, the formula the kernel
+#: reproduces; a later transformers that changes it turns the kernel path off for every copy.
+LLAMA_RMS_NORM_DIGEST = "50b8139e32eaccc8"
 
 
 @functools.lru_cache(maxsize=None)
 def computes_llama_rms_norm(cls: type) -> bool:
-    """True if ``cls.forward`` is ``LlamaRMSNorm.forward``'s code (same bytecode, names, constants).
+    """True if ``cls.forward`` is ``LlamaRMSNorm.forward``'s code (same bytecode, names, constants,
+    defaults) and ``LlamaRMSNorm.forward`` is still the 5.22.2 formula (:data:`LLAMA_RMS_NORM_DIGEST`).
 
     Classes "copied from" Llama compile to identical code; a different rounding order does not.
     """
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    fn = getattr(cls, "forward", None)
-    try:
-        return _code_key(fn) == _code_key(LlamaRMSNorm.forward)
-    except AttributeError:  # not a Python function
-        return False
+    return (statements_digest(LlamaRMSNorm.forward) == LLAMA_RMS_NORM_DIGEST
+            and same_code(getattr(cls, "forward", None), LlamaRMSNorm.forward))
 
 
 class CutileRMSNorm(nn.Module):

@@ -142,12 +142,19 @@ def patch(model: nn.Module, names=None) -> PatchReport:
     """
     state = _state(model)
     report = PatchReport()
-    for p in _select(names):
-        n = int(p.apply(model))
-        report.changed[p.name] = n
-        if n or p.name in state:
-            state[p.name] = state.get(p.name, 0) + n
-    _sync_save_wrapper(model)
+    selected = _select(names)
+    try:
+        for p in selected:
+            # Marked in effect before it runs: a patch that raises part-way has changed some
+            # modules, and unpatch must still undo them (the undos scan the model).
+            state.setdefault(p.name, 0)
+            n = int(p.apply(model))
+            report.changed[p.name] = n
+            state[p.name] += n
+            if not state[p.name]:
+                del state[p.name]
+    finally:
+        _sync_save_wrapper(model)
     report.active = list(state)
     return report
 
@@ -208,9 +215,10 @@ _FORWARD_ATTRS = ("input_layernorm", "self_attn", "post_attention_layernorm", "m
 
 
 class _Inbox:
-    """The normed input one layer leaves for the next: ``pending = (s, rms_norm(s))``, where ``s`` is
-    the tensor the first layer returned. The next layer uses it only if it is called with exactly
-    ``s`` (the same object), so anything in between that replaces the hidden states is safe."""
+    """The normed input one layer leaves for the next: ``pending = (s, rms_norm(s), version)``,
+    where ``s`` is the tensor the first layer returned and ``version`` its version counter then.
+    The next layer uses it only if it is called with exactly ``s`` (the same object), unchanged
+    since, so anything in between that replaces or edits the hidden states in place is safe."""
 
     __slots__ = ("norm", "pending")
 
@@ -268,7 +276,11 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     if inbox is not None:
         handed, inbox.pending = inbox.pending, None
     residual = hidden_states
-    if handed is not None and handed[0] is hidden_states:
+    # Only exactly the tensor the previous layer returned, unchanged since (an in-place edit
+    # between layers bumps its version counter), may skip this norm. Dynamo cannot trace version
+    # counters; a compiled model keeps the identity check.
+    if (handed is not None and handed[0] is hidden_states
+            and (torch.compiler.is_compiling() or handed[2] == hidden_states._version)):
         hidden_states = handed[1]
     else:
         hidden_states = self.input_layernorm(hidden_states)
@@ -286,7 +298,7 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     if (nxt is not None and not (self.training and getattr(self, "gradient_checkpointing", False))
             and nxt.norm.weight.device == hidden_states.device and _unhooked(nxt.norm)):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
-        nxt.pending = (out, normed)
+        nxt.pending = (out, normed, None if torch.compiler.is_compiling() else out._version)
         return out
     return residual + hidden_states
 

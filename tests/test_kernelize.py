@@ -291,6 +291,20 @@ def test_sanitize_drops_names_the_model_lacks(ckpt, variant):
         bad.sanitize_kernel_mapping(model)
 
 
+def test_one_config_serves_several_loads(ckpt, variant, pretend_cuda):
+    """Loading rewrites the config's mapping for that model (emptied on a CPU model); the next
+    model loaded with the same config still gets the full mapping."""
+    import transformers.utils.kernel_config as kc
+
+    cfg = cutile_kernels.kernel_config(build_dir=variant.parent)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kc, "infer_device", lambda model: "cpu")
+        ckpt.load(use_kernels=True, kernel_config=cfg)
+    assert cfg.kernel_mapping == {}
+    ckpt.load(use_kernels=True, kernel_config=cfg)  # "CUDA" (pretend_cuda) this time
+    assert set(cfg.kernel_mapping) == {"RMSNorm", "rotary_pos_emb"}
+
+
 def test_kernel_config_disabled(monkeypatch, variant):
     monkeypatch.setenv("CUTILE_KERNELS_DISABLE", "1")
     cfg = cutile_kernels.kernel_config(build_dir=variant.parent)
@@ -359,3 +373,18 @@ def test_layer_runs_only_for_llama_formula_classes(caplog):
         got = mod(x)
     assert torch.equal(got, want)
     assert "GptOssRMSNorm is not LlamaRMSNorm's formula" in caplog.text
+
+
+def test_rms_norm_gate_is_pinned_to_the_transformers_formula(monkeypatch):
+    """A later transformers whose LlamaRMSNorm.forward differs turns the kernel path off for every
+    copy (the bytecode check alone would follow it)."""
+    from cutile_kernels.layers import norm as norm_layers
+    from cutile_kernels.layers._match import statements_digest
+
+    assert statements_digest(LlamaRMSNorm.forward) == norm_layers.LLAMA_RMS_NORM_DIGEST
+    norm_layers.computes_llama_rms_norm.cache_clear()
+    monkeypatch.setattr(norm_layers, "LLAMA_RMS_NORM_DIGEST", "0" * 16)
+    try:
+        assert not norm_layers.computes_llama_rms_norm(LlamaRMSNorm)
+    finally:
+        norm_layers.computes_llama_rms_norm.cache_clear()

@@ -452,3 +452,39 @@ def test_profiling_ranges_do_not_turn_the_fusion_off(ids):
     modules = {r["module"] for r in coverage.attribute(events, "cpu")}
     assert "model.layers.1.mlp.down_proj" in modules
     assert not any(m and m.endswith("post_attention_layernorm") for m in modules)  # fused into the layer
+
+
+def test_handoff_is_ignored_when_the_hidden_states_are_edited_in_place(ids):
+    def bump(module, args, kwargs):
+        args[0].mul_(1.5)  # in place: same object, new contents
+
+    stock, model = _model("llama"), _model("llama")
+    cutile_kernels.patch(model, names=DEC)
+    for m in (stock, model):
+        _decoder_layers(m)[1].register_forward_pre_hook(bump, with_kwargs=True)
+    assert torch.equal(_logits(model, ids).logits, _logits(stock, ids).logits)
+
+
+def test_a_patch_that_raises_part_way_can_still_be_undone(scratch_registry):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    touched = []
+
+    def apply(m):
+        touched.append(m[0])
+        m[0].weight.data.mul_(2)
+        raise RuntimeError("out of memory on the second module")
+
+    def undo(m):
+        for lin in touched:
+            lin.weight.data.div_(2)
+        n = len(touched)
+        touched.clear()
+        return n
+
+    before = model[0].weight.detach().clone()
+    patcher.register(Patch("half_done", apply=apply, undo=undo))
+    with pytest.raises(RuntimeError, match="second module"):
+        patcher.patch(model, names=["half_done"])
+    assert "half_done" in patcher.applied(model)
+    assert patcher.unpatch(model, names=["half_done"]).changed == {"half_done": 1}
+    assert torch.equal(model[0].weight, before) and patcher.applied(model) == {}
