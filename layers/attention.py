@@ -45,6 +45,9 @@ def _eager_fallback(module, query, key, value, attention_mask, reason: str, caus
     dispatch.fallback("attention", reason)
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
+        if kwargs.get("softcap"):  # Llama's eager attention has no softcap: it would be wrong
+            raise NotImplementedError(f"cutile_kernels: attention cannot run here ({reason}) and "
+                                      f"{type(module).__name__}'s module has no eager attention with softcap")
         from transformers.models.llama.modeling_llama import eager_attention_forward as eager
     mask = attention_mask
     if mask is None:

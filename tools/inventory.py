@@ -242,7 +242,7 @@ def _norm_definitions() -> list[Definition]:
         "num_tokens": AxisVar(description="rows: batch x sequence tokens (x heads for per-head norms), flattened"),
         "hidden_size": AxisVar(description="normalised width: the model's hidden_size, or head_dim for q/k norms"),
     }
-    tags = ["family:norm", "status:verified", f"source:transformers@v{TRANSFORMERS_PIN}:{NORM_SOURCE}",
+    tags = ["family:norm", f"source:transformers@v{TRANSFORMERS_PIN}:{NORM_SOURCE}",
             *[f"model:{p}" for p in WORKLOAD_PRESETS]]
     x = TensorSpec(shape=["num_tokens", "hidden_size"], dtype="bfloat16", description="activations")
     w = TensorSpec(shape=["hidden_size"], dtype="bfloat16", description="RMSNorm weight")

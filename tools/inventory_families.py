@@ -93,7 +93,7 @@ def _ops(family: str):
 
 
 def _tags(family: str, source: str) -> list[str]:
-    return [f"family:{family}", "status:verified", f"source:transformers@v{TRANSFORMERS_PIN}:{source}",
+    return [f"family:{family}", f"source:transformers@v{TRANSFORMERS_PIN}:{source}",
             *[f"model:{p}" for p in WORKLOAD_PRESETS]]
 
 

@@ -280,3 +280,10 @@ def _jit(kernel: str, want: tuple, args: tuple, grid, why: str) -> bool:
         return fallback(kernel, f"{why}; JIT failed: {type(exc).__name__}: {exc}")
     STATS.jit_launches[kernel] += 1
     return True
+
+
+def needs_op(*tensors) -> bool:
+    """Whether an op call must go through its ``torch.library`` custom op: under torch.compile (the
+    op is what the graph records) or when a gradient is wanted (its autograd formula). Otherwise
+    the ops call their implementation directly, skipping the dispatcher's overhead."""
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

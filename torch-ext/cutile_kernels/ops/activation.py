@@ -182,11 +182,6 @@ _silu_and_mul_fused_op.register_autograd(_reference_grads(silu_and_mul_fused_ref
 _silu_op.register_autograd(_reference_grads(silu_reference), setup_context=_setup_context)
 
 
-def _needs_op(*tensors) -> bool:
-    # The custom op (with its autograd formula) under torch.compile or when a gradient is wanted;
-    # otherwise the direct call, which skips the dispatcher's overhead.
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation ``silu(gate) * up``, with transformers' ``LlamaMLP`` rounding order.
@@ -212,7 +207,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
-    if _needs_op(gate, up):
+    if dispatch.needs_op(gate, up):
         return _silu_and_mul_op(gate, up)
     return _silu_and_mul_impl(gate, up)
 
@@ -228,7 +223,7 @@ def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
-    if _needs_op(x):
+    if dispatch.needs_op(x):
         return _silu_and_mul_fused_op(x)
     return _silu_and_mul_fused_impl(x)
 
@@ -239,6 +234,6 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     ``x``: any shape, bfloat16, float16 or float32 for the kernel (others take the reference).
     Returns a contiguous tensor of x's shape and dtype. Raises as :func:`silu_and_mul`.
     """
-    if _needs_op(x):
+    if dispatch.needs_op(x):
         return _silu_op(x)
     return _silu_impl(x)

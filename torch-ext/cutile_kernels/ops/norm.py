@@ -150,11 +150,6 @@ _add_rms_norm_op.register_autograd(lambda ctx, gy, gs: _reference_grads(add_rms_
                                    setup_context=_setup_context)
 
 
-def _needs_op(*tensors) -> bool:
-    # The custom op (with its autograd formula) under torch.compile or when a gradient is wanted;
-    # otherwise the direct call, which skips the dispatcher's overhead.
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dimension, with transformers' ``LlamaRMSNorm`` rounding order.
@@ -179,7 +174,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
-    if _needs_op(x, weight):
+    if dispatch.needs_op(x, weight):
         return _rms_norm_op(x, weight, eps)
     return _rms_norm_impl(x, weight, eps)
 
@@ -197,6 +192,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
-    if _needs_op(x, residual, weight):
+    if dispatch.needs_op(x, residual, weight):
         return _add_rms_norm_op(x, residual, weight, eps)
     return _add_rms_norm_impl(x, residual, weight, eps)

@@ -17,7 +17,6 @@ from .. import dispatch
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.rope import BLOCKS
-from .norm import _needs_op
 
 MIN_BLOCK = min(BLOCKS)
 
@@ -205,7 +204,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     if _mismatch(q, k, cos, sin) is not None:  # shapes outside the kernel's contract
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
-    if _needs_op(q, k, cos, sin):
+    if dispatch.needs_op(q, k, cos, sin):
         return _rope_op(q, k, cos, sin)
     if not q.is_cuda:  # the reference as is (the op copies it into its declared layout)
         dispatch.reference_call("rope")
