@@ -587,3 +587,18 @@ def test_staged_build_loads_through_kernels_hub_resolution_offline(built_package
     assert out["kernelized"] == [f"{kid}.layers.norm"] and out["kernelized_count"] == 2 * 2 + 1
     assert out["logits_equal"] is True
     assert out["KernelConfig"] == [f"<Mode.INFERENCE: 4>:{kid}.layers.norm"]
+
+
+def test_card_lists_only_the_layers_the_package_maps(tmp_path):
+    from cutile_kernels_tools.card import shipped_api
+
+    layers = tmp_path / "pkg" / "layers"
+    layers.mkdir(parents=True)
+    (tmp_path / "pkg" / "ops").mkdir()
+    (tmp_path / "pkg" / "ops" / "__init__.py").write_text('__all__ = ["rms_norm", "rms_norm_reference"]\n')
+    (layers / "__init__.py").write_text("from . import norm, mlp\n_FAMILY_MODULES = (norm,)\n")
+    (layers / "norm.py").write_text('MAPPING = {"RMSNorm": "CutileRMSNorm"}\n')
+    (layers / "mlp.py").write_text('MAPPING = {"SiLU": "CutileSiLU"}\n')
+    assert shipped_api(tmp_path / "pkg") == ({"RMSNorm": "CutileRMSNorm"}, ["rms_norm"])
+    (layers / "__init__.py").write_text("")  # no tuple to read: every module's rows
+    assert shipped_api(tmp_path / "pkg")[0] == {"RMSNorm": "CutileRMSNorm", "SiLU": "CutileSiLU"}

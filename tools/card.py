@@ -309,17 +309,35 @@ def _literal(path: Path, name: str):
     return None
 
 
+def _family_modules(init: Path) -> set[str] | None:
+    """The module names in ``layers/__init__.py``'s ``_FAMILY_MODULES`` tuple (the ones whose
+    ``MAPPING`` rows the package gathers), or None if it cannot be read."""
+    try:
+        tree = ast.parse(init.read_text())
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_FAMILY_MODULES"
+                                                 for t in node.targets)
+                and isinstance(node.value, ast.Tuple)):
+            return {e.id for e in node.value.elts if isinstance(e, ast.Name)}
+    return None
+
+
 def shipped_api(package_dir: Path) -> tuple[dict, list[str]]:
     """The hub layer mapping and the functional API a built package ships, read statically (as
     kernel-builder reads ``__all__``) so that the card describes the build, not the checkout.
 
     Returns:
-        (``{hub layer name: layer class}`` from every ``layers/*.py`` module's ``MAPPING``
-        literal, the names in ``ops/__init__.py``'s ``__all__`` without the ``*_reference`` ones).
+        (``{hub layer name: layer class}`` from the ``MAPPING`` literal of every ``layers/*.py``
+        module the package gathers (``_FAMILY_MODULES``), the names in ``ops/__init__.py``'s ``__all__`` without the ``*_reference`` ones).
     """
     package_dir = Path(package_dir)
     mapping: dict = {}
+    shipped = _family_modules(package_dir / "layers" / "__init__.py")
     for f in sorted((package_dir / "layers").glob("*.py")):
+        if shipped is not None and f.stem not in shipped:
+            continue  # a layer module the package's MAPPING leaves out (e.g. mlp's SiLU)
         rows = _literal(f, "MAPPING")
         if isinstance(rows, dict):
             mapping.update({str(k): str(v) for k, v in rows.items()})
