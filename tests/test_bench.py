@@ -107,6 +107,13 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "no cuTile kernel ran" in text and "skipped liger" in text
     md = (out / "report.md").read_text()
+    from cutile_kernels import registry
+
+    reg = registry.registry()
+    b = report["environment"]["cutile_build"]
+    assert (b is None) == (reg.pkg_dir is None) and "Build measured:" in md
+    if b is not None:
+        assert b["kernels"] == sorted({v.kernel for v in reg.variants()}) and b["id"] in md
     assert "## Rounds" in md and "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
     for png in ("throughput.png", "breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -146,6 +153,9 @@ def test_amdahl_and_coverage_summary():
     assert top["modules"] == ["layers.*.mlp.up_proj"] and top["ops"] == ["aten::mm"]
     assert top["ceiling"] == pytest.approx(1 / (0.2 + 0.8 / 4))
     assert cov["by_class"] == {"ours": 10.0, "gemm": 80.0, "elementwise / other": 10.0}
+    assert cov["ours"][0]["ops"] == ["?"]
+    named = coverage.summarize(records, {"sym_ours": "rms_norm"}, speedup=4.0)
+    assert named["ours"][0]["ops"] == ["cutile_kernels::rms_norm"] and named["by_class"] == cov["by_class"]
 
 
 def test_cli_info_and_build_help(capsys):

@@ -476,7 +476,8 @@ def test_card_names_every_source(fake_build, inventory, tmp_path):
     assert "| NVIDIA_B200 | 0/1 (1 RUNTIME_ERROR) | - |" in text
     # End to end: machine, versions, settings and the report's path; speedups against stock.
     assert ("**llama-3.2-1b (config of x, seed 0)** on NVIDIA H200 (capability 9.0); torch 2.11.0, transformers 5.22.2; "
-            "settings: prefill 2048 tokens, bfloat16. Source: `benchmarks/results/h200-2026-12-02/llama/bench.json` "
+            "settings: prefill 2048 tokens, bfloat16; build measured: not recorded (reports before the build was "
+            "recorded: compare with care). Source: `benchmarks/results/h200-2026-12-02/llama/bench.json` "
             "(schema `cutile-kernels/bench/2`).") in text
     assert "| cutile | 8.00 | 1.25x | 120.0 | 1500.0 | 1.20x | 1.50x | passed |" in text
     assert "| stock | 10.00 | - | 100.0 | 1000.0 | - | - | - |" in text

@@ -22,6 +22,7 @@ as a table and, with an output directory, written as ``bench.json``, ``report.md
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import platform
 import sys
@@ -136,6 +137,19 @@ def gate(paths: dict, hits: dict | None = None, baseline: str = "stock") -> dict
 # Orchestration
 # ---------------------------------------------------------------------------------------------
 
+def _build_identity() -> dict | None:
+    """Which build the ``cutile`` paths load: its directory, kernel-variant id (``metadata.json``),
+    archs and kernels, so that a report says what was measured. None without a build."""
+    from cutile_kernels import registry
+
+    reg = registry.registry()
+    if reg.pkg_dir is None:
+        return None
+    meta = reg.pkg_dir.parent / "metadata.json"
+    return {"dir": str(reg.pkg_dir.parent), "id": json.loads(meta.read_text()).get("id") if meta.is_file() else None,
+            "archs": list(reg.archs), "kernels": sorted({v.kernel for v in reg.variants()})}
+
+
 def _environment(s: BenchSettings) -> dict:
     import importlib.metadata as md
 
@@ -147,7 +161,7 @@ def _environment(s: BenchSettings) -> dict:
         except md.PackageNotFoundError:
             versions[dist] = None
     env = {"python": platform.python_version(), "platform": platform.platform(), "versions": versions,
-           "device": s.device}
+           "device": s.device, "cutile_build": _build_identity()}
     if s.device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name()
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))

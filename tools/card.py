@@ -264,7 +264,7 @@ def bench_summary(path: Path) -> dict:
     return {"file": path, "model": report.get("model", ""), "schema": schema, "gpu": env.get("gpu"),
             "capability": env.get("capability"), "device": env.get("device"),
             "versions": {k: v for k, v in (env.get("versions") or {}).items() if v},
-            "settings": report.get("settings") or {}, "rows": rows}
+            "settings": report.get("settings") or {}, "build": env.get("cutile_build"), "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +499,10 @@ def render(repo_id: str, variant_dir: Path, inventory_dir: Path | None = None, b
         lines += [f"**{b['model']}** on {b['gpu'] or b['device']} (capability {b['capability'] or '-'}); "
                   + ", ".join(f"{k} {v}" for k, v in b["versions"].items())
                   + f"; settings: prefill {b['settings'].get('prefill_len', '-')} tokens, "
-                  f"{b['settings'].get('dtype', '-')}. Source: `{src}` (schema `{b['schema']}`).", ""]
+                  f"{b['settings'].get('dtype', '-')}; build measured: "
+                  + (f"`{b['build'].get('id')}` with {', '.join(b['build'].get('kernels', []))}" if b.get("build")
+                     else "not recorded (reports before the build was recorded: compare with care)")
+                  + f". Source: `{src}` (schema `{b['schema']}`).", ""]
         header = ["path", "prefill ms", "prefill speedup", *[f"decode b={bs} tok/s" for bs in batches],
                   *[f"decode b={bs} speedup" for bs in batches], "gate vs stock"]
         rows = []

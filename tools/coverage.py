@@ -171,9 +171,14 @@ def attribute(events, device: str) -> list[dict]:
     return records
 
 
-def summarize(records: list[dict], ours: set[str], speedup: float = 2.0, top: int = 15) -> dict:
+def summarize(records: list[dict], ours, speedup: float = 2.0, top: int = 15) -> dict:
     """Coverage from kernel records: totals, our share of time and launches, the time breakdown by
-    class, and the top uncovered kernels with their ops, modules and Amdahl ceiling at ``speedup``."""
+    class, and the top uncovered kernels with their ops, modules and Amdahl ceiling at ``speedup``.
+
+    ``ours``: our variant symbols, a set or a ``{symbol: kernel name}`` dict; with the dict, our
+    kernels' op is ``cutile_kernels::<kernel>`` where the profiler could not correlate the launch
+    (driver-API launches are not linked to an op). Each kernel name gets the ops that launched it
+    most, so one elementwise kernel launched from several places lists several ops."""
     total_us = sum(r["us"] for r in records) or 1e-9
     per_kernel = defaultdict(lambda: {"count": 0, "us": 0.0, "ops": defaultdict(float), "modules": defaultdict(float)})
     by_class = defaultdict(float)
@@ -181,7 +186,9 @@ def summarize(records: list[dict], ours: set[str], speedup: float = 2.0, top: in
         k = per_kernel[r["kernel"]]
         k["count"] += 1
         k["us"] += r["us"]
-        k["ops"][r["op"] or "?"] += r["us"]
+        op = r["op"] or (f"cutile_kernels::{ours[r['kernel']]}" if isinstance(ours, dict) and r["kernel"] in ours
+                         else None)
+        k["ops"][op or "?"] += r["us"]
         k["modules"][_module_kind(r["module"])] += r["us"]
         by_class[kernel_class(r["kernel"], r["op"], ours)] += r["us"]
     rows = []

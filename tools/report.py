@@ -29,6 +29,9 @@ def markdown(report: dict, plots: list[str]) -> str:
     lines = [f"# Bench: {report['model']}", ""]
     lines.append(f"Device: {env.get('gpu', env['device'])}; "
                  + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v) + ".")
+    b = env.get("cutile_build")
+    lines.append("Build measured: " + (f"`{b['id']}` ({', '.join(b['archs'])}): " + ", ".join(b["kernels"]) + "."
+                                      if b else "none (every cutile layer took its PyTorch reference)."))
     lines.append(f"Limits measured at the start: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write), "
                  f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s (n = {lim['matmul_n']}).")
     lines.append(f"Each path runs in its own process; after an untimed rehearsal and {s.get('warm_rounds', 0)} "

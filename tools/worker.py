@@ -133,18 +133,18 @@ def runtime_copies() -> list:
             if name.endswith(".dispatch") and hasattr(m, "STATS") and hasattr(m, "FallbackError")]
 
 
-def our_symbols() -> set[str]:
+def our_symbols() -> dict[str, str]:
     """Every variant symbol of the builds this process loaded (for exact kernel-name matching),
-    else of the default build."""
+    else of the default build, mapped to its kernel name (``rms_norm``...)."""
     copies = runtime_copies()
     if not copies:
         import cutile_kernels.dispatch  # noqa: F401 - the source package's build
 
         copies = runtime_copies()
-    syms = set()
+    syms = {}
     for d in copies:
         reg = sys.modules[d.__name__.rsplit(".", 1)[0] + ".registry"].registry()
-        syms.update(v.symbol for v in reg.variants())
+        syms.update((v.symbol, v.kernel) for v in reg.variants())
     return syms
 
 
