@@ -4,7 +4,7 @@ what helps end to end.
 1. :func:`regions` profiles the kernelized model (the bench's coverage pass, :mod:`.coverage`) and
    ranks the PyTorch regions -- innermost modules, layer index folded -- that no kernel of ours
    covers, by device time, with their Amdahl ceilings (whole-step speedup if the region ran 2x
-   faster, and if it took no time at all). On a CPU the leaf aten ops stand in for kernels.
+   faster, and if it took no time at all). On a CPU the aten ops (self time) stand in for kernels.
 2. :func:`scaffold` writes, for the chosen region, a Definition whose reference is the module's
    own code (transformers' class at the installed, pinned release, run through
    ``torch.func.functional_call``), Workloads from the model's shapes, a kernel stub with an empty
@@ -65,9 +65,9 @@ def _covered_by_layer(module) -> str | None:
     kernelize mapping does not apply, e.g. on a CPU) its hub layer name is in our mapping."""
     from cutile_kernels.layers import MAPPING
 
-    func = getattr(module.__dict__.get("forward"), "__func__", None)
-    if func is not None and func.__qualname__.startswith("Cutile"):
-        return f"kernelized ({func.__qualname__.split('.')[0]})"
+    func = getattr(module.__dict__.get("forward"), "__func__", None) or getattr(type(module), "forward", None)
+    if func is not None and getattr(func, "__qualname__", "").startswith("Cutile"):
+        return f"kernelized ({func.__qualname__.split('.')[0]})"  # a layer, or a patch's class (fused MLP)
     hub = getattr(type(module), "kernel_layer_name", None)
     if hub in MAPPING:
         return f"hub layer {hub!r} is mapped to {MAPPING[hub]} (runs our kernel on CUDA)"

@@ -420,8 +420,10 @@ def render(repo_id: str, variant_dir: Path, inventory_dir: Path | None = None, b
         f'with use_kernel_mapping({{"{first_layer[0]}": {{"cuda": repo}}}}, inherit_mapping=False):',
         '    model = kernelize(model, mode=Mode.INFERENCE, device="cuda")',
         "```", "",
-        ("The `cutile-kernels` Python package (`pip install cutile-kernels`) does the same from a local "
-         "build (`cutile_kernels.kernel_config()`), and adds the benchmark and the coverage report."), "",
+        ("The `cutile-kernels` Python package (installed from its source repository, not on PyPI) does "
+         "the same from a local build (`cutile_kernels.kernel_config()`), applies the fused-weight and "
+         "fused-residual patches the hub mapping cannot express (`cutile_kernels.patch`), and adds the "
+         "benchmark and the coverage report."), "",
     ]
     lines += ["## Available functions", "", *[f"- `{f}`" for f in functions], "",
               "## Available layers", "",

@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 
 def _bench(args) -> int:
@@ -38,7 +39,9 @@ def _bench(args) -> int:
     report = bench.run(args.model, settings, out_dir=args.out, progress=not args.quiet)
     bench.print_report(report)
     if args.out:
-        print(f"wrote {args.out}/bench.json, report.md and plots")
+        written = [f for f in ("bench.json", "report.md", "throughput.png", "breakdown.png")
+                   if (Path(args.out) / f).is_file()]
+        print(f"wrote {', '.join(written)} in {args.out}")
     if any(not g["passed"] for g in report.get("gate", {}).values()):
         return 1
     if device.startswith("cuda") and not report.get("cutile_kernels_ran", False):
@@ -177,7 +180,9 @@ def main(argv=None) -> int:
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, BuildError) as exc:
         if args.verbose:
             raise
-        print(f"cutile-kernels {args.cmd}: {exc}", file=sys.stderr)
+        # A KeyError's str() is its repr (quoted): print the message itself.
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"cutile-kernels {args.cmd}: {msg}", file=sys.stderr)
         return 2
 
 

@@ -3,8 +3,8 @@
 torch.profiler records the steps; forward hooks wrap every module in a ``module::<name>`` range,
 so each kernel is traced back to the aten op that launched it and the innermost module it ran in.
 A kernel is ours when its name is exactly one of the loaded builds' variant symbols (no substring
-matching: ``matmul`` or ``norm`` in a name proves nothing). On a CPU the leaf aten ops stand in for
-kernels, so the pipeline runs, and is tested, without a GPU.
+matching: ``matmul`` or ``norm`` in a name proves nothing). On a CPU the aten ops (self time) stand in for
+kernels (each with its self time), so the pipeline runs, and is tested, without a GPU.
 
 For each uncovered kernel the report gives its share ``f`` of the device time and the Amdahl
 ceiling ``1 / (1 - f + f / s)`` of speeding it up ``s`` times.
@@ -160,11 +160,13 @@ def attribute(events, device: str) -> list[dict]:
             op = op_of.get(evt.name)
             records.append({"kernel": evt.name, "us": end - start, "op": op, "module": module})
     else:
-        # CPU: leaf aten ops are the "kernels"; their self time is the device time.
+        # CPU: aten ops are the "kernels", each with its self time (its children excluded, so
+        # nothing counts twice). Not only the leaves: aten::mm does its GEMM in its own frame,
+        # under small aten children, and leaves only would drop the biggest cost.
         for evt in events:
             if evt.device_type != torch.autograd.DeviceType.CPU or not evt.name.startswith("aten::"):
                 continue
-            if any(c.name.startswith("aten::") for c in evt.cpu_children):
+            if evt.self_cpu_time_total <= 0:
                 continue
             module = next((a.name[len(MODULE_PREFIX):] for a in _ancestors(evt) if a.name.startswith(MODULE_PREFIX)), None)
             records.append({"kernel": evt.name, "us": evt.self_cpu_time_total, "op": evt.name, "module": module})

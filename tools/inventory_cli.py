@@ -183,7 +183,7 @@ def _print_regions(found: dict, label: str, top: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"uncovered regions of {label} (device time {found['device_us'] / 1e3:.2f} ms, "
-                        f"ours {found['covered_share']:.1%})")
+                        f"covered by our layers {found['covered_share']:.1%})")
     for col in ("rank", "region", "module class", "share", "launches", "top ops", "ceiling 2x", "ceiling max"):
         table.add_column(col, justify="left" if col in ("region", "module class", "top ops") else "right")
     rank = 0

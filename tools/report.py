@@ -14,6 +14,8 @@ def write(report: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "bench.json", out / "report.md"]
     files[0].write_text(json.dumps(report, indent=1) + "\n")
+    for stale in ("throughput.png", "breakdown.png"):  # a reused directory keeps no old plot
+        (out / stale).unlink(missing_ok=True)
     plots = [p for p in (plot_throughput(report, out / "throughput.png"),
                          plot_breakdown(report, out / "breakdown.png")) if p is not None]
     files[1].write_text(markdown(report, [p.name for p in plots]))
