@@ -43,6 +43,14 @@ def test_regions_rank_uncovered_time_with_amdahl_ceilings(tiny):
     assert found["covered_share"] == pytest.approx(sum(r["share"] for r in norms))
 
 
+def test_scaffold_refuses_a_target_that_is_not_a_checkout_before_writing(tiny, tmp_path):
+    model, label, found = tiny
+    region = next(r for r in found["regions"] if r["region"] == "layers.*.mlp")
+    with pytest.raises(FileNotFoundError, match="not a cutile-kernels checkout"):
+        ak.scaffold(model, region, label, tmp_path / "empty")
+    assert not (tmp_path / "empty").exists()
+
+
 def test_scaffold_writes_a_definition_that_reproduces_the_module(tiny, tmp_path):
     model, label, found = tiny
     (tmp_path / "kernel_src").mkdir()

@@ -399,6 +399,9 @@ def scaffold(model, region: dict, label: str, target: Path, name: str | None = N
     existing = [str(p) for p in files if p.exists()]
     if existing:
         raise FileExistsError(f"refusing to overwrite {', '.join(existing)}")
+    if not (target / "kernel_src" / "__init__.py").is_file():  # checked before anything is written
+        raise FileNotFoundError(f"{target} is not a cutile-kernels checkout (no kernel_src/__init__.py): "
+                                "--target must be one, the scaffold registers its family there")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -64,8 +64,12 @@ def _build(args) -> int:
 
 
 def _preset(args) -> int:
+    import torch
+
     from . import presets
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("cutile-kernels preset: --device cuda, but torch sees no CUDA device")
     path = presets.materialize(args.name, out_dir=args.out, seed=args.seed, device=args.device)
     print(path)
     return 0
