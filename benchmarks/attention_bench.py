@@ -25,44 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import types
+
+from _timing import events_us, graph_us  # this folder is on sys.path when run by path
 
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
 KV_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 STATIC_SLOTS = 4096
 
 
-def _median_us(fn, reps=11, inner=10):
-    import torch
-
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
-    return statistics.median(times)
 
 
-def _graph_us(fn, inner=10):
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    return _median_us(graph.replay, inner=1) / inner
 
 
 def _inputs(B, Hq, Hkv, D, Sq, Skv, device="cuda"):
@@ -89,9 +62,8 @@ def _mask(B, Sq, Skv, q_offset, seen, pads):
 def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes):
     import torch
     import torch.nn.functional as F
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from cutile_kernels.layers.attention import cutile_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     Hq, Hkv, D = SHAPES[shape]
     q, k, v = _inputs(B, Hq, Hkv, D, Sq, Skv)
@@ -110,8 +82,8 @@ def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes):
     assert rel < 2e-2, f"{name} {shape}: cutile differs from sdpa by {rel:.3g}"
     row = {"case": name, "shape": shape, "B": B, "Sq": Sq, "Skv": Skv, "masked": mask is not None, "rel_diff_vs_sdpa": rel}
     for path, fn in paths.items():
-        us = _median_us(fn)
-        gus = _graph_us(fn)
+        us = events_us(fn, reps=11, inner=10, warmup=0)
+        gus = graph_us(fn, reps=11)
         row[path] = {"us": round(us, 2), "graph_us": round(gus, 2),
                      "TFLOPs": round(4 * pairs * Hq * D / (gus * 1e-6) / 1e12, 2),
                      "GBps": round(kv_bytes(Hkv, D) / (gus * 1e-6) / 1e9, 1)}
@@ -154,9 +126,8 @@ def main():
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     os.environ["CUTILE_KERNELS_STRICT"] = "1"
-    import torch
-
     import cutile_kernels
+    import torch
 
     torch.manual_seed(0)
     cases = run()

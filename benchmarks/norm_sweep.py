@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from _timing import graph_us  # this folder is on sys.path when run by path
 
 
 def sweep_specs():
@@ -52,37 +53,10 @@ def export(out: str) -> None:
     print(m["build_stats"])
 
 
-def _time(fn, reps=20, per_graph=10):
-    """Median microseconds per call of ``fn``: ``per_graph`` calls captured in one CUDA graph, so
-    host launch cost is out of the number; ``reps`` timed replays after a warm-up."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / per_graph)
-    return statistics.median(times)
 
 
 def run(sweep_dir: str, json_out: str | None) -> None:
     import torch
-
     from cutile_kernels import ops, registry
     from cutile_kernels.kernel_src._spec import next_power_of_2
     from cutile_kernels.launcher import Launcher
@@ -114,7 +88,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                 torch.cuda.synchronize()
                 want = ref if kind == "rms_norm" else ops.rms_norm_reference(ref_s.to(torch.bfloat16).double(), w.double(), 1e-6)
                 err = (y.double() - want).abs().max().item()
-                us = _time(fn)
+                us = graph_us(fn)
                 row = {"kernel": kind, "tag": v.tag, "m": m, "n": n, "max_abs_err": err,
                        "nan": bool(torch.isnan(y).any()), "us": round(us, 2),
                        "GBps": round(bytes_moved / us / 1e3, 1)}
@@ -123,7 +97,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             if kind == "rms_norm":
                 for name, fn in [("torch_eager_reference", lambda: ops.rms_norm_reference(x, w, 1e-6)),
                                  ("F.rms_norm", lambda: torch.nn.functional.rms_norm(x, (n,), w, 1e-6))]:
-                    us = _time(fn)
+                    us = graph_us(fn)
                     row = {"kernel": kind, "tag": name, "m": m, "n": n, "us": round(us, 2),
                            "GBps": round(bytes_moved / us / 1e3, 1)}
                     results.append(row)
@@ -137,9 +111,8 @@ def headline(json_out: str | None = None) -> list:
     """The shipped build through the public ops against torch, on model-sized inputs: median
     microseconds per call (graph replays), two input sets alternating so that repeated calls do not
     hit L2, and bandwidth over the bytes that must move (inputs read once, outputs written once)."""
-    import torch
-
     import cutile_kernels
+    import torch
 
     rows = []
     for m, n in [(8192, 4096), (2048, 2048), (2048, 1024), (16384, 2048), (65536, 128), (4096, 896), (4096, 5120)]:
@@ -165,7 +138,7 @@ def headline(json_out: str | None = None) -> list:
              alt(lambda i: cutile_kernels.add_rms_norm_reference(xs[i], rs[i], w, 1e-6))),
         ]
         for op, impl, nbytes, fn in cases:
-            us = _time(fn)
+            us = graph_us(fn)
             row = {"headline": op, "impl": impl, "m": m, "n": n, "bytes": nbytes, "us": round(us, 2),
                    "GBps": round(nbytes / us / 1e3, 1)}
             rows.append(row)
@@ -181,9 +154,8 @@ def host_overhead(calls: int = 2000):
     output, the cuda-python launch of a pre-packed variant, and torch baselines."""
     import time
 
-    import torch
-
     import cutile_kernels
+    import torch
     from cutile_kernels import dispatch
     from cutile_kernels.ops import norm
 

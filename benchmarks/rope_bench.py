@@ -29,45 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+
+from _timing import events_us, graph_us  # this folder is on sys.path when run by path
 
 SHAPES = {"llama-3.2-1b": dict(hq=32, hkv=8, d=64, hidden=2048), "qwen3-0.6b": dict(hq=16, hkv=8, d=128, hidden=1024)}
 REGIMES = {"prefill-1x2048": (1, 2048), "decode-b1": (1, 1), "decode-b16": (16, 1)}
 
 
-def _events_median(fn, reps: int, inner: int) -> float:
-    """Median microseconds per call over ``reps`` measurements of ``inner`` back-to-back calls."""
-    import torch
-
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / inner)
-    return statistics.median(times)
 
 
-def _graph_median(fn, reps: int, inner: int) -> float:
-    """Median GPU microseconds per call: ``inner`` calls captured in one CUDA graph, replayed."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    for _ in range(3):
-        g.replay()
-    return _events_median(g.replay, reps, 1) / inner
 
 
 class _Rotating:
@@ -86,11 +56,10 @@ def _n_sets(nbytes: int) -> int:
 
 
 def rope_cases(reps: int, inner: int) -> list[dict]:
+    import cutile_kernels
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama import modeling_llama
-
-    import cutile_kernels
 
     stock = modeling_llama.apply_rotary_pos_emb
     stock.__dict__.pop("forward", None)  # the stock function, even if something kernelized it
@@ -112,8 +81,8 @@ def rope_cases(reps: int, inner: int) -> list[dict]:
             exact = all(torch.equal(g, w) and g.stride() == w.stride() for g, w in zip(got, want))
             for impl, fn in (("cutile", cutile_kernels.apply_rope), ("transformers", stock)):
                 call = _Rotating(fn, sets)
-                eager = _events_median(call, reps, inner)
-                graph = _graph_median(call, reps, inner)
+                eager = events_us(call, reps, inner, warmup=0)
+                graph = graph_us(call, reps, inner)
                 row = {"op": "rope", "model": model, "regime": regime, "impl": impl, "bit_identical": exact,
                        "eager_us": round(eager, 2), "graph_us": round(graph, 2), "bytes": nbytes,
                        "GBps": round(nbytes / graph / 1e3, 1)}
@@ -123,10 +92,9 @@ def rope_cases(reps: int, inner: int) -> list[dict]:
 
 
 def add_norm_cases(reps: int, inner: int) -> list[dict]:
+    import cutile_kernels
     import torch
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    import cutile_kernels
 
     rows = []
     for model, sh in SHAPES.items():
@@ -152,8 +120,8 @@ def add_norm_cases(reps: int, inner: int) -> list[dict]:
             for impl, fn in (("cutile", ours), ("transformers", stock)):
                 call = _Rotating(fn, sets)
                 with torch.no_grad():
-                    eager = _events_median(call, reps, inner)
-                    graph = _graph_median(call, reps, inner)
+                    eager = events_us(call, reps, inner, warmup=0)
+                    graph = graph_us(call, reps, inner)
                 row = {"op": "add_rms_norm", "model": model, "regime": regime, "impl": impl,
                        "sum_identical": bool(torch.equal(s_out, s_ref)), "max_ulps_vs_stock": round(ulps, 2),
                        "eager_us": round(eager, 2), "graph_us": round(graph, 2), "bytes": nbytes,

@@ -25,55 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
+
+from _timing import events_us, graph_us  # this folder is on sys.path when run by path
 
 SIZES = {"llama-3.2-1b": (2048, 8192), "qwen3-0.6b": (1024, 3072)}
 ROWS = (1, 2, 4, 8, 16, 2048)
 
 
-def _graph_us(fn, reps=30, per_graph=10):
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / per_graph)
-    return statistics.median(times)
 
 
-def _eager_us(fn, reps=5, calls=200):
-    import torch
-
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(calls):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def _alternate(fns):
@@ -87,8 +48,8 @@ def _alternate(fns):
 
 
 def _row(kind, model, m, path, fn, nbytes=None, **extra):
-    graph = _graph_us(fn)
-    eager = _eager_us(fn)
+    graph = graph_us(fn, reps=30)
+    eager = events_us(fn)
     row = {"kind": kind, "model": model, "M": m, "path": path, "graph_us": round(graph, 2),
            "eager_us": round(eager, 2), **extra}
     if nbytes:
@@ -99,10 +60,9 @@ def _row(kind, model, m, path, fn, nbytes=None, **extra):
 
 
 def activation_rows(model, inter, m):
+    import cutile_kernels
     import torch
     import torch.nn.functional as F
-
-    import cutile_kernels
     from cutile_kernels import dispatch
     from cutile_kernels.kernel_src.activation import TILES
     from cutile_kernels.ops import activation as ops
@@ -155,7 +115,6 @@ def mlp_rows(model, hidden, inter, m):
 
     import torch
     import torch.nn.functional as F
-
     from cutile_kernels.layers.mlp import fuse_mlp
 
     torch.manual_seed(0)
@@ -180,9 +139,8 @@ def mlp_rows(model, hidden, inter, m):
 
 
 def main(argv=None) -> int:
-    import torch
-
     import cutile_kernels
+    import torch
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", help="write the rows here")
