@@ -17,16 +17,10 @@ import cutile_kernels
 import torch
 from cutile_kernels.layers import patch as patcher
 from cutile_kernels_tools import presets
-from transformers import AutoModelForCausalLM, DynamicCache
+from cutile_kernels_tools.worker import Decoder, Timer, decode_run
+from transformers import AutoModelForCausalLM
 
-
-def _ms(fn):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
+_ms = Timer("cuda")
 
 
 @torch.inference_mode()
@@ -35,21 +29,10 @@ def prefill(model, ids, n=5):
     return statistics.median(_ms(lambda: model(ids, use_cache=False)) for _ in range(n))
 
 
-@torch.inference_mode()
 def decode(model, batch, steps=16, warm=3):
-    ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
-    cache = DynamicCache(config=model.config)
-    out = model(ids, past_key_values=cache, use_cache=True)
-    nxt = out.logits[:, -1:].argmax(-1)
-    times = []
-    for i in range(warm + steps):
-        def step():
-            nonlocal nxt
-            nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        t = _ms(step)
-        if i >= warm:
-            times.append(t)
-    return statistics.median(times)
+    """Median ms per greedy decode step after a 128-token prompt (the bench's eager Decoder)."""
+    dec = Decoder(model, batch, 128, warm + steps, "cuda", compiled=False, seed=0)
+    return statistics.median(decode_run(dec, warm, steps)[1])
 
 
 def main():

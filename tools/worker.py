@@ -28,7 +28,9 @@ import torch
 from . import coverage, limits, paths
 
 
-class _Timer:
+class Timer:
+    """Times one call of a function: CUDA events on a GPU, ``perf_counter`` on a CPU."""
+
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
 
@@ -61,7 +63,7 @@ class Decoder:
     def __init__(self, model, batch: int, prompt_len: int, max_new: int, device: str, compiled: bool, seed: int):
         from transformers import DynamicCache, StaticCache
 
-        self.model, self.compiled, self.timer = model, compiled, _Timer(device)
+        self.model, self.compiled, self.timer = model, compiled, Timer(device)
         gen = torch.Generator().manual_seed(seed + 11)
         self.ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
         if compiled:
@@ -180,7 +182,7 @@ class PathSession:
     def __init__(self, job: dict):
         self.job, self.s, self.name = job, job["settings"], job["path"]
         self.spec = paths.PATHS[self.name]
-        self.timer = _Timer(self.s["device"])
+        self.timer = Timer(self.s["device"])
 
     def setup(self) -> dict:
         s, job = self.s, self.job
