@@ -38,7 +38,9 @@ for s in $solutions; do
   rc=${PIPESTATUS[0]}
   echo "exit $rc" | tee -a "$OUT/evaluate.log"
   [ "$rc" -ne 0 ] && status=1
+  # Packed after every Solution: a run stopped at its time limit still brings back what it did.
+  tar czf "$OUT/traces.tgz" -C "$work/dataset" traces 2>/dev/null
+  tar czf "$OUT/evaluate-summary.tgz" -C "$work/summary" .
 done
-tar czf "$OUT/traces.tgz" -C "$work/dataset" traces 2>/dev/null || echo "no traces written" | tee -a "$OUT/evaluate.log"
-tar czf "$OUT/evaluate-summary.tgz" -C "$work/summary" .
+[ -f "$OUT/traces.tgz" ] || echo "no traces written" | tee -a "$OUT/evaluate.log"
 exit $status

@@ -7,7 +7,7 @@ For Llama-3.2-1B (H 2048, I 8192) and Qwen3-0.6B (H 1024, I 3072), bf16, at M = 
 
 * activation: stock ``F.silu(g) * u`` on two GEMM outputs (what ``LlamaMLP`` runs), ours on the
   two halves of one fused GEMM output (``silu_and_mul_fused``) and on two separate tensors, and
-  each of our tile configs forced at every M (to check ``DECODE_MAX_ROWS``); and SiLU alone (the
+  each tile config of the build forced at every M (it chose the one config kept); and SiLU alone (the
   ``SiLU`` hub layer) against ``F.silu``;
 * MLP: stock ``LlamaMLP`` against the same module after ``fuse_mlp`` (one cuBLAS GEMM on
   [gate; up], our activation, down), and the fused GEMM with torch's silu * mul (isolates the

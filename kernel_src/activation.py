@@ -79,13 +79,11 @@ def silu_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant[int]):
 # ---------------------------------------------------------------------------------------------
 
 #: (ROWS, BLOCK) tile configs, the same for both layouts (the runtime asks for a config by its
-#: constants, then takes the first layout the tensors satisfy). "decode": one row per block and
-#: short column chunks, so that 1-16 rows of a 3072-14336 wide activation still spread over
-#: dozens of blocks; "prefill": 4096 elements per block, long enough loads to stream.
-#: benchmarks/device_swiglu.sh times both configs at every row count.
-TILES = {"decode": (1, 512), "prefill": (4, 1024)}
-#: Up to this many rows the op asks for the "decode" config, above it the "prefill" one.
-DECODE_MAX_ROWS = 16
+#: constants, then takes the first layout the tensors satisfy). One row per block and 512-column
+#: chunks: 1-16 rows of a 3072-14336 wide activation still spread over dozens of blocks, and on the
+#: H200 it also beat a 4x1024 tile at prefill (Llama M=2048 fused: 38.8 vs 51.4 us; Qwen3 16.5 vs
+#: 22.7 us; benchmarks/results/h200-2026-11-30b/swiglu-bench.log), so it is the only config built.
+TILES = {"row": (1, 512)}
 
 #: kernel name -> (device function, its array parameters as (name, ndim)).
 KERNELS = {

@@ -27,11 +27,12 @@ from .attention import cutile_attention_forward, register_attention  # noqa: E40
 register_attention()
 
 
-def kernel_config(build_dir=None):
-    """A transformers ``KernelConfig`` that maps our layers from the local build (see ``hub``)."""
+def kernel_config(build_dir=None, exclude=()):
+    """A transformers ``KernelConfig`` that maps our layers from the local build, without the hub
+    layers and patches named in ``exclude`` (see ``hub.kernel_config``)."""
     from .hub import kernel_config as _kernel_config
 
-    return _kernel_config(build_dir)
+    return _kernel_config(build_dir, exclude=exclude)
 
 
 def kernelize(model, mode=None, build_dir=None):

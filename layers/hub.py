@@ -84,9 +84,11 @@ class CutileKernelConfig(KernelConfig):
     the mapping, i.e. after its weights are loaded and before the hub layers are swapped.
     """
 
-    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, patch_model=False):
+    def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, patch_model=False,
+                 exclude_patches=()):
         super().__init__(kernel_mapping, use_local_kernel=use_local_kernel, inherit_mapping=inherit_mapping)
         self.patch_model = patch_model
+        self.exclude_patches = tuple(exclude_patches)
         # Loading rewrites kernel_mapping for the model at hand (rows dropped, emptied off CUDA);
         # each load starts again from the full mapping, so one config serves many models.
         self._full_mapping = dict(self.kernel_mapping or {})
@@ -108,15 +110,23 @@ class CutileKernelConfig(KernelConfig):
         if self.patch_model:
             from .patch import patch
 
-            patch(model)
+            patch(model, names=_patch_names(self.exclude_patches))
 
 
-def kernel_config(build_dir=None) -> KernelConfig:
+def _patch_names(exclude) -> list[str]:
+    from .patch import PATCHES
+
+    return [n for n, p in PATCHES.items() if p.default and n not in exclude]
+
+
+def kernel_config(build_dir=None, exclude=()) -> KernelConfig:
     """The ``kernel_config`` to pass to ``from_pretrained(..., use_kernels=True)``.
 
     Args:
         build_dir: the ``build/`` directory written by ``cutile-kernels build`` (default:
             ``registry.default_build_dir()``).
+        exclude: hub layer names (``"RMSNorm"``) and patch names (``"fused_gate_up"``) to leave
+            out, e.g. to time a model without one kernel (the bench's ``cutile~NAME`` path).
 
     Returns:
         A :class:`CutileKernelConfig` mapping each transformers hub layer name in
@@ -135,8 +145,8 @@ def kernel_config(build_dir=None) -> KernelConfig:
     variant = _built_variant(build_dir)
     if variant is None:
         return CutileKernelConfig({}, use_local_kernel=True)
-    mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items()}
-    return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True)
+    mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items() if hub not in exclude}
+    return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True, exclude_patches=exclude)
 
 
 def kernelize(model, mode=None, build_dir=None):

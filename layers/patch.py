@@ -26,7 +26,9 @@ have this contract), is one call at the end of this module::
 stock keys; mlp.py's hooks do.)
 
 The first patch here, ``decoder_add_rms_norm``, fuses the decoder layer's residual adds into the
-RMSNorms that follow them (see :func:`fuse_decoder_layers`).
+RMSNorms that follow them (see :func:`fuse_decoder_layers`); ``fused_gate_up`` (``mlp.py``) stacks
+the SwiGLU gate/up projections; ``rope_cos_sin`` (``rope_cos_sin.py``) computes the rotary
+embedding's cos/sin tables in one launch.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Patch:
         undo: ``undo(model) -> int``, or None when the patch cannot be undone.
         description: one line for logs and reports.
         changes_weights: apply changes parameters or buffers; saves are wrapped (module docstring).
+        default: applied by ``patch(model)`` without names (and so by ``kernel_config`` /
+            ``kernelize``); False for an opt-in patch, applied only when named (one whose
+            end-to-end benefit has not been shown, e.g. a candidate autokernelize discarded).
     """
 
     name: str
@@ -65,6 +70,7 @@ class Patch:
     undo: Callable[[nn.Module], int] | None = None
     description: str = ""
     changes_weights: bool = False
+    default: bool = True
 
 
 @dataclass
@@ -99,9 +105,9 @@ def register(p: Patch, replace: bool = False) -> Patch:
     return p
 
 
-def _select(names) -> list[Patch]:
+def _select(names, defaults_only: bool = False) -> list[Patch]:
     if names is None:
-        return list(PATCHES.values())
+        return [p for p in PATCHES.values() if p.default or not defaults_only]
     names = [names] if isinstance(names, str) else list(names)
     unknown = [n for n in names if n not in PATCHES]
     if unknown:
@@ -132,7 +138,8 @@ def patch(model: nn.Module, names=None) -> PatchReport:
 
     Args:
         model: a loaded ``nn.Module`` (usually a transformers ``PreTrainedModel``).
-        names: a patch name or names (default: every registered patch).
+        names: a patch name or names (default: every registered patch whose ``default`` is
+            True; opt-in patches only when named).
 
     Returns:
         A :class:`PatchReport`.
@@ -142,7 +149,7 @@ def patch(model: nn.Module, names=None) -> PatchReport:
     """
     state = _state(model)
     report = PatchReport()
-    selected = _select(names)
+    selected = _select(names, defaults_only=True)
     try:
         for p in selected:
             # Marked in effect before it runs: a patch that raises part-way has changed some
@@ -295,7 +302,10 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         hidden_states = post(residual)
     hidden_states = self.mlp(hidden_states)
     nxt = self._cutile_next
-    if (nxt is not None and not (self.training and getattr(self, "gradient_checkpointing", False))
+    # Inference tensors keep no version counter, so an in-place edit between layers could not be
+    # seen: no handoff under eager inference_mode (compiled graphs keep the identity check).
+    if (nxt is not None and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
+            and not (self.training and getattr(self, "gradient_checkpointing", False))
             and nxt.norm.weight.device == hidden_states.device and _unhooked(nxt.norm)):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
         nxt.pending = (out, normed, None if torch.compiler.is_compiling() else out._version)
@@ -405,3 +415,11 @@ from .mlp import fuse_mlp, unfuse_mlp  # noqa: E402 - registered after the decod
 
 register(Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
                description="gate_proj and up_proj of each SwiGLU MLP as one GEMM, then our silu_and_mul"))
+
+from .rope_cos_sin import patch_rotary_embeddings, unpatch_rotary_embeddings  # noqa: E402
+
+# Opt-in: autokernelize discarded it on the H200 (2026-11-30; benchmarks/results/autokernelize.tsv):
+# correct everywhere, but no throughput gain that the bench could tell from the host's drift.
+register(Patch("rope_cos_sin", apply=patch_rotary_embeddings, undo=unpatch_rotary_embeddings,
+               description="the rotary embedding's cos/sin tables (LlamaRotaryEmbedding code) on one cuTile launch",
+               default=False))

@@ -175,6 +175,14 @@ def exp(x, **_):
     return np.exp(x)
 
 
+def cos(x, **_):
+    return np.cos(x)
+
+
+def sin(x, **_):
+    return np.sin(x)
+
+
 def sqrt(x, **_):
     return np.sqrt(x)
 

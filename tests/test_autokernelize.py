@@ -58,7 +58,7 @@ def test_scaffold_writes_a_definition_that_reproduces_the_module(tiny, tmp_path)
     region = next(r for r in found["regions"] if r["region"] == "layers.*.mlp")
     out = ak.scaffold(model, region, label, tmp_path)
     assert out["definition"] == "llama_mlp" and out["registered"]
-    assert "'llama_mlp')" in (tmp_path / "kernel_src" / "__init__.py").read_text()
+    assert ', "llama_mlp")' in (tmp_path / "kernel_src" / "__init__.py").read_text()  # the file's quotes
     for f in out["files"]:
         assert Path(f).is_file()
     compile(Path(out["files"][2]).read_text(), "stub", "exec")
@@ -84,6 +84,31 @@ def test_scaffold_writes_a_definition_that_reproduces_the_module(tiny, tmp_path)
         "decode-b1": (1, 1), "decode-b16": (16, 1), "prefill-2048": (1, 2048), "captured": (3, 11)}
     with pytest.raises(FileExistsError):
         ak.scaffold(model, region, label, tmp_path)
+
+
+def test_scaffold_of_the_rotary_embedding_names_outputs_and_state_axes(tiny, tmp_path):
+    """Outputs take the names of the forward's ``return cos..., sin...``; a state size that equals a
+    config value by coincidence does not take its name (inv_freq has head_dim / 2 entries)."""
+    model, label, found = tiny
+    (tmp_path / "kernel_src").mkdir()
+    shutil.copy(ROOT / "kernel_src" / "__init__.py", tmp_path / "kernel_src" / "__init__.py")
+    region = next(r for r in found["regions"] if r["region"] == "rotary_emb")
+    ak.scaffold(model, region, label, tmp_path, name="rot_tiny")
+    d = inventory.Inventory.load(tmp_path / "inventory").definitions["rot_tiny"]
+    assert list(d.outputs) == ["cos", "sin"]
+    assert d.inputs["inv_freq"].shape == ["inv_freq_dim0"]
+    assert d.axes["inv_freq_dim0"].description == f"follows config.head_dim ({model.config.head_dim // 2} for " \
+                                                   f"{model.config.head_dim})"
+    assert ak.returned_names(type(model.model.rotary_emb).forward, 2) == ["cos", "sin"]
+    assert ak.returned_names(type(model.model.rotary_emb).forward, 3) is None
+
+
+def test_solution_entry_follows_the_op_signature():
+    inv = inventory.Inventory.load(ROOT / "inventory")
+    body = ak.entry_body(inv.definitions["rope_cos_sin"], "rope_cos_sin")
+    assert body.splitlines()[-1] == ("return _op(inv_freq=inv_freq, position_ids=position_ids, "
+                                     "attention_scaling=attention_scaling, dtype=torch.bfloat16)")
+    assert ak.entry_body(inv.definitions["rms_norm"], "no_such_family") is None  # the plain call
 
 
 def test_scaffold_of_attention_flattens_tuple_arguments(tiny, tmp_path):
@@ -147,3 +172,10 @@ def test_cli_lists_regions(tiny, capsys):
     out = capsys.readouterr().out
     assert "uncovered regions of tiny" in out and "ceiling 2x" in out and "covered: layers.*.input_layernorm" in out
     assert cli.main(["autokernelize", "tiny", "--device", "cpu", "--scaffold", "no.such.region"]) == 2
+
+
+def test_baseline_path_leaves_the_candidate_out():
+    assert ak.baseline_path("fused_gate_up") == "cutile~fused_gate_up"  # a patch
+    assert ak.baseline_path("RMSNorm") == "cutile~RMSNorm"  # a hub layer
+    assert ak.baseline_path("rms_norm") is None  # a Definition with no patch of its name
+    assert "baseline" in ak.LOG_COLUMNS

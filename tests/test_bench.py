@@ -85,6 +85,7 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert report["schema"] == bench.SCHEMA
     assert set(report["paths"]) == {"stock", "cutile"}
     assert report["skipped"]["stock-compile"].startswith("compiled paths")
+    assert "needs CUDA" in report["skipped"]["cutile-attn"]
     assert report["limits"]["copy_bandwidth_Bps"] > 0 and report["limits"]["matmul_flops"] > 0
     for p in report["paths"].values():
         assert p["ok"], p.get("error")
@@ -245,3 +246,19 @@ def test_cuda_attribution_from_profiler_events():
         {"kernel": "our_symbol", "us": 10, "op": "cutile_kernels::rms_norm", "module": "model.layers.0"},
         {"kernel": "orphan", "us": 1, "op": None, "module": "model.layers.0"},
     ]
+
+
+def test_path_specs_and_the_without_form(capsys):
+    from cutile_kernels_tools import paths
+
+    assert paths.spec("cutile-attn").attn == "cutile" and paths.spec("cutile-attn").ours
+    assert paths.spec("cutile").attn is None and paths.spec("stock").exclude == ()
+    s = paths.spec("cutile~fused_gate_up")
+    assert s.ours and s.exclude == ("fused_gate_up",) and s.name == "cutile~fused_gate_up"
+    assert paths.spec("cutile~RMSNorm").exclude == ("RMSNorm",)  # a hub layer name works too
+    for bad in ("cutile~nope", "stock~fused_gate_up", "cutile~", "warp-drive"):
+        with pytest.raises(KeyError):
+            paths.spec(bad)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--paths", "stock", "cutile~nope"])
+    assert "no patch or hub layer of ours" in capsys.readouterr().err

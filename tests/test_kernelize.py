@@ -305,6 +305,19 @@ def test_one_config_serves_several_loads(ckpt, variant, pretend_cuda):
     assert set(cfg.kernel_mapping) == {"RMSNorm", "rotary_pos_emb"}
 
 
+def test_kernel_config_exclude_leaves_out_layers_and_patches(ckpt, variant, pretend_cuda, monkeypatch):
+    from cutile_kernels.layers import patch as patch_mod
+
+    seen = []
+    monkeypatch.setattr(patch_mod, "patch", lambda model, names=None: seen.append(names))
+    cfg = cutile_kernels.kernel_config(build_dir=variant.parent, exclude=("RMSNorm", "fused_gate_up"))
+    assert "RMSNorm" not in cfg.kernel_mapping and "rotary_pos_emb" in cfg.kernel_mapping
+    ckpt.load(use_kernels=True, kernel_config=cfg)
+    assert set(cfg.kernel_mapping) == {"rotary_pos_emb"}
+    assert seen == [[n for n, p in patch_mod.PATCHES.items() if p.default and n != "fused_gate_up"]]
+    assert "decoder_add_rms_norm" in seen[0] and "rope_cos_sin" not in seen[0]  # opt-in patches stay out
+
+
 def test_kernel_config_disabled(monkeypatch, variant):
     monkeypatch.setenv("CUTILE_KERNELS_DISABLE", "1")
     cfg = cutile_kernels.kernel_config(build_dir=variant.parent)

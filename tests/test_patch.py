@@ -139,7 +139,8 @@ def test_weight_changing_patch_saves_the_stock_checkpoint(scratch_registry, tmp_
     dbl = _DoubleWeight()
     patcher.register(Patch("double", apply=dbl.apply, undo=dbl.undo, changes_weights=True))
     report = cutile_kernels.patch(model)
-    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "double"] and report.changed["double"] > 0
+    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "double"]
+    assert report.changed["double"] > 0
     assert "save_pretrained" in model.__dict__  # the save is wrapped while a weight patch is active
     model.save_pretrained(tmp_path / "patched")
     _assert_same_checkpoint(tmp_path / "stock", tmp_path / "patched")
@@ -187,15 +188,15 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     model = _model(model_type)
     want = _logits(model, ids).logits
     model.save_pretrained(tmp_path / "stock")
-    report = cutile_kernels.patch(model)
+    report = cutile_kernels.patch(model, names=list(patcher.PATCHES))  # the opt-in one too
     n = len(_decoder_layers(model))
-    assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n}
-    assert report.active == ["decoder_add_rms_norm", "fused_gate_up"]
+    assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1}
+    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin"]
     assert torch.equal(_logits(model, ids).logits, want)
     model.save_pretrained(tmp_path / "patched")
     a = (tmp_path / "stock" / "model.safetensors").read_bytes()
     assert (tmp_path / "patched" / "model.safetensors").read_bytes() == a
-    assert cutile_kernels.unpatch(model).changed == {"fused_gate_up": n, "decoder_add_rms_norm": n}
+    assert cutile_kernels.unpatch(model).changed == {"rope_cos_sin": 1, "fused_gate_up": n, "decoder_add_rms_norm": n}
     assert torch.equal(_logits(model, ids).logits, want)
 
 
@@ -319,8 +320,10 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
     # Gemma's decoder layer has Llama's forward code, but its norms are (1 + weight) norms.
     model = _model("gemma")
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        report = cutile_kernels.patch(model)
-    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0} and report.active == []  # GELU MLP
+        report = cutile_kernels.patch(model, names=list(patcher.PATCHES))
+    # GELU MLP; the rotary embedding is Llama's code (its own, opt-in patch).
+    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1}
+    assert report.active == ["rope_cos_sin"]
     assert not any(_fused(layer) for layer in _decoder_layers(model))
     assert "leaves 3 GemmaDecoderLayer alone: its post_attention_layernorm is not a Llama-formula RMSNorm" \
         in caplog.text
@@ -488,3 +491,27 @@ def test_a_patch_that_raises_part_way_can_still_be_undone(scratch_registry):
     assert "half_done" in patcher.applied(model)
     assert patcher.unpatch(model, names=["half_done"]).changed == {"half_done": 1}
     assert torch.equal(model[0].weight, before) and patcher.applied(model) == {}
+
+
+def test_inference_mode_runs_without_the_cross_layer_handoff(ids):
+    # Inference tensors have no version counter (reading it raises), so an in-place edit between
+    # layers could not be detected: under inference_mode only the in-layer fusion is used.
+    stock, model = _model("llama"), _model("llama")
+    cutile_kernels.patch(model, names=DEC)
+    n = len(_decoder_layers(model))
+    with torch.inference_mode():
+        want = stock(ids).logits
+        cutile_kernels.reset_stats()
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    assert cutile_kernels.stats()["reference_calls"] == {"add_rms_norm": n}  # one per layer, none across
+
+
+def test_opt_in_patch_is_applied_only_when_named(ids):
+    # rope_cos_sin was discarded by autokernelize (no measured gain): patch(model), kernel_config
+    # and kernelize leave it out; naming it applies it.
+    assert patcher.PATCHES["rope_cos_sin"].default is False
+    model = _model("llama")
+    assert "rope_cos_sin" not in cutile_kernels.patch(model).active
+    assert cutile_kernels.patch(model, names="rope_cos_sin").changed == {"rope_cos_sin": 1}
+    assert "rope_cos_sin" in patcher.applied(model)

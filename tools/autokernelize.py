@@ -12,13 +12,16 @@ what helps end to end.
 3. Once the kernel is written, :func:`score` runs ``evaluate`` (every correctness gate, on the
    GPU) and, only if that passes, the end-to-end bench (logit gates and throughput), then appends
    keep or discard with the reason to the results log (:data:`LOG_COLUMNS`). A candidate is kept
-   only if every gate passes and no throughput figure drops below the last kept one (or stock's,
-   for the first) by more than ``tolerance``.
+   only if every gate passes and no throughput figure drops by more than ``tolerance`` below the
+   baseline: the same build without the candidate, timed in the same bench run (the path
+   ``cutile~<name>``, when the candidate is a patch or hub layer named after its Definition), else
+   the last kept row, else stock.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import csv
 import datetime
 import inspect
@@ -26,6 +29,7 @@ import json
 import pprint
 import re
 import subprocess
+import textwrap
 from pathlib import Path
 
 import torch
@@ -43,7 +47,7 @@ CONFIG_AXES = ("hidden_size", "intermediate_size", "head_dim", "num_attention_he
 WORKLOAD_SHAPES = {"decode-b1": (1, 1), "decode-b16": (16, 1), "prefill-2048": (1, 2048),
                    "captured": (CAPTURE_BATCH, CAPTURE_SEQ)}
 LOG_COLUMNS = ("timestamp", "commit", "model", "candidate", "status", "eval_status", "gate", "coverage",
-               "prefill_tok_s", "decode_tok_s", "reason", "description")
+               "prefill_tok_s", "decode_tok_s", "baseline", "reason", "description")
 DEFAULT_LOG = Path("benchmarks") / "results" / "autokernelize.tsv"
 
 
@@ -187,6 +191,62 @@ def _axis_namer(config, batch: int, seq: int):
     return name
 
 
+def returned_names(fn, count: int) -> list[str] | None:
+    """Names for the ``count`` tensors ``fn`` returns, read from its ``return a, b`` statement: each
+    returned expression's root variable (``cos`` in ``cos.to(dtype=x.dtype)``); None when the
+    source cannot be read or the names are not ``count`` distinct identifiers."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and len(node.value.elts) == count:
+            names = []
+            for e in node.value.elts:
+                while isinstance(e, (ast.Call, ast.Attribute, ast.Subscript)):
+                    e = e.func if isinstance(e, ast.Call) else e.value
+                names.append(e.id if isinstance(e, ast.Name) else None)
+            if None not in names and len(set(names)) == count:
+                return names
+    return None
+
+
+def state_axes(model, module_name: str) -> dict[tuple[str, int], str]:
+    """Which config size each dimension of the module's parameters and buffers follows:
+    ``{(state name, dim): config attribute}``, found by rebuilding the module's skeleton (meta
+    device) with each :data:`CONFIG_AXES` value doubled and seeing which dimensions change. A size
+    can equal a config value by coincidence (RoPE's ``inv_freq`` has head_dim / 2 entries, which is
+    num_attention_heads in Llama-3.2-1B); only a dimension that follows the value gets its name."""
+    import transformers
+
+    def shapes(config):
+        with torch.device("meta"):
+            mod = transformers.AutoModelForCausalLM.from_config(config).get_submodule(module_name)
+        return {n: tuple(t.shape) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
+
+    try:
+        base = shapes(model.config)
+    except Exception:  # noqa: BLE001 - no skeleton to compare with: claim nothing
+        return {}
+    out: dict[tuple[str, int], str] = {}
+    for attr in CONFIG_AXES:
+        value = getattr(model.config, attr, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        config = copy.deepcopy(model.config)
+        setattr(config, attr, 2 * value)
+        try:
+            changed = shapes(config)
+        except Exception:  # noqa: BLE001 - this value cannot be doubled alone (a derived size)
+            continue
+        for n, shape in base.items():
+            for i, size in enumerate(shape):
+                other = changed.get(n)
+                if other is not None and len(other) == len(shape) and other[i] != size:
+                    out.setdefault((n, i), attr)
+    return out
+
+
 def build_definition(model, region: dict, name: str, label: str) -> tuple[Definition, list[Workload]]:
     """A Definition (and Workloads) for one region, from a captured call of its module.
 
@@ -237,6 +297,10 @@ def build_definition(model, region: dict, name: str, label: str) -> tuple[Defini
         raise ValueError(f"{cls.__name__}.forward returned no tensor")
     if len(outs) == 1:
         outs = [("output", outs[0][1])]
+    else:
+        names = returned_names(cls.forward, len(outs))
+        if names and not set(names) & used:
+            outs = [(n, t) for n, (_, t) in zip(names, outs)]
 
     namer = _axis_namer(model.config, CAPTURE_BATCH, CAPTURE_SEQ)
     axes: dict = {}
@@ -250,7 +314,21 @@ def build_definition(model, region: dict, name: str, label: str) -> tuple[Defini
         return TensorSpec(shape=shape, dtype=str(t.dtype).removeprefix("torch."), description=role)
 
     inputs = {n: spec(n, t, "argument of forward") for n, t in tensors}
-    inputs.update({arg: spec(arg, t, f"module state {pname}") for arg, pname, t in state})
+    tracks = state_axes(model, module_name) if state else {}
+    for arg, pname, t in state:
+        shape = []
+        for i, size in enumerate(t.shape):
+            aname, axis = namer(arg, i, size)
+            if isinstance(axis, AxisConst) and tracks.get((pname, i)) != aname:
+                # The size matched a config value by coincidence: the axis does not follow it.
+                attr = tracks.get((pname, i))
+                aname = f"{arg}_dim{i}"
+                axis = AxisConst(value=size, description=None if attr is None else
+                                 f"follows config.{attr} ({size} for {getattr(model.config, attr)})")
+            axes.setdefault(aname, axis)
+            shape.append(aname)
+        inputs[arg] = TensorSpec(shape=shape, dtype=str(t.dtype).removeprefix("torch."),
+                                 description=f"module state {pname}")
     outputs = {n: spec(n, t, "returned by forward") for n, t in outs}
     constraints = ["num_tokens == batch_size * seq_len"] if {"num_tokens", "batch_size", "seq_len"} <= set(axes) else []
 
@@ -338,7 +416,7 @@ def _test(d: Definition) -> str:
         "from pathlib import Path\n\nimport pytest\n\n"
         "from cutile_kernels_tools import evaluate, inventory\n\n"
         'INVENTORY = Path(__file__).resolve().parents[1] / "inventory"\n'
-        f"NAME = {d.name!r}\n\n\n"
+        f"NAME = {json.dumps(d.name)}\n\n\n"
         "def test_reference_runs_on_the_model_shapes():\n"
         "    inv = inventory.Inventory.load(INVENTORY)\n"
         "    d = inv.definitions[NAME]\n"
@@ -370,7 +448,7 @@ def register_family(target: Path, family: str) -> bool:
     names = ast.literal_eval(f"({m.group(1)})")
     if family in names:
         return False
-    new = f"FAMILIES = {tuple(names) + (family,)!r}"
+    new = "FAMILIES = (" + ", ".join(json.dumps(n) for n in (*names, family)) + ")"
     path.write_text(text[:m.start()] + new + text[m.end():])
     return True
 
@@ -498,15 +576,64 @@ def ensure_solution(inv: inventory.Inventory, candidate: str, checkout: Path) ->
     if candidate not in inventory.kernel_functions():
         raise KeyError(f"kernel {candidate!r} has no variants in kernel_src yet: write it and its VARIANTS first")
     d = inv.definitions[candidate]
-    s = inventory.make_solution(d, kernel=candidate, family=candidate, op=candidate, checkout=checkout)
+    s = inventory.make_solution(d, kernel=candidate, family=candidate, op=candidate, checkout=checkout,
+                                body=entry_body(d, candidate))
     inventory.write_solution(inv.root, s, inventory.family_dir(d))
     return s.name
 
 
+def entry_body(d, family: str) -> str | None:
+    """The Solution entry's call of ``cutile_kernels.ops.<family>.<family>``, matched to the op's
+    signature: each parameter that is a Definition input by name, ``dtype`` (when it is not an
+    input) as the outputs' dtype, parameters with defaults left out. None (the plain call with
+    the inputs in order) when the op cannot be imported or a parameter has no match.
+
+    Raises:
+        ValueError: ``dtype`` is wanted but the outputs disagree on it.
+    """
+    import importlib
+
+    try:
+        op = getattr(importlib.import_module(f"cutile_kernels.ops.{family}"), family)
+        params = inspect.signature(op).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    args, lines = [], []
+    for name, p in params.items():
+        if name in d.inputs:
+            args.append(f"{name}={name}")
+        elif name == "dtype":
+            dtypes = {spec.dtype.value if hasattr(spec.dtype, "value") else spec.dtype for spec in d.outputs.values()}
+            if len(dtypes) != 1:
+                raise ValueError(f"{family}: the op takes dtype, but the outputs have dtypes {sorted(dtypes)}")
+            lines = ["import torch", ""]
+            args.append(f"dtype=torch.{dtypes.pop()}")
+        elif p.default is inspect.Parameter.empty:
+            return None
+    return "\n".join([*lines, f"return _op({', '.join(args)})"])
+
+
+def baseline_path(definition: str) -> str | None:
+    """The bench path of our model without the candidate -- ``cutile~<definition>`` when a patch or
+    hub layer of that name is ours (the candidate's convention: its patch carries the Definition's
+    name) -- or None when the candidate cannot be left out (then the last kept row, or stock, is
+    the baseline)."""
+    from cutile_kernels import layers
+    from cutile_kernels.layers import patch
+
+    if definition in patch.PATCHES or definition in layers.MAPPING:
+        return f"cutile~{definition}"
+    return None
+
+
 def score(model: str, candidate: str, *, root: Path | None = None, log: Path | None = None, description: str = "",
           tolerance: float = 0.01, device: str | None = None, bench_settings=None, checkout: Path | None = None,
-          progress: bool = False) -> dict:
+          progress: bool = False, bench_overrides: dict | None = None, bench_out: Path | None = None) -> dict:
     """Evaluate ``candidate``, bench ``model`` if that passed, decide, append to the log; returns the row.
+
+    The bench runs ``bench_settings`` if given, else the default settings with the paths stock,
+    ``cutile~<candidate>`` (see :func:`baseline_path`) and cutile, updated by ``bench_overrides``
+    (BenchSettings fields, e.g. ``{"rounds": 2}``); its report is written to ``bench_out`` if given.
 
     Raises:
         KeyError: unknown candidate (see :func:`ensure_solution`).
@@ -525,8 +652,10 @@ def score(model: str, candidate: str, *, root: Path | None = None, log: Path | N
            "description": description}
     gate = now = base = None
     if result.status == "PASSED":
-        s = bench_settings or bench.BenchSettings(paths=("stock", "cutile"))
-        report = bench.run(model, s, progress=progress)
+        without = baseline_path(inv.definitions[result.definition].name)
+        paths_wanted = ("stock", "cutile") if without is None else ("stock", without, "cutile")
+        s = bench_settings or bench.BenchSettings(paths=paths_wanted, **(bench_overrides or {}))
+        report = bench.run(model, s, out_dir=bench_out, progress=progress)
         paths = report["paths"]
         ours = paths.get("cutile", {})
         gate = bool(report.get("gate", {}).get("cutile", {}).get("passed")) and bool(report.get("cutile_kernels_ran"))
@@ -536,10 +665,15 @@ def score(model: str, candidate: str, *, root: Path | None = None, log: Path | N
             row["coverage"] = f"{cov['ours_time_share']:.4f}" if cov else ""
             row.update(prefill_tok_s=f"{now['prefill']:.2f}",
                        decode_tok_s=json.dumps({k: round(v, 2) for k, v in now.items() if k != "prefill"}))
-        log_path = log or checkout / DEFAULT_LOG
-        base = last_kept(read_log(log_path), model)
-        if base is None and paths.get("stock", {}).get("ok"):
-            base = throughput(paths["stock"])
+        if without is not None and paths.get(without, {}).get("ok"):
+            base = throughput(paths[without])  # the same build without the candidate, same run
+            row["baseline"] = without
+        else:
+            base = last_kept(read_log(log or checkout / DEFAULT_LOG), model)
+            row["baseline"] = "last kept" if base is not None else ""
+            if base is None and paths.get("stock", {}).get("ok"):
+                base = throughput(paths["stock"])
+                row["baseline"] = "stock"
         row["gate"] = "passed" if gate else "failed"
     keep, reason = decide(result.status, gate, now, base, tolerance)
     row.update(status="keep" if keep else "discard", reason=reason if result.status == "PASSED" or not result.message

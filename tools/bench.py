@@ -237,7 +237,7 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
               "environment": _environment(s), "settings": asdict(s), "paths": {}, "skipped": {}}
     runnable = []
     for name in s.paths:
-        why = bench_paths.PATHS[name].unavailable(s.device)
+        why = bench_paths.spec(name).unavailable(s.device)
         if why:
             report["skipped"][name] = why
         else:
@@ -254,7 +254,7 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
         try:
             for name in runnable:
                 bar.set_postfix_str(f"{name}: setup")
-                spec = bench_paths.PATHS[name]
+                spec = bench_paths.spec(name)
                 workers[name] = _Worker(tmp, name, "path", checkpoint, s, path=name, top5=str(tmp / f"{name}.top5.pt"),
                                         coverage=s.coverage and (spec.ours or name == "stock"))
                 setups[name] = workers[name].call("setup")
@@ -309,7 +309,7 @@ def _derive(report: dict, hits: dict, s: BenchSettings) -> None:
         p["roofline"] = roofline(report["limits"], p["weight_bytes"], p["n_params"], s.prefill_len,
                                  p["prefill_ms"]["median"], p["decode"])
     ran = {n: sum(p["runtime"]["launches"].values()) + sum(p["runtime"]["jit_launches"].values())
-           for n, p in ok.items() if bench_paths.PATHS[n].ours}
+           for n, p in ok.items() if bench_paths.spec(n).ours}
     report["cutile_kernels_ran"] = any(ran.values())
     if ran and not report["cutile_kernels_ran"]:
         report["note"] = ("no cuTile kernel ran: " + ("the model is not on a CUDA device, so every layer "

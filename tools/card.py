@@ -23,12 +23,18 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from cutile_kernels.kernel_src._spec import DTYPE_TAGS
+
 #: Front matter keys the Hub reads (``library_name: kernels`` lists the repo among kernels).
 CARD_TAGS = ("kernels", "cuda", "cutile", "cuda-tile", "transformers")
 
 
 class CardError(ValueError):
     """A source the card needs is missing or malformed (the message names the file)."""
+
+
+#: Variant tag prefix -> dtype.
+_TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
 
 
 def _read_json(path: Path) -> dict:
@@ -79,9 +85,14 @@ def build_summary(variant_dir: Path) -> dict:
     for v in variants:
         k = kernels.setdefault(v["kernel"], {"kernel": v["kernel"], "dtypes": set(), "tags": set(),
                                              "archs": set(), "cubin_bytes": 0})
+        # The variant tag starts with the data dtype (bf16.*, fp16.*, fp32.*); the first array
+        # can be an auxiliary input (rope_cos_sin's float32 inv_freq).
+        dtype = _TAG_DTYPES.get(v["variant"].split(".", 1)[0])
         arrays = [p for p in v["params"] if p["kind"] == "array"]
-        if arrays:
-            k["dtypes"].add(arrays[0]["dtype"])
+        if dtype is None and arrays:
+            dtype = arrays[0]["dtype"]
+        if dtype:
+            k["dtypes"].add(dtype)
         k["tags"].add(v["variant"])
         k["archs"].add(v["arch"])
         k["cubin_bytes"] += int(v.get("cubin_bytes", 0))

@@ -135,8 +135,9 @@ def main(argv=None) -> int:
     b.add_argument("--decode-steps", type=_positive, help="timed decode steps per batch size")
     b.add_argument("--repeats", type=_positive, help="timed prefills per round")
     b.add_argument("--rounds", type=_positive, help="alternating timing rounds over the paths (default 3)")
-    b.add_argument("--paths", nargs="+", choices=list(bench_paths.PATHS),
-                   help="paths to run (default: all that can run here)")
+    b.add_argument("--paths", nargs="+", type=_bench_path, metavar="PATH",
+                   help=f"paths to run, of {{{','.join(bench_paths.PATHS)}}} or cutile~NAME (ours without the "
+                        "patch or hub layer NAME) (default: all that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=_bench)
@@ -188,6 +189,16 @@ def main(argv=None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"cutile-kernels {args.cmd}: {msg}", file=sys.stderr)
         return 2
+
+
+def _bench_path(name: str) -> str:
+    from . import paths as bench_paths
+
+    try:
+        bench_paths.spec(name)
+    except KeyError as e:
+        raise argparse.ArgumentTypeError(e.args[0]) from None
+    return name
 
 
 def _positive(text: str) -> int:

@@ -141,9 +141,11 @@ def _autokernelize(args) -> int:
     from . import autokernelize as ak
 
     if args.score:
+        bench_kw = {k: v for k, v in (("decode_batches", tuple(args.decode_batch or ())), ("rounds", args.rounds)) if v}
         row = ak.score(args.model, args.score, root=Path(args.root) if args.root else None,
                        log=Path(args.log) if args.log else None, description=args.description or "",
-                       tolerance=args.tolerance, device=args.device, progress=not args.quiet)
+                       tolerance=args.tolerance, device=args.device, progress=not args.quiet, bench_overrides=bench_kw,
+                       bench_out=Path(args.bench_out) if args.bench_out else None)
         for k in ak.LOG_COLUMNS:
             print(f"{k:>13}: {row.get(k, '')}")
         return 0 if row["status"] == "keep" else 1
@@ -256,6 +258,9 @@ def add_parsers(sub) -> None:
     a.add_argument("--description", help="what the candidate changes (for the results log)")
     a.add_argument("--log", help="results log (default: <checkout>/benchmarks/results/autokernelize.tsv)")
     a.add_argument("--tolerance", type=float, default=0.01, help="allowed throughput drop (fraction, default 0.01)")
+    a.add_argument("--decode-batch", type=int, nargs="+", help="--score's bench decode batch sizes (default 1 4 16)")
+    a.add_argument("--rounds", type=int, help="--score's bench timing rounds (default 3)")
+    a.add_argument("--bench-out", help="--score: write the bench report (bench.json, report.md, plots) here")
     a.add_argument("--root", help="inventory directory (default: <checkout>/inventory)")
     a.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     a.add_argument("--seed", type=int, default=0)

@@ -161,8 +161,8 @@ def _activation() -> list[Entry]:
                      "LlamaMLP when the MLP is not fused, at the MLP's shapes."),
     )
 
-    # decode-b16 first: evaluate's boundaries come from the first Workload, and 1 and 17 rows
-    # straddle the kernels' switch from decode to prefill tiles (DECODE_MAX_ROWS = 16).
+    # decode-b16 first: evaluate's boundaries come from the first Workload (1 and 17 rows: one
+    # row and a count that is no power of two).
     order = ["decode-b16", *(p for p in TOKEN_COUNTS if p != "decode-b16")]
 
     def rows(d: Definition) -> list[Workload]:

@@ -8,7 +8,11 @@
 ``tilegym``        NVIDIA TileGym's monkey patch (cuTile backend), applied before loading, when it
                    is installed (it pins an older transformers: what fails is reported)
 ``cutile``         ours: ``use_kernels=True, kernel_config=cutile_kernels.kernel_config()``
+                   (attention stays transformers' sdpa)
+``cutile-attn``    ours with our attention kernel too: ``attn_implementation="cutile"``
 ``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
+``cutile~NAME``    ours without one patch or hub layer ``NAME`` (not among the defaults): the
+                   baseline that ``autokernelize --score`` times a candidate against
 =================  ==============================================================================
 """
 
@@ -28,11 +32,17 @@ class PathSpec:
     description: str
     compile: bool = False
     ours: bool = False
+    #: ``attn_implementation`` to load with (None: transformers' default, sdpa).
+    attn: str | None = None
+    #: Patch or hub layer names left out of our kernel_config (see :func:`spec`).
+    exclude: tuple = ()
 
     def unavailable(self, device: str) -> str | None:
         """Why this path cannot run here, or None."""
         if self.compile and not device.startswith("cuda"):
             return "compiled paths use CUDA graphs: CUDA only"
+        if self.attn == "cutile" and not device.startswith("cuda"):
+            return "our attention kernel needs CUDA (on a CPU it would time the eager fallback)"
         if self.name == "liger" and importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed"
         if self.name == "tilegym" and importlib.util.find_spec("tilegym") is None:
@@ -48,21 +58,51 @@ PATHS = {p.name: p for p in [
     PathSpec("liger", "Liger-Kernel patches on transformers"),
     PathSpec("tilegym", "NVIDIA TileGym monkey patch (cuTile)"),
     PathSpec("cutile", "cutile-kernels: use_kernels=True with our kernel_config", ours=True),
+    PathSpec("cutile-attn", "cutile-kernels with attn_implementation='cutile' (our attention kernel)", ours=True,
+             attn="cutile"),
     PathSpec("cutile-compile", "cutile-kernels + StaticCache + torch.compile(reduce-overhead) decode",
              compile=True, ours=True),
 ]}
+
+
+#: Separator of the ``cutile~NAME`` path form.
+WITHOUT = "~"
+
+
+def spec(name: str) -> PathSpec:
+    """The PathSpec of a path name: one of :data:`PATHS`, or ``cutile~NAME`` (``cutile`` without
+    the patch or hub layer ``NAME``).
+
+    Raises:
+        KeyError: unknown path, or a ``cutile~NAME`` whose NAME is neither a registered patch nor a
+            hub layer of our mapping.
+    """
+    if name in PATHS:
+        return PATHS[name]
+    base, sep, left_out = name.partition(WITHOUT)
+    if sep and base == "cutile" and left_out:
+        from cutile_kernels import layers
+        from cutile_kernels.layers import patch
+
+        known = set(patch.PATCHES) | set(layers.MAPPING)
+        if left_out not in known:
+            raise KeyError(f"path {name!r}: {left_out!r} is no patch or hub layer of ours; known: {sorted(known)}")
+        return PathSpec(name, f"cutile-kernels without {left_out!r}", ours=True, exclude=(left_out,))
+    raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)} or cutile{WITHOUT}<patch or hub layer>")
 
 
 def load(path: str, checkpoint: Path, dtype: torch.dtype, device: str):
     """Load ``checkpoint`` the way ``path`` runs it (in the calling process: patches stay there)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = PATHS[path] if path in PATHS else None
+    path_spec = spec(path) if path in PATHS or WITHOUT in path else None
     kw = {}
-    if spec is not None and spec.ours:
+    if path_spec is not None and path_spec.ours:
         import cutile_kernels
 
-        kw = {"use_kernels": True, "kernel_config": cutile_kernels.kernel_config()}
+        kw = {"use_kernels": True, "kernel_config": cutile_kernels.kernel_config(exclude=path_spec.exclude)}
+    if path_spec is not None and path_spec.attn:
+        kw["attn_implementation"] = path_spec.attn
     if path == "tilegym":
         _apply_tilegym(AutoConfig.from_pretrained(checkpoint).model_type)
     # kernels warns once per hub layer nobody maps (SiLU, rotary_pos_emb...): expected, noise here.

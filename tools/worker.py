@@ -181,7 +181,7 @@ class PathSession:
 
     def __init__(self, job: dict):
         self.job, self.s, self.name = job, job["settings"], job["path"]
-        self.spec = paths.PATHS[self.name]
+        self.spec = paths.spec(self.name)
         self.timer = Timer(self.s["device"])
 
     def setup(self) -> dict:

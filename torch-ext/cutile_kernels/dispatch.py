@@ -38,12 +38,16 @@ class FallbackError(RuntimeError):
     """Raised instead of a fallback when ``CUTILE_KERNELS_STRICT=1``."""
 
 
+_TRUE = ("1", "true", "yes", "on")
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(name, "").strip().lower() in _TRUE
 
 
 def disabled() -> bool:
-    """True when ``CUTILE_KERNELS_DISABLE`` is set: every op takes its PyTorch path."""
+    """True when ``CUTILE_KERNELS_DISABLE`` is set: every op takes its PyTorch path. Read on every
+    call, so setting it at run time takes effect at once."""
     return _flag(ENV_DISABLE)
 
 
@@ -136,7 +140,7 @@ class _Plan:
     alignment, constants): the loaded variant, the grid, the packed parameters but for pointers and
     scalars, and the byte spans of the inputs for the per-call aliasing check."""
 
-    __slots__ = ("loaded", "grid", "values", "ptr_slots", "scalar_slots", "spans", "symbol")
+    __slots__ = ("loaded", "grid", "values", "ptr_slots", "scalar_slots", "spans", "symbol", "input_slots")
 
     def __init__(self, loaded, grid, args, n_inputs):
         self.loaded = loaded
@@ -144,6 +148,8 @@ class _Plan:
         self.values, self.ptr_slots, self.scalar_slots = loaded.packer.template(args)
         self.spans = [_registry.byte_range(a)[1] - a.data_ptr() for a in args[:n_inputs]]
         self.symbol = loaded.variant.symbol
+        #: slots of the input pointers (the first n_inputs parameters), for the aliasing check
+        self.input_slots = tuple(slot for slot, _ in self.ptr_slots[:n_inputs]) if n_inputs > 1 else ()
 
 
 class _NoPlan(str):
@@ -163,10 +169,14 @@ _MAX_PLANS = 4096
 
 
 def _signature(kernel: str, want: tuple, args) -> tuple:
+    """The plan cache key of a call: kernel, wanted constants, then per tensor argument its dtype,
+    shape, strides, base address mod 16 and device index, per scalar its type (flat: one tuple is
+    cheaper to build than one per tensor; a dtype never equals a type, so the fields cannot shift).
+    The device index of ``args[0]`` (always a tensor) is ``key[6]``."""
     key = [kernel, want]
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device()))
+            key += (a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device())
         else:
             key.append(type(a))
     return tuple(key)
@@ -205,6 +215,16 @@ def _overlap(plan: _Plan, ptrs: list) -> bool:
     return False
 
 
+def _inputs_overlap(plan: _Plan, values: list) -> bool:
+    """Whether the byte ranges of the call's input arrays overlap (their pointers are in values)."""
+    slots = plan.input_slots
+    if len(slots) == 2:  # the common case, without building a list
+        a, b = values[slots[0]], values[slots[1]]
+        spans = plan.spans
+        return a < b + spans[1] and b < a + spans[0]
+    return _overlap(plan, [values[slot] for slot in slots])
+
+
 def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[dict], tuple]) -> bool:
     """Launch ``kernel`` on the device of ``args[0]``; False means the caller must fall back.
 
@@ -228,20 +248,20 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         return fallback(kernel, f"disabled by {ENV_DISABLE}")
     key = _signature(kernel, want, args)
     plan = _PLANS.get(key)
-    device_index = key[2][4]
+    device_index = key[6]
     if plan is None:
         plan = _make_plan(kernel, want, args, n_inputs, grid, device_index)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    if isinstance(plan, _NoPlan):
+    if plan.__class__ is not _Plan:  # a _NoPlan: why no prebuilt variant fits
         if plan.jit_ok and jit_available():
             return _jit(kernel, want, args, grid, str(plan))
         return fallback(kernel, str(plan))
-    values = list(plan.values)
+    values = plan.values.copy()
     for slot, i in plan.ptr_slots:
         values[slot] = args[i].data_ptr()
-    if n_inputs > 1 and _overlap(plan, [values[slot] for slot, _ in plan.ptr_slots[:n_inputs]]):
+    if plan.input_slots and _inputs_overlap(plan, values):
         return fallback(kernel, f"inputs of {kernel} overlap in memory (the kernels assume no aliasing)")
     for slot, i in plan.scalar_slots:
         values[slot] = args[i]
@@ -286,4 +306,10 @@ def needs_op(*tensors) -> bool:
     """Whether an op call must go through its ``torch.library`` custom op: under torch.compile (the
     op is what the graph records) or when a gradient is wanted (its autograd formula). Otherwise
     the ops call their implementation directly, skipping the dispatcher's overhead."""
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if torch.compiler.is_compiling():
+        return True
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(<generator>): this runs on every op call
+            if t.requires_grad:
+                return True
+    return False

@@ -30,6 +30,17 @@ if hasattr(torch._C, "_cuda_getCurrentRawStream"):
     _current_raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
 
 
+def _current_device() -> int:
+    """PyTorch's current CUDA device index. ``torch.cuda.current_device`` adds a Python-level lazy
+    init check to the C getter (which initialises CUDA itself when needed); a launch comes after
+    a module load, which initialised it, so the getter alone is the same answer."""
+    return torch.cuda.current_device()
+
+
+if hasattr(torch._C, "_cuda_getDevice"):
+    _current_device = torch._C._cuda_getDevice  # noqa: F811
+
+
 class CudaError(RuntimeError):
     """A CUDA driver call failed; the message names the call, the kernel and the error."""
 
@@ -148,7 +159,7 @@ class Launcher:
     def launch_values(self, loaded: _Loaded, grid, values, device_index: int) -> None:
         """Launch an already loaded variant with flat parameter values (see ``ArgPacker``)."""
         address = loaded.params_address(values)
-        if torch.cuda.current_device() != device_index:
+        if _current_device() != device_index:
             with torch.cuda.device(device_index):
                 self._launch(loaded, grid, address, device_index)
         else:

@@ -58,9 +58,12 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         dispatch.reference_call("rms_norm")
         return rms_norm_reference(x, weight, eps).contiguous()
     rows = x.reshape(-1, x.shape[-1])  # a view whenever the leading dims collapse, else a copy
-    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.numel() == 0 or rms_norm_into(rows, weight, y, eps):
-        return y.view(x.shape)
+    # Sizes as separate ints and view_as: passing a torch.Size as one argument costs torch's
+    # argument parser ~1.5 us more per call.
+    m, n = rows.shape
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m * n == 0 or rms_norm_into(rows, weight, y, eps):
+        return y.view_as(x)
     return rms_norm_reference(x, weight, eps).contiguous()
 
 
@@ -84,10 +87,11 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
     n = x.shape[-1]
     a, b = x.reshape(-1, n), residual.reshape(-1, n)
-    y = torch.empty(a.shape, dtype=x.dtype, device=x.device)
-    s = torch.empty(a.shape, dtype=x.dtype, device=x.device)
-    if a.numel() == 0 or add_rms_norm_into(a, b, weight, y, s, eps):
-        return y.view(x.shape), s.view(x.shape)
+    m = a.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    s = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m * n == 0 or add_rms_norm_into(a, b, weight, y, s, eps):
+        return y.view_as(x), s.view_as(x)
     return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
 
 

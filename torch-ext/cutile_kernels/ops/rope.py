@@ -69,20 +69,49 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError(f"rope: {why}")
 
 
+def _memory_order(shape: tuple, stride: tuple) -> tuple | None:
+    """The dims of a tensor by decreasing stride, or None when that is the dims' own order (for
+    the dims longer than 1, the only ones whose stride matters)."""
+    dims = range(len(shape))
+    big = [d for d in dims if shape[d] > 1]
+    order = sorted(dims, key=lambda d: -stride[d])  # stable: ties keep dim order
+    return None if [d for d in order if shape[d] > 1] == big else tuple(order)
+
+
+#: (shape, strides) -> _memory_order of it: a pure function of the key, cached because it runs on
+#: every call (a few us of Python) for the handful of layouts a model has.
+_ORDERS: dict = {}
+
+
 def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new tensor of x's shape laid out in x's memory order, as torch's elementwise ops lay out
     their result: transformers' q/k are (B, S, H, D) buffers seen as (B, H, S, D), and stock RoPE
     returns that layout, so attention and the KV cache get what they get without us."""
-    big = [d for d in range(x.dim()) if x.shape[d] > 1]
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # stable: ties keep dim order
-    if [d for d in order if x.shape[d] > 1] == big:
-        return torch.empty(x.shape, dtype=dtype, device=x.device)
-    return torch.empty_permuted(x.shape, order, dtype=dtype, device=x.device)
+    shape, stride = x.shape, x.stride()
+    key = (shape, stride)
+    try:
+        order = _ORDERS.get(key, False)
+    except TypeError:  # symbolic sizes (torch.compile's fake tensors) do not hash: not cached
+        order = _memory_order(tuple(shape), stride)
+    if order is False:
+        order = _memory_order(tuple(shape), stride)
+        if len(_ORDERS) >= 1024:
+            _ORDERS.clear()
+        _ORDERS[key] = order
+    if order is None:
+        # sizes as separate ints: a torch.Size as one argument costs the parser ~1.5 us more
+        return torch.empty(*shape, dtype=dtype, device=x.device) if shape else torch.empty((), dtype=dtype, device=x.device)
+    return torch.empty_permuted(shape, order, dtype=dtype, device=x.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _result_dtype(x: torch.dtype, cos: torch.dtype, sin: torch.dtype) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x, cos), sin)
 
 
 def _outputs(q, k, cos, sin):
-    dq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
-    dk = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
+    dq = _result_dtype(q.dtype, cos.dtype, sin.dtype)
+    dk = _result_dtype(k.dtype, cos.dtype, sin.dtype)
     return _empty_like_layout(q, dq), _empty_like_layout(k, dk)
 
 
@@ -97,7 +126,10 @@ def _cdiv(a: int, b: int) -> int:
 
 def _halves(x: torch.Tensor, rot: int) -> torch.Tensor:
     # (..., D) -> (..., 2, R/2) view of the rotated part: each half is one tile along the last axis.
-    return x[..., :rot].unflatten(-1, (2, rot // 2))
+    # (view with int sizes: splitting one dim is always a view, and it is the cheapest call; the
+    # slice only when R < D.)
+    *lead, d = x.shape
+    return (x if rot == d else x[..., :rot]).view(*lead, 2, rot // 2)
 
 
 def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -110,8 +142,8 @@ def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     fits; the caller then falls back.
     """
     (b, hq, s, d), hk, rot = q.shape, k.shape[1], cos.shape[-1]
-    args = (_halves(q, rot), _halves(k, rot), cos.unflatten(-1, (2, rot // 2)), sin.unflatten(-1, (2, rot // 2)),
-            _halves(q_out, rot), _halves(k_out, rot))
+    args = (_halves(q, rot), _halves(k, rot), _halves(cos, rot), _halves(sin, rot), _halves(q_out, rot),
+            _halves(k_out, rot))
     grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
     if not dispatch.run("rope", _want(rot), args, 4, grid):
         return False
@@ -124,6 +156,12 @@ def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 def _rope_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, cos, sin)
+    return _rope_checked(q, k, cos, sin)
+
+
+def _rope_checked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_rope_impl` once ``_check`` has passed (``apply_rope`` has just checked)."""
     q_out, k_out = _outputs(q, k, cos, sin)
     if q.is_cuda:
         if q_out.numel() == 0 and k_out.numel() == 0:
@@ -209,4 +247,4 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if not q.is_cuda:  # the reference as is (the op copies it into its declared layout)
         dispatch.reference_call("rope")
         return apply_rope_reference(q, k, cos, sin)
-    return _rope_impl(q, k, cos, sin)
+    return _rope_checked(q, k, cos, sin)  # _mismatch was None above

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU checks of one session as stages, several per device call (each call has 600 s):
+#
+#   tests      the `gpu`-marked tests ($TESTS, default: all of tests/)
+#   attention  the attention microbenchmark (benchmarks/attention_bench.py)
+#   evaluate   every inventory Solution through `cutile-kernels evaluate --all` (one process):
+#              Traces and the summary come back in evaluate.tgz
+#   rank       autokernelize's ranking of llama-3.2-1b's uncovered regions on the GPU
+#   score      `autokernelize llama-3.2-1b --score $CANDIDATE`: evaluate, then the bench of stock,
+#              cutile~$CANDIDATE and cutile; the results log and the bench report come back
+#   bench      `cutile-kernels bench` of $PRESETS (default: llama-3.2-1b qwen3-0.6b), paths
+#              $PATHS (default: stock cutile), decode b=1 and 16, 2 rounds; one .tgz per preset
+#   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
+#
+# On the dev machine first (see /work/shared/device/README.md and benchmarks/device_notebooks.sh):
+#   ../shared/device/prepare.sh <wheels>; bash benchmarks/device_notebooks.sh prepare
+#   cutile-kernels build --arch sm_90 --out /tmp/b90/build && tar czf .device/build.tgz -C /tmp/b90 build
+# then e.g.
+#   run(command="source scripts/device-setup.sh && TESTS=tests/test_patch.py bash benchmarks/device_session.sh tests evaluate",
+#       carry=[".device"])
+# At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
+set -uo pipefail
+: "${OUT:?set by the device tool}"
+root=$(cd "$(dirname "$0")/.." && pwd)
+status=0
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s)"
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+    tail -15 "$OUT/$name.log"
+    [ "$rc" -eq 0 ] || status=1
+}
+for stage in "$@"; do
+  case "$stage" in
+    tests)
+      cd "$root" && step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
+    attention)
+      cd "$root/benchmarks" && step attention 100 python3 attention_bench.py --json /tmp/attention-bench.json ;;
+    evaluate)
+      rm -rf /tmp/eval && mkdir -p /tmp/eval
+      cd "$root" && step evaluate 300 python3 -m cutile_kernels_tools.cli evaluate --all --root inventory \
+          --device cuda --repeats ${EVAL_REPEATS:-30} --out /tmp/eval/dataset --summary /tmp/eval/summary.json
+      tar czf "$OUT/evaluate.tgz" -C /tmp/eval . ;;
+    rank)
+      cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize llama-3.2-1b --top 12 \
+          --json /tmp/rank.json ;;
+    score)
+      cp "$root/benchmarks/results/autokernelize.tsv" /tmp/autokernelize.tsv 2>/dev/null || true
+      cd "$root" && step score 300 python3 -m cutile_kernels_tools.cli autokernelize llama-3.2-1b \
+          --score "${CANDIDATE:?CANDIDATE}" --log /tmp/autokernelize.tsv --description "${DESCRIPTION:-}" \
+          --decode-batch 1 16 --rounds 2 --bench-out /tmp/score/bench --quiet
+      mkdir -p /tmp/score && cp /tmp/autokernelize.tsv /tmp/score/ 2>/dev/null
+      cp -r "$root/inventory/traces" /tmp/score/ 2>/dev/null
+      tar czf "$OUT/score.tgz" -C /tmp/score . ;;
+    bench)
+      cd /tmp
+      for preset in ${PRESETS:-llama-3.2-1b qwen3-0.6b}; do
+        step "bench-$preset" "${BENCH_LIMIT:-200}" python3 -m cutile_kernels_tools.cli bench "$preset" \
+            --paths ${PATHS:-stock cutile} --decode-batch 1 16 --rounds 2 ${BENCH_ARGS:-} --out "/tmp/bench/$preset" --quiet
+        [ -d "/tmp/bench/$preset" ] && tar czf "$OUT/bench-$preset.tgz" -C /tmp/bench "$preset"
+      done ;;
+    notebooks)
+      mkdir -p /tmp/nb && OUT=/tmp/nb step nb 330 bash "$root/benchmarks/device_notebooks.sh"
+      cp /tmp/nb/nb.log "$OUT/notebooks.log"; tar czf "$OUT/notebooks.tgz" -C /tmp/nb . ;;
+    *) echo "unknown stage $stage" >&2; status=2 ;;
+  esac
+done
+exit $status

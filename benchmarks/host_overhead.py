@@ -1,0 +1,146 @@
+"""Host (Python) time of one eager op call, measured on a CPU-only machine.
+
+Every op runs its real CUDA branch: argument checks, output allocation, variant lookup (the
+per-signature plan cache), parameter packing into the ctypes buffer and the launcher's device and
+context checks. Only what needs a GPU is faked, and only in this process:
+
+* ``torch.Tensor.is_cuda`` reads True, so the ops take their CUDA branch on CPU tensors (CPU
+  tensors carry the dtype, shape, stride and data_ptr that variant selection uses; the CPU
+  allocator stands in for the CUDA caching allocator);
+* the device is "index -1" (what ``get_device()`` says for a CPU tensor): ``_arch_of`` answers
+  sm_90, ``Launcher.load`` builds the argument packer (after the same cubin layout check) without
+  loading a module, ``torch.cuda.current_device`` answers -1;
+* the driver call itself (``cuLaunchKernel``) and the current-stream getter are no-ops.
+
+So the numbers are the Python path between the op call and ``cuLaunchKernel``, plus a CPU
+allocation per output, minus the driver call. Run from the checkout with the build present:
+
+    python benchmarks/host_overhead.py [--calls 20000] [--json out.json]
+
+It prints median microseconds per call for each op (median over batches of 100 calls, timed
+with ``time.perf_counter_ns``), with a plain ``torch.add`` and ``torch.empty`` for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+BF16 = torch.bfloat16
+
+
+def install_fakes():
+    """Patch this process so that the ops' CUDA path runs on CPU tensors down to the driver call."""
+    os.environ["CUTILE_KERNELS_STRICT"] = "1"  # a fallback must raise: we time the kernel path only
+    from cutile_kernels import dispatch, launcher
+    from cutile_kernels.cubin import ArgPacker, param_info
+
+    torch.Tensor.is_cuda = property(lambda self: True)
+    torch.cuda.current_device = lambda: -1
+    if hasattr(launcher, "_current_device"):
+        launcher._current_device = lambda: -1
+
+    class _Driver:
+        class CUresult:
+            CUDA_SUCCESS = 0
+
+        @staticmethod
+        def cuLaunchKernel(*args):
+            return (0,)
+
+    launcher._driver = _Driver
+    launcher._current_raw_stream = lambda device_index: 0
+    dispatch._arch_of = lambda device_index: ((9, 0), "sm_90")
+    dispatch._LAUNCHER._ctx_ready.__dict__[-1] = True
+
+    def load(variant, device_index):
+        key = (device_index, variant.symbol)
+        loaded = dispatch._LAUNCHER._loaded.get(key)
+        if loaded is None:
+            packer = ArgPacker(variant.params)
+            assert param_info(variant.cubin.read_bytes(), variant.symbol) == packer.layout
+            loaded = dispatch._LAUNCHER._loaded[key] = launcher._Loaded(None, packer, variant)
+        return loaded
+
+    dispatch._LAUNCHER.load = load
+    if dispatch._registry.registry().pkg_dir is None:
+        sys.exit("no cuTile build found: run `cutile-kernels build` first")
+
+
+def cases(hidden: int = 2048, inter: int = 8192, heads: int = 32, kv_heads: int = 8, head_dim: int = 64):
+    """(name, fn) for decode-step shapes of a Llama-3.2-1B-like model, batch 1."""
+    import cutile_kernels as ck
+
+    x = torch.randn(1, 1, hidden, dtype=BF16)
+    res = torch.randn(1, 1, hidden, dtype=BF16)
+    w = torch.randn(hidden, dtype=BF16)
+    gate = torch.randn(1, 1, inter, dtype=BF16)
+    up = torch.randn(1, 1, inter, dtype=BF16)
+    fused = torch.randn(1, 1, 2 * inter, dtype=BF16)
+    # transformers' q/k: (B, S, H, D) projections seen as (B, H, S, D)
+    q = torch.randn(1, 1, heads, head_dim, dtype=BF16).transpose(1, 2)
+    k = torch.randn(1, 1, kv_heads, head_dim, dtype=BF16).transpose(1, 2)
+    cos = torch.randn(1, 1, head_dim, dtype=BF16)
+    sin = torch.randn(1, 1, head_dim, dtype=BF16)
+    return [
+        ("rms_norm", lambda: ck.rms_norm(x, w, 1e-6)),
+        ("add_rms_norm", lambda: ck.add_rms_norm(x, res, w, 1e-6)),
+        ("apply_rope", lambda: ck.apply_rope(q, k, cos, sin)),
+        ("silu_and_mul", lambda: ck.silu_and_mul(gate, up)),
+        ("silu_and_mul_fused", lambda: ck.silu_and_mul_fused(fused)),
+        ("silu", lambda: ck.silu(gate)),
+        ("(torch.add, for scale)", lambda: torch.add(x, res)),
+        ("(torch.empty, for scale)", lambda: torch.empty((1, hidden), dtype=BF16)),
+    ]
+
+
+def time_us(fn, calls: int, batch: int = 100) -> float:
+    """Median microseconds per call over batches of ``batch`` calls."""
+    for _ in range(max(calls // 20, 50)):
+        fn()
+    gc.collect()
+    per = []
+    clock = time.perf_counter_ns
+    for _ in range(max(calls // batch, 1)):
+        t0 = clock()
+        for _ in range(batch):
+            fn()
+        per.append((clock() - t0) / batch / 1e3)
+    return statistics.median(per)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--only", nargs="*", help="op names to time (default: all)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    install_fakes()
+    from cutile_kernels import dispatch
+
+    torch.set_grad_enabled(False)  # inference, as in a decode step (no custom-op dispatch)
+    results = {}
+    for name, fn in cases():
+        if args.only and name not in args.only:
+            continue
+        dispatch.reset_stats()
+        fn()
+        launched = sum(dispatch.STATS.launches.values())
+        assert name.startswith("(") or launched >= 1, f"{name} launched nothing: {dispatch.stats()}"
+        results[name] = time_us(fn, args.calls)
+        print(f"{name:28s} {results[name]:7.2f} us/call")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""The per-call host path of the ops on the CPU: the plan cache's keys, the packed parameters of a
+cached plan, the aliasing check on a cached plan, the environment read of CUTILE_KERNELS_DISABLE,
+and the ops' CUDA branch down to the driver call (which is faked, as in
+benchmarks/host_overhead.py). Nothing here needs a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cutile_kernels
+import pytest
+import torch
+from cutile_kernels import dispatch, launcher
+from cutile_kernels.cubin import ArgPacker, param_info
+from cutile_kernels.ops import norm as norm_ops
+from cutile_kernels.ops import rope as rope_ops
+
+BF16 = torch.bfloat16
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, built_package_dir):
+    """CPU tensors take the ops' CUDA path down to cuLaunchKernel, which records its call instead.
+    Yields the list of (symbol, values) launched."""
+    if "sm_90" not in dispatch._registry.registry().archs:
+        pytest.skip("the build has no sm_90 variants")
+    launched = []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+    monkeypatch.setattr(dispatch, "_arch_of", lambda device_index: ((9, 0), "sm_90"))
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_LAUNCHER", launcher.Launcher())
+
+    def load(variant, device_index):
+        packer = ArgPacker(variant.params)
+        assert param_info(variant.cubin.read_bytes(), variant.symbol) == packer.layout
+        return launcher._Loaded(None, packer, variant)
+
+    def launch_values(loaded, grid, values, device_index):
+        loaded.params_address(values)  # the real packing into the ctypes buffer
+        launched.append((loaded.variant.symbol, list(values)))
+
+    monkeypatch.setattr(dispatch._LAUNCHER, "load", load)
+    monkeypatch.setattr(dispatch._LAUNCHER, "launch_values", launch_values)
+    monkeypatch.setenv(dispatch.ENV_STRICT, "1")
+    monkeypatch.delenv(dispatch.ENV_DISABLE, raising=False)
+    dispatch.reset_stats()
+    yield launched
+    dispatch.reset_stats()
+
+
+def _rms_args(rows, hidden, dtype=BF16, offset=0):
+    buf = torch.randn(rows * hidden + offset, dtype=dtype)
+    x = buf[offset:].view(rows, hidden)
+    return (x, torch.randn(hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype), 1e-6)
+
+
+def _run_rms(args):
+    return dispatch.run("rms_norm", norm_ops._want(args[0].shape[1]), args, 2, norm_ops._grid(args[0].shape[0]))
+
+
+def test_plan_cache_is_keyed_by_dtype_shape_class_and_alignment(fake_gpu):
+    assert _run_rms(_rms_args(3, 2048))
+    assert _run_rms(_rms_args(3, 2048))  # same signature, new tensors: the cached plan
+    assert len(dispatch._PLANS) == 1
+    assert _run_rms(_rms_args(5, 2048))  # another row count: another plan, same variant
+    assert len(dispatch._PLANS) == 2 and fake_gpu[2][0] == fake_gpu[0][0]
+    assert _run_rms(_rms_args(3, 2048, torch.float16))  # another dtype: another variant
+    assert _run_rms(_rms_args(3, 4096))  # another BLOCK_N
+    assert _run_rms(_rms_args(3, 2048, offset=1))  # base not 16-byte aligned: the generic layout
+    symbols = [s for s, _ in fake_gpu]
+    assert len(set(symbols[2:])) == 4 and symbols[0] not in symbols[3:], symbols
+    reg = dispatch._registry.registry()
+    tags = {v.symbol: v.tag for v in reg.variants(kernel="rms_norm", arch="sm_90")}
+    assert "generic" in tags[symbols[-1]] and "generic" not in tags[symbols[0]]
+    assert tags[symbols[0]].startswith("bf16") and tags[symbols[3]].startswith("fp16"), tags
+    assert len(dispatch._PLANS) == 5
+
+
+def test_cached_plan_packs_what_a_full_pack_gives(fake_gpu):
+    for _ in range(3):  # the first call makes the plan, the others reuse it with new pointers
+        args = _rms_args(7, 1536)
+        assert _run_rms(args)
+        symbol, values = fake_gpu[-1]
+        v = next(v for v in dispatch._registry.registry().variants(kernel="rms_norm") if v.symbol == symbol)
+        assert values == ArgPacker(v.params).values(args)
+    assert len(dispatch._PLANS) == 1
+
+
+def test_cached_plan_still_refuses_overlapping_inputs(fake_gpu):
+    assert _run_rms(_rms_args(1, 2048))
+    buf = torch.randn(4096, dtype=BF16)
+    x, w = buf[:2048].view(1, 2048), buf[1024:3072]  # same signature as above, but w overlaps x
+    assert dispatch._signature("rms_norm", norm_ops._want(2048), (x, w, torch.empty(1, 2048, dtype=BF16), 1e-6)) \
+        in dispatch._PLANS
+    with pytest.raises(cutile_kernels.FallbackError, match="overlap"):
+        _run_rms((x, w, torch.empty(1, 2048, dtype=BF16), 1e-6))
+
+
+def test_cached_unfit_plan_still_falls_back(fake_gpu):
+    args = _rms_args(2, 2048, torch.float64)
+    for _ in range(2):  # the reason is cached with the signature; the fallback still announces it
+        with pytest.raises(cutile_kernels.FallbackError, match="dtypes"):
+            _run_rms(args)
+    assert len(dispatch._PLANS) == 1
+
+
+def test_disabled_reads_the_environment_at_every_call(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_DISABLE, raising=False)
+    assert dispatch.disabled() is False
+    monkeypatch.setenv(dispatch.ENV_DISABLE, " Yes ")
+    assert dispatch.disabled() is True
+    os.environ[dispatch.ENV_DISABLE] = "0"  # plain assignment, as a user would
+    assert dispatch.disabled() is False
+    os.environ[dispatch.ENV_DISABLE] = "on"
+    assert dispatch.disabled() is True
+    del os.environ[dispatch.ENV_DISABLE]
+    assert dispatch.disabled() is False
+
+
+def test_disabled_wins_over_a_cached_plan(fake_gpu, monkeypatch):
+    args = _rms_args(2, 2048)
+    assert _run_rms(args)
+    monkeypatch.setenv(dispatch.ENV_DISABLE, "1")
+    with pytest.raises(cutile_kernels.FallbackError, match="disabled"):
+        _run_rms(args)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_needs_op(grad):
+    a, b = torch.ones(2), torch.ones(2, requires_grad=True)
+    with torch.set_grad_enabled(grad):
+        assert dispatch.needs_op(a) is False
+        assert dispatch.needs_op(a, b) is grad
+
+
+def test_rope_layout_cache_matches_the_uncached_rule():
+    def uncached(x):
+        big = [d for d in range(x.dim()) if x.shape[d] > 1]
+        order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+        return None if [d for d in order if x.shape[d] > 1] == big else tuple(order)
+
+    base = torch.randn(2, 5, 4, 8)
+    for x in (base, base.transpose(1, 2), base.permute(2, 0, 3, 1), base[:, :1], base.transpose(0, 3)):
+        for _ in range(2):  # computed, then cached
+            out = rope_ops._empty_like_layout(x, BF16)
+            want = torch.empty(x.shape) if uncached(x) is None else torch.empty_permuted(x.shape, uncached(x))
+            assert out.shape == x.shape and out.dtype == BF16 and out.stride() == want.stride()
+    assert rope_ops._result_dtype(BF16, torch.float32, BF16) == torch.float32
+    assert rope_ops._result_dtype(BF16, BF16, BF16) == BF16
+
+
+def test_ops_cuda_branch_shapes_and_launches(fake_gpu):
+    x, res, w = torch.randn(2, 3, 2048, dtype=BF16), torch.randn(2, 3, 2048, dtype=BF16), torch.randn(2048, dtype=BF16)
+    y = cutile_kernels.rms_norm(x, w)
+    assert y.shape == x.shape and y.is_contiguous() and y.dtype == BF16
+    y, s = cutile_kernels.add_rms_norm(x, res, w)
+    assert y.shape == s.shape == x.shape
+    gate, up = torch.randn(4, 1, 512, dtype=BF16), torch.randn(4, 1, 512, dtype=BF16)
+    assert cutile_kernels.silu_and_mul(gate, up).shape == gate.shape
+    assert cutile_kernels.silu(gate).shape == gate.shape
+    assert cutile_kernels.silu_and_mul_fused(torch.randn(3, 1024, dtype=BF16)).shape == (3, 512)
+    q = torch.randn(2, 5, 4, 64, dtype=BF16).transpose(1, 2)  # (B, S, H, D) seen as (B, H, S, D)
+    k = torch.randn(2, 5, 2, 64, dtype=BF16).transpose(1, 2)
+    cos, sin = torch.randn(2, 5, 64, dtype=BF16), torch.randn(2, 5, 64, dtype=BF16)
+    qe, ke = cutile_kernels.apply_rope(q, k, cos, sin)
+    assert qe.shape == q.shape and ke.shape == k.shape and qe.stride() == q.stride() and ke.stride() == k.stride()
+    reg = dispatch._registry.registry()
+    kernels = [next(v.kernel for v in reg.variants() if v.symbol == s) for s, _ in fake_gpu]
+    assert kernels == ["rms_norm", "add_rms_norm", "silu_and_mul", "silu", "silu_and_mul_fused", "rope"]
+    # the rope launch got (B, H, S, 2, D/2) views of q, k, cos, sin and the outputs
+    rope_values = fake_gpu[-1][1]
+    assert rope_values[0] == q.data_ptr() and rope_values[1:6] == [2, 4, 5, 2, 32]
+
+
+def test_host_overhead_harness_runs():
+    env = dict(os.environ, CUTILE_KERNELS_BUILD_DIR=str(ROOT / "build"))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_overhead.py"), "--calls", "200"],
+                         capture_output=True, text=True, env=env, timeout=300, check=False)
+    if "no cuTile build" in out.stdout + out.stderr:
+        pytest.skip("no build")
+    assert out.returncode == 0, out.stderr
+    assert "rms_norm" in out.stdout and "apply_rope" in out.stdout

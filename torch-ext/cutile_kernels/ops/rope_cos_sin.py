@@ -1,0 +1,162 @@
+"""RoPE cos/sin tables in one launch: torch custom op, fake, functional API.
+
+The math is transformers' ``LlamaRotaryEmbedding.forward`` at v5.22.2 (see
+``kernel_src/rope_cos_sin.py``): the rotary embedding's ``inv_freq`` and ``attention_scaling``
+carry every RoPE scaling type, so one formula serves them all. :func:`rope_cos_sin_reference`
+restates it in PyTorch; it is the fallback and the tests' model of what stock transformers computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import torch
+
+from .. import dispatch
+from .._ops import add_op_namespace_prefix
+from ..kernel_src._spec import next_power_of_2
+from ..kernel_src.rope_cos_sin import BLOCKS
+
+KERNEL = "rope_cos_sin"
+MIN_BLOCK, MAX_BLOCK = min(BLOCKS), max(BLOCKS)
+#: Output dtypes the kernel is built for.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rope_cos_sin_reference(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as transformers' ``LlamaRotaryEmbedding.forward`` computes them (v5.22.2,
+    models/llama/modeling_llama.py), with ``x.dtype`` given as ``dtype``: the positions as float32
+    times ``inv_freq`` in float32, concatenated with itself, cos and sin in float32 times
+    ``attention_scaling``, then cast to ``dtype``. Shapes as :func:`rope_cos_sin`."""
+    freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * attention_scaling
+    sin = emb.sin() * attention_scaling
+    return cos.to(dtype=dtype), sin.to(dtype=dtype)
+
+
+def _check(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> None:
+    if inv_freq.dim() != 1 or inv_freq.shape[0] < 1 or not inv_freq.is_floating_point():
+        raise ValueError(f"rope_cos_sin: inv_freq must be a non-empty 1-D float tensor, got {inv_freq.dtype} "
+                         f"{tuple(inv_freq.shape)}")
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise ValueError(f"rope_cos_sin: position_ids must be an integer tensor, got {position_ids.dtype}")
+
+
+def _outputs(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
+    # Contiguous (..., R), as the stock cat/cos/cast chain returns them.
+    shape = (*position_ids.shape, 2 * inv_freq.shape[0])
+    return (torch.empty(shape, dtype=dtype, device=position_ids.device),
+            torch.empty(shape, dtype=dtype, device=position_ids.device))
+
+
+def unsupported(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling, dtype: torch.dtype) -> str | None:
+    """Why the kernel does not take these (already checked) inputs on CUDA, or None if it does."""
+    if inv_freq.device != position_ids.device:
+        return f"inv_freq on {inv_freq.device}, position_ids on {position_ids.device}"
+    if position_ids.dtype != torch.int64:
+        return f"position_ids are {position_ids.dtype} (the kernel takes int64)"
+    if dtype not in DTYPES:
+        return f"output dtype {dtype} (built: bfloat16, float16, float32)"
+    if inv_freq.shape[0] > MAX_BLOCK:
+        return f"rotary dim {2 * inv_freq.shape[0]} > {2 * MAX_BLOCK} (the widest tile)"
+    if not isinstance(attention_scaling, numbers.Real) or isinstance(attention_scaling, bool):
+        return f"attention_scaling is a {type(attention_scaling).__name__}, not a Python number"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _want(half: int) -> tuple:
+    return (("BLOCK", max(MIN_BLOCK, next_power_of_2(half))),)
+
+
+def rope_cos_sin_into(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
+                      cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Launch the kernel on CUDA tensors the kernel takes (:func:`unsupported` is None): ``inv_freq``
+    (H,) float32, ``position_ids`` (...) int64, into new contiguous ``cos``/``sin`` (..., 2H).
+
+    Returns False (nothing written) when no cuTile path fits; the caller then falls back.
+    """
+    half = inv_freq.shape[0]
+    pos = position_ids.reshape(-1)  # a view for the (B, S) tensors transformers makes
+    n = pos.shape[0]
+    args = (inv_freq, pos, cos.view(n, 2, half), sin.view(n, 2, half), float(attention_scaling))
+    return dispatch.run(KERNEL, _want(half), args, 2, lambda c: ((n + c["ROWS"] - 1) // c["ROWS"], 1, 1))
+
+
+def _rope_cos_sin_impl(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(inv_freq, position_ids)
+    cos, sin = _outputs(inv_freq, position_ids, dtype)
+    if position_ids.is_cuda:
+        if cos.numel() == 0:
+            return cos, sin
+        why = unsupported(inv_freq, position_ids, attention_scaling, dtype)
+        if why is None:
+            if rope_cos_sin_into(inv_freq.float(), position_ids, attention_scaling, cos, sin):
+                return cos, sin
+        else:
+            dispatch.fallback(KERNEL, why)
+    else:
+        dispatch.reference_call(KERNEL)
+    ref_cos, ref_sin = rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
+    return cos.copy_(ref_cos), sin.copy_(ref_sin)
+
+
+@torch.library.custom_op(add_op_namespace_prefix(KERNEL), mutates_args=())
+def _rope_cos_sin_op(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope_cos_sin_impl(inv_freq, position_ids, attention_scaling, dtype)
+
+
+@_rope_cos_sin_op.register_fake
+def _rope_cos_sin_fake(inv_freq, position_ids, attention_scaling, dtype):
+    _check(inv_freq, position_ids)
+    return _outputs(inv_freq, position_ids, dtype)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin tables of rotary position embedding in one launch (transformers' formula).
+
+    Args:
+        inv_freq: ``(H,)`` inverse frequencies (radians per position), H = R / 2 for a rotary
+            dimension R (``head_dim``, or ``head_dim * partial_rotary_factor``); float32 as the
+            rotary embedding holds them (other float dtypes are converted, as transformers does).
+        position_ids: ``(B, S)`` (or any shape) integer positions, on the device of the result;
+            per-row positions (left padding) and large positions are fine (converted to float32
+            as transformers converts them: exact up to 2**24).
+        attention_scaling: the rotary embedding's ``attention_scaling`` (1.0 unless yarn /
+            longrope scaling sets it); multiplied in float32.
+        dtype: the model dtype (transformers passes ``x.dtype``).
+
+    Returns:
+        ``(cos, sin)``: contiguous ``(*position_ids.shape, R)`` tensors of ``dtype``, each row
+        ``cat(f, f)`` of its H values ``f``.
+
+    On CUDA this runs one cuTile kernel (prebuilt, else JIT) for int64 positions, R <= 256 and
+    bfloat16 / float16 / float32 results; other inputs take :func:`rope_cos_sin_reference` and log
+    the reason once. On other devices it is :func:`rope_cos_sin_reference` (counted in
+    ``stats()["reference_calls"]``). Under ``torch.compile`` it is the custom op
+    ``<namespace>::rope_cos_sin`` with a fake implementation; no gradients (transformers computes
+    these under ``no_grad``): an input that requires grad takes the reference formula.
+
+    Raises:
+        ValueError: ``inv_freq`` is not a non-empty 1-D float tensor, or ``position_ids`` is not
+            an integer tensor.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    _check(inv_freq, position_ids)
+    if torch.is_grad_enabled() and inv_freq.requires_grad:
+        return rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
+    if torch.compiler.is_compiling():
+        if not isinstance(attention_scaling, numbers.Real):
+            return rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
+        return _rope_cos_sin_op(inv_freq, position_ids, float(attention_scaling), dtype)
+    if not position_ids.is_cuda:  # the reference as is (contiguous, like the op's outputs)
+        dispatch.reference_call(KERNEL)
+        return rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
+    return _rope_cos_sin_impl(inv_freq, position_ids, attention_scaling, dtype)
