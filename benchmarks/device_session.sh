@@ -6,8 +6,9 @@
 #   evaluate   every inventory Solution through `cutile-kernels evaluate --all` (one process):
 #              Traces and the summary come back in evaluate.tgz
 #   rank       autokernelize's ranking of llama-3.2-1b's uncovered regions on the GPU
-#   score      `autokernelize llama-3.2-1b --score $CANDIDATE`: evaluate, then the bench of stock,
-#              cutile~$CANDIDATE and cutile; the results log and the bench report come back
+#   score      `autokernelize llama-3.2-1b --score $CANDIDATE`: evaluate, then the bench of stock and
+#              our build without / with the candidate (cutile~NAME and cutile, or cutile and
+#              cutile+NAME for an opt-in patch); the results log and the bench report come back
 #   bench      `cutile-kernels bench` of $PRESETS (default: llama-3.2-1b qwen3-0.6b), paths
 #              $PATHS (default: stock cutile), decode b=1 and 16, 2 rounds; one .tgz per preset
 #   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
@@ -21,6 +22,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention evaluate rank score bench notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -31,7 +33,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
     local rc=$?
     echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
     tail -15 "$OUT/$name.log"
-    [ "$rc" -eq 0 ] || status=1
+    [ "$rc" -eq 0 ] || [ "$status" -gt 1 ] || status=1
 }
 for stage in "$@"; do
   case "$stage" in
@@ -48,9 +50,11 @@ for stage in "$@"; do
       cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize llama-3.2-1b --top 12 \
           --json /tmp/rank.json ;;
     score)
+      [ -n "${CANDIDATE:-}" ] || { echo "score: set CANDIDATE to the Definition or Solution to score" >&2; status=2; continue; }
+      rm -rf /tmp/score /tmp/autokernelize.tsv
       cp "$root/benchmarks/results/autokernelize.tsv" /tmp/autokernelize.tsv 2>/dev/null || true
       cd "$root" && step score 300 python3 -m cutile_kernels_tools.cli autokernelize llama-3.2-1b \
-          --score "${CANDIDATE:?CANDIDATE}" --log /tmp/autokernelize.tsv --description "${DESCRIPTION:-}" \
+          --score "$CANDIDATE" --log /tmp/autokernelize.tsv --description "${DESCRIPTION:-}" \
           --decode-batch 1 16 --rounds 2 --bench-out /tmp/score/bench --quiet
       mkdir -p /tmp/score && cp /tmp/autokernelize.tsv /tmp/score/ 2>/dev/null
       cp -r "$root/inventory/traces" /tmp/score/ 2>/dev/null
@@ -58,12 +62,13 @@ for stage in "$@"; do
     bench)
       cd /tmp
       for preset in ${PRESETS:-llama-3.2-1b qwen3-0.6b}; do
+        rm -rf "/tmp/bench/$preset"
         step "bench-$preset" "${BENCH_LIMIT:-200}" python3 -m cutile_kernels_tools.cli bench "$preset" \
             --paths ${PATHS:-stock cutile} --decode-batch 1 16 --rounds 2 ${BENCH_ARGS:-} --out "/tmp/bench/$preset" --quiet
         [ -d "/tmp/bench/$preset" ] && tar czf "$OUT/bench-$preset.tgz" -C /tmp/bench "$preset"
       done ;;
     notebooks)
-      mkdir -p /tmp/nb && OUT=/tmp/nb step nb 330 bash "$root/benchmarks/device_notebooks.sh"
+      rm -rf /tmp/nb && mkdir -p /tmp/nb && OUT=/tmp/nb step nb 330 bash "$root/benchmarks/device_notebooks.sh"
       cp /tmp/nb/nb.log "$OUT/notebooks.log"; tar czf "$OUT/notebooks.tgz" -C /tmp/nb . ;;
     *) echo "unknown stage $stage" >&2; status=2 ;;
   esac

@@ -106,13 +106,25 @@ def validate(archs, kernels, specs) -> None:
             raise ValueError(f"unknown kernel {unknown or kernels}; known: {', '.join(known)}")
 
 
+#: Manifest fields that describe how a build went, not what it holds: left out of the build id,
+#: so that two builds of one tree get the same id.
+_VOLATILE = ("compile_s",)
+
+
 def _package_digest(pkg: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(pkg.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and path.name != "_ops.py":
             if path.suffix in (".py", ".json"):
                 h.update(str(path.relative_to(pkg)).encode())
-                h.update(path.read_bytes())
+                data = path.read_bytes()
+                if path.name == "manifest.json":
+                    m = json.loads(data)
+                    for v in m.get("variants", []):
+                        for k in _VOLATILE:
+                            v.pop(k, None)
+                    data = json.dumps(m, sort_keys=True).encode()
+                h.update(data)
     return h.hexdigest()
 
 

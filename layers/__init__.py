@@ -27,12 +27,13 @@ from .attention import cutile_attention_forward, register_attention  # noqa: E40
 register_attention()
 
 
-def kernel_config(build_dir=None, exclude=()):
-    """A transformers ``KernelConfig`` that maps our layers from the local build, without the hub
-    layers and patches named in ``exclude`` (see ``hub.kernel_config``)."""
+def kernel_config(build_dir=None, exclude=(), include=()):
+    """A transformers ``KernelConfig`` that maps our layers from the local build and applies our
+    default patches, without the hub layers and patches named in ``exclude`` and with the opt-in
+    patches named in ``include`` (see ``hub.kernel_config``)."""
     from .hub import kernel_config as _kernel_config
 
-    return _kernel_config(build_dir, exclude=exclude)
+    return _kernel_config(build_dir, exclude=exclude, include=include)
 
 
 def kernelize(model, mode=None, build_dir=None):

@@ -85,10 +85,11 @@ class CutileKernelConfig(KernelConfig):
     """
 
     def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, patch_model=False,
-                 exclude_patches=()):
+                 exclude_patches=(), include_patches=()):
         super().__init__(kernel_mapping, use_local_kernel=use_local_kernel, inherit_mapping=inherit_mapping)
         self.patch_model = patch_model
         self.exclude_patches = tuple(exclude_patches)
+        self.include_patches = tuple(include_patches)
         # Loading rewrites kernel_mapping for the model at hand (rows dropped, emptied off CUDA);
         # each load starts again from the full mapping, so one config serves many models.
         self._full_mapping = dict(self.kernel_mapping or {})
@@ -110,23 +111,40 @@ class CutileKernelConfig(KernelConfig):
         if self.patch_model:
             from .patch import patch
 
-            patch(model, names=_patch_names(self.exclude_patches))
+            patch(model, names=_patch_names(self.exclude_patches, self.include_patches))
 
 
-def _patch_names(exclude) -> list[str]:
+def _patch_names(exclude=(), include=()) -> list[str]:
+    """The patches a config applies: the default ones but ``exclude``, plus the opt-in ``include``."""
     from .patch import PATCHES
 
-    return [n for n, p in PATCHES.items() if p.default and n not in exclude]
+    return [n for n, p in PATCHES.items() if (p.default or n in include) and n not in exclude]
 
 
-def kernel_config(build_dir=None, exclude=()) -> KernelConfig:
+def _names(arg, what: str, known: set) -> tuple:
+    names = (arg,) if isinstance(arg, str) else tuple(arg or ())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"kernel_config({what}=...): unknown name(s) {unknown}; known: {sorted(known)}")
+    return names
+
+
+def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
     """The ``kernel_config`` to pass to ``from_pretrained(..., use_kernels=True)``.
 
     Args:
         build_dir: the ``build/`` directory written by ``cutile-kernels build`` (default:
             ``registry.default_build_dir()``).
         exclude: hub layer names (``"RMSNorm"``) and patch names (``"fused_gate_up"``) to leave
-            out, e.g. to time a model without one kernel (the bench's ``cutile~NAME`` path).
+            out, e.g. to time a model without one kernel (the bench's ``cutile~NAME`` path). A
+            hub layer left out does not turn off a patch that uses the same kernel
+            (``decoder_add_rms_norm`` still fuses the decoder layers' norms).
+        include: opt-in patches (``Patch.default`` False, e.g. ``"rope_cos_sin"``) to apply too
+            (the bench's ``cutile+NAME`` path).
+
+    Raises:
+        ValueError: a name in ``exclude`` that is neither a hub layer of ours nor a patch, or in
+            ``include`` that is no opt-in patch.
 
     Returns:
         A :class:`CutileKernelConfig` mapping each transformers hub layer name in
@@ -140,13 +158,19 @@ def kernel_config(build_dir=None, exclude=()) -> KernelConfig:
             path, dtype=torch.bfloat16, device_map="cuda",
             use_kernels=True, kernel_config=cutile_kernels.kernel_config())
     """
+    from . import MAPPING
+    from .patch import PATCHES
+
+    exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
+    include = _names(include, "include", {n for n, p in PATCHES.items() if not p.default})
     if dispatch.disabled():
         return CutileKernelConfig({}, use_local_kernel=True)
     variant = _built_variant(build_dir)
     if variant is None:
         return CutileKernelConfig({}, use_local_kernel=True)
     mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items() if hub not in exclude}
-    return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True, exclude_patches=exclude)
+    return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True, exclude_patches=exclude,
+                              include_patches=include)
 
 
 def kernelize(model, mode=None, build_dir=None):

@@ -4,6 +4,7 @@ module's own code, the keep/discard rule, the results log and a CPU score."""
 from __future__ import annotations
 
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -154,17 +155,54 @@ def test_results_log_round_trip(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
-def test_score_on_cpu_discards_with_the_reason(tmp_path):
+def test_score_on_cpu_is_not_run_and_not_logged(tmp_path, capsys):
     root = tmp_path / "inventory"
     for sub in ("definitions", "solutions", "workloads"):
         shutil.copytree(ROOT / "inventory" / sub, root / sub)
     log = tmp_path / "log.tsv"
     row = ak.score("tiny", "rms_norm", root=root, log=log, description="norm", checkout=ROOT)
-    assert row["candidate"] == "rms_norm_cutile" and row["status"] == "discard"
-    assert row["eval_status"] == evaluate.NOT_RUN and row["reason"].startswith(f"evaluate: {evaluate.NOT_RUN}: no CUDA")
-    assert ak.read_log(log)[0]["reason"] == row["reason"]
+    assert row["candidate"] == "rms_norm_cutile" and row["status"] == "not_run"
+    assert row["eval_status"] == evaluate.NOT_RUN and "no CUDA" in row["reason"]
+    assert not log.exists()  # nothing measured: no keep/discard row
+    rc = cli.main(["autokernelize", "tiny", "--score", "rms_norm", "--root", str(root), "--log", str(log),
+                   "--device", "cpu", "--quiet"])
+    assert rc == 3 and "not logged" in capsys.readouterr().out and not log.exists()
     with pytest.raises(KeyError, match="no Solution or Definition"):
         ak.score("tiny", "nothing", root=root, log=log, checkout=ROOT)
+
+
+def _fake_path(prefill_tok_s, b1_tok_s):
+    return {"ok": True, "prefill_tokens_per_s": prefill_tok_s, "decode": [{"batch": 1, "tokens_per_s": b1_tok_s}],
+            "coverage": {"ours_time_share": 0.2}}
+
+
+@pytest.mark.parametrize("candidate,baseline,ours", [
+    ("fused_gate_up", "cutile~fused_gate_up", "cutile"),   # a default patch: timed without it
+    ("rope_cos_sin", "cutile", "cutile+rope_cos_sin"),      # an opt-in patch: timed with it
+])
+def test_score_benches_the_candidate_against_our_build_without_it(tmp_path, monkeypatch, candidate, baseline,
+                                                                   ours):
+    from cutile_kernels_tools import bench
+
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: evaluate.Result(f"{candidate}_cutile", candidate, "cuda"))
+    monkeypatch.setattr(ak, "ensure_solution", lambda inv, c, checkout: f"{c}_cutile")
+    monkeypatch.setattr(ak.inventory.Inventory, "load", lambda root: types.SimpleNamespace(
+        root=tmp_path, definitions={candidate: types.SimpleNamespace(name=candidate)}))
+    seen = {}
+
+    def fake_run(model, s, out_dir=None, progress=False):
+        seen["paths"] = s.paths
+        return {"paths": {"stock": _fake_path(900.0, 50.0), baseline: _fake_path(1000.0, 100.0),
+                          ours: _fake_path(1001.0, 94.0)},
+                "gate": {ours: {"passed": True}}, "cutile_kernels_ran": True}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    log = tmp_path / "log.tsv"
+    row = ak.score("tiny", candidate, log=log, checkout=ROOT, bench_overrides={"rounds": 2})
+    assert seen["paths"] == ("stock", baseline, ours)
+    assert row["baseline"] == baseline and row["gate"] == "passed" and row["status"] == "discard"
+    assert row["reason"] == "throughput dropped more than 1%: decode-b1 94.0 < 100.0"
+    assert ak.read_log(log)[0]["baseline"] == baseline
 
 
 def test_cli_lists_regions(tiny, capsys):
@@ -174,8 +212,9 @@ def test_cli_lists_regions(tiny, capsys):
     assert cli.main(["autokernelize", "tiny", "--device", "cpu", "--scaffold", "no.such.region"]) == 2
 
 
-def test_baseline_path_leaves_the_candidate_out():
-    assert ak.baseline_path("fused_gate_up") == "cutile~fused_gate_up"  # a patch
-    assert ak.baseline_path("RMSNorm") == "cutile~RMSNorm"  # a hub layer
-    assert ak.baseline_path("rms_norm") is None  # a Definition with no patch of its name
+def test_bench_paths_for_each_kind_of_candidate():
+    assert ak.bench_paths_for("fused_gate_up") == ("cutile~fused_gate_up", "cutile")  # a default patch
+    assert ak.bench_paths_for("RMSNorm") == ("cutile~RMSNorm", "cutile")  # a hub layer
+    assert ak.bench_paths_for("rope_cos_sin") == ("cutile", "cutile+rope_cos_sin")  # an opt-in patch
+    assert ak.bench_paths_for("rms_norm") == (None, "cutile")  # a Definition with no patch of its name
     assert "baseline" in ak.LOG_COLUMNS

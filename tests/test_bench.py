@@ -256,7 +256,13 @@ def test_path_specs_and_the_without_form(capsys):
     s = paths.spec("cutile~fused_gate_up")
     assert s.ours and s.exclude == ("fused_gate_up",) and s.name == "cutile~fused_gate_up"
     assert paths.spec("cutile~RMSNorm").exclude == ("RMSNorm",)  # a hub layer name works too
-    for bad in ("cutile~nope", "stock~fused_gate_up", "cutile~", "warp-drive"):
+    w = paths.spec("cutile+rope_cos_sin")  # an opt-in patch is timed by adding it
+    assert w.ours and w.include == ("rope_cos_sin",) and w.exclude == ()
+    with pytest.raises(KeyError, match="is opt-in"):
+        paths.spec("cutile~rope_cos_sin")  # would be the same model as cutile
+    with pytest.raises(KeyError, match="no opt-in patch"):
+        paths.spec("cutile+fused_gate_up")  # already in cutile
+    for bad in ("cutile~nope", "stock~fused_gate_up", "cutile~", "cutile+", "warp-drive"):
         with pytest.raises(KeyError):
             paths.spec(bad)
     with pytest.raises(SystemExit):

@@ -335,3 +335,23 @@ def test_matrix_order_and_tags():
             layouts = [s.tag.rsplit(".", 1)[1] for s in specs if s.kernel == kernel and s.tag.startswith(d + ".")]
             assert layouts == sorted(layouts)  # "aligned" < "generic"
             assert layouts.count("aligned") == layouts.count("generic") > 0
+
+
+def test_build_id_ignores_compile_times(tmp_path):
+    # Two builds of one tree differ only in how long each variant took: same id.
+    import json
+
+    from cutile_kernels_build import _package_digest
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "ops.py").write_text("x = 1\n")
+    manifest = {"format": 1, "variants": [{"kernel": "k", "variant": "v", "compile_s": 1.5, "cubin_bytes": 10}]}
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    first = _package_digest(pkg)
+    manifest["variants"][0]["compile_s"] = 9.25
+    (pkg / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    assert _package_digest(pkg) == first
+    manifest["variants"][0]["cubin_bytes"] = 11  # what the build holds does change it
+    (pkg / "manifest.json").write_text(json.dumps(manifest))
+    assert _package_digest(pkg) != first

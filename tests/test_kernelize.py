@@ -318,6 +318,21 @@ def test_kernel_config_exclude_leaves_out_layers_and_patches(ckpt, variant, pret
     assert "decoder_add_rms_norm" in seen[0] and "rope_cos_sin" not in seen[0]  # opt-in patches stay out
 
 
+def test_kernel_config_checks_its_names(variant):
+    from cutile_kernels.layers import hub
+
+    with pytest.raises(ValueError, match="unknown name"):
+        cutile_kernels.kernel_config(build_dir=variant.parent, exclude=["Bogus"])
+    with pytest.raises(ValueError, match="unknown name"):
+        cutile_kernels.kernel_config(build_dir=variant.parent, include=["fused_gate_up"])  # not opt-in
+    one = cutile_kernels.kernel_config(build_dir=variant.parent, exclude="fused_gate_up")  # one name as a str
+    assert one.exclude_patches == ("fused_gate_up",)
+    assert cutile_kernels.kernel_config(build_dir=variant.parent, exclude=None).exclude_patches == ()
+    cfg = cutile_kernels.kernel_config(build_dir=variant.parent, include=["rope_cos_sin"])
+    assert "rope_cos_sin" in hub._patch_names(cfg.exclude_patches, cfg.include_patches)
+    assert "rope_cos_sin" not in hub._patch_names()
+
+
 def test_kernel_config_disabled(monkeypatch, variant):
     monkeypatch.setenv("CUTILE_KERNELS_DISABLE", "1")
     cfg = cutile_kernels.kernel_config(build_dir=variant.parent)

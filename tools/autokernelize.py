@@ -13,9 +13,10 @@ what helps end to end.
    GPU) and, only if that passes, the end-to-end bench (logit gates and throughput), then appends
    keep or discard with the reason to the results log (:data:`LOG_COLUMNS`). A candidate is kept
    only if every gate passes and no throughput figure drops by more than ``tolerance`` below the
-   baseline: the same build without the candidate, timed in the same bench run (the path
-   ``cutile~<name>``, when the candidate is a patch or hub layer named after its Definition), else
-   the last kept row, else stock.
+   baseline: our build without the candidate, timed in the same bench run (``cutile~<name>``
+   against ``cutile``, or ``cutile`` against ``cutile+<name>`` for an opt-in patch, when the
+   candidate is a patch or hub layer named after its Definition), else the last kept row, else
+   stock.
 """
 
 from __future__ import annotations
@@ -613,26 +614,30 @@ def entry_body(d, family: str) -> str | None:
     return "\n".join([*lines, f"return _op({', '.join(args)})"])
 
 
-def baseline_path(definition: str) -> str | None:
-    """The bench path of our model without the candidate -- ``cutile~<definition>`` when a patch or
-    hub layer of that name is ours (the candidate's convention: its patch carries the Definition's
-    name) -- or None when the candidate cannot be left out (then the last kept row, or stock, is
-    the baseline)."""
+def bench_paths_for(definition: str) -> tuple[str | None, str]:
+    """(baseline path, candidate path) of the bench for a candidate named ``definition``: a
+    default patch or hub layer of that name is timed as ``cutile`` against ``cutile~<name>`` (our
+    build without it), an opt-in patch as ``cutile+<name>`` against ``cutile``; anything else as
+    ``cutile`` with no baseline path (then the last kept row, or stock, is the baseline)."""
     from cutile_kernels import layers
     from cutile_kernels.layers import patch
 
-    if definition in patch.PATCHES or definition in layers.MAPPING:
-        return f"cutile~{definition}"
-    return None
+    p = patch.PATCHES.get(definition)
+    if p is not None and not p.default:
+        return "cutile", f"cutile+{definition}"
+    if p is not None or definition in layers.MAPPING:
+        return f"cutile~{definition}", "cutile"
+    return None, "cutile"
 
 
 def score(model: str, candidate: str, *, root: Path | None = None, log: Path | None = None, description: str = "",
           tolerance: float = 0.01, device: str | None = None, bench_settings=None, checkout: Path | None = None,
           progress: bool = False, bench_overrides: dict | None = None, bench_out: Path | None = None) -> dict:
     """Evaluate ``candidate``, bench ``model`` if that passed, decide, append to the log; returns the row.
+    Without CUDA the evaluation cannot run: the row's status is ``not_run`` and nothing is logged.
 
-    The bench runs ``bench_settings`` if given, else the default settings with the paths stock,
-    ``cutile~<candidate>`` (see :func:`baseline_path`) and cutile, updated by ``bench_overrides``
+    The bench runs ``bench_settings`` if given, else the default settings with stock and the paths
+    of :func:`bench_paths_for`, updated by ``bench_overrides``
     (BenchSettings fields, e.g. ``{"rounds": 2}``); its report is written to ``bench_out`` if given.
 
     Raises:
@@ -650,15 +655,18 @@ def score(model: str, candidate: str, *, root: Path | None = None, log: Path | N
     row = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": commit_id(checkout), "model": model, "candidate": solution, "eval_status": result.status,
            "description": description}
+    if result.status == evaluate.NOT_RUN:  # nothing was measured: nothing to keep or discard, no log row
+        row.update(status="not_run", reason=result.message)
+        return row
     gate = now = base = None
     if result.status == "PASSED":
-        without = baseline_path(inv.definitions[result.definition].name)
-        paths_wanted = ("stock", "cutile") if without is None else ("stock", without, "cutile")
+        without, with_ = bench_paths_for(inv.definitions[result.definition].name)
+        paths_wanted = ("stock", with_) if without is None else ("stock", without, with_)
         s = bench_settings or bench.BenchSettings(paths=paths_wanted, **(bench_overrides or {}))
         report = bench.run(model, s, out_dir=bench_out, progress=progress)
         paths = report["paths"]
-        ours = paths.get("cutile", {})
-        gate = bool(report.get("gate", {}).get("cutile", {}).get("passed")) and bool(report.get("cutile_kernels_ran"))
+        ours = paths.get(with_, {})
+        gate = bool(report.get("gate", {}).get(with_, {}).get("passed")) and bool(report.get("cutile_kernels_ran"))
         if ours.get("ok"):
             now = throughput(ours)
             cov = ours.get("coverage")
@@ -666,7 +674,7 @@ def score(model: str, candidate: str, *, root: Path | None = None, log: Path | N
             row.update(prefill_tok_s=f"{now['prefill']:.2f}",
                        decode_tok_s=json.dumps({k: round(v, 2) for k, v in now.items() if k != "prefill"}))
         if without is not None and paths.get(without, {}).get("ok"):
-            base = throughput(paths[without])  # the same build without the candidate, same run
+            base = throughput(paths[without])  # our build without the candidate, same run
             row["baseline"] = without
         else:
             base = last_kept(read_log(log or checkout / DEFAULT_LOG), model)

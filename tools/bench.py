@@ -236,7 +236,7 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
     report = {"schema": SCHEMA, "model": label, "checkpoint": str(checkpoint),
               "environment": _environment(s), "settings": asdict(s), "paths": {}, "skipped": {}}
     runnable = []
-    for name in s.paths:
+    for name in dict.fromkeys(s.paths):  # a path named twice runs once
         why = bench_paths.spec(name).unavailable(s.device)
         if why:
             report["skipped"][name] = why

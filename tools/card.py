@@ -433,7 +433,8 @@ def render(repo_id: str, variant_dir: Path, inventory_dir: Path | None = None, b
         "```", "",
         ("The `cutile-kernels` Python package (installed from its source repository, not on PyPI) does "
          "the same from a local build (`cutile_kernels.kernel_config()`), applies the fused-weight and "
-         "fused-residual patches the hub mapping cannot express (`cutile_kernels.patch`), and adds the "
+         "fused-residual patches the hub mapping cannot express (`cutile_kernels.patch`; opt-in patches only "
+         "when named), and adds the "
          "benchmark and the coverage report."), "",
     ]
     lines += ["## Available functions", "", *[f"- `{f}`" for f in functions], "",
@@ -478,7 +479,11 @@ def render(repo_id: str, variant_dir: Path, inventory_dir: Path | None = None, b
         if inv["perf"]:
             lines += [("Per (definition, solution, hardware), over the workloads its traces evaluated: "
                        "speedup is the reference's latency over the solution's (`speedup_factor`), median "
-                       "(min-max) over the passed workloads; errors are the largest over them."), ""]
+                       "(min-max) over the passed workloads; errors are the largest over them. The reference is "
+                       "the Definition's PyTorch formula run eagerly (host time included), not the library "
+                       "transformers would dispatch to: attention's reference is a plain float32 softmax "
+                       "attention, not sdpa / cuDNN, so its speedup says nothing about sdpa (the End to end "
+                       "section below is the comparison that counts)."), ""]
             lines += _table(["definition", "solution", "hardware", "passed", "speedup", "latency ms (ref)",
                              "max abs err", "max rel err", "libraries", "source"],
                             [[f"`{r['definition']}`", f"`{r['solution']}`", r["hardware"],

@@ -148,6 +148,9 @@ def _autokernelize(args) -> int:
                        bench_out=Path(args.bench_out) if args.bench_out else None)
         for k in ak.LOG_COLUMNS:
             print(f"{k:>13}: {row.get(k, '')}")
+        if row["status"] == "not_run":
+            print("not logged: the candidate was not evaluated (no CUDA device)")
+            return 3
         return 0 if row["status"] == "keep" else 1
     model, label, device = ak.load_model(args.model, args.device, args.seed)
     found = ak.regions(model, device, steps=args.steps, prompt_len=args.prompt_len, seed=args.seed)

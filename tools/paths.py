@@ -11,8 +11,9 @@
                    (attention stays transformers' sdpa)
 ``cutile-attn``    ours with our attention kernel too: ``attn_implementation="cutile"``
 ``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
-``cutile~NAME``    ours without one patch or hub layer ``NAME`` (not among the defaults): the
-                   baseline that ``autokernelize --score`` times a candidate against
+``cutile~NAME``    ours without one default patch or hub layer ``NAME``, and ``cutile+NAME`` ours
+                   with the opt-in patch ``NAME`` (not among the defaults): what
+                   ``autokernelize --score`` times a candidate against / with
 =================  ==============================================================================
 """
 
@@ -34,8 +35,9 @@ class PathSpec:
     ours: bool = False
     #: ``attn_implementation`` to load with (None: transformers' default, sdpa).
     attn: str | None = None
-    #: Patch or hub layer names left out of our kernel_config (see :func:`spec`).
+    #: Patch or hub layer names left out of our kernel_config, opt-in patches added (:func:`spec`).
     exclude: tuple = ()
+    include: tuple = ()
 
     def unavailable(self, device: str) -> str | None:
         """Why this path cannot run here, or None."""
@@ -65,42 +67,57 @@ PATHS = {p.name: p for p in [
 ]}
 
 
-#: Separator of the ``cutile~NAME`` path form.
-WITHOUT = "~"
+#: Separators of the ``cutile~NAME`` (without) and ``cutile+NAME`` (with) path forms.
+WITHOUT, WITH = "~", "+"
 
 
 def spec(name: str) -> PathSpec:
-    """The PathSpec of a path name: one of :data:`PATHS`, or ``cutile~NAME`` (``cutile`` without
-    the patch or hub layer ``NAME``).
+    """The PathSpec of a path name: one of :data:`PATHS`, ``cutile~NAME`` (``cutile`` without the
+    default patch or hub layer ``NAME``) or ``cutile+NAME`` (``cutile`` with the opt-in patch
+    ``NAME`` too).
 
     Raises:
-        KeyError: unknown path, or a ``cutile~NAME`` whose NAME is neither a registered patch nor a
-            hub layer of our mapping.
+        KeyError: an unknown path, or a NAME that the form cannot change (``~``: neither a default
+            patch nor a hub layer of ours; ``+``: no opt-in patch).
     """
     if name in PATHS:
         return PATHS[name]
-    base, sep, left_out = name.partition(WITHOUT)
-    if sep and base == "cutile" and left_out:
-        from cutile_kernels import layers
-        from cutile_kernels.layers import patch
+    for sep in (WITHOUT, WITH):
+        base, found, part = name.partition(sep)
+        if found and base == "cutile" and part:
+            break
+    else:
+        raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, cutile{WITHOUT}<default patch or "
+                       f"hub layer>, cutile{WITH}<opt-in patch>")
+    from cutile_kernels import layers
+    from cutile_kernels.layers import patch
 
-        known = set(patch.PATCHES) | set(layers.MAPPING)
-        if left_out not in known:
-            raise KeyError(f"path {name!r}: {left_out!r} is no patch or hub layer of ours; known: {sorted(known)}")
-        return PathSpec(name, f"cutile-kernels without {left_out!r}", ours=True, exclude=(left_out,))
-    raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)} or cutile{WITHOUT}<patch or hub layer>")
+    opt_in = {n for n, p in patch.PATCHES.items() if not p.default}
+    if sep == WITH:
+        if part not in opt_in:
+            raise KeyError(f"path {name!r}: {part!r} is no opt-in patch (cutile applies the default ones); "
+                           f"opt-in: {sorted(opt_in)}")
+        return PathSpec(name, f"cutile-kernels with the opt-in patch {part!r}", ours=True, include=(part,))
+    known = (set(patch.PATCHES) - opt_in) | set(layers.MAPPING)
+    if part in opt_in:
+        raise KeyError(f"path {name!r}: {part!r} is opt-in, cutile does not apply it (time cutile{WITH}{part} "
+                       "against cutile)")
+    if part not in known:
+        raise KeyError(f"path {name!r}: {part!r} is no patch or hub layer of ours; known: {sorted(known)}")
+    return PathSpec(name, f"cutile-kernels without {part!r}", ours=True, exclude=(part,))
 
 
 def load(path: str, checkpoint: Path, dtype: torch.dtype, device: str):
     """Load ``checkpoint`` the way ``path`` runs it (in the calling process: patches stay there)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path_spec = spec(path) if path in PATHS or WITHOUT in path else None
+    path_spec = spec(path) if path in PATHS or WITHOUT in path or WITH in path else None
     kw = {}
     if path_spec is not None and path_spec.ours:
         import cutile_kernels
 
-        kw = {"use_kernels": True, "kernel_config": cutile_kernels.kernel_config(exclude=path_spec.exclude)}
+        kw = {"use_kernels": True,
+              "kernel_config": cutile_kernels.kernel_config(exclude=path_spec.exclude, include=path_spec.include)}
     if path_spec is not None and path_spec.attn:
         kw["attn_implementation"] = path_spec.attn
     if path == "tilegym":
