@@ -93,8 +93,11 @@ def _source_digest(module: str) -> str:
     """Digest of the family's source and the shared spec module (what a cubin depends on)."""
     root = Path(kernel_src.__file__).parent
     source = Path(importlib.import_module(module).__file__) if "." in module else root / f"{module}.py"
+    # A family that calls another family's device helpers names it in KERNEL_DEPENDS (qk_norm_rope).
+    deps = getattr(importlib.import_module(module if "." in module else f"{kernel_src.__name__}.{module}"),
+                   "KERNEL_DEPENDS", ())
     h = hashlib.sha256()
-    for path in (source, root / "_spec.py"):
+    for path in (source, root / "_spec.py", *(root / f"{d}.py" for d in deps)):
         h.update(path.read_bytes())
     return h.hexdigest()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 #: The op families, i.e. the modules of this package that hold kernels.
-FAMILIES = ("norm", "activation", "rope", "attention", "rope_cos_sin")
+FAMILIES = ("norm", "activation", "rope", "attention", "rope_cos_sin", "qk_norm_rope")
 
 
 def family_module(name: str):

@@ -28,7 +28,8 @@ stock keys; mlp.py's hooks do.)
 The first patch here, ``decoder_add_rms_norm``, fuses the decoder layer's residual adds into the
 RMSNorms that follow them (see :func:`fuse_decoder_layers`); ``fused_gate_up`` (``mlp.py``) stacks
 the SwiGLU gate/up projections; ``rope_cos_sin`` (``rope_cos_sin.py``) computes the rotary
-embedding's cos/sin tables in one launch.
+embedding's cos/sin tables in one launch; ``qk_norm_rope`` (``qk_norm_rope.py``, opt-in) runs
+Qwen3 attention's q_norm, k_norm and RoPE in one launch.
 """
 
 from __future__ import annotations
@@ -422,4 +423,11 @@ from .rope_cos_sin import patch_rotary_embeddings, unpatch_rotary_embeddings  # 
 # correct everywhere, but no throughput gain that the bench could tell from the host's drift.
 register(Patch("rope_cos_sin", apply=patch_rotary_embeddings, undo=unpatch_rotary_embeddings,
                description="the rotary embedding's cos/sin tables (LlamaRotaryEmbedding code) on one cuTile launch",
+               default=False))
+
+from .qk_norm_rope import patch_qk_norm_rope, unpatch_qk_norm_rope  # noqa: E402
+
+# Opt-in: written without a GPU; not yet validated on one (parity, speed).
+register(Patch("qk_norm_rope", apply=patch_qk_norm_rope, undo=unpatch_qk_norm_rope,
+               description="Qwen3 attention's q_norm, k_norm and RoPE (Qwen3Attention code) on one cuTile launch",
                default=False))

@@ -190,13 +190,15 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     model.save_pretrained(tmp_path / "stock")
     report = cutile_kernels.patch(model, names=list(patcher.PATCHES))  # the opt-in one too
     n = len(_decoder_layers(model))
-    assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1}
-    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin"]
+    qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # opt-in, Qwen3 attention only
+    assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0, **qk}
+    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin", *qk]
     assert torch.equal(_logits(model, ids).logits, want)
     model.save_pretrained(tmp_path / "patched")
     a = (tmp_path / "stock" / "model.safetensors").read_bytes()
     assert (tmp_path / "patched" / "model.safetensors").read_bytes() == a
-    assert cutile_kernels.unpatch(model).changed == {"rope_cos_sin": 1, "fused_gate_up": n, "decoder_add_rms_norm": n}
+    assert cutile_kernels.unpatch(model).changed == {**qk, "rope_cos_sin": 1, "fused_gate_up": n,
+                                                     "decoder_add_rms_norm": n}
     assert torch.equal(_logits(model, ids).logits, want)
 
 
@@ -322,7 +324,7 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         report = cutile_kernels.patch(model, names=list(patcher.PATCHES))
     # GELU MLP; the rotary embedding is Llama's code (its own, opt-in patch).
-    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1}
+    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1, "qk_norm_rope": 0}
     assert report.active == ["rope_cos_sin"]
     assert not any(_fused(layer) for layer in _decoder_layers(model))
     assert "leaves 3 GemmaDecoderLayer alone: its post_attention_layernorm is not a Llama-formula RMSNorm" \

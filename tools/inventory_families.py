@@ -1,4 +1,4 @@
-"""Inventory entries generated from code for the activation, rope and attention families.
+"""Inventory entries generated from code for the activation, rope, attention and qk_norm_rope families.
 
 Each :class:`Entry` is one Definition -- its ``run`` is the source of the op's PyTorch reference
 functions (``cutile_kernels.ops.<family>``), which restate a pinned transformers source -- with its
@@ -66,7 +66,7 @@ class Entry:
 
 def entries() -> list[Entry]:
     """Every generated entry, in family order (activation, rope, attention)."""
-    return [*_activation(), _rope(), _attention()]
+    return [*_activation(), _rope(), _attention(), _qk_norm_rope()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -309,3 +309,65 @@ def _attention() -> Entry:
             "for decode grids that would underfill the GPU, so this entry forces the split on every Workload), "
             f"prebuilt per variant of the build matrix for {', '.join(DEFAULT_ARCHS)}.")),
     ])
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_norm_rope: Qwen3Attention's q_norm / k_norm then apply_rotary_pos_emb
+# ---------------------------------------------------------------------------------------------
+
+QWEN3 = "src/transformers/models/qwen3/modeling_qwen3.py"
+
+
+def _qk_norm_rope() -> Entry:
+    from . import presets
+
+    norm, rope, ops = _ops("norm"), _ops("rope"), _ops("qk_norm_rope")
+    src = f"{QWEN3}::Qwen3Attention.forward"
+    axes = {
+        "batch": AxisVar(description="batch size"),
+        "seq_len": AxisVar(description="tokens per sequence in this forward (1 when decoding)"),
+        "num_q_heads": AxisVar(description="config.num_attention_heads"),
+        "num_kv_heads": AxisVar(description="config.num_key_value_heads"),
+        "head_dim": AxisVar(description="config.head_dim, all of it rotated (partial_rotary_factor 1)"),
+    }
+
+    def spec(shape, what):
+        return TensorSpec(shape=shape, dtype="bfloat16", description=what)
+
+    q_shape, k_shape = ["batch", "num_q_heads", "seq_len", "head_dim"], ["batch", "num_kv_heads", "seq_len", "head_dim"]
+    cs = ["batch", "seq_len", "head_dim"]
+    d = Definition(
+        name="qk_norm_rope", op_type="qk_norm_rope", axes=axes,
+        inputs={"q": spec(q_shape, "q_proj(x) viewed (B, S, Hq, D), heads before positions, before q_norm"),
+                "k": spec(k_shape, "k_proj(x), likewise, before k_norm"),
+                "q_weight": spec(["head_dim"], "q_norm.weight"),
+                "k_weight": spec(["head_dim"], "k_norm.weight"),
+                "eps": TensorSpec(shape=None, dtype="float32", description="the norms' variance_epsilon "
+                                                                           "(config.rms_norm_eps)"),
+                "cos": spec(cs, "cos of the rotary angles per position, as the model's rotary embedding returns it"),
+                "sin": spec(cs, "sin of the rotary angles, likewise")},
+        outputs={"q_embed": spec(q_shape, "apply_rotary_pos_emb of q_norm(q): each op rounded to the dtype"),
+                 "k_embed": spec(k_shape, "likewise for k with k_norm")},
+        reference=reference_source(
+            [norm.rms_norm_reference, rope._rotate_half, rope._rotate, rope.apply_rope_reference,
+             ops.qk_norm_rope_reference], ["q", "k", "q_weight", "k_weight", "eps", "cos", "sin"],
+            "return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)",
+            _header(src, "q_norm / k_norm (Qwen3RMSNorm: LlamaRMSNorm's formula over head_dim), then "
+                         "apply_rotary_pos_emb(q, k, cos, sin) (Llama's formula).", "cutile_kernels.ops.qk_norm_rope")),
+        tags=["family:qk_norm_rope", f"source:transformers@v{TRANSFORMERS_PIN}:{src}",
+              *[f"model:{p}" for p in WORKLOAD_PRESETS if presets.PRESETS[p].config["model_type"] == "qwen3"]],
+        description=(f"Qwen3's per-head q/k RMSNorm followed by RoPE, fused (transformers v{TRANSFORMERS_PIN}, {src}: "
+                     "q_norm, k_norm, then apply_rotary_pos_emb), with the cos/sin the rotary embedding computed."),
+        constraints=["head_dim % 2 == 0"],
+    )
+    rows = []
+    for preset in WORKLOAD_PRESETS:
+        cfg = presets.PRESETS[preset].config
+        if cfg["model_type"] != "qwen3":
+            continue  # only Qwen3 has per-head q/k norms
+        m = model_shapes(preset)
+        for phase, (batch, seq) in PHASES.items():
+            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
+                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
+                                 inputs=_inputs(d, eps=float(cfg["rms_norm_eps"])), uuid=f"{preset}/{phase}"))
+    return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope", "qk_norm_rope")])

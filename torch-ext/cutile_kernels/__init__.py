@@ -18,6 +18,7 @@ from .dispatch import FallbackError, reset_stats, stats
 from .layers import kernel_config, kernelize
 from .ops import attention, attention_reference
 from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
+from .ops import qk_norm_rope, qk_norm_rope_reference
 from .layers.patch import patch, unpatch
 from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference, silu, silu_and_mul,
                   silu_and_mul_fused, silu_and_mul_fused_reference, silu_and_mul_reference, silu_reference)
@@ -37,6 +38,8 @@ __all__ = [
     "kernelize",
     "layers",
     "patch",
+    "qk_norm_rope",
+    "qk_norm_rope_reference",
     "registry",
     "reset_stats",
     "rms_norm",

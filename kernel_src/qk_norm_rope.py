@@ -1,0 +1,140 @@
+"""Qwen3's per-head q/k RMSNorm fused with RoPE, for q and k in one launch: cuTile device code and
+build matrix.
+
+Math: what transformers' ``Qwen3Attention.forward`` (models/qwen3/modeling_qwen3.py at v5.22.2)
+does between the projections and the KV cache, with its rounding order::
+
+    q = q_norm(q_proj(x).view(B, S, Hq, D)).transpose(1, 2)     # Qwen3RMSNorm = LlamaRMSNorm's formula
+    k = k_norm(k_proj(x).view(B, S, Hk, D)).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)                  # Llama's formula
+
+i.e. per head row ``x`` of D elements, with ``round`` = round to the input dtype::
+
+    n   = round(weight * round(x * rsqrt(mean(x ** 2) + eps)))    # normalised in float32 (norm.py)
+    out = rope(n, cos, sin)                                        # each op rounded as torch (rope.py)
+
+The device code is norm.py's helpers (``_sum_sq``, ``_inv_rms``, ``_scale``) and rope.py's
+(``_half``, ``_rounded_mul``), so the two formulas are the ones those kernels already reproduce;
+the only new thing is that the normalised head never leaves the registers. Full rotary only
+(cos/sin as wide as the head); partial rotary is a declared fallback on the host.
+
+Layout handed to the kernel, as rope.py: q (B, Hq, S, D) and k (B, Hk, S, D) as transformers
+passes them (the projection output, a (B, S, H, D) buffer, seen transposed) viewed as
+(..., 2, D/2); cos/sin (B or 1, S, 2, D/2); the weights (2, D/2). The row's sum of squares is
+the sum over both halves. ``D/2`` is loaded as the next power of two with zero padding (zeros add
+nothing to the sum; the mean divides by the true D); padded lanes, rows and heads are masked on
+store.
+
+Estimate, written before the kernel (Amdahl, ``1 / (1 - f + f / s)``), from the H200 profile of
+Qwen3-0.6B (bench coverage):
+
+* Device time: q_norm + k_norm (our rms_norm kernel, 2 launches per layer) are 8.5 % of it and
+  RoPE (our rope kernel, 1 launch) 4.5 %, so f = 13 %. Fused, the head rows are read and written
+  once instead of twice (the norms' output is RoPE's input): about half the bytes, s ~= 1.5-2,
+  ceiling on device time 1 / (1 - 0.13 + 0.13 / 1.5) ~= 1.045, i.e. ~1.04.
+* Host time (eager decode, host-bound): 2 of the 3 launches per layer go, 56 launches of ~25 us
+  each on a 28-layer model out of a ~20 ms step: f ~= 7 % of the step, s -> inf for what is
+  removed, ceiling ~= 1 / (1 - 0.07) ~= 1.075 on decode tokens/s; less under CUDA graphs or
+  torch.compile, where the host cost is gone.
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
+# The helpers are the norm and rope kernels' own (one formula each); the builder hashes these
+# modules into this family's variants (KERNEL_DEPENDS), so a change there rebuilds this kernel.
+from .norm import _inv_rms, _scale, _sum_sq
+from .rope import _half, _rounded_mul
+
+ZERO = ct.PaddingMode.ZERO
+RN = ct.RoundingMode.RN  # read by norm.py's helpers when they are compiled in this module's scope
+
+#: kernel_src modules whose device code this family calls.
+KERNEL_DEPENDS = ("norm", "rope")
+
+
+@ct.function
+def _norm_rotate(x, w, out, b, h, s, c1, c2, s1, s2, eps, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
+                 HEADS: ct.Constant[int]):
+    # x, out: (B, H, S, 2, D/2); w: (2, D/2); (b, h, s) index tiles of (1, HEADS, ROWS); c*, s*:
+    # (1, ROWS, BLOCK) float32 tiles of cos and sin shared by the HEADS heads.
+    shape = (1, HEADS, ROWS, 1, BLOCK)
+    rows = (HEADS * ROWS, BLOCK)  # one head row per tile row: norm.py's helpers reduce axis 1
+    x1 = ct.reshape(ct.load(x, index=(b, h, s, 0, 0), shape=shape, padding_mode=ZERO), rows).astype(ct.float32)
+    x2 = ct.reshape(ct.load(x, index=(b, h, s, 1, 0), shape=shape, padding_mode=ZERO), rows).astype(ct.float32)
+    w1 = ct.load(w, index=(0, 0), shape=(1, BLOCK), padding_mode=ZERO).astype(ct.float32)
+    w2 = ct.load(w, index=(1, 0), shape=(1, BLOCK), padding_mode=ZERO).astype(ct.float32)
+    inv_rms = _inv_rms(_sum_sq(x1, x.dtype) + _sum_sq(x2, x.dtype), x.shape[3] * x.shape[4], eps)
+    # The normed head rounded to the dtype (the q_norm module's output), back to float32 for RoPE.
+    heads = (HEADS, ROWS, BLOCK)
+    n1 = ct.reshape(_scale(x1, inv_rms, w1, x.dtype).astype(x.dtype).astype(ct.float32), heads)
+    n2 = ct.reshape(_scale(x2, inv_rms, w2, x.dtype).astype(x.dtype).astype(ct.float32), heads)
+    o1 = _rounded_mul(n1, c1, x.dtype) - _rounded_mul(n2, s1, x.dtype)
+    o2 = _rounded_mul(n2, c2, x.dtype) + _rounded_mul(n1, s2, x.dtype)
+    ct.store(out, index=(b, h, s, 0, 0), tile=ct.reshape(o1.astype(out.dtype), shape))
+    ct.store(out, index=(b, h, s, 1, 0), tile=ct.reshape(o2.astype(out.dtype), shape))
+
+
+@ct.kernel
+def qk_norm_rope_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps: float, BLOCK: ct.Constant[int],
+                        ROWS: ct.Constant[int], HEADS: ct.Constant[int]):
+    """RMSNorm then RoPE of ROWS positions of HEADS heads of q or of k per block.
+
+    q, q_out: (B, Hq, S, 2, D/2); k, k_out: (B, Hk, S, 2, D/2); q_weight, k_weight: (2, D/2);
+    cos, sin: (B or 1, S, 2, D/2); D/2 <= BLOCK. Grid: (cdiv(S, ROWS), cdiv(Hq, HEADS) +
+    cdiv(Hk, HEADS), B), the first cdiv(Hq, HEADS) head tiles q's, the rest k's (as rope_kernel).
+    """
+    s = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    cb = b % cos.shape[0]  # cos/sin of batch 1 serve every row
+    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
+    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
+    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
+    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    q_tiles = ct.cdiv(q.shape[1], HEADS)
+    if h < q_tiles:
+        _norm_rotate(q, q_weight, q_out, b, h, s, c1, c2, s1, s2, eps, BLOCK, ROWS, HEADS)
+    else:
+        _norm_rotate(k, k_weight, k_out, b, h - q_tiles, s, c1, c2, s1, s2, eps, BLOCK, ROWS, HEADS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build matrix
+# ---------------------------------------------------------------------------------------------
+
+#: Half-widths built (D/2 padded up to one of them): 32 serves head_dim <= 64, 64 serves 80, 96
+#: and 128 (Qwen3), 128 serves 256. Wider heads take the PyTorch path.
+BLOCKS = (32, 64, 128)
+#: Heads per tile, as rope.py: the block's cos/sin tiles serve all of them.
+HEADS = 4
+#: Positions per tile: 4096 elements of q or k per tile (HEADS * ROWS * 2 * BLOCK), as rope.py.
+ROWS = {32: 16, 64: 8, 128: 4}
+
+
+def _params(dtype: str, layout: str, consts: dict):
+    params = [array(a, dtype, 5, layout) for a in ("q", "k")]
+    params += [array(a, dtype, 2, layout) for a in ("q_weight", "k_weight")]
+    params += [array(a, dtype, 4, layout) for a in ("cos", "sin")]
+    params += [array(a, dtype, 5, layout) for a in ("q_out", "k_out")]
+    params.append(ScalarParam("eps", "float32"))
+    params += [ConstParam(k, v) for k, v in consts.items()]
+    return tuple(params)
+
+
+def _matrix() -> list[VariantSpec]:
+    specs = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for layout in LAYOUTS:
+            for block in BLOCKS:
+                consts = {"BLOCK": block, "ROWS": ROWS[block], "HEADS": HEADS}
+                specs.append(VariantSpec("qk_norm_rope", "qk_norm_rope", "qk_norm_rope_kernel",
+                                         f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x{ROWS[block]}.{layout}",
+                                         _params(dtype, layout, consts)))
+    return specs
+
+
+#: Every variant of this family, in the runtime's order of preference (aligned before generic).
+VARIANTS: list[VariantSpec] = _matrix()

@@ -1,0 +1,171 @@
+"""Patch ``qk_norm_rope`` (opt-in): Qwen3's q_norm, k_norm and RoPE on one cuTile launch.
+
+transformers' ``Qwen3Attention.forward`` (v5.22.2) runs ``q_norm`` and ``k_norm`` (two RMSNorm
+launches) and then ``apply_rotary_pos_emb`` (one more) on every layer. The patch swaps the forward
+of each attention module whose class's forward is ``Qwen3Attention.forward``'s code (Qwen3 and the
+classes that copy it) for :func:`fused_attention_forward`, which is that forward with those three
+calls replaced by one ``cutile_kernels.qk_norm_rope``; the projections, the cache update, the
+attention interface (with the sliding window) and ``o_proj`` are the stock lines.
+
+Conditions (else the module is left alone, with a log line per class): the class's forward is
+Qwen3's code and still the 5.22.2 statements (:data:`QWEN3_ATTENTION_DIGEST`); the module's
+``apply_rotary_pos_emb`` computes Llama's formula; ``q_norm`` and ``k_norm`` are Llama-formula
+RMSNorms; nobody replaced the module's forward on the instance (e.g. accelerate hooks). At run
+time a call whose norms have hooks or different ``eps`` runs the stock forward instead.
+
+Opt-in (``default=False``): not yet validated on a GPU; apply it with
+``cutile_kernels.patch(model, names="qk_norm_rope")``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from collections import Counter
+
+from torch import nn
+
+from ..ops.qk_norm_rope import qk_norm_rope
+from ._match import same_code, statements_digest
+from .patch import _llama_norm, _unhooked
+from .rope import computes_llama_rope, wrapped_function
+
+logger = logging.getLogger("cutile_kernels")
+
+#: ``statements_digest(Qwen3Attention.forward)`` of transformers 5.22.2: the forward that
+#: :func:`fused_attention_forward` reproduces. Another version's forward patches nothing.
+QWEN3_ATTENTION_DIGEST = "457e3a53f1f0cfb6"
+
+_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _llama_rope_function(fn) -> bool:
+    # The module-level apply_rotary_pos_emb: a kernels ``Func`` module (what transformers makes of
+    # a hub-decorated function) or a plain function; either must be Llama's formula.
+    if isinstance(fn, nn.Module):
+        return computes_llama_rope(type(fn))
+    from transformers.models.llama import modeling_llama
+
+    llama = wrapped_function(type(modeling_llama.apply_rotary_pos_emb)) or modeling_llama.apply_rotary_pos_emb
+    return same_code(fn, llama) and same_code(getattr(fn, "__globals__", {}).get("rotate_half"),
+                                               modeling_llama.rotate_half)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_verdict(cls: type) -> str | None:
+    """Why ``cls`` (an attention class) does not take the fused forward, or None if it does: its
+    ``forward`` must be ``Qwen3Attention.forward``'s code, that forward must still be the 5.22.2
+    statements (:data:`QWEN3_ATTENTION_DIGEST`), and the ``apply_rotary_pos_emb`` it calls (its
+    module's) must compute Llama's formula."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    if statements_digest(Qwen3Attention.forward) != QWEN3_ATTENTION_DIGEST:
+        return "this transformers' Qwen3Attention.forward is not the one the fused forward reproduces (5.22.2)"
+    fwd = getattr(cls, "forward", None)
+    if not same_code(fwd, Qwen3Attention.forward):
+        return "its forward is not Qwen3Attention.forward's code"
+    if not _llama_rope_function(fwd.__globals__.get("apply_rotary_pos_emb")):
+        return "the apply_rotary_pos_emb it calls is not Llama's formula"
+    return None
+
+
+def _norms_fusable(m: nn.Module) -> bool:
+    # Instance checks, cheap enough for every call: hooks on a norm would be skipped by the fused
+    # op, and the op takes one eps.
+    qn, kn = m.q_norm, m.k_norm
+    return _unhooked(qn) and _unhooked(kn) and qn.variance_epsilon == kn.variance_epsilon
+
+
+def fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                            **kwargs):
+    """``Qwen3Attention.forward`` (5.22.2) with ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb``
+    as one ``qk_norm_rope`` call. Same arguments and result; runs the class's own forward when the
+    norms have hooks or different eps."""
+    cls = type(self)
+    if not _norms_fusable(self):
+        return cls.forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    glob = cls.forward.__globals__  # the class's modeling module: its attention registry and eager path
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = qk_norm_rope(query_states, key_states, self.q_norm.weight, self.k_norm.weight,
+                                            self.q_norm.variance_epsilon, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
+        self.config._attn_implementation, glob["eager_attention_forward"]
+    )
+
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=self.sliding_window,
+        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+def _is_ours(m: nn.Module) -> bool:
+    return getattr(m.__dict__.get("forward"), "__func__", None) is fused_attention_forward
+
+
+def patch_qk_norm_rope(model: nn.Module) -> int:
+    """Patch ``qk_norm_rope``: bind :func:`fused_attention_forward` to every attention module of
+    ``model`` that meets the conditions of the module docstring. Same results as the stock forward
+    on the CPU (the reference formula); on CUDA one launch instead of three per layer. Returns the
+    number of modules newly patched."""
+    new, refused = Counter(), Counter()
+    reasons: dict[str, str] = {}
+    for _, m in model.named_modules():
+        if not all(hasattr(m, a) for a in _ATTRS) or _is_ours(m):
+            continue
+        name = type(m).__name__
+        why = attention_verdict(type(m))
+        if why is None and not (_llama_norm(getattr(m, "q_norm", None)) and _llama_norm(getattr(m, "k_norm", None))):
+            why = "its q_norm / k_norm are not Llama-formula RMSNorms"
+        if why is None and "forward" in m.__dict__:
+            why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
+        if why is not None:
+            refused[name] += 1
+            reasons[name] = why
+            continue
+        m.forward = types.MethodType(fused_attention_forward, m)
+        new[name] += 1
+    for name, n in new.items():
+        logger.info("cutile_kernels: patch qk_norm_rope: q_norm, k_norm and RoPE of %d %s on one cuTile launch",
+                    n, name)
+    for name, n in refused.items():
+        logger.info("cutile_kernels: patch qk_norm_rope leaves %d %s alone: %s", n, name, reasons[name])
+    return sum(new.values())
+
+
+def unpatch_qk_norm_rope(model: nn.Module) -> int:
+    """Undo :func:`patch_qk_norm_rope`: the class forward again. Returns the modules restored."""
+    n = 0
+    for _, m in model.named_modules():
+        if _is_ours(m):
+            del m.__dict__["forward"]
+            n += 1
+    if n:
+        logger.info("cutile_kernels: patch qk_norm_rope undone on %d modules", n)
+    return n
+
+
+__all__ = ["QWEN3_ATTENTION_DIGEST", "attention_verdict", "fused_attention_forward", "patch_qk_norm_rope",
+           "unpatch_qk_norm_rope"]
