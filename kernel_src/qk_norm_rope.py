@@ -46,7 +46,7 @@ from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, ar
 # The helpers are the norm and rope kernels' own (one formula each); the builder hashes these
 # modules into this family's variants (KERNEL_DEPENDS), so a change there rebuilds this kernel.
 from .norm import _inv_rms, _scale, _sum_sq
-from .rope import _half, _rounded_mul
+from .rope import BLOCKS, HEADS, ROWS, _half, _rounded_mul
 
 ZERO = ct.PaddingMode.ZERO
 RN = ct.RoundingMode.RN  # read by norm.py's helpers when they are compiled in this module's scope
@@ -105,13 +105,9 @@ def qk_norm_rope_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps: f
 # Build matrix
 # ---------------------------------------------------------------------------------------------
 
-#: Half-widths built (D/2 padded up to one of them): 32 serves head_dim <= 64, 64 serves 80, 96
-#: and 128 (Qwen3), 128 serves 256. Wider heads take the PyTorch path.
-BLOCKS = (32, 64, 128)
-#: Heads per tile, as rope.py: the block's cos/sin tiles serve all of them.
-HEADS = 4
-#: Positions per tile: 4096 elements of q or k per tile (HEADS * ROWS * 2 * BLOCK), as rope.py.
-ROWS = {32: 16, 64: 8, 128: 4}
+# The tiles are rope.py's (BLOCKS: D/2 padded up to 32, 64 or 128, i.e. head_dim <= 256; HEADS
+# heads share one block's cos/sin tiles; ROWS positions: 4096 elements of q or k per tile): the
+# norm adds only a per-row sum over the same tile.
 
 
 def _params(dtype: str, layout: str, consts: dict):

@@ -314,8 +314,74 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     return residual + hidden_states
 
 
+def swapped(m: nn.Module, forward) -> bool:
+    """Whether ``m``'s instance forward is ``forward`` bound to it (a patch's own swap)."""
+    return getattr(m.__dict__.get("forward"), "__func__", None) is forward
+
+
+def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict, done: str,
+                  prepare=None) -> Counter:
+    """The mechanism of the patches that replace a module's forward: bind ``forward`` to every
+    module of ``model`` that ``candidate(m)`` selects, is not swapped yet, has ``verdict(m)`` None
+    (else the string says why not) and whose instance forward nobody else replaced (e.g.
+    accelerate's device hooks); ``prepare(m)`` runs first on each. Logs per class what was done
+    (``done`` formatted with ``n`` and ``cls``) and what was left alone and why.
+
+    Returns:
+        {class name: modules newly swapped}.
+    """
+    new, refused = Counter(), Counter()
+    reasons: dict[str, str] = {}
+    for _, m in model.named_modules():
+        if not candidate(m) or swapped(m, forward):
+            continue
+        name = type(m).__name__
+        why = verdict(m)
+        if why is None and "forward" in m.__dict__:
+            why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
+        if why is not None:
+            refused[name] += 1
+            reasons[name] = why
+            continue
+        if prepare is not None:
+            prepare(m)
+        m.forward = types.MethodType(forward, m)
+        new[name] += 1
+    for name, n in new.items():
+        logger.info("cutile_kernels: patch %s: %s", patch_name, done.format(n=n, cls=name))
+    for name, n in refused.items():
+        logger.info("cutile_kernels: patch %s leaves %d %s alone: %s", patch_name, n, name, reasons[name])
+    return new
+
+
+def restore_forwards(model: nn.Module, patch_name: str, forward, attrs=(), noun: str = "modules") -> int:
+    """Undo :func:`swap_forwards`: drop the instance forward (and the instance ``attrs``) of every
+    module swapped to ``forward``, so the class forward runs again. Returns the modules restored."""
+    n = 0
+    for _, m in model.named_modules():
+        if swapped(m, forward):
+            for attr in ("forward", *attrs):
+                m.__dict__.pop(attr, None)
+            n += 1
+    if n:
+        logger.info("cutile_kernels: patch %s undone on %d %s", patch_name, n, noun)
+    return n
+
+
 def _is_fused(layer: nn.Module) -> bool:
-    return getattr(layer.__dict__.get("forward"), "__func__", None) is _fused_decoder_forward
+    return swapped(layer, _fused_decoder_forward)
+
+
+def _decoder_verdict(m: nn.Module) -> str | None:
+    why = decoder_verdict(type(m))
+    if why is None and not _llama_norm(m.post_attention_layernorm):
+        why = "its post_attention_layernorm is not a Llama-formula RMSNorm"
+    return why
+
+
+def _prepare_decoder(m: nn.Module) -> None:
+    m.__dict__["_cutile_inbox"] = None
+    m.__dict__["_cutile_next"] = None
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -341,36 +407,13 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     Returns:
         The number of layers newly patched.
     """
-    new, refused = Counter(), Counter()
-    reasons: dict[str, str] = {}
-    for _, m in model.named_modules():
-        if not all(hasattr(m, a) for a in _FORWARD_ATTRS):
-            continue
-        name = type(m).__name__
-        if _is_fused(m):
-            continue
-        why = decoder_verdict(type(m))
-        if why is None and not _llama_norm(m.post_attention_layernorm):
-            why = "its post_attention_layernorm is not a Llama-formula RMSNorm"
-        if why is None and "forward" in m.__dict__:
-            why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
-        if why is not None:
-            refused[name] += 1
-            reasons[name] = why
-            continue
-        m.__dict__["_cutile_inbox"] = None
-        m.__dict__["_cutile_next"] = None
-        m.forward = types.MethodType(_fused_decoder_forward, m)
-        new[name] += 1
+    new = swap_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
+                        lambda m: all(hasattr(m, a) for a in _FORWARD_ATTRS), _decoder_verdict,
+                        "residual add fused into post_attention_layernorm in {n} {cls}", prepare=_prepare_decoder)
     links = _link_layers(model)
-    for name, n in new.items():
-        logger.info("cutile_kernels: patch decoder_add_rms_norm: residual add fused into "
-                    "post_attention_layernorm in %d %s", n, name)
     if new:
         logger.info("cutile_kernels: patch decoder_add_rms_norm: residual add fused into the next "
                     "layer's input_layernorm across %d layer pairs", links)
-    for name, n in refused.items():
-        logger.info("cutile_kernels: patch decoder_add_rms_norm leaves %d %s alone: %s", n, name, reasons[name])
     return sum(new.values())
 
 
@@ -398,15 +441,8 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
     Returns:
         The number of layers restored.
     """
-    n = 0
-    for _, m in model.named_modules():
-        if _is_fused(m):
-            for attr in ("forward", "_cutile_inbox", "_cutile_next"):
-                m.__dict__.pop(attr, None)
-            n += 1
-    if n:
-        logger.info("cutile_kernels: patch decoder_add_rms_norm undone on %d layers", n)
-    return n
+    return restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
+                            attrs=("_cutile_inbox", "_cutile_next"), noun="layers")
 
 
 register(Patch("decoder_add_rms_norm", apply=fuse_decoder_layers, undo=unfuse_decoder_layers,

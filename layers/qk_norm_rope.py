@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
-from collections import Counter
 
 from torch import nn
 
 from ..ops.qk_norm_rope import qk_norm_rope
 from ._match import same_code, statements_digest
-from .patch import _llama_norm, _unhooked
+from .patch import _llama_norm, _unhooked, restore_forwards, swap_forwards
 from .rope import computes_llama_rope, wrapped_function
 
 logger = logging.getLogger("cutile_kernels")
@@ -121,8 +119,11 @@ def fused_attention_forward(self, hidden_states, position_embeddings, attention_
     return attn_output, attn_weights
 
 
-def _is_ours(m: nn.Module) -> bool:
-    return getattr(m.__dict__.get("forward"), "__func__", None) is fused_attention_forward
+def _attention_verdict(m: nn.Module) -> str | None:
+    why = attention_verdict(type(m))
+    if why is None and not (_llama_norm(getattr(m, "q_norm", None)) and _llama_norm(getattr(m, "k_norm", None))):
+        why = "its q_norm / k_norm are not Llama-formula RMSNorms"
+    return why
 
 
 def patch_qk_norm_rope(model: nn.Module) -> int:
@@ -130,41 +131,15 @@ def patch_qk_norm_rope(model: nn.Module) -> int:
     ``model`` that meets the conditions of the module docstring. Same results as the stock forward
     on the CPU (the reference formula); on CUDA one launch instead of three per layer. Returns the
     number of modules newly patched."""
-    new, refused = Counter(), Counter()
-    reasons: dict[str, str] = {}
-    for _, m in model.named_modules():
-        if not all(hasattr(m, a) for a in _ATTRS) or _is_ours(m):
-            continue
-        name = type(m).__name__
-        why = attention_verdict(type(m))
-        if why is None and not (_llama_norm(getattr(m, "q_norm", None)) and _llama_norm(getattr(m, "k_norm", None))):
-            why = "its q_norm / k_norm are not Llama-formula RMSNorms"
-        if why is None and "forward" in m.__dict__:
-            why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
-        if why is not None:
-            refused[name] += 1
-            reasons[name] = why
-            continue
-        m.forward = types.MethodType(fused_attention_forward, m)
-        new[name] += 1
-    for name, n in new.items():
-        logger.info("cutile_kernels: patch qk_norm_rope: q_norm, k_norm and RoPE of %d %s on one cuTile launch",
-                    n, name)
-    for name, n in refused.items():
-        logger.info("cutile_kernels: patch qk_norm_rope leaves %d %s alone: %s", n, name, reasons[name])
+    new = swap_forwards(model, "qk_norm_rope", fused_attention_forward,
+                        lambda m: all(hasattr(m, a) for a in _ATTRS), _attention_verdict,
+                        "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch")
     return sum(new.values())
 
 
 def unpatch_qk_norm_rope(model: nn.Module) -> int:
     """Undo :func:`patch_qk_norm_rope`: the class forward again. Returns the modules restored."""
-    n = 0
-    for _, m in model.named_modules():
-        if _is_ours(m):
-            del m.__dict__["forward"]
-            n += 1
-    if n:
-        logger.info("cutile_kernels: patch qk_norm_rope undone on %d modules", n)
-    return n
+    return restore_forwards(model, "qk_norm_rope", fused_attention_forward)
 
 
 __all__ = ["QWEN3_ATTENTION_DIGEST", "attention_verdict", "fused_attention_forward", "patch_qk_norm_rope",

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
-from collections import Counter
 
 import torch
 from torch import nn
@@ -30,6 +28,7 @@ from transformers.modeling_rope_utils import dynamic_rope_update
 
 from ..ops.rope_cos_sin import rope_cos_sin
 from ._match import same_code, statements_digest
+from .patch import restore_forwards, swap_forwards
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -89,10 +88,6 @@ class CutileRotaryEmbedding(nn.Module):
     del _forward
 
 
-def _is_ours(m: nn.Module) -> bool:
-    return getattr(m.__dict__.get("forward"), "__func__", None) is CutileRotaryEmbedding.forward
-
-
 def _looks_rotary(m: nn.Module) -> bool:
     # Candidates (patched or logged): what holds Llama's state, and any class named like one.
     return (isinstance(m._buffers.get("inv_freq"), torch.Tensor) and hasattr(m, "attention_scaling")
@@ -104,38 +99,14 @@ def patch_rotary_embeddings(model: nn.Module) -> int:
     embedding of ``model`` whose class passes :func:`rotary_verdict` (and whose instance forward
     nobody replaced). Same results as the stock forward on the CPU (the reference formula); on
     CUDA one kernel launch per call. Returns the number of modules newly patched."""
-    new, refused = Counter(), Counter()
-    reasons: dict[str, str] = {}
-    for _, m in model.named_modules():
-        if not _looks_rotary(m) or _is_ours(m):
-            continue
-        name = type(m).__name__
-        why = rotary_verdict(type(m))
-        if why is None and "forward" in m.__dict__:
-            why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
-        if why is not None:
-            refused[name] += 1
-            reasons[name] = why
-            continue
-        m.forward = types.MethodType(CutileRotaryEmbedding.forward, m)
-        new[name] += 1
-    for name, n in new.items():
-        logger.info("cutile_kernels: patch rope_cos_sin: cos/sin of %d %s on one cuTile launch", n, name)
-    for name, n in refused.items():
-        logger.info("cutile_kernels: patch rope_cos_sin leaves %d %s alone: %s", n, name, reasons[name])
+    new = swap_forwards(model, "rope_cos_sin", CutileRotaryEmbedding.forward, _looks_rotary,
+                        lambda m: rotary_verdict(type(m)), "cos/sin of {n} {cls} on one cuTile launch")
     return sum(new.values())
 
 
 def unpatch_rotary_embeddings(model: nn.Module) -> int:
     """Undo :func:`patch_rotary_embeddings`: the class forward again. Returns the modules restored."""
-    n = 0
-    for _, m in model.named_modules():
-        if _is_ours(m):
-            del m.__dict__["forward"]
-            n += 1
-    if n:
-        logger.info("cutile_kernels: patch rope_cos_sin undone on %d modules", n)
-    return n
+    return restore_forwards(model, "rope_cos_sin", CutileRotaryEmbedding.forward)
 
 
 __all__ = ["LLAMA_ROTARY_DIGEST", "CutileRotaryEmbedding", "patch_rotary_embeddings", "rotary_verdict",

@@ -34,6 +34,10 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EPS = 1e-6
 
 
+def _swapped(m) -> bool:
+    return patcher.swapped(m, layer.fused_attention_forward)
+
+
 def _config(model_type="qwen3", head_dim=16, heads=4, kv_heads=2, layers=2, **kw):
     return AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                 num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=256,
@@ -303,7 +307,7 @@ def test_patch_is_registered_opt_in():
     assert "qk_norm_rope" in hub._patch_names(include=("qk_norm_rope",))  # kernel_config(include=...)
     model = _model()
     assert "qk_norm_rope" not in cutile_kernels.patch(model).changed  # patch(model) without names
-    assert not any(layer._is_ours(m) for m in model.modules())
+    assert not any(_swapped(m) for m in model.modules())
 
 
 def test_pinned_digest_is_this_transformers():
@@ -322,7 +326,7 @@ def test_patched_logits_equal_stock_and_unpatch_restores(dtype, caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         report = cutile_kernels.patch(model, names="qk_norm_rope")
     attn = [m for m in model.modules() if isinstance(m, modeling_qwen3.Qwen3Attention)]
-    assert report.changed == {"qk_norm_rope": 2} and all(layer._is_ours(m) for m in attn)
+    assert report.changed == {"qk_norm_rope": 2} and all(_swapped(m) for m in attn)
     assert "q_norm, k_norm and RoPE of 2 Qwen3Attention on one cuTile launch" in caplog.text
     assert cutile_kernels.patch(model, names="qk_norm_rope").changed == {"qk_norm_rope": 0}  # idempotent
     cutile_kernels.reset_stats()
@@ -379,7 +383,7 @@ def test_llama_attention_is_left_alone(caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         assert cutile_kernels.patch(model, names="qk_norm_rope").changed == {"qk_norm_rope": 0}
     assert "leaves 2 LlamaAttention alone: its forward is not Qwen3Attention.forward's code" in caplog.text
-    assert not any(layer._is_ours(m) for m in model.modules())
+    assert not any(_swapped(m) for m in model.modules())
 
 
 def test_instance_forward_and_other_norms_are_left_alone(caplog):
@@ -389,7 +393,7 @@ def test_instance_forward_and_other_norms_are_left_alone(caplog):
     with caplog.at_level(logging.INFO, logger=LOGGER):
         assert cutile_kernels.patch(model, names="qk_norm_rope").changed == {"qk_norm_rope": 1}
     assert "leaves 1 Qwen3Attention alone: its forward is already replaced on the instance" in caplog.text
-    assert not layer._is_ours(attn) and layer._is_ours(model.model.layers[1].self_attn)
+    assert not _swapped(attn) and _swapped(model.model.layers[1].self_attn)
     model = _model()
     model.model.layers[1].self_attn.k_norm = torch.nn.LayerNorm(16)
     caplog.clear()

@@ -252,7 +252,7 @@ def _model(model_type="llama", dtype=torch.float32, rope=None):
 
 
 def _patched(m) -> bool:
-    return layer._is_ours(m)
+    return patcher.swapped(m, layer.CutileRotaryEmbedding.forward)
 
 
 def test_patch_is_registered_opt_in():
