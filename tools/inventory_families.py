@@ -186,23 +186,31 @@ def _activation() -> list[Entry]:
 # rope: apply_rotary_pos_emb
 # ---------------------------------------------------------------------------------------------
 
-def _rope() -> Entry:
-    ops = _ops("rope")
-
-    src = f"{LLAMA}::apply_rotary_pos_emb"
+def _qk_axes(head_dim: str):
+    """Axes, a bf16 TensorSpec maker and the (q, k, cos/sin) shapes shared by the Definitions over
+    q (B, Hq, S, D) and k (B, Hk, S, D) as transformers' attention holds them; ``head_dim``
+    describes the head_dim axis."""
     axes = {
         "batch": AxisVar(description="batch size"),
         "seq_len": AxisVar(description="tokens per sequence in this forward (1 when decoding)"),
         "num_q_heads": AxisVar(description="config.num_attention_heads"),
         "num_kv_heads": AxisVar(description="config.num_key_value_heads"),
-        "head_dim": AxisVar(description="head dimension, all of it rotated (partial_rotary_factor 1)"),
+        "head_dim": AxisVar(description=head_dim),
     }
 
     def spec(shape, what):
         return TensorSpec(shape=shape, dtype="bfloat16", description=what)
 
-    q_shape, k_shape = ["batch", "num_q_heads", "seq_len", "head_dim"], ["batch", "num_kv_heads", "seq_len", "head_dim"]
-    cs = ["batch", "seq_len", "head_dim"]
+    shapes = (["batch", "num_q_heads", "seq_len", "head_dim"], ["batch", "num_kv_heads", "seq_len", "head_dim"],
+              ["batch", "seq_len", "head_dim"])
+    return axes, spec, shapes
+
+
+def _rope() -> Entry:
+    ops = _ops("rope")
+
+    src = f"{LLAMA}::apply_rotary_pos_emb"
+    axes, spec, (q_shape, k_shape, cs) = _qk_axes("head dimension, all of it rotated (partial_rotary_factor 1)")
     d = Definition(
         name="rope", op_type="rope", axes=axes,
         inputs={"q": spec(q_shape, "queries after q_proj (and q_norm), heads before positions"),
@@ -323,19 +331,7 @@ def _qk_norm_rope() -> Entry:
 
     norm, rope, ops = _ops("norm"), _ops("rope"), _ops("qk_norm_rope")
     src = f"{QWEN3}::Qwen3Attention.forward"
-    axes = {
-        "batch": AxisVar(description="batch size"),
-        "seq_len": AxisVar(description="tokens per sequence in this forward (1 when decoding)"),
-        "num_q_heads": AxisVar(description="config.num_attention_heads"),
-        "num_kv_heads": AxisVar(description="config.num_key_value_heads"),
-        "head_dim": AxisVar(description="config.head_dim, all of it rotated (partial_rotary_factor 1)"),
-    }
-
-    def spec(shape, what):
-        return TensorSpec(shape=shape, dtype="bfloat16", description=what)
-
-    q_shape, k_shape = ["batch", "num_q_heads", "seq_len", "head_dim"], ["batch", "num_kv_heads", "seq_len", "head_dim"]
-    cs = ["batch", "seq_len", "head_dim"]
+    axes, spec, (q_shape, k_shape, cs) = _qk_axes("config.head_dim, all of it rotated (partial_rotary_factor 1)")
     d = Definition(
         name="qk_norm_rope", op_type="qk_norm_rope", axes=axes,
         inputs={"q": spec(q_shape, "q_proj(x) viewed (B, S, Hq, D), heads before positions, before q_norm"),
