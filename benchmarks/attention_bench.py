@@ -27,7 +27,7 @@ import json
 import os
 import types
 
-from _timing import events_us, graph_us  # this folder is on sys.path when run by path
+from cutile_kernels_tools.timing import events_us, graph_us
 
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
 KV_LENGTHS = (128, 256, 512, 1024, 2048, 4096)

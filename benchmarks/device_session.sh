@@ -5,12 +5,17 @@
 #   attention  the attention microbenchmark (benchmarks/attention_bench.py)
 #   evaluate   every inventory Solution through `cutile-kernels evaluate --all` (one process):
 #              Traces and the summary come back in evaluate.tgz
-#   rank       autokernelize's ranking of llama-3.2-1b's uncovered regions on the GPU
-#   score      `autokernelize llama-3.2-1b --score $CANDIDATE`: evaluate, then the bench of stock and
+#   kernels    `cutile-kernels kernel-table`: every kernel against the stock code path on the presets'
+#              shapes (device time, eager time, roofline fraction); table and JSON in kernels.tgz
+#   hostprof   where the host time of an eager prefill of $MODEL goes, stock and ours
+#              (benchmarks/host_profile.py: cProfile)
+#   rank       autokernelize's ranking of $MODEL's uncovered regions on the GPU (default llama-3.2-1b)
+#   score      `autokernelize $MODEL --score $CANDIDATE`: evaluate, then the bench of stock and
 #              our build without / with the candidate (cutile~NAME and cutile, or cutile and
-#              cutile+NAME for an opt-in patch); the results log and the bench report come back
+#              cutile+NAME for an opt-in patch), $SCORE_ARGS added; the results log and the bench report
+#              come back
 #   bench      `cutile-kernels bench` of $PRESETS (default: llama-3.2-1b qwen3-0.6b), paths
-#              $PATHS (default: stock cutile), decode b=1 and 16, 2 rounds; one .tgz per preset
+#              $PATHS (default: stock cutile), decode b=1 and 16, $ROUNDS rounds (default 2); one .tgz per preset
 #   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
 #
 # On the dev machine first (see /work/shared/device/README.md and benchmarks/device_notebooks.sh):
@@ -22,7 +27,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention evaluate rank score bench notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention evaluate kernels hostprof rank score bench notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -46,16 +51,23 @@ for stage in "$@"; do
       cd "$root" && step evaluate 300 python3 -m cutile_kernels_tools.cli evaluate --all --root inventory \
           --device cuda --repeats ${EVAL_REPEATS:-30} --out /tmp/eval/dataset --summary /tmp/eval/summary.json
       tar czf "$OUT/evaluate.tgz" -C /tmp/eval . ;;
+    kernels)
+      rm -rf /tmp/kt && mkdir -p /tmp/kt
+      cd "$root" && step kernels 150 python3 -m cutile_kernels_tools.cli kernel-table --out /tmp/kt/kernel-table.md \
+          --json /tmp/kt/kernel-table.json
+      tar czf "$OUT/kernels.tgz" -C /tmp/kt . ;;
+    hostprof)
+      cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug ;;
     rank)
-      cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize llama-3.2-1b --top 12 \
+      cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" --top 12 \
           --json /tmp/rank.json ;;
     score)
       [ -n "${CANDIDATE:-}" ] || { echo "score: set CANDIDATE to the Definition or Solution to score" >&2; status=2; continue; }
       rm -rf /tmp/score /tmp/autokernelize.tsv
       cp "$root/benchmarks/results/autokernelize.tsv" /tmp/autokernelize.tsv 2>/dev/null || true
-      cd "$root" && step score 300 python3 -m cutile_kernels_tools.cli autokernelize llama-3.2-1b \
+      cd "$root" && step score "${SCORE_LIMIT:-300}" python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" \
           --score "$CANDIDATE" --log /tmp/autokernelize.tsv --description "${DESCRIPTION:-}" \
-          --decode-batch 1 16 --rounds 2 --bench-out /tmp/score/bench --quiet
+          --decode-batch 1 16 --rounds 2 ${SCORE_ARGS:-} --bench-out /tmp/score/bench --quiet
       mkdir -p /tmp/score && cp /tmp/autokernelize.tsv /tmp/score/ 2>/dev/null
       cp -r "$root/inventory/traces" /tmp/score/ 2>/dev/null
       tar czf "$OUT/score.tgz" -C /tmp/score . ;;
@@ -64,7 +76,7 @@ for stage in "$@"; do
       for preset in ${PRESETS:-llama-3.2-1b qwen3-0.6b}; do
         rm -rf "/tmp/bench/$preset"
         step "bench-$preset" "${BENCH_LIMIT:-200}" python3 -m cutile_kernels_tools.cli bench "$preset" \
-            --paths ${PATHS:-stock cutile} --decode-batch 1 16 --rounds 2 ${BENCH_ARGS:-} --out "/tmp/bench/$preset" --quiet
+            --paths ${PATHS:-stock cutile} --decode-batch 1 16 --rounds ${ROUNDS:-2} ${BENCH_ARGS:-} --out "/tmp/bench/$preset" --quiet
         [ -d "/tmp/bench/$preset" ] && tar czf "$OUT/bench-$preset.tgz" -C /tmp/bench "$preset"
       done ;;
     notebooks)

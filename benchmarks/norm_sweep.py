@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from _timing import graph_us  # this folder is on sys.path when run by path
+from cutile_kernels_tools.timing import graph_us
 
 
 def sweep_specs():

@@ -30,7 +30,7 @@ import argparse
 import json
 import os
 
-from _timing import events_us, graph_us  # this folder is on sys.path when run by path
+from cutile_kernels_tools.timing import events_us, graph_us
 
 SHAPES = {"llama-3.2-1b": dict(hq=32, hkv=8, d=64, hidden=2048), "qwen3-0.6b": dict(hq=16, hkv=8, d=128, hidden=1024)}
 REGIMES = {"prefill-1x2048": (1, 2048), "decode-b1": (1, 1), "decode-b16": (16, 1)}

@@ -27,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _timing import events_us, graph_us  # this folder is on sys.path when run by path
+from cutile_kernels_tools.timing import events_us, graph_us
 
 SIZES = {"llama-3.2-1b": (2048, 8192), "qwen3-0.6b": (1024, 3072)}
 ROWS = (1, 2, 4, 8, 16, 2048)

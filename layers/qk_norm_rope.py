@@ -1,4 +1,4 @@
-"""Patch ``qk_norm_rope`` (opt-in): Qwen3's q_norm, k_norm and RoPE on one cuTile launch.
+"""Patch ``qk_norm_rope``: Qwen3's q_norm, k_norm and RoPE on one cuTile launch.
 
 transformers' ``Qwen3Attention.forward`` (v5.22.2) runs ``q_norm`` and ``k_norm`` (two RMSNorm
 launches) and then ``apply_rotary_pos_emb`` (one more) on every layer. The patch swaps the forward
@@ -13,8 +13,9 @@ Qwen3's code and still the 5.22.2 statements (:data:`QWEN3_ATTENTION_DIGEST`); t
 RMSNorms; nobody replaced the module's forward on the instance (e.g. accelerate hooks). At run
 time a call whose norms have hooks or different ``eps`` runs the stock forward instead.
 
-Opt-in (``default=False``): not yet validated on a GPU; apply it with
-``cutile_kernels.patch(model, names="qk_norm_rope")``.
+Applied by default (``kernel_config()``, ``cutile_kernels.patch(model)``) since the H200 validated
+and scored it (``autokernelize qwen3-0.6b --score qk_norm_rope``: kept); leave it out with
+``kernel_config(exclude=["qk_norm_rope"])``.
 """
 
 from __future__ import annotations

@@ -138,6 +138,14 @@ def test_decide_keeps_only_what_passes_and_does_not_slow_down():
     assert ak.decide("INCORRECT_NUMERICAL", True, base, base) == (False, "evaluate: INCORRECT_NUMERICAL")
     assert ak.decide("PASSED", False, base, base) == (False, "end-to-end logit gate failed")
     assert ak.decide("PASSED", True, {"prefill": 900.0}, base, tolerance=0.2)[0]
+    # Per-round ratios decide when given: one drifted round (0.6) does not discard ...
+    now = {"prefill": 800.0, "decode-b1": 90.0}
+    assert ak.decide("PASSED", True, now, base, ratios={"prefill": [1.05, 0.6, 1.04], "decode-b1": [1.0, 1.1, 0.5]}) == (
+        True, "every gate passed; throughput did not drop (median per-round ratio)")
+    # ... a drop in most rounds does, with the rounds in the reason
+    keep, why = ak.decide("PASSED", True, now, base, ratios={"prefill": [1.05, 1.0, 1.0], "decode-b1": [0.97, 0.9, 1.2]})
+    assert not keep and why == ("throughput dropped more than 1% (median per-round ratio): "
+                                "decode-b1 x0.970 (rounds 0.97, 0.90, 1.20)")
 
 
 def test_results_log_round_trip(tmp_path):
@@ -171,9 +179,13 @@ def test_score_on_cpu_is_not_run_and_not_logged(tmp_path, capsys):
         ak.score("tiny", "nothing", root=root, log=log, checkout=ROOT)
 
 
-def _fake_path(prefill_tok_s, b1_tok_s):
-    return {"ok": True, "prefill_tokens_per_s": prefill_tok_s, "decode": [{"batch": 1, "tokens_per_s": b1_tok_s}],
+def _fake_path(prefill_tok_s, b1_tok_s, prefill_rounds=None, b1_rounds=None):
+    path = {"ok": True, "prefill_tokens_per_s": prefill_tok_s, "decode": [{"batch": 1, "tokens_per_s": b1_tok_s}],
             "coverage": {"ours_time_share": 0.2}}
+    if prefill_rounds:
+        path["prefill_ms"] = {"round_medians": prefill_rounds}
+        path["decode"][0]["step_ms"] = {"round_medians": b1_rounds}
+    return path
 
 
 @pytest.mark.parametrize("candidate,baseline,ours", [
@@ -203,6 +215,26 @@ def test_score_benches_the_candidate_against_our_build_without_it(tmp_path, monk
     assert row["baseline"] == baseline and row["gate"] == "passed" and row["status"] == "discard"
     assert row["reason"] == "throughput dropped more than 1%: decode-b1 94.0 < 100.0"
     assert ak.read_log(log)[0]["baseline"] == baseline
+
+
+def test_score_decides_on_per_round_ratios_when_the_rounds_drift(tmp_path, monkeypatch):
+    """Round 2 ran on a slow host for the candidate only: its all-sample figures fall below the
+    baseline's, but round by round it is as fast or faster, so it is kept."""
+    from cutile_kernels_tools import bench
+
+    monkeypatch.setattr(evaluate, "evaluate", lambda *a, **k: evaluate.Result("fused_gate_up_cutile", "fused_gate_up", "cuda"))
+    monkeypatch.setattr(ak, "ensure_solution", lambda inv, c, checkout: f"{c}_cutile")
+    monkeypatch.setattr(ak.inventory.Inventory, "load", lambda root: types.SimpleNamespace(
+        root=tmp_path, definitions={"fused_gate_up": types.SimpleNamespace(name="fused_gate_up")}))
+    base = _fake_path(1000.0, 100.0, [10.0, 10.0, 10.0], [10.0, 10.0, 10.0])
+    ours = _fake_path(900.0, 80.0, [9.5, 18.0, 9.8], [9.9, 17.0, 9.0])
+    monkeypatch.setattr(bench, "run", lambda *a, **k: {
+        "paths": {"stock": _fake_path(500.0, 50.0), "cutile~fused_gate_up": base, "cutile": ours},
+        "gate": {"cutile": {"passed": True}}, "cutile_kernels_ran": True})
+    row = ak.score("tiny", "fused_gate_up", log=tmp_path / "log.tsv", checkout=ROOT)
+    assert row["status"] == "keep" and row["reason"].endswith("(median per-round ratio)")
+    assert bench.round_ratios(ours, base) == {"prefill": [10 / 9.5, 10 / 18, 10 / 9.8],
+                                              "decode-b1": [10 / 9.9, 10 / 17, 10 / 9]}
 
 
 def test_cli_lists_regions(tiny, capsys):

@@ -91,6 +91,8 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
         assert p["ok"], p.get("error")
         assert p["prefill_ms"]["n"] == 2 * 2 and p["prefill_ms"]["median"] > 0  # 2 repeats x 2 rounds
         assert len(p["prefill_ms"]["round_medians"]) == 2 and len(p["decode"][0]["ttft_round_ms"]) == 2
+        # on a CPU the host time is the whole call: the same samples
+        assert p["prefill_host_ms"]["n"] == 4 and p["prefill_host_ms"]["median"] == pytest.approx(p["prefill_ms"]["median"])
         assert p["decode"][0]["step_ms"]["n"] == 3 * 2
         assert [d["batch"] for d in p["decode"]] == [1, 4]
         assert all(d["tokens_per_s"] > 0 and d["ttft_ms"] > 0 for d in p["decode"])
@@ -105,6 +107,10 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     # On the CPU nothing is kernelized: both paths compute the same logits.
     assert report["paths"]["cutile"]["correctness"] == report["paths"]["stock"]["correctness"]
     assert report["gate"]["cutile"]["passed"] and report["cutile_kernels_ran"] is False
+    by_round = report["speedup_by_round"]["cutile"]
+    assert set(by_round) == {"prefill", "decode-b1", "decode-b4"} and all(len(v) == 2 for v in by_round.values())
+    stock_r, ours_r = (report["paths"][n]["prefill_ms"]["round_medians"] for n in ("stock", "cutile"))
+    assert by_round["prefill"] == pytest.approx([s / o for s, o in zip(stock_r, ours_r)])
     assert "no cuTile kernel ran" in report["note"]
     text = capsys.readouterr().out
     assert "no cuTile kernel ran" in text and "skipped liger" in text
@@ -116,6 +122,9 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert (b is None) == (reg.pkg_dir is None) and "Build measured:" in md
     if b is not None:
         assert b["kernels"] == sorted({v.kernel for v in reg.variants()}) and b["id"] in md
+    host = ", ".join(f"{x:.2f}" for x in report["paths"]["stock"]["prefill_host_ms"]["round_medians"])
+    assert f"| {host} |" in md
+    assert "## Speedup over stock by round" in md and "| cutile | " in md.split("## Speedup over stock by round")[1]
     assert "## Rounds" in md and "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
     for png in ("throughput.png", "breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -100,7 +100,7 @@ def test_a_patch_that_does_not_apply_is_not_active(scratch_registry):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     report = patcher.patch(model)
     assert isinstance(report, PatchReport)
-    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0} and report.active == []
+    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "qk_norm_rope": 0} and report.active == []
     assert patcher.applied(model) == {}
 
 
@@ -188,9 +188,9 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     model = _model(model_type)
     want = _logits(model, ids).logits
     model.save_pretrained(tmp_path / "stock")
-    report = cutile_kernels.patch(model, names=list(patcher.PATCHES))  # the opt-in one too
+    report = cutile_kernels.patch(model, names=list(patcher.PATCHES))  # the opt-in rope_cos_sin too
     n = len(_decoder_layers(model))
-    qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # opt-in, Qwen3 attention only
+    qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # Qwen3 attention only
     assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0, **qk}
     assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin", *qk]
     assert torch.equal(_logits(model, ids).logits, want)

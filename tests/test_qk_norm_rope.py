@@ -1,6 +1,6 @@
 """qk_norm_rope (Qwen3's q_norm / k_norm + RoPE in one launch): the reference against transformers'
 Qwen3 attention, the kernel's tile logic emulated on the CPU against float64 and stock, the op's
-contract, the opt-in ``qk_norm_rope`` patch (CPU); the kernel against the stock module and a
+contract, the ``qk_norm_rope`` patch (CPU); the kernel against the stock module and a
 patched model against float32 (GPU; not yet run on one)."""
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def test_gradients_follow_the_reference_formula():
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU: the opt-in qk_norm_rope patch
+# CPU: the qk_norm_rope patch
 # ---------------------------------------------------------------------------------------------
 
 def _model(model_type="qwen3", dtype=torch.float32, **kw):
@@ -297,17 +297,17 @@ def _model(model_type="qwen3", dtype=torch.float32, **kw):
     return AutoModelForCausalLM.from_config(_config(model_type, **kw)).to(dtype).eval()
 
 
-def test_patch_is_registered_opt_in():
+def test_patch_is_registered_by_default():
     from cutile_kernels.layers import hub
 
     p = patcher.PATCHES["qk_norm_rope"]
     assert p.apply is layer.patch_qk_norm_rope and p.undo is layer.unpatch_qk_norm_rope
-    assert not p.changes_weights and not p.default
-    assert "qk_norm_rope" not in hub._patch_names(())
-    assert "qk_norm_rope" in hub._patch_names(include=("qk_norm_rope",))  # kernel_config(include=...)
+    assert not p.changes_weights and p.default
+    assert "qk_norm_rope" in hub._patch_names(())
+    assert "qk_norm_rope" not in hub._patch_names(exclude=("qk_norm_rope",))  # kernel_config(exclude=...)
     model = _model()
-    assert "qk_norm_rope" not in cutile_kernels.patch(model).changed  # patch(model) without names
-    assert not any(_swapped(m) for m in model.modules())
+    assert cutile_kernels.patch(model).changed["qk_norm_rope"] == 2  # patch(model) without names
+    assert all(_swapped(m) for m in model.modules() if isinstance(m, modeling_qwen3.Qwen3Attention))
 
 
 def test_pinned_digest_is_this_transformers():

@@ -29,6 +29,7 @@ import inspect
 import json
 import pprint
 import re
+import statistics
 import subprocess
 import textwrap
 from pathlib import Path
@@ -500,11 +501,14 @@ def throughput(path: dict) -> dict:
 
 
 def decide(eval_status: str, gate_passed: bool | None, now: dict | None, baseline: dict | None,
-           tolerance: float = 0.01) -> tuple[bool, str]:
+           tolerance: float = 0.01, ratios: dict | None = None) -> tuple[bool, str]:
     """Keep or discard a candidate, and why.
 
-    Kept only if ``evaluate`` PASSED, the bench's logit gate passed, and every throughput figure
-    of ``now`` is at least ``(1 - tolerance)`` times the same figure of ``baseline`` (figures the
+    Kept only if ``evaluate`` PASSED, the bench's logit gate passed, and no throughput figure
+    dropped by more than ``tolerance``. With ``ratios`` (the candidate's speedup over a baseline
+    timed in the same bench, per round: :func:`.bench.round_ratios`) a figure dropped when the
+    median of its per-round ratios is below ``1 - tolerance``, so one drifted round cannot decide;
+    without, when ``now``'s figure is below ``(1 - tolerance)`` times ``baseline``'s (figures the
     baseline lacks are not compared).
     """
     if eval_status != "PASSED":
@@ -513,6 +517,12 @@ def decide(eval_status: str, gate_passed: bool | None, now: dict | None, baselin
         return False, "end-to-end logit gate failed"
     if not now:
         return False, "no end-to-end throughput"
+    if ratios:
+        drops = [f"{k} x{statistics.median(r):.3f} (rounds " + ", ".join(f"{x:.2f}" for x in r) + ")"
+                 for k, r in ratios.items() if r and statistics.median(r) < 1 - tolerance]
+        if drops:
+            return False, f"throughput dropped more than {tolerance:.0%} (median per-round ratio): " + "; ".join(drops)
+        return True, "every gate passed; throughput did not drop (median per-round ratio)"
     if baseline:
         drops = [f"{k} {now[k]:.1f} < {baseline[k]:.1f}" for k in now
                  if k in baseline and now[k] < (1 - tolerance) * baseline[k]]
@@ -658,7 +668,7 @@ def score(model: str, candidate: str, *, root: Path | None = None, log: Path | N
     if result.status == evaluate.NOT_RUN:  # nothing was measured: nothing to keep or discard, no log row
         row.update(status="not_run", reason=result.message)
         return row
-    gate = now = base = None
+    gate = now = base = ratios = None
     if result.status == "PASSED":
         without, with_ = bench_paths_for(inv.definitions[result.definition].name)
         paths_wanted = ("stock", with_) if without is None else ("stock", without, with_)
@@ -675,15 +685,17 @@ def score(model: str, candidate: str, *, root: Path | None = None, log: Path | N
                        decode_tok_s=json.dumps({k: round(v, 2) for k, v in now.items() if k != "prefill"}))
         if without is not None and paths.get(without, {}).get("ok"):
             base = throughput(paths[without])  # our build without the candidate, same run
+            ratios = bench.round_ratios(ours, paths[without]) if ours.get("ok") else None
             row["baseline"] = without
         else:
             base = last_kept(read_log(log or checkout / DEFAULT_LOG), model)
             row["baseline"] = "last kept" if base is not None else ""
             if base is None and paths.get("stock", {}).get("ok"):
                 base = throughput(paths["stock"])
+                ratios = bench.round_ratios(ours, paths["stock"]) if ours.get("ok") else None
                 row["baseline"] = "stock"
         row["gate"] = "passed" if gate else "failed"
-    keep, reason = decide(result.status, gate, now, base, tolerance)
+    keep, reason = decide(result.status, gate, now, base, tolerance, ratios)
     row.update(status="keep" if keep else "discard", reason=reason if result.status == "PASSED" or not result.message
                else f"{reason}: {result.message}")
     append_log(log or checkout / DEFAULT_LOG, row)

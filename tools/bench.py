@@ -298,6 +298,26 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
     return report
 
 
+def round_ratios(path: dict, baseline: dict) -> dict[str, list[float]]:
+    """Per timing round, how many times faster ``path`` ran than ``baseline``: the baseline's round
+    median over the path's, for ``prefill`` and each ``decode-b<N>`` (keys as throughput figures).
+
+    The paths alternate inside every round, so round by round they shared the machine's state;
+    a drift between rounds (seen up to 1.8x on the H200 host) cancels in the ratio, where a median
+    over all samples would mix it in. Figures either side lacks are left out.
+    """
+    out = {}
+    a, b = path.get("prefill_ms", {}).get("round_medians"), baseline.get("prefill_ms", {}).get("round_medians")
+    if a and b:
+        out["prefill"] = [y / x for x, y in zip(a, b)]
+    base = {d["batch"]: d for d in baseline.get("decode", [])}
+    for d in path.get("decode", []):
+        a, b = d.get("step_ms", {}).get("round_medians"), base.get(d["batch"], {}).get("step_ms", {}).get("round_medians")
+        if a and b:
+            out[f"decode-b{d['batch']}"] = [y / x for x, y in zip(a, b)]
+    return out
+
+
 def _derive(report: dict, hits: dict, s: BenchSettings) -> None:
     """Gates, roofline fractions and the did-our-kernels-run summary, from the raw results."""
     from .limits import roofline
@@ -305,6 +325,7 @@ def _derive(report: dict, hits: dict, s: BenchSettings) -> None:
     ok = {n: p for n, p in report["paths"].items() if p.get("ok")}
     if "stock" in ok:
         report["gate"] = gate(ok, hits)
+        report["speedup_by_round"] = {n: round_ratios(p, ok["stock"]) for n, p in ok.items() if n != "stock"}
     for p in ok.values():
         p["roofline"] = roofline(report["limits"], p["weight_bytes"], p["n_params"], s.prefill_len,
                                  p["prefill_ms"]["median"], p["decode"])

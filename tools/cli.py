@@ -6,6 +6,7 @@
     cutile-kernels info               what this install has: build, archs, variants, JIT
     cutile-kernels inventory validate the kernel inventory (FlashInfer-Bench format): also show, sync, export
     cutile-kernels evaluate SOLUTION  a Solution against its Definition's reference, written as Traces
+    cutile-kernels kernel-table       each kernel against the stock code path, device time and roofline (CUDA)
     cutile-kernels autokernelize M    rank uncovered regions, --scaffold one, --score a written kernel
     cutile-kernels publish            the build as a Hugging Face kernel repo (--dry-run: stage only)
 """

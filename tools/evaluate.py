@@ -32,10 +32,8 @@ import ast
 import contextlib
 import datetime
 import importlib.metadata
-import math
 import os
 import platform
-import statistics
 import time
 import traceback
 import zlib
@@ -55,6 +53,7 @@ from .fib_schema import (
     Trace,
     Workload,
 )
+from .timing import synchronize, time_pair
 
 NOT_RUN = "NOT_RUN_NO_CUDA"
 STAGES = ("compile", "reference", "dispatch", "parity", "boundaries", "benchmark")
@@ -220,51 +219,6 @@ def compare(d: Definition, outs, ref, ref32, axes: dict) -> tuple[Status | None,
 # Timing
 # ---------------------------------------------------------------------------------------------
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_pair(fn_a, fn_b, device: str, warmup: int = 10, repeats: int = 30, sample_ms: float = 1.0) -> tuple[float, float]:
-    """Median milliseconds per call of ``fn_a`` and ``fn_b``, interleaved sample by sample.
-
-    After ``warmup`` calls of each, every sample times ``inner`` back-to-back calls (enough for
-    about ``sample_ms``, from a first estimate) between CUDA events (``perf_counter`` on a CPU) and
-    divides; the result is the median of ``repeats`` samples.
-    """
-    def estimate(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        return max((time.perf_counter() - t0) * 1e3, 1e-4)
-
-    inner = {id(f): max(1, min(1000, math.ceil(sample_ms / estimate(f)))) for f in (fn_a, fn_b)}
-
-    def sample(fn) -> float:
-        n = inner[id(fn)]
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / n
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / n
-
-    a, b = [], []
-    for _ in range(repeats):
-        a.append(sample(fn_a))
-        b.append(sample(fn_b))
-    return statistics.median(a), statistics.median(b)
-
-
 # ---------------------------------------------------------------------------------------------
 # The pipeline
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +328,7 @@ def run_checks(d: Definition, fn, workloads: list[Workload], device: str, *, lau
                 o = call(fn, w, scale)
         except Exception as exc:
             raise StageFailure(Status.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}", w) from exc
-        _sync(device)
+        synchronize(device)
         try:
             status, msg, corr = compare(d, o, r, r32, w.axes)
         except StageFailure as exc:
@@ -414,7 +368,7 @@ def run_checks(d: Definition, fn, workloads: list[Workload], device: str, *, lau
                 try:
                     with strict():
                         call(fn, workloads[0])
-                    _sync(device)
+                    synchronize(device)
                 except Exception as exc:
                     raise StageFailure(Status.RUNTIME_ERROR, f"{type(exc).__name__}: {exc}") from exc
                 if launches is not None and launches() <= before:

@@ -1,4 +1,4 @@
-"""The ``inventory``, ``evaluate`` and ``autokernelize`` subcommands of ``cutile-kernels``
+"""The ``inventory``, ``evaluate``, ``kernel-table`` and ``autokernelize`` subcommands of ``cutile-kernels``
 (registered by :func:`add_parsers` from :mod:`.cli`; errors follow its convention: a ValueError,
 KeyError or FileNotFoundError is printed and exits 2)."""
 
@@ -137,6 +137,22 @@ def _evaluate(args) -> int:
     return worst
 
 
+def _kernel_table(args) -> int:
+    from . import kernel_table
+
+    report = kernel_table.run(Path(args.root) if args.root else None, solutions=args.solution or None,
+                              models=args.model, device=args.device, seed=args.seed)
+    text = kernel_table.markdown(report)
+    print(text, end="")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 1 if any(r["note"] for r in report["rows"]) else 0
+
+
 def _autokernelize(args) -> int:
     from . import autokernelize as ak
 
@@ -208,7 +224,7 @@ def _print_regions(found: dict, label: str, top: int) -> None:
 
 
 def add_parsers(sub) -> None:
-    """Add ``inventory``, ``evaluate`` and ``autokernelize`` to the CLI's subparsers."""
+    """Add ``inventory``, ``evaluate``, ``kernel-table`` and ``autokernelize`` to the CLI's subparsers."""
     inv = sub.add_parser("inventory", help="the kernel inventory (FlashInfer-Bench Definitions, Solutions, ...)")
     isub = inv.add_subparsers(dest="inventory_cmd", required=True)
     v = isub.add_parser("validate", help="every kernel described, every reference callable, every Solution compiles")
@@ -251,6 +267,16 @@ def add_parsers(sub) -> None:
     e.add_argument("--warmup", type=int, default=10)
     e.add_argument("--repeats", type=int, default=30)
     e.set_defaults(func=_evaluate)
+
+    k = sub.add_parser("kernel-table", help="each kernel against the stock code path on the models' shapes (CUDA)")
+    k.add_argument("solution", nargs="*", help="Solution names (default: all)")
+    k.add_argument("--model", nargs="+", help="only the Workloads of these presets (uuid prefix)")
+    k.add_argument("--root", help="inventory directory (default: <checkout>/inventory)")
+    k.add_argument("--device", default="cuda")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--out", help="write the markdown table here")
+    k.add_argument("--json", help="write the rows and the measured limits as JSON here")
+    k.set_defaults(func=_kernel_table)
 
     a = sub.add_parser("autokernelize", help="rank uncovered regions, scaffold one, score a written kernel")
     a.add_argument("model", help="preset name or checkpoint directory")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from .schema import BenchReport
@@ -61,6 +62,7 @@ def markdown(report: dict, plots: list[str]) -> str:
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
     lines += _round_table(report)
+    lines += _speedup_table(report)
     for name, p in _ok(report).items():
         cov = p.get("coverage")
         if not cov:
@@ -83,17 +85,37 @@ def markdown(report: dict, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _speedup_table(report: dict) -> list[str]:
+    """Speedup over stock, round by round (the rounds' drift cancels in each ratio)."""
+    rows = report.get("speedup_by_round") or {}
+    keys = sorted({k for r in rows.values() for k in r}, key=lambda k: (k != "prefill", len(k), k))
+    if not keys:
+        return []
+    lines = ["", "## Speedup over stock by round", "",
+             "Stock's round median over the path's, per round in the order run, then their median (>1: faster).", "",
+             "| path | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for name, r in rows.items():
+        cells = [(", ".join(f"{x:.2f}" for x in r[k]) + f" (median {statistics.median(r[k]):.2f})") if r.get(k) else "-"
+                 for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _round_table(report: dict) -> list[str]:
     """Per-round medians: how much the machine drifted while the paths alternated."""
     ok = {n: p for n, p in _ok(report).items() if p["prefill_ms"].get("round_medians")}
     if not ok:
         return []
     batches = [d["batch"] for d in next(iter(ok.values()))["decode"]]
-    lines = ["", "## Rounds", "", "Median of each timing round, in the order run (prefill ms; decode ms per step).", "",
-             "| path | prefill | " + " | ".join(f"decode b{b}" for b in batches) + " |",
-             "|---|---|" + "---|" * len(batches)]
+    lines = ["", "## Rounds", "", "Median of each timing round, in the order run (prefill ms; decode ms per step). "
+             "Prefill host: the time until the forward returned, before waiting for the GPU; close to the prefill "
+             "time, the host set the pace.", "",
+             "| path | prefill | prefill host | " + " | ".join(f"decode b{b}" for b in batches) + " |",
+             "|---|---|---|" + "---|" * len(batches)]
     for name, p in ok.items():
-        cells = [", ".join(f"{x:.2f}" for x in p["prefill_ms"]["round_medians"])]
+        host = p.get("prefill_host_ms") or {}
+        cells = [", ".join(f"{x:.2f}" for x in p["prefill_ms"]["round_medians"]),
+                 ", ".join(f"{x:.2f}" for x in host.get("round_medians", [])) or "-"]
         cells += [", ".join(f"{x:.2f}" for x in d["step_ms"]["round_medians"]) for d in p["decode"]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines

@@ -86,6 +86,8 @@ class PathResult(_Model):
     weight_bytes: Optional[int] = None
     n_params: Optional[int] = None
     prefill_ms: Optional[Spread] = None
+    prefill_host_ms: Optional[Spread] = Field(default=None, description="host time of each timed prefill call: until "
+                                              "the forward returned, before waiting for the GPU")
     prefill_tokens_per_s: Optional[float] = None
     decode: Optional[list[Decode]] = None
     runtime: Optional[Runtime] = None
@@ -129,6 +131,9 @@ class BenchReport(_Model):
     paths: dict[str, PathResult]
     skipped: dict[str, str] = Field(description="path -> why it could not run here")
     gate: Optional[dict[str, Gate]] = Field(default=None, description="per path, against stock eager")
+    speedup_by_round: Optional[dict[str, dict[str, list[float]]]] = Field(
+        default=None, description="per path and figure (prefill, decode-b<N>), stock's round median over the path's, "
+                                  "round by round")
     cutile_kernels_ran: bool
     note: Optional[str] = None
 

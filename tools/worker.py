@@ -29,23 +29,31 @@ from . import coverage, limits, paths
 
 
 class Timer:
-    """Times one call of a function: CUDA events on a GPU, ``perf_counter`` on a CPU."""
+    """Times one call of a function: CUDA events on a GPU, ``perf_counter`` on a CPU.
+
+    ``host_ms`` is the last call's host time: until ``fn`` returned, before waiting for the device.
+    On a GPU, a host time close to the event time means the host, not the GPU, set the pace.
+    """
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
+        self.host_ms = 0.0
 
     def __call__(self, fn) -> float:
         """Milliseconds one call of ``fn`` takes (CUDA events on GPU)."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            self.host_ms = (time.perf_counter() - t0) * 1e3
             end.record()
             end.synchronize()
             return start.elapsed_time(end)
         t0 = time.perf_counter()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        self.host_ms = (time.perf_counter() - t0) * 1e3
+        return self.host_ms
 
 
 def spread(samples: list[float]) -> dict:
@@ -215,8 +223,10 @@ class PathSession:
     def round(self) -> dict:
         """Timed samples of one round: prefill ms, and per batch size TTFT ms and decode step ms."""
         s = self.s
-        out = {"prefill_ms": [self.timer(lambda: self.model(self.ids, use_cache=False)) for _ in range(s["repeats"])],
-               "decode": {}}
+        out = {"prefill_ms": [], "prefill_host_ms": [], "decode": {}}
+        for _ in range(s["repeats"]):
+            out["prefill_ms"].append(self.timer(lambda: self.model(self.ids, use_cache=False)))
+            out["prefill_host_ms"].append(self.timer.host_ms)
         for b, dec in self.decoders.items():
             ttft, ms = decode_run(dec, s["warmup"], s["decode_steps"])
             out["decode"][b] = {"ttft_ms": ttft, "step_ms": ms}
@@ -236,6 +246,7 @@ def combine_rounds(setup: dict, rounds: list[dict], s: dict) -> dict:
 
     out = dict(setup)
     out["prefill_ms"] = merged([r["prefill_ms"] for r in rounds])
+    out["prefill_host_ms"] = merged([r["prefill_host_ms"] for r in rounds])
     out["prefill_tokens_per_s"] = s["prefill_len"] / (out["prefill_ms"]["median"] / 1e3)
     out["decode"] = []
     for b in s["decode_batches"]:
