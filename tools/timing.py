@@ -24,6 +24,17 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _events_ms(fn, n: int) -> float:
+    """Milliseconds per call of ``n`` back-to-back calls of ``fn`` between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def time_pair(fn_a, fn_b, device: str, warmup: int = 10, repeats: int = 30, sample_ms: float = 1.0) -> tuple[float, float]:
     """Median milliseconds per call of ``fn_a`` and ``fn_b``, interleaved sample by sample.
 
@@ -45,13 +56,7 @@ def time_pair(fn_a, fn_b, device: str, warmup: int = 10, repeats: int = 30, samp
     def sample(fn) -> float:
         n = inner[id(fn)]
         if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / n
+            return _events_ms(fn, n)
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
@@ -70,16 +75,7 @@ def events_us(fn, reps: int = 5, inner: int = 200, warmup: int = 10) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / inner)
-    return statistics.median(times)
+    return statistics.median(_events_ms(fn, inner) * 1e3 for _ in range(reps))
 
 
 def graph_us(fn, reps: int = 20, per_graph: int = 10) -> float:
