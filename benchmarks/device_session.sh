@@ -7,6 +7,10 @@
 #              Traces and the summary come back in evaluate.tgz
 #   kernels    `cutile-kernels kernel-table`: every kernel against the stock code path on the presets'
 #              shapes (device time, eager time, roofline fraction); table and JSON in kernels.tgz
+#   attnsweep  the attention prefill tile sweep (benchmarks/attention_sweep.py run) over the
+#              candidates compiled on the dev machine and carried as .device/attn-sweep.tgz:
+#                python -m benchmarks.attention_sweep export --out /tmp/sweep-attn &&
+#                tar czf .device/attn-sweep.tgz -C /tmp sweep-attn
 #   hostprof   where the host time of an eager prefill of $MODEL goes, stock and ours
 #              (benchmarks/host_profile.py: cProfile)
 #   rank       autokernelize's ranking of $MODEL's uncovered regions on the GPU (default llama-3.2-1b)
@@ -27,7 +31,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention evaluate kernels hostprof rank score bench notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention attnsweep evaluate kernels hostprof rank score bench notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -56,6 +60,11 @@ for stage in "$@"; do
       cd "$root" && step kernels 150 python3 -m cutile_kernels_tools.cli kernel-table --out /tmp/kt/kernel-table.md \
           --json /tmp/kt/kernel-table.json
       tar czf "$OUT/kernels.tgz" -C /tmp/kt . ;;
+    attnsweep)
+      [ -f "$root/.device/attn-sweep.tgz" ] || { echo "attnsweep: carry .device/attn-sweep.tgz" >&2; status=2; continue; }
+      rm -rf /tmp/sweep-attn && tar xzf "$root/.device/attn-sweep.tgz" -C /tmp
+      cd "$root" && step attnsweep 200 python3 -m benchmarks.attention_sweep run --dir /tmp/sweep-attn \
+          --json "$OUT/attention-sweep.json" ;;
     hostprof)
       cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug ;;
     rank)

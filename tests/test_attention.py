@@ -738,3 +738,19 @@ def test_gpu_model_against_fp32_stock(family, strict):
             errs[name] = ((scores - tf)[fin].norm() / tf[fin].norm()).item()
         assert errs["ours"] <= 1.25 * errs["stock"] + 2e-3, (cache, errs)
     assert sum(dispatch.stats()["launches"].get(v.symbol, 0) for v in registry.registry().variants("attention")) > 0
+
+
+def test_prefill_sweep_candidates_include_what_ships():
+    """benchmarks/attention_sweep.py (run on the GPU by hand) must time the shipped prefill tiles
+    next to its candidates, under tags that name each one once."""
+    from benchmarks import attention_sweep, attention_variants
+    from cutile_kernels.kernel_src import attention as src
+
+    specs = attention_sweep.candidates()
+    assert len({s.tag for s in specs}) == len(specs)
+    for dp in (64, 128):
+        hb, bs, bn = src.PREFILL[dp]
+        assert any(s.function == "attention_prefill_kernel" and s.constants == {"D": dp, "HB": hb, "BS": bs, "BN": bn}
+                   for s in specs)
+    for _, function, _ in attention_sweep.FUNCTIONS[2:]:
+        assert getattr(attention_variants, function)._pyfunc is src.attention_kernel._pyfunc
