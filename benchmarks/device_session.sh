@@ -19,7 +19,7 @@
 #              cutile+NAME for an opt-in patch), $SCORE_ARGS added; the results log and the bench report
 #              come back
 #   bench      `cutile-kernels bench` of $PRESETS (default: llama-3.2-1b qwen3-0.6b), paths
-#              $PATHS (default: stock cutile), decode b=1 and 16, $ROUNDS rounds (default 2); one .tgz per preset
+#              $PATHS (default: stock cutile), decode b=1 and 16, $ROUNDS rounds (default 3); one .tgz per preset
 #   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
 #
 # On the dev machine first (see /work/shared/device/README.md and benchmarks/device_notebooks.sh):
@@ -76,7 +76,7 @@ for stage in "$@"; do
       cp "$root/benchmarks/results/autokernelize.tsv" /tmp/autokernelize.tsv 2>/dev/null || true
       cd "$root" && step score "${SCORE_LIMIT:-300}" python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" \
           --score "$CANDIDATE" --log /tmp/autokernelize.tsv --description "${DESCRIPTION:-}" \
-          --decode-batch 1 16 --rounds 2 ${SCORE_ARGS:-} --bench-out /tmp/score/bench --quiet
+          --decode-batch 1 16 --rounds 3 ${SCORE_ARGS:-} --bench-out /tmp/score/bench --quiet
       mkdir -p /tmp/score && cp /tmp/autokernelize.tsv /tmp/score/ 2>/dev/null
       cp -r "$root/inventory/traces" /tmp/score/ 2>/dev/null
       tar czf "$OUT/score.tgz" -C /tmp/score . ;;
@@ -85,7 +85,7 @@ for stage in "$@"; do
       for preset in ${PRESETS:-llama-3.2-1b qwen3-0.6b}; do
         rm -rf "/tmp/bench/$preset"
         step "bench-$preset" "${BENCH_LIMIT:-200}" python3 -m cutile_kernels_tools.cli bench "$preset" \
-            --paths ${PATHS:-stock cutile} --decode-batch 1 16 --rounds ${ROUNDS:-2} ${BENCH_ARGS:-} --out "/tmp/bench/$preset" --quiet
+            --paths ${PATHS:-stock cutile} --decode-batch 1 16 --rounds ${ROUNDS:-3} ${BENCH_ARGS:-} --out "/tmp/bench/$preset" --quiet
         [ -d "/tmp/bench/$preset" ] && tar czf "$OUT/bench-$preset.tgz" -C /tmp/bench "$preset"
       done ;;
     notebooks)

@@ -507,8 +507,8 @@ def decide(eval_status: str, gate_passed: bool | None, now: dict | None, baselin
     Kept only if ``evaluate`` PASSED, the bench's logit gate passed, and no throughput figure
     dropped by more than ``tolerance``. With ``ratios`` (the candidate's speedup over a baseline
     timed in the same bench, per round: :func:`.bench.round_ratios`) a figure dropped when the
-    median of its per-round ratios is below ``1 - tolerance``, so one drifted round cannot decide;
-    without, when ``now``'s figure is below ``(1 - tolerance)`` times ``baseline``'s (figures the
+    median of its per-round ratios is below ``1 - tolerance`` (with three or more rounds, one drifted
+    round cannot decide); without, when ``now``'s figure is below ``(1 - tolerance)`` times ``baseline``'s (figures the
     baseline lacks are not compared).
     """
     if eval_status != "PASSED":

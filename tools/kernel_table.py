@@ -123,8 +123,11 @@ def measure(inv, triples, device: str = "cuda", *, bandwidth_Bps: float, l2_byte
     eager_timer = eager_timer or (lambda fn, n: timing.events_us(fn, reps=5, inner=max(1, 50 // n)) / n)
     rows, entries, refs = [], {}, {}
     for s, d, w in triples:
-        fn = entries.setdefault(s.name, evaluate.load_entry(s))
-        ref = refs.setdefault(d.name, inventory.load_reference(d))
+        if s.name not in entries:
+            entries[s.name] = evaluate.load_entry(s)
+        if d.name not in refs:
+            refs[d.name] = inventory.load_reference(d)
+        fn, ref = entries[s.name], refs[d.name]
         args = evaluate.reference_inputs(d, evaluate.make_inputs(d, w, device, seed=seed, root=inv.root))
         before = launches() if launches else 0
         outs = fn(*args)
