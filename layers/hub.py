@@ -139,12 +139,13 @@ def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
             out, e.g. to time a model without one kernel (the bench's ``cutile~NAME`` path). A
             hub layer left out does not turn off a patch that uses the same kernel
             (``decoder_add_rms_norm`` still fuses the decoder layers' norms).
-        include: opt-in patches (``Patch.default`` False, e.g. ``"rope_cos_sin"``) to apply too
-            (the bench's ``cutile+NAME`` path).
+        include: patches to apply too: the opt-in ones (``Patch.default`` False, e.g.
+            ``"rope_cos_sin"``; the bench's ``cutile+NAME`` path); a default patch named here is
+            applied anyway, so naming it changes nothing (``qk_norm_rope`` was opt-in before).
 
     Raises:
         ValueError: a name in ``exclude`` that is neither a hub layer of ours nor a patch, or in
-            ``include`` that is no opt-in patch.
+            ``include`` that is no patch.
 
     Returns:
         A :class:`CutileKernelConfig` mapping each transformers hub layer name in
@@ -162,7 +163,7 @@ def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
     from .patch import PATCHES
 
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
-    include = _names(include, "include", {n for n, p in PATCHES.items() if not p.default})
+    include = _names(include, "include", set(PATCHES))
     if dispatch.disabled():
         return CutileKernelConfig({}, use_local_kernel=True)
     variant = _built_variant(build_dir)

@@ -146,6 +146,12 @@ def test_decide_keeps_only_what_passes_and_does_not_slow_down():
     keep, why = ak.decide("PASSED", True, now, base, ratios={"prefill": [1.05, 1.0, 1.0], "decode-b1": [0.97, 0.9, 1.2]})
     assert not keep and why == ("throughput dropped more than 1% (median per-round ratio): "
                                 "decode-b1 x0.970 (rounds 0.97, 0.90, 1.20)")
+    # Two rounds are too few to outvote a drifted one: the all-sample figures decide then, and so
+    # they do for a figure without ratios.
+    keep, why = ak.decide("PASSED", True, now, base, ratios={"prefill": [1.05, 1.04], "decode-b1": [1.0, 1.1, 1.2]})
+    assert not keep and why == ("throughput dropped more than 1% (median per-round ratio): prefill 800.0 < 1000.0")
+    assert ak.decide("PASSED", True, {"prefill": 1000.0, "decode-b1": 80.0}, base,
+                     ratios={"prefill": [1.0, 1.0, 1.0]})[1].endswith("decode-b1 80.0 < 100.0")
 
 
 def test_results_log_round_trip(tmp_path):

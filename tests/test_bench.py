@@ -125,6 +125,7 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     host = ", ".join(f"{x:.2f}" for x in report["paths"]["stock"]["prefill_host_ms"]["round_medians"])
     assert f"| {host} |" in md
     assert "## Speedup over stock by round" in md and "| cutile | " in md.split("## Speedup over stock by round")[1]
+    assert "these ratios are the machine's noise" in md  # the CPU run: nothing of ours ran
     assert "## Rounds" in md and "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
     for png in ("throughput.png", "breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -277,3 +278,15 @@ def test_path_specs_and_the_without_form(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--paths", "stock", "cutile~nope"])
     assert "no patch or hub layer of ours" in capsys.readouterr().err
+
+
+def test_round_ratios_pair_rounds_and_refuse_mixed_runs():
+    def path(prefill, b1):
+        return {"prefill_ms": {"round_medians": prefill}, "decode": [{"batch": 1, "step_ms": {"round_medians": b1}}]}
+
+    ours, stock = path([10.0, 20.0], [5.0, 8.0]), path([15.0, 22.0], [10.0, 8.0])
+    assert bench.round_ratios(ours, stock) == {"prefill": [1.5, 1.1], "decode-b1": [2.0, 1.0]}
+    assert bench.round_ratios(ours, {"prefill_ms": {"round_medians": [15.0, 22.0]}}) == {"prefill": [1.5, 1.1]}
+    assert bench.round_ratios(path([0.0, 1.0], [5.0, 8.0]), stock) == {"decode-b1": [2.0, 1.0]}  # no zero times
+    with pytest.raises(ValueError):
+        bench.round_ratios(ours, path([15.0, 22.0, 30.0], [10.0, 8.0, 9.0]))  # rounds of different runs

@@ -94,10 +94,36 @@ def test_markdown_lists_rows_medians_and_skips():
     assert "attention_cutile: not in the table, see attention_bench." in text
 
 
-def test_cli_refuses_without_cuda(capsys, monkeypatch):
+def test_cli_refuses_without_cuda_and_checks_names_first(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["kernel-table", "rms_norm_cutile"]) == 2
-    assert "needs a CUDA device" in capsys.readouterr().err
+    assert "torch sees no CUDA device" in capsys.readouterr().err
+    assert cli.main(["kernel-table", "rms_norm_cutile", "--device", "cpu"]) == 2
+    assert "needs a CUDA device, not 'cpu'" in capsys.readouterr().err
+    assert cli.main(["kernel-table", "no_such"]) == 2
+    assert "unknown Solutions ['no_such']" in capsys.readouterr().err
+    # a preset name that matches no Workload (a typo, or no uuid prefix) is an error, not an empty table
+    assert cli.main(["kernel-table", "rms_norm_cutile", "--model", "qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert "no Workload of these Solutions for ['qwen3']" in err and "qwen3-0.6b" in err
+
+
+def test_stock_of_the_fused_activation_is_the_stock_mlp(inv):
+    """The stock MLP runs silu(gate) * up on two GEMM outputs; the reference's copy of the gate half
+    (for CPU bit-matching) must not be timed as stock."""
+    (s, d, w), *_ = kernel_table.select(inv, ["silu_and_mul_fused_cutile"], ["llama-3.2-1b"])[0]
+    x = torch.randn(3, 2 * 8, dtype=torch.bfloat16)
+    fn, (gate, up) = kernel_table.STOCK[d.name](x)
+    assert gate.is_contiguous() and up.is_contiguous() and torch.equal(gate, x[:, :8])
+    assert torch.equal(fn(gate, up), torch.nn.functional.silu(x[:, :8]) * x[:, 8:])
+    seen = []
+    kernel_table.measure(inv, [(s, d, w)], "cpu", bandwidth_Bps=1e9,
+                         graph_timer=lambda f, n: seen.append(f) or 1.0, eager_timer=lambda f, n: 1.0)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:  # the timed stock call is the stock MLP's, not the reference
+        mp.setattr(torch.nn.functional, "silu", lambda t: calls.append(t.is_contiguous()) or t)
+        seen[1]()
+    assert calls == [True]
 
 
 @pytest.mark.gpu

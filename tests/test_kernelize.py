@@ -324,7 +324,10 @@ def test_kernel_config_checks_its_names(variant):
     with pytest.raises(ValueError, match="unknown name"):
         cutile_kernels.kernel_config(build_dir=variant.parent, exclude=["Bogus"])
     with pytest.raises(ValueError, match="unknown name"):
-        cutile_kernels.kernel_config(build_dir=variant.parent, include=["fused_gate_up"])  # not opt-in
+        cutile_kernels.kernel_config(build_dir=variant.parent, include=["RMSNorm"])  # a hub layer, not a patch
+    # A default patch named in include (qk_norm_rope was opt-in once) is applied as it would be anyway.
+    same = cutile_kernels.kernel_config(build_dir=variant.parent, include=["qk_norm_rope"])
+    assert hub._patch_names(same.exclude_patches, same.include_patches) == hub._patch_names()
     one = cutile_kernels.kernel_config(build_dir=variant.parent, exclude="fused_gate_up")  # one name as a str
     assert one.exclude_patches == ("fused_gate_up",)
     assert cutile_kernels.kernel_config(build_dir=variant.parent, exclude=None).exclude_patches == ()

@@ -1,7 +1,7 @@
 """qk_norm_rope (Qwen3's q_norm / k_norm + RoPE in one launch): the reference against transformers'
 Qwen3 attention, the kernel's tile logic emulated on the CPU against float64 and stock, the op's
 contract, the ``qk_norm_rope`` patch (CPU); the kernel against the stock module and a
-patched model against float32 (GPU; not yet run on one)."""
+patched model against float32 (GPU: all passed on the H200, 2026-11-30)."""
 
 from __future__ import annotations
 
@@ -403,7 +403,7 @@ def test_instance_forward_and_other_norms_are_left_alone(caplog):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU (not yet run on one): the kernel against the stock module, a patched model against fp32
+# GPU: the kernel against the stock module, a patched model against fp32
 # ---------------------------------------------------------------------------------------------
 
 def _launched(before: dict) -> list:

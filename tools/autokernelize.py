@@ -500,16 +500,21 @@ def throughput(path: dict) -> dict:
     return out
 
 
+#: Timing rounds a figure needs before :func:`decide` judges it by the median of its per-round
+#: ratios (with two, the median is the mean, and one drifted round still decides).
+MIN_ROUNDS = 3
+
+
 def decide(eval_status: str, gate_passed: bool | None, now: dict | None, baseline: dict | None,
            tolerance: float = 0.01, ratios: dict | None = None) -> tuple[bool, str]:
     """Keep or discard a candidate, and why.
 
     Kept only if ``evaluate`` PASSED, the bench's logit gate passed, and no throughput figure
-    dropped by more than ``tolerance``. With ``ratios`` (the candidate's speedup over a baseline
-    timed in the same bench, per round: :func:`.bench.round_ratios`) a figure dropped when the
-    median of its per-round ratios is below ``1 - tolerance`` (with three or more rounds, one drifted
-    round cannot decide); without, when ``now``'s figure is below ``(1 - tolerance)`` times ``baseline``'s (figures the
-    baseline lacks are not compared).
+    dropped by more than ``tolerance``. A figure with at least :data:`MIN_ROUNDS` ``ratios`` (the
+    candidate's speedup over a baseline timed in the same bench, per round:
+    :func:`.bench.round_ratios`) dropped when the median of its ratios is below ``1 - tolerance``,
+    so one drifted round cannot decide; any other figure dropped when ``now``'s value is below
+    ``(1 - tolerance)`` times ``baseline``'s (figures the baseline lacks are not compared).
     """
     if eval_status != "PASSED":
         return False, f"evaluate: {eval_status}"
@@ -517,18 +522,15 @@ def decide(eval_status: str, gate_passed: bool | None, now: dict | None, baselin
         return False, "end-to-end logit gate failed"
     if not now:
         return False, "no end-to-end throughput"
-    if ratios:
-        drops = [f"{k} x{statistics.median(r):.3f} (rounds " + ", ".join(f"{x:.2f}" for x in r) + ")"
-                 for k, r in ratios.items() if r and statistics.median(r) < 1 - tolerance]
-        if drops:
-            return False, f"throughput dropped more than {tolerance:.0%} (median per-round ratio): " + "; ".join(drops)
-        return True, "every gate passed; throughput did not drop (median per-round ratio)"
-    if baseline:
-        drops = [f"{k} {now[k]:.1f} < {baseline[k]:.1f}" for k in now
-                 if k in baseline and now[k] < (1 - tolerance) * baseline[k]]
-        if drops:
-            return False, f"throughput dropped more than {tolerance:.0%}: " + "; ".join(drops)
-    return True, "every gate passed; throughput did not drop"
+    paired = {k: r for k, r in (ratios or {}).items() if len(r) >= MIN_ROUNDS}
+    drops = [f"{k} x{statistics.median(r):.3f} (rounds " + ", ".join(f"{x:.2f}" for x in r) + ")"
+             for k, r in paired.items() if statistics.median(r) < 1 - tolerance]
+    drops += [f"{k} {now[k]:.1f} < {baseline[k]:.1f}" for k in now
+              if k not in paired and k in (baseline or {}) and now[k] < (1 - tolerance) * baseline[k]]
+    how = " (median per-round ratio)" if paired else ""
+    if drops:
+        return False, f"throughput dropped more than {tolerance:.0%}{how}: " + "; ".join(drops)
+    return True, f"every gate passed; throughput did not drop{how}"
 
 
 def commit_id(cwd: Path) -> str:

@@ -304,17 +304,27 @@ def round_ratios(path: dict, baseline: dict) -> dict[str, list[float]]:
 
     The paths alternate inside every round, so round by round they shared the machine's state;
     a drift between rounds (seen up to 1.8x on the H200 host) cancels in the ratio, where a median
-    over all samples would mix it in. Figures either side lacks are left out.
+    over all samples would mix it in. Figures either side lacks, or with a non-positive time, are
+    left out.
+
+    Raises:
+        ValueError: the two report different numbers of rounds (they come from different runs).
     """
+    def ratios(a, b):
+        if not a or not b or min(a) <= 0 or min(b) <= 0:
+            return None
+        return [y / x for x, y in zip(a, b, strict=True)]
+
     out = {}
-    a, b = path.get("prefill_ms", {}).get("round_medians"), baseline.get("prefill_ms", {}).get("round_medians")
-    if a and b:
-        out["prefill"] = [y / x for x, y in zip(a, b)]
+    r = ratios(path.get("prefill_ms", {}).get("round_medians"), baseline.get("prefill_ms", {}).get("round_medians"))
+    if r:
+        out["prefill"] = r
     base = {d["batch"]: d for d in baseline.get("decode", [])}
     for d in path.get("decode", []):
-        a, b = d.get("step_ms", {}).get("round_medians"), base.get(d["batch"], {}).get("step_ms", {}).get("round_medians")
-        if a and b:
-            out[f"decode-b{d['batch']}"] = [y / x for x, y in zip(a, b)]
+        r = ratios(d.get("step_ms", {}).get("round_medians"),
+                   base.get(d["batch"], {}).get("step_ms", {}).get("round_medians"))
+        if r:
+            out[f"decode-b{d['batch']}"] = r
     return out
 
 

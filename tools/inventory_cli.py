@@ -268,9 +268,11 @@ def add_parsers(sub) -> None:
     e.add_argument("--repeats", type=int, default=30)
     e.set_defaults(func=_evaluate)
 
-    k = sub.add_parser("kernel-table", help="each kernel against the stock code path on the models' shapes (CUDA)")
+    k = sub.add_parser("kernel-table", help="each kernel against the stock code path on the models' shapes (CUDA); "
+                                            "exit 1 if a kernel fell back")
     k.add_argument("solution", nargs="*", help="Solution names (default: all)")
-    k.add_argument("--model", nargs="+", help="only the Workloads of these presets (uuid prefix)")
+    k.add_argument("--model", action="append", help="only the Workloads of this preset (uuid prefix, e.g. "
+                                                    "qwen3-0.6b); repeat for several")
     k.add_argument("--root", help="inventory directory (default: <checkout>/inventory)")
     k.add_argument("--device", default="cuda")
     k.add_argument("--seed", type=int, default=0)

@@ -6,13 +6,16 @@ shapes; ``models`` keeps those whose uuid starts with a preset's name), on one C
 * ``ours``: the Solution's entry (our op, one cuTile launch or a few);
 * ``stock``: the Definition's reference, which is the transformers code the stock model runs for
   that work (e.g. ``LlamaRMSNorm.forward``: pow, mean, rsqrt, two muls and two casts), in the
-  Workload's dtypes;
+  Workload's dtypes; where the reference differs from what the stock model runs, :data:`STOCK`
+  gives the stock code instead (``silu_and_mul_fused``: the stock MLP has no fused tensor, it runs
+  ``silu(gate) * up`` on the two projections' outputs);
 
 each timed twice: device microseconds per call from CUDA-graph replays (:func:`.timing.graph_us`:
 the launch gaps of the host are out, so this is the kernels' own time) and eager microseconds per
 call (:func:`.timing.events_us`: host launch cost included, what an eager model step pays). Calls
-rotate over enough input sets to move twice the L2 cache per round (:func:`input_sets`), so a
-prefill-sized Workload is timed from device memory, not from the L2 its last call filled. The
+rotate over enough input sets to move twice the L2 cache per round (:func:`input_sets`, at most
+32), so a prefill-sized Workload is timed from device memory, not from the L2 its last call
+filled; decode-sized ones stay in the L2, as they do inside a model step. The
 roofline fraction is the fewest bytes the work must move (each tensor input read once, each output
 written once) over the device time, against the copy bandwidth measured at the start
 (:func:`.limits.measure`: a device-to-device copy, bytes read plus written): every kernel here is
@@ -20,7 +23,8 @@ memory-bound, so that is its ceiling.
 
 Definitions whose reference is not the stock path (``attention``: a plain float32 softmax, where
 stock runs sdpa) are left out with the reason; ``benchmarks/attention_bench.py`` times our attention
-against sdpa. A row whose call launched none of our kernels (a fallback) is marked so, not timed.
+against sdpa. A row whose call launched none of our kernels (a fallback) is marked so, not timed (the CLI then
+exits 1).
 """
 
 from __future__ import annotations
@@ -31,11 +35,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 #: Definitions whose reference is not the code the stock model runs, and where to look instead.
 NOT_STOCK = {
     "attention": "its reference is a float32 softmax, stock runs sdpa: see benchmarks/attention_bench.py",
 }
+
+
+def _stock_silu_and_mul_fused(x):
+    """LlamaMLP's ``act_fn(gate_proj(x)) * up_proj(x)``: two separate, contiguous GEMM outputs
+    (the split and copies happen here, untimed; the reference's own copy of the gate half is for
+    CPU bit-matching and is not what the stock model runs)."""
+    gate, up = (h.contiguous() for h in x.chunk(2, dim=-1))
+    return (lambda g, u: F.silu(g) * u), (gate, up)
+
+
+#: Definition -> f(*inputs) -> (stock callable, its arguments), where the stock model's code for
+#: the work is not the Definition's reference.
+STOCK = {"silu_and_mul_fused": _stock_silu_and_mul_fused}
 
 
 @dataclass
@@ -82,17 +100,24 @@ def input_sets(bytes_moved: int, l2_bytes: int, most: int = 32) -> int:
     return max(1, min(most, math.ceil(2 * l2_bytes / max(bytes_moved, 1))))
 
 
-def select(inv, solutions=None, models=None) -> list[tuple]:
-    """(Solution, Definition, Workload) triples to measure, in name order, and the skipped Solutions
-    as ``{name: reason}``.
+def select(inv, solutions=None, models=None) -> tuple[list[tuple], dict[str, str]]:
+    """(Solution, Definition, Workload) triples to measure (Solutions in the order given, each once;
+    default: all, by name) and the skipped Solutions as ``{name: reason}``.
 
     Raises:
         KeyError: an unknown Solution name.
+        ValueError: a model that names no Workload of the selected Solutions (presets are the
+            uuid prefixes, e.g. ``qwen3-0.6b``).
     """
-    names = sorted(inv.solutions) if not solutions else list(solutions)
+    names = sorted(inv.solutions) if not solutions else list(dict.fromkeys(solutions))
     unknown = [n for n in names if n not in inv.solutions]
     if unknown:
         raise KeyError(f"unknown Solutions {unknown}; known: {', '.join(sorted(inv.solutions))}")
+    if models:
+        prefixes = {w.uuid.split("/")[0] for n in names for w in inv.workloads.get(inv.solutions[n].definition, [])}
+        missing = [m for m in models if m not in prefixes]
+        if missing:
+            raise ValueError(f"no Workload of these Solutions for {missing}; known: {', '.join(sorted(prefixes))}")
     out, skipped = [], {}
     for name in names:
         s = inv.solutions[name]
@@ -127,7 +152,7 @@ def measure(inv, triples, device: str = "cuda", *, bandwidth_Bps: float, l2_byte
             entries[s.name] = evaluate.load_entry(s)
         if d.name not in refs:
             refs[d.name] = inventory.load_reference(d)
-        fn, ref = entries[s.name], refs[d.name]
+        fn = entries[s.name]
         args = evaluate.reference_inputs(d, evaluate.make_inputs(d, w, device, seed=seed, root=inv.root))
         before = launches() if launches else 0
         outs = fn(*args)
@@ -140,17 +165,20 @@ def measure(inv, triples, device: str = "cuda", *, bandwidth_Bps: float, l2_byte
         n = input_sets(row.bytes_moved, l2_bytes) if l2_bytes else 1
         sets = [args] + [evaluate.reference_inputs(d, evaluate.make_inputs(d, w, device, seed=seed + i, root=inv.root))
                          for i in range(1, n)]
+        stock, stock_sets = refs[d.name], sets
+        if d.name in STOCK:
+            stock, stock_sets = STOCK[d.name](*sets[0])[0], [STOCK[d.name](*a)[1] for a in sets]
 
-        def rotate(f, sets=sets):
+        def rotate(f, sets):
             def calls():
                 for a in sets:
                     f(*a)
             return calls
 
-        row.ours_graph_us = graph_timer(rotate(fn), n)
-        row.stock_graph_us = graph_timer(rotate(ref), n)
-        row.ours_eager_us = eager_timer(rotate(fn), n)
-        row.stock_eager_us = eager_timer(rotate(ref), n)
+        row.ours_graph_us = graph_timer(rotate(fn, sets), n)
+        row.stock_graph_us = graph_timer(rotate(stock, stock_sets), n)
+        row.ours_eager_us = eager_timer(rotate(fn, sets), n)
+        row.stock_eager_us = eager_timer(rotate(stock, stock_sets), n)
         row.ours_roofline = roofline_fraction(row.bytes_moved, row.ours_graph_us, bandwidth_Bps)
         row.stock_roofline = roofline_fraction(row.bytes_moved, row.stock_graph_us, bandwidth_Bps)
         rows.append(row)
@@ -161,15 +189,18 @@ def run(root: Path | None = None, solutions=None, models=None, device: str = "cu
     """Measure the table on ``device``; returns ``{"limits", "rows", "skipped"}`` (rows as dicts).
 
     Raises:
-        ValueError: ``device`` is not a CUDA device torch can see (graph timing needs CUDA).
+        ValueError: ``device`` is not a CUDA device torch can see (graph timing needs CUDA), or a
+            model names no Workload.
         KeyError: an unknown Solution name.
     """
     from . import evaluate, inventory, limits
 
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        raise ValueError(f"kernel-table times CUDA graphs: needs a CUDA device (got {device!r})")
     inv = inventory.Inventory.load(root)
     triples, skipped = select(inv, solutions, models)
+    if not device.startswith("cuda"):
+        raise ValueError(f"kernel-table times CUDA graphs: needs a CUDA device, not {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError("kernel-table times CUDA graphs: torch sees no CUDA device")
     lim = limits.measure(device)
     lim["l2_bytes"] = torch.cuda.get_device_properties(torch.device(device)).L2_cache_size
     rows = measure(inv, triples, device, bandwidth_Bps=lim["copy_bandwidth_Bps"], l2_bytes=lim["l2_bytes"],
@@ -210,7 +241,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {len(rs)} | {dev:.2f}x | {eager:.2f}x |")
     for name, why in sorted(report["skipped"].items()):
         lines.append(f"\n{name}: not in the table, {why}.")
+    for name in sorted({r["definition"] for r in report["rows"]} & set(STOCK)):
+        lines.append(f"\n{name}: stock is {STOCK[name].__doc__.split(':')[0]}, not the Definition's reference.")
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["NOT_STOCK", "Row", "input_sets", "markdown", "measure", "moved_bytes", "roofline_fraction", "run", "select"]
+__all__ = ["NOT_STOCK", "STOCK", "Row", "input_sets", "markdown", "measure", "moved_bytes", "roofline_fraction", "run", "select"]

@@ -92,7 +92,9 @@ def _speedup_table(report: dict) -> list[str]:
     if not keys:
         return []
     lines = ["", "## Speedup over stock by round", "",
-             "Stock's round median over the path's, per round in the order run, then their median (>1: faster).", "",
+             "Stock's round median over the path's, per round in the order run, then their median (>1: faster)."
+             + ("" if report.get("cutile_kernels_ran") else " No cuTile kernel ran: the paths ran the same code, so "
+                "these ratios are the machine's noise."), "",
              "| path | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
     for name, r in rows.items():
         cells = [(", ".join(f"{x:.2f}" for x in r[k]) + f" (median {statistics.median(r[k]):.2f})") if r.get(k) else "-"
