@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
+from ._spec import ConstParam, ScalarParam, VariantSpec, array
 # The helpers are the norm and rope kernels' own (one formula each); the builder hashes these
 # modules into this family's variants (KERNEL_DEPENDS), so a change there rebuilds this kernel.
 from .norm import _inv_rms, _scale, _sum_sq
-from .rope import BLOCKS, HEADS, ROWS, _half, _rounded_mul
+from .rope import BLOCKS, HEADS, ROWS, _half, _rounded_mul, tile_matrix
 
 ZERO = ct.PaddingMode.ZERO
 RN = ct.RoundingMode.RN  # read by norm.py's helpers when they are compiled in this module's scope
@@ -120,17 +120,8 @@ def _params(dtype: str, layout: str, consts: dict):
     return tuple(params)
 
 
-def _matrix() -> list[VariantSpec]:
-    specs = []
-    for dtype in ("bfloat16", "float16", "float32"):
-        for layout in LAYOUTS:
-            for block in BLOCKS:
-                consts = {"BLOCK": block, "ROWS": ROWS[block], "HEADS": HEADS}
-                specs.append(VariantSpec("qk_norm_rope", "qk_norm_rope", "qk_norm_rope_kernel",
-                                         f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x{ROWS[block]}.{layout}",
-                                         _params(dtype, layout, consts)))
-    return specs
-
-
 #: Every variant of this family, in the runtime's order of preference (aligned before generic).
-VARIANTS: list[VariantSpec] = _matrix()
+VARIANTS: list[VariantSpec] = tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params)
+
+#: The tiles (BLOCKS, HEADS, ROWS) are rope.py's, exported here as this family's own.
+__all__ = ["BLOCKS", "HEADS", "ROWS", "VARIANTS", "qk_norm_rope_kernel"]

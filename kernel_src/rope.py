@@ -110,17 +110,20 @@ def _params(dtype: str, layout: str, consts: dict):
     return tuple(params)
 
 
-def _matrix() -> list[VariantSpec]:
+def tile_matrix(kernel: str, function: str, params) -> list[VariantSpec]:
+    """The variants of ``kernel`` (module of the same name) on these tiles: every dtype, layout
+    (aligned before generic, the runtime's order of preference) and BLOCK, with ``params(dtype,
+    layout, consts)`` its parameters. qk_norm_rope's kernel shares the tiles, so it shares this."""
     specs = []
     for dtype in ("bfloat16", "float16", "float32"):
         for layout in LAYOUTS:
             for block in BLOCKS:
                 consts = {"BLOCK": block, "ROWS": ROWS[block], "HEADS": HEADS}
-                specs.append(VariantSpec("rope", "rope", "rope_kernel",
+                specs.append(VariantSpec(kernel, kernel, function,
                                          f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x{ROWS[block]}.{layout}",
-                                         _params(dtype, layout, consts)))
+                                         params(dtype, layout, consts)))
     return specs
 
 
 #: Every variant of this family, in the runtime's order of preference (aligned before generic).
-VARIANTS: list[VariantSpec] = _matrix()
+VARIANTS: list[VariantSpec] = tile_matrix("rope", "rope_kernel", _params)
