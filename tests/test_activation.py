@@ -11,6 +11,7 @@ import cutile_kernels
 from cutile_kernels import dispatch, registry
 from cutile_kernels.kernel_src import activation as kact
 from cutile_kernels.ops import activation as act_ops
+from launches import launched_variants
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -366,13 +367,6 @@ def _assert_close_to_stock(ours, stock, ref):
         assert (ours != stock).sum().item() <= max(1e-3 * ours.numel(), 10)
 
 
-def _launched(before: dict) -> list:
-    after = dispatch.stats()["launches"]
-    syms = [s for s in after if after[s] != before.get(s, 0)]
-    reg = registry.registry()
-    arch = reg.arch_for(torch.cuda.get_device_capability())
-    return [v for v in reg.variants(arch=arch) if v.symbol in syms]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
@@ -389,7 +383,7 @@ def test_silu_and_mul_kernel_matches_float64(case, strict):
         assert act_ops.silu_and_mul_into(a, b, out)
         gate, up = a, b
     torch.cuda.synchronize()
-    (variant,) = _launched(before)
+    (variant,) = launched_variants(before)
     ref = F.silu(gate.double()) * up.double()  # no intermediate rounding
     _assert_close_to_stock(out, F.silu(gate) * up, ref)
     assert (variant.kernel, variant.tag.rsplit(".", 1)[1]) == _expected_variant(rows, n, layout)

@@ -52,10 +52,16 @@ def test_scaffold_refuses_a_target_that_is_not_a_checkout_before_writing(tiny, t
     assert not (tmp_path / "empty").exists()
 
 
-def test_scaffold_writes_a_definition_that_reproduces_the_module(tiny, tmp_path):
-    model, label, found = tiny
+def _checkout(tmp_path: Path) -> Path:
+    """A scratch target for ``scaffold``: a checkout with only kernel_src/__init__.py (FAMILIES)."""
     (tmp_path / "kernel_src").mkdir()
     shutil.copy(ROOT / "kernel_src" / "__init__.py", tmp_path / "kernel_src" / "__init__.py")
+    return tmp_path
+
+
+def test_scaffold_writes_a_definition_that_reproduces_the_module(tiny, tmp_path):
+    model, label, found = tiny
+    _checkout(tmp_path)
     region = next(r for r in found["regions"] if r["region"] == "layers.*.mlp")
     out = ak.scaffold(model, region, label, tmp_path)
     assert out["definition"] == "llama_mlp" and out["registered"]
@@ -91,8 +97,7 @@ def test_scaffold_of_the_rotary_embedding_names_outputs_and_state_axes(tiny, tmp
     """Outputs take the names of the forward's ``return cos..., sin...``; a state size that equals a
     config value by coincidence does not take its name (inv_freq has head_dim / 2 entries)."""
     model, label, found = tiny
-    (tmp_path / "kernel_src").mkdir()
-    shutil.copy(ROOT / "kernel_src" / "__init__.py", tmp_path / "kernel_src" / "__init__.py")
+    _checkout(tmp_path)
     region = next(r for r in found["regions"] if r["region"] == "rotary_emb")
     ak.scaffold(model, region, label, tmp_path, name="rot_tiny")
     d = inventory.Inventory.load(tmp_path / "inventory").definitions["rot_tiny"]
@@ -114,8 +119,7 @@ def test_solution_entry_follows_the_op_signature():
 
 def test_scaffold_of_attention_flattens_tuple_arguments(tiny, tmp_path):
     model, label, found = tiny
-    (tmp_path / "kernel_src").mkdir()
-    shutil.copy(ROOT / "kernel_src" / "__init__.py", tmp_path / "kernel_src" / "__init__.py")
+    _checkout(tmp_path)
     region = next(r for r in found["regions"] if r["region"] == "layers.*.self_attn")
     ak.scaffold(model, region, label, tmp_path, name="attn_tiny")
     d = inventory.Inventory.load(tmp_path / "inventory").definitions["attn_tiny"]

@@ -8,6 +8,7 @@ import torch
 import cutile_kernels
 from cutile_kernels import dispatch, registry
 from cutile_kernels.ops import norm as norm_ops
+from launches import launched_variants
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -177,11 +178,9 @@ def _errors(out, ref):
 
 
 def _launched_variant(before: dict) -> registry.Variant:
-    after = dispatch.stats()["launches"]
-    new = [s for s in after if after[s] != before.get(s, 0)]
-    assert len(new) == 1, f"expected one variant launched, got {new}"
-    (variant,) = [v for v in registry.registry().variants() if v.symbol == new[0]]
-    return variant
+    new = launched_variants(before)
+    assert len(new) == 1, f"expected one variant launched, got {[v.symbol for v in new]}"
+    return new[0]
 
 
 @pytest.mark.gpu

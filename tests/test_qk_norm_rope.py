@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import cutile_kernels
-from cutile_kernels import dispatch, registry
+from cutile_kernels import dispatch
 from cutile_kernels.kernel_src import qk_norm_rope as src
 from cutile_kernels.layers import patch as patcher
 from cutile_kernels.layers import qk_norm_rope as layer
 from cutile_kernels_tools import evaluate, inventory
+from launches import launched_variants
 
 import cutile_numpy
 
@@ -406,11 +407,6 @@ def test_instance_forward_and_other_norms_are_left_alone(caplog):
 # GPU: the kernel against the stock module, a patched model against fp32
 # ---------------------------------------------------------------------------------------------
 
-def _launched(before: dict) -> list:
-    after = dispatch.stats()["launches"]
-    syms = [s for s in after if after[s] != before.get(s, 0)]
-    return [v for v in registry.registry().variants() if v.symbol in syms]
-
 
 GPU_CASES = [(1, 16, 8, 1, 128, None), (16, 16, 8, 1, 128, None), (1, 16, 8, 2048, 128, None),
              (3, 5, 1, 11, 128, 1), (2, 8, 1, 17, 80, None), (1, 3, 1, 5, 256, None), (2, 4, 4, 33, 64, None)]
@@ -431,7 +427,7 @@ def test_kernel_matches_stock_modules(case, dtype, strict):
     k_out.fill_(float("nan"))
     before = dispatch.stats()["launches"]
     assert ops.qk_norm_rope_into(q, k, qw, kw, EPS, cos, sin, q_out, k_out)
-    (variant,) = _launched(before)
+    (variant,) = launched_variants(before)
     torch.cuda.synchronize()
     for g, w, x, wt in zip((q_out, k_out), want, (q, k), (qw, kw)):
         assert not g.isnan().any() and g.stride() == w.stride() and g.dtype == w.dtype

@@ -15,6 +15,7 @@ from cutile_kernels import dispatch, registry
 from cutile_kernels.kernel_src import rope as rope_src
 from cutile_kernels.layers import rope as rope_layer
 from cutile_kernels.layers.rope import CutileRotaryPosEmb, computes_llama_rope, wrapped_function
+from launches import launched_variants
 rope_ops = importlib.import_module("cutile_kernels.ops.rope")
 
 transformers = pytest.importorskip("transformers")
@@ -475,11 +476,6 @@ def _errors(out, ref):
     return diff.max().item(), ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def _launched(before: dict) -> list:
-    after = dispatch.stats()["launches"]
-    syms = [s for s in after if after[s] != before.get(s, 0)]
-    return [v for v in registry.registry().variants() if v.symbol in syms]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
@@ -490,7 +486,7 @@ def test_rope_kernel_matches_float64(case, strict):
     k_out.fill_(float("nan"))
     before = dispatch.stats()["launches"]
     assert rope_ops.rope_into(q, k, cos, sin, q_out, k_out)
-    (variant,) = _launched(before)
+    (variant,) = launched_variants(before)
     torch.cuda.synchronize()
     assert not torch.isnan(q_out).any() and not torch.isnan(k_out).any(), "an output element was not written"
     ref_q, ref_k = _exact(q, k, cos, sin)

@@ -15,6 +15,7 @@ import torch
 import cutile_kernels
 from cutile_kernels import dispatch, registry
 from cutile_kernels.kernel_src import rope_cos_sin as src
+from launches import launched_variants
 from cutile_kernels.layers import patch as patcher
 from cutile_kernels.layers import rope_cos_sin as layer
 from cutile_kernels_tools import evaluate, inventory
@@ -380,11 +381,6 @@ GPU_CASES = [
 ]
 
 
-def _launched(before: dict) -> list:
-    after = dispatch.stats()["launches"]
-    syms = [s for s in after if after[s] != before.get(s, 0)]
-    return [v for v in registry.registry().variants() if v.symbol in syms]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -407,7 +403,7 @@ def test_kernel_matches_transformers_module(case, dtype, strict):
     sin.fill_(float("nan"))
     before = dispatch.stats()["launches"]
     assert ops.rope_cos_sin_into(emb.inv_freq.float(), positions, emb.attention_scaling, cos, sin)
-    (variant,) = _launched(before)
+    (variant,) = launched_variants(before)
     torch.cuda.synchronize()
     assert not cos.isnan().any() and not sin.isnan().any(), "an output element was not written"
     tol = 1 if dtype != torch.float32 else 4
