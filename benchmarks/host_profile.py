@@ -17,11 +17,11 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 
 import cutile_kernels
 import torch
 from cutile_kernels_tools import presets
+from cutile_kernels_tools.worker import Timer
 from transformers import AutoModelForCausalLM
 
 
@@ -40,16 +40,11 @@ def synchronizing_ops(model, ids) -> list[str]:
 
 
 def host_and_device_ms(model, ids, n: int) -> tuple[float, float]:
-    host, device = [], []
+    """Median host and device milliseconds of ``n`` prefills, as the bench's Timer takes them."""
+    timer, host, device = Timer("cuda"), [], []
     for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        model(ids, use_cache=False)
-        host.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        end.synchronize()
-        device.append(start.elapsed_time(end))
+        device.append(timer(lambda: model(ids, use_cache=False)))
+        host.append(timer.host_ms)
     return statistics.median(host), statistics.median(device)
 
 
