@@ -22,6 +22,7 @@ replays next to ``F.scaled_dot_product_attention`` (causal, GQA). FLOPs count th
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 from pathlib import Path
@@ -73,7 +74,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     import torch.nn.functional as F
     from cutile_kernels import registry
     from cutile_kernels.launcher import Launcher
-    from cutile_kernels.ops import attention as ops
+    ops = importlib.import_module("cutile_kernels.ops.attention")  # the package re-exports `attention`
 
     reg = registry.Registry(registry.package_dir_of(Path(sweep_dir)))
     launcher = Launcher()

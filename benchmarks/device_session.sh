@@ -12,7 +12,8 @@
 #                python -m benchmarks.attention_sweep export --out /tmp/sweep-attn &&
 #                tar czf .device/attn-sweep.tgz -C /tmp sweep-attn
 #   hostprof   where the host time of an eager prefill of $MODEL goes, stock and ours
-#              (benchmarks/host_profile.py: cProfile)
+#              (benchmarks/host_profile.py: cProfile, synchronizing calls, $DRIFT prefills GC on/off;
+#              also ours with the opt-in patches $HOSTPROF_INCLUDE)
 #   rank       autokernelize's ranking of $MODEL's uncovered regions on the GPU (default llama-3.2-1b)
 #   score      `autokernelize $MODEL --score $CANDIDATE`: evaluate, then the bench of stock and
 #              our build without / with the candidate (cutile~NAME and cutile, or cutile and
@@ -66,7 +67,8 @@ for stage in "$@"; do
       cd "$root" && step attnsweep 200 python3 -m benchmarks.attention_sweep run --dir /tmp/sweep-attn \
           --json "$OUT/attention-sweep.json" ;;
     hostprof)
-      cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug ;;
+      cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug --drift ${DRIFT:-40} \
+          ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
     rank)
       cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" --top 12 \
           --json /tmp/rank.json ;;

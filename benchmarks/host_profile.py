@@ -1,6 +1,7 @@
 """Where the host time of an eager prefill goes, stock against ours: ``cProfile`` of the forward.
 
     python benchmarks/host_profile.py llama-3.2-1b [--tokens 2048] [--calls 5] [--top 30] [--sync-debug]
+        [--drift N] [--include PATCH...]
 
 The bench's prefill rounds show the host time (until ``forward`` returned) close to the whole
 prefill time: the host sets the pace. This prints, per model, the host and device milliseconds
@@ -9,11 +10,15 @@ per prefill (unprofiled, medians) and the functions that take the host's time un
 calls more than C calls, so read the shares, not the absolute times. ``--sync-debug`` also lists
 the operations of one forward that make the host wait for the device
 (``torch.cuda.set_sync_debug_mode("warn")``): a host time that tracks the device time can be such
-a wait rather than a slow host.
+a wait rather than a slow host. ``--drift N`` times N more prefills per model, with Python's
+garbage collector on and then off, and prints the spread of host wall time, the timing thread's CPU
+time and the collector's time: a slow host computes (CPU time near wall time), a waiting one
+does not.
 """
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
@@ -48,8 +53,30 @@ def host_and_device_ms(model, ids, n: int) -> tuple[float, float]:
     return statistics.median(host), statistics.median(device)
 
 
+def drift(name, model, ids, n: int) -> None:
+    """Spread of ``n`` prefills' host, host CPU, GC and device milliseconds, GC on, then off."""
+    timer = Timer("cuda")
+    for label in ("gc on", "gc off"):
+        rows = []
+        if label == "gc off":
+            gc.collect()
+            gc.disable()
+        try:
+            for _ in range(n):
+                device = timer(lambda: model(ids, use_cache=False))
+                rows.append((timer.host_ms, timer.host_cpu_ms, timer.gc_ms, device))
+        finally:
+            gc.enable()
+        cols = list(zip(*rows))
+        cells = []
+        for what, col in zip(("host", "host cpu", "gc", "prefill"), cols):
+            q = statistics.quantiles(col, n=10)
+            cells.append(f"{what} {statistics.median(col):.2f} (p10 {q[0]:.2f}, p90 {q[-1]:.2f}, max {max(col):.2f})")
+        print(f"--- {name}, {label}, {n} prefills, ms: " + "; ".join(cells))
+
+
 @torch.inference_mode()
-def profile(name, model, ids, calls: int, top: int, sync_debug: bool = False) -> None:
+def profile(name, model, ids, calls: int, top: int, sync_debug: bool = False, drift_n: int = 0) -> None:
     for _ in range(3):
         model(ids, use_cache=False)
     torch.cuda.synchronize()
@@ -58,6 +85,8 @@ def profile(name, model, ids, calls: int, top: int, sync_debug: bool = False) ->
     if sync_debug:
         ops = synchronizing_ops(model, ids)
         print(f"--- {name}: {len(ops)} kinds of synchronizing call in one forward" + "".join(f"\n  {o}" for o in ops))
+    if drift_n:
+        drift(name, model, ids, drift_n)
     prof = cProfile.Profile()
     for _ in range(calls):
         prof.enable()
@@ -79,6 +108,9 @@ def main():
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--sync-debug", action="store_true", help="list the calls that wait for the device")
+    p.add_argument("--drift", type=int, default=0, metavar="N", help="time N more prefills, GC on and off")
+    p.add_argument("--include", nargs="*", default=[], metavar="PATCH",
+                   help="also profile ours with these opt-in patches (e.g. fused_qkv)")
     a = p.parse_args()
     ckpt, _ = presets.resolve(a.model, device="cuda")
 
@@ -86,9 +118,12 @@ def main():
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, device_map="cuda", **kw).eval()
 
     ids = torch.randint(0, 1000, (1, a.tokens), device="cuda")
-    profile("stock", load(), ids, a.calls, a.top, a.sync_debug)
+    profile("stock", load(), ids, a.calls, a.top, a.sync_debug, a.drift)
     profile("ours", load(use_kernels=True, kernel_config=cutile_kernels.kernel_config()), ids, a.calls, a.top,
-            a.sync_debug)
+            a.sync_debug, a.drift)
+    if a.include:
+        profile(f"ours+{'+'.join(a.include)}", load(use_kernels=True, kernel_config=cutile_kernels.kernel_config(
+            include=a.include)), ids, a.calls, a.top, a.sync_debug, a.drift)
 
 
 if __name__ == "__main__":

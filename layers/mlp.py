@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..ops.activation import silu, silu_and_mul_fused
+from ._fusion import linear_problem, rebuild_fused, replace_children
 from ._match import same_code, statements_digest
 
 logger = logging.getLogger("cutile_kernels")
@@ -103,21 +104,6 @@ def _silu_classes() -> tuple:
     return (SiLUActivation, nn.SiLU)
 
 
-def _linear_problem(m) -> str | None:
-    # Exactly nn.Linear with a plain dense weight: no subclass (quantized layers), no hooks that
-    # fusing would drop (accelerate offload, PEFT), no tensor subclass (DTensor), no meta weight.
-    if type(m) is not nn.Linear:
-        return f"is a {type(m).__name__}, not nn.Linear"
-    if m.bias is not None:
-        return "has a bias"
-    if m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"):
-        return "has forward hooks"
-    w = m.weight
-    if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor:
-        return f"has a {type(w.data).__name__} weight"
-    return "has a meta weight" if w.is_meta else None
-
-
 def why_not_fusable(module: nn.Module) -> str | None:
     """Why :func:`fuse_mlp` leaves ``module`` alone, or None if it fuses it (see
     :func:`is_fusable_mlp`)."""
@@ -128,7 +114,7 @@ def why_not_fusable(module: nn.Module) -> str | None:
     if type(getattr(module, "act_fn", None)) not in _silu_classes():
         return f"act_fn is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
     for name in ("gate_proj", "up_proj", "down_proj"):
-        problem = _linear_problem(getattr(module, name, None))
+        problem = linear_problem(getattr(module, name, None))
         if problem:
             return f"{name} {problem}"
     g, u, d = module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight
@@ -164,27 +150,8 @@ def fused_class(cls: type) -> type:
 
 
 def _reduce_fused(self, protocol):
-    # A class made at run time cannot be pickled by name: pickle (torch.save(model), deepcopy,
-    # multiprocessing) rebuilds it from the stock class it was made from.
-    return _rebuild_fused, (self._cutile_unfused_class, self.__dict__.copy())
-
-
-def _rebuild_fused(base: type, state: dict) -> nn.Module:
-    cls = fused_class(base)
-    obj = cls.__new__(cls)
-    obj.__setstate__(state)
-    return obj
-
-
-def _replace_children(module: nn.Module, old: tuple, new: dict) -> None:
-    # Swap children in place, keeping the module order (hence state_dict and parameter order).
-    children = {}
-    for name, child in module._modules.items():
-        if name == old[0]:
-            children.update(new)
-        elif name not in old:
-            children[name] = child
-    module._modules = children
+    # A class made at run time cannot be pickled by name: rebuild it from the stock class.
+    return rebuild_fused, (fused_class, self._cutile_unfused_class, self.__dict__.copy())
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
@@ -227,7 +194,7 @@ def _fuse_one(module: nn.Module) -> None:
     linear = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
     linear.weight = nn.Parameter(stacked, requires_grad=gate.weight.requires_grad)
     linear.train(gate.training)
-    _replace_children(module, _STOCK, {FUSED_NAME: linear})
+    replace_children(module, _STOCK, {FUSED_NAME: linear})
     module.__class__ = fused_class(type(module))
     module._cutile_fusion_hooks = (module.register_state_dict_post_hook(_state_dict_hook),
                                    module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook))
@@ -244,7 +211,7 @@ def _unfuse_one(module: nn.Module) -> None:
             linear.weight = nn.Parameter(w[rows].clone(), requires_grad=w.requires_grad)
         linear.train(fused.training)
         stock[name] = linear
-    _replace_children(module, (FUSED_NAME,), stock)
+    replace_children(module, (FUSED_NAME,), stock)
     for handle in module.__dict__.pop("_cutile_fusion_hooks", ()):
         handle.remove()
     module.__class__ = module._cutile_unfused_class

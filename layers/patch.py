@@ -29,13 +29,17 @@ The first patch here, ``decoder_add_rms_norm``, fuses the decoder layer's residu
 RMSNorms that follow them (see :func:`fuse_decoder_layers`); ``fused_gate_up`` (``mlp.py``) stacks
 the SwiGLU gate/up projections; ``rope_cos_sin`` (``rope_cos_sin.py``) computes the rotary
 embedding's cos/sin tables in one launch; ``qk_norm_rope`` (``qk_norm_rope.py``) runs
-Qwen3 attention's q_norm, k_norm and RoPE in one launch.
+Qwen3 attention's q_norm, k_norm and RoPE in one launch; ``fused_qkv`` (``qkv.py``) stacks the
+q/k/v projections of Llama, Mistral and Qwen2 attention into one GEMM.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 import logging
+import textwrap
 import types
 from collections import Counter
 from dataclasses import dataclass, field
@@ -222,17 +226,96 @@ LLAMA_DECODER_DIGEST = "b139d1b607c01194"
 _FORWARD_ATTRS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
+class _Loop:
+    """Whether a verified decoder loop is running: ``depth`` counts the calls of its owner (the module
+    whose ``forward`` loops over the layers, e.g. ``LlamaModel``) in progress; see :func:`loop_verdict`."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self):
+        self.depth = 0
+
+
 class _Inbox:
     """The normed input one layer leaves for the next: ``pending = (s, rms_norm(s), version)``,
-    where ``s`` is the tensor the first layer returned and ``version`` its version counter then.
+    where ``s`` is the tensor the first layer returned and ``version`` its version counter then
+    (None where there is none to read: compiled, or inference tensors inside a verified loop).
     The next layer uses it only if it is called with exactly ``s`` (the same object), unchanged
-    since, so anything in between that replaces or edits the hidden states in place is safe."""
+    since, so anything in between that replaces or edits the hidden states in place is safe.
+    ``layer`` is that next layer; ``loop`` the :class:`_Loop` of the loop that calls both, or None
+    when the owner's loop is not verified."""
 
-    __slots__ = ("norm", "pending")
+    __slots__ = ("norm", "pending", "layer", "loop")
 
-    def __init__(self, norm: nn.Module):
+    def __init__(self, norm: nn.Module, layer: nn.Module, loop: "_Loop | None"):
         self.norm = norm
         self.pending = None
+        self.layer = layer
+        self.loop = loop
+
+
+def _loop_call(node: ast.For, attr: str) -> ast.Call | None:
+    """The call of ``for layer in self.<attr>...: x = layer(x, ...)`` (or ``for i, layer in
+    enumerate(...)``), or None when the loop body is anything more."""
+    if not any(isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name)
+               and n.value.id == "self" for n in ast.walk(node.iter)):
+        return None
+    target = node.target
+    if isinstance(target, ast.Tuple) and len(target.elts) == 2:
+        target = target.elts[1]
+    if not isinstance(target, ast.Name) or node.orelse or len(node.body) != 1:
+        return None
+    stmt = node.body[0]
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return None
+    call = stmt.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == target.id
+            and call.args and isinstance(call.args[0], ast.Name) and call.args[0].id == stmt.targets[0].id):
+        return None
+    # The other arguments are evaluated between the layers: no call among them (only names,
+    # attributes, subscripts), so nothing there can touch the hidden states.
+    rest = call.args[1:] + [k.value for k in call.keywords]
+    if any(isinstance(n, ast.Call) for a in rest for n in ast.walk(a)):
+        return None
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def loop_verdict(cls: type, attr: str) -> str | None:
+    """Why the decoder loop of ``cls.forward`` over ``self.<attr>`` is not verified, or None if it is.
+
+    Verified means the forward's source (decorators unwrapped) has exactly one ``for`` statement
+    over ``self.<attr>`` and its body is only ``hidden = layer(hidden, <names, attributes or
+    subscripts>)``: between one layer returning and the next being called, no code of the model
+    can edit the hidden states in place. Llama, Mistral, Qwen2 and Qwen3 (5.22.2) loop that way.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        return "its forward's source cannot be read"
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)
+             and any(isinstance(a, ast.Attribute) and a.attr == attr for a in ast.walk(n.iter))]
+    if len(loops) != 1:
+        return f"its forward has {len(loops)} loops over self.{attr}, not one"
+    if _loop_call(loops[0], attr) is None:
+        return f"its loop over self.{attr} does more than call each layer on the previous one's output"
+    return None
+
+
+def _enter_loop(module, args):
+    if not torch.compiler.is_compiling():
+        module.__dict__[_LOOP].depth += 1
+
+
+def _leave_loop(module, args, output):
+    if not torch.compiler.is_compiling():
+        loop = module.__dict__[_LOOP]
+        loop.depth = max(0, loop.depth - 1)
+
+
+#: Attribute of a verified loop's owner: its :class:`_Loop`; hooks counting its calls.
+_LOOP = "_cutile_loop"
+_LOOP_HOOKS = "_cutile_loop_hooks"
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,6 +344,7 @@ def _llama_norm(m) -> bool:
 #: A forward hook whose function carries this attribute (set to True) only observes, e.g. the
 #: bench's profiler ranges: the fusions may skip it, as they skip the norm module it hooks.
 TRANSPARENT_HOOK = "_cutile_transparent"
+_enter_loop._cutile_transparent = _leave_loop._cutile_transparent = True
 
 
 def _blocking(hooks) -> bool:
@@ -285,10 +369,9 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         handed, inbox.pending = inbox.pending, None
     residual = hidden_states
     # Only exactly the tensor the previous layer returned, unchanged since (an in-place edit
-    # between layers bumps its version counter), may skip this norm. Dynamo cannot trace version
-    # counters; a compiled model keeps the identity check.
-    if (handed is not None and handed[0] is hidden_states
-            and (torch.compiler.is_compiling() or handed[2] == hidden_states._version)):
+    # between layers bumps its version counter), may skip this norm; without a counter to read
+    # (compiled, or inference tensors in a verified loop), the producer made sure (_may_hand_off).
+    if handed is not None and handed[0] is hidden_states and (handed[2] is None or handed[2] == hidden_states._version):
         hidden_states = handed[1]
     else:
         hidden_states = self.input_layernorm(hidden_states)
@@ -303,15 +386,28 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         hidden_states = post(residual)
     hidden_states = self.mlp(hidden_states)
     nxt = self._cutile_next
-    # Inference tensors keep no version counter, so an in-place edit between layers could not be
-    # seen: no handoff under eager inference_mode (compiled graphs keep the identity check).
-    if (nxt is not None and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
-            and not (self.training and getattr(self, "gradient_checkpointing", False))
-            and nxt.norm.weight.device == hidden_states.device and _unhooked(nxt.norm)):
+    if nxt is not None and _may_hand_off(self, nxt, hidden_states):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
-        nxt.pending = (out, normed, None if torch.compiler.is_compiling() else out._version)
+        counted = not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
+        nxt.pending = (out, normed, out._version if counted else None)
         return out
     return residual + hidden_states
+
+
+def _may_hand_off(layer: nn.Module, nxt: _Inbox, hidden_states: torch.Tensor) -> bool:
+    """Whether ``layer`` may leave the next layer its normed input (see :class:`_Inbox`)."""
+    if (layer.training and getattr(layer, "gradient_checkpointing", False)
+            or nxt.norm.weight.device != hidden_states.device or not _unhooked(nxt.norm)):
+        return False
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return True
+    # Inference tensors keep no version counter, so the next layer could not see an in-place edit
+    # of this one's output: hand off only inside the owner's verified loop (nothing of the model
+    # runs between the layers) and with no hook between them (this one's forward hooks, the next
+    # one's pre-hooks; global hooks are checked with the norm's).
+    loop = nxt.loop
+    return (loop is not None and loop.depth > 0 and not _blocking(layer._forward_hooks)
+            and not _blocking(nxt.layer._forward_pre_hooks))
 
 
 def swapped(m: nn.Module, forward) -> bool:
@@ -400,7 +496,10 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     ``post_attention_layernorm`` is a Llama-formula RMSNorm, and whose forward nobody else has
     replaced (e.g. accelerate's device hooks). Cross-layer handoff links consecutive patched layers
     of one ``ModuleList`` whose next ``input_layernorm`` is a Llama-formula RMSNorm; it is skipped
-    at run time under gradient checkpointing, across devices, and when that norm has hooks. The
+    at run time under gradient checkpointing, across devices, and when that norm has hooks. Under
+    ``torch.inference_mode`` (no version counters) it runs only while the module that owns the
+    list runs its verified loop (:func:`loop_verdict`; counted by two hooks on the owner that
+    :func:`unfuse_decoder_layers` removes) and no hook sits between the two layers. The
     last layer's final add stays a plain add (the model's final norm is not a decoder layer).
     Layers of other classes are left alone, with a log line per class.
 
@@ -417,18 +516,38 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     return sum(new.values())
 
 
+def _loop_of(owner: nn.Module | None, attr: str) -> _Loop | None:
+    # The owner's _Loop, its counting hooks installed once; None when its loop is not verified.
+    if owner is None:
+        return None
+    loop = owner.__dict__.get(_LOOP)
+    if loop is None:
+        why = loop_verdict(type(owner), attr)
+        if why is not None:
+            logger.info("cutile_kernels: patch decoder_add_rms_norm: no cross-layer handoff under inference_mode "
+                        "in %s: %s", type(owner).__name__, why)
+            return None
+        loop = owner.__dict__[_LOOP] = _Loop()
+        owner.__dict__[_LOOP_HOOKS] = (owner.register_forward_pre_hook(_enter_loop),
+                                       owner.register_forward_hook(_leave_loop, always_call=True))
+    return loop
+
+
 def _link_layers(model: nn.Module) -> int:
     # (Re)link consecutive fused layers of every ModuleList for the cross-layer handoff.
     links = 0
-    for _, seq in model.named_modules():
+    modules = dict(model.named_modules())
+    for name, seq in modules.items():
         if not isinstance(seq, nn.ModuleList):
             continue
+        parent, _, attr = name.rpartition(".")
+        owner = modules.get(parent) if name else None
         layers = list(seq)
         for a, b in zip(layers, layers[1:]):
             if _is_fused(a) and _is_fused(b) and _llama_norm(b.input_layernorm):
                 inbox = b.__dict__["_cutile_inbox"]
                 if inbox is None or inbox.norm is not b.input_layernorm:
-                    inbox = _Inbox(b.input_layernorm)
+                    inbox = _Inbox(b.input_layernorm, b, _loop_of(owner, attr))
                     b.__dict__["_cutile_inbox"] = inbox
                 a.__dict__["_cutile_next"] = inbox
                 links += 1
@@ -441,8 +560,13 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
     Returns:
         The number of layers restored.
     """
-    return restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
-                            attrs=("_cutile_inbox", "_cutile_next"), noun="layers")
+    n = restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
+                         attrs=("_cutile_inbox", "_cutile_next"), noun="layers")
+    for m in model.modules():
+        for handle in m.__dict__.pop(_LOOP_HOOKS, ()):
+            handle.remove()
+        m.__dict__.pop(_LOOP, None)
+    return n
 
 
 register(Patch("decoder_add_rms_norm", apply=fuse_decoder_layers, undo=unfuse_decoder_layers,
@@ -467,3 +591,10 @@ from .qk_norm_rope import patch_qk_norm_rope, unpatch_qk_norm_rope  # noqa: E402
 # decode b16 870 -> 952 tok/s against our build without it; benchmarks/results/autokernelize.tsv).
 register(Patch("qk_norm_rope", apply=patch_qk_norm_rope, undo=unpatch_qk_norm_rope,
                description="Qwen3 attention's q_norm, k_norm and RoPE (Qwen3Attention code) on one cuTile launch"))
+
+from .qkv import fuse_qkv, unfuse_qkv  # noqa: E402
+
+# Opt-in until the end-to-end bench on the H200 accepts it (cutile+fused_qkv against cutile).
+register(Patch("fused_qkv", apply=fuse_qkv, undo=unfuse_qkv,
+               description="q_proj, k_proj and v_proj of each Llama/Mistral/Qwen2 attention as one GEMM",
+               default=False))

@@ -93,6 +93,9 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
         assert len(p["prefill_ms"]["round_medians"]) == 2 and len(p["decode"][0]["ttft_round_ms"]) == 2
         # on a CPU the host time is the whole call: the same samples
         assert p["prefill_host_ms"]["n"] == 4 and p["prefill_host_ms"]["median"] == pytest.approx(p["prefill_ms"]["median"])
+        # a CPU forward computes on the timing thread (and its intra-op pool), so it has CPU time
+        assert 0 < p["prefill_host_cpu_ms"]["median"] and p["prefill_host_cpu_ms"]["n"] == 4
+        assert 0 <= p["prefill_gc_ms"]["median"] <= p["prefill_host_ms"]["median"]
         assert p["decode"][0]["step_ms"]["n"] == 3 * 2
         assert [d["batch"] for d in p["decode"]] == [1, 4]
         assert all(d["tokens_per_s"] > 0 and d["ttft_ms"] > 0 for d in p["decode"])

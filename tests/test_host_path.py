@@ -185,3 +185,19 @@ def test_host_overhead_harness_runs():
         pytest.skip("no build")
     assert out.returncode == 0, out.stderr
     assert "rms_norm" in out.stdout and "apply_rope" in out.stdout
+
+
+def test_rope_launches_on_q_and_k_split_from_one_fused_projection(fake_gpu):
+    # fused_qkv hands RoPE q and k as views of one (B, S, Nq + 2 Nkv) buffer: their byte ranges
+    # meet, their elements do not, so the kernel takes them (before, the aliasing check sent the
+    # op to its PyTorch fallback on every layer).
+    qkv = torch.randn(2, 9, (8 + 2 + 2) * 64, dtype=BF16)
+    q, k, _ = (t.view(2, 9, -1, 64).transpose(1, 2) for t in qkv.split((512, 128, 128), dim=-1))
+    cos, sin = torch.randn(2, 9, 64, dtype=BF16), torch.randn(2, 9, 64, dtype=BF16)
+    cutile_kernels.apply_rope(q, k, cos, sin)
+    cutile_kernels.apply_rope(q, k, cos, sin)  # the cached plan too
+    assert len(fake_gpu) == 2 and all("rope" in symbol for symbol, _ in fake_gpu)
+    # k half a head into q's last head: these do alias, and the plan of the same signature refuses them.
+    k_bad = qkv[..., 480:608].view(2, 9, 2, 64).transpose(1, 2)
+    with pytest.raises(cutile_kernels.FallbackError, match="overlap"):
+        cutile_kernels.apply_rope(q, k_bad, cos, sin)

@@ -191,13 +191,15 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     report = cutile_kernels.patch(model, names=list(patcher.PATCHES))  # the opt-in rope_cos_sin too
     n = len(_decoder_layers(model))
     qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # Qwen3 attention only
-    assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0, **qk}
-    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin", *qk]
+    qkv = {} if model_type == "qwen3" else {"fused_qkv": n}  # Llama-code attention only
+    assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
+                              "fused_qkv": 0, **qk, **qkv}
+    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin", *qk, *qkv]
     assert torch.equal(_logits(model, ids).logits, want)
     model.save_pretrained(tmp_path / "patched")
     a = (tmp_path / "stock" / "model.safetensors").read_bytes()
     assert (tmp_path / "patched" / "model.safetensors").read_bytes() == a
-    assert cutile_kernels.unpatch(model).changed == {**qk, "rope_cos_sin": 1, "fused_gate_up": n,
+    assert cutile_kernels.unpatch(model).changed == {**qkv, **qk, "rope_cos_sin": 1, "fused_gate_up": n,
                                                      "decoder_add_rms_norm": n}
     assert torch.equal(_logits(model, ids).logits, want)
 
@@ -321,11 +323,14 @@ def test_compile_fullgraph_matches_eager(ids):
 def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
     # Gemma's decoder layer has Llama's forward code, but its norms are (1 + weight) norms.
     model = _model("gemma")
+    want = _logits(model, ids).logits
     with caplog.at_level(logging.INFO, logger=LOGGER):
         report = cutile_kernels.patch(model, names=list(patcher.PATCHES))
-    # GELU MLP; the rotary embedding is Llama's code (its own, opt-in patch).
-    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1, "qk_norm_rope": 0}
-    assert report.active == ["rope_cos_sin"]
+    # GELU MLP; the rotary embedding and the attention are Llama's code (rope_cos_sin, fused_qkv).
+    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1, "qk_norm_rope": 0,
+                              "fused_qkv": 3}
+    assert report.active == ["rope_cos_sin", "fused_qkv"]
+    assert torch.equal(_logits(model, ids).logits, want)
     assert not any(_fused(layer) for layer in _decoder_layers(model))
     assert "leaves 3 GemmaDecoderLayer alone: its post_attention_layernorm is not a Llama-formula RMSNorm" \
         in caplog.text
@@ -421,8 +426,9 @@ def _error(logits, ref):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("model_type", ["tiny", "qwen3", "mistral"])
-def test_patched_model_on_gpu_is_as_close_to_float32_as_stock(model_type, strict):
+def test_patched_model_on_gpu_is_as_close_to_float32_as_stock(model_type, grad_mode, strict):
     model = _model(model_type, layers=4).to("cuda")
     ids = torch.randint(0, 256, (2, 37), device="cuda")
     ref = _logits(model, ids).logits  # float32 reference of the stock model
@@ -430,7 +436,8 @@ def test_patched_model_on_gpu_is_as_close_to_float32_as_stock(model_type, strict
     stock = _logits(model, ids).logits
     cutile_kernels.patch(model)
     before = dispatch.stats()["launches"]
-    got = _logits(model, ids).logits
+    with getattr(torch, grad_mode)():
+        got = model(ids).logits
     after = dispatch.stats()["launches"]
     fused = sum(n - before.get(s, 0) for s, n in after.items() if "add_rms_norm" in s)
     n = len(_decoder_layers(model))
@@ -495,18 +502,104 @@ def test_a_patch_that_raises_part_way_can_still_be_undone(scratch_registry):
     assert torch.equal(model[0].weight, before) and patcher.applied(model) == {}
 
 
-def test_inference_mode_runs_without_the_cross_layer_handoff(ids):
-    # Inference tensors have no version counter (reading it raises), so an in-place edit between
-    # layers could not be detected: under inference_mode only the in-layer fusion is used.
-    stock, model = _model("llama"), _model("llama")
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_inference_mode_hands_off_inside_the_verified_loop(model_type, ids):
+    # Inference tensors have no version counter: the handoff relies on the owner's loop doing
+    # nothing between the layers (loop_verdict) and on no hook sitting between them.
+    stock, model = _model(model_type), _model(model_type)
     cutile_kernels.patch(model, names=DEC)
     n = len(_decoder_layers(model))
+    assert patcher.loop_verdict(type(model.model), "layers") is None
     with torch.inference_mode():
         want = stock(ids).logits
         cutile_kernels.reset_stats()
         got = model(ids).logits
     assert torch.equal(got, want)
-    assert cutile_kernels.stats()["reference_calls"] == {"add_rms_norm": n}  # one per layer, none across
+    assert cutile_kernels.stats()["reference_calls"] == {"add_rms_norm": 2 * n - 1}  # n in-layer, n - 1 across
+    assert model.model.__dict__["_cutile_loop"].depth == 0  # the owner's call has ended
+
+
+@pytest.mark.parametrize("where", ["pre_hook_next", "hook_previous"])
+def test_inference_mode_handoff_is_off_when_a_hook_sits_between_layers(where, ids):
+    def bump_pre(module, args):
+        args[0].mul_(1.5)  # in place: same object, new contents, and no version counter to tell
+
+    def bump_out(module, args, out):
+        out.mul_(1.5)
+
+    stock, model = _model("llama"), _model("llama")
+    cutile_kernels.patch(model, names=DEC)
+    n = len(_decoder_layers(model))
+    for m in (stock, model):
+        if where == "pre_hook_next":
+            _decoder_layers(m)[1].register_forward_pre_hook(bump_pre)
+        else:
+            _decoder_layers(m)[0].register_forward_hook(bump_out)
+    with torch.inference_mode():
+        want = stock(ids).logits
+        cutile_kernels.reset_stats()
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    assert cutile_kernels.stats()["reference_calls"] == {"add_rms_norm": 2 * n - 2}  # one pair not handed off
+
+
+def test_inference_mode_layers_called_outside_their_loop_do_not_hand_off(ids):
+    # A user loop over the layers may edit the hidden states in place between them: outside the
+    # owner's verified forward, no handoff (and the results are the stock ones).
+    stock, model = _model("llama"), _model("llama")
+    cutile_kernels.patch(model, names=DEC)
+
+    def run(m):
+        inner = m.model
+        h = inner.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1])[None]
+        emb = inner.rotary_emb(h, position_ids=pos)
+        for layer in inner.layers:
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=emb)
+            h.mul_(0.5)
+        return h
+
+    with torch.inference_mode():
+        want = run(stock)
+        got = run(model)
+    assert torch.equal(got, want)
+    assert all(layer._cutile_inbox is None or layer._cutile_inbox.pending is None for layer in _decoder_layers(model))
+
+
+def test_loop_verdict_refuses_a_loop_that_does_more():
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    class Steered(LlamaModel):
+        def forward(self, input_ids=None, **kwargs):
+            h = self.embed_tokens(input_ids)
+            for layer in self.layers:
+                h = layer(h, **kwargs)
+                h.add_(1.0)
+            return h
+
+    class Stepped(LlamaModel):
+        def forward(self, input_ids=None, **kwargs):
+            h = self.embed_tokens(input_ids)
+            for layer in self.layers:
+                h = layer(h, scale=float(h.mean()))  # a call evaluated between the layers
+            return h
+
+    assert "does more than call each layer" in patcher.loop_verdict(Steered, "layers")
+    assert "does more than call each layer" in patcher.loop_verdict(Stepped, "layers")
+    assert "0 loops over self.blocks" in patcher.loop_verdict(LlamaModel, "blocks")
+    assert patcher.loop_verdict(LlamaModel, "layers") is None
+
+
+def test_unpatch_removes_the_loop_hooks(ids):
+    model = _model("llama")
+    before = (dict(model.model._forward_pre_hooks), dict(model.model._forward_hooks))
+    cutile_kernels.patch(model, names=DEC)
+    assert len(model.model._forward_pre_hooks) == len(before[0]) + 1
+    cutile_kernels.patch(model, names=DEC)  # idempotent: hooks installed once
+    assert len(model.model._forward_pre_hooks) == len(before[0]) + 1
+    cutile_kernels.unpatch(model, names=DEC)
+    assert (dict(model.model._forward_pre_hooks), dict(model.model._forward_hooks)) == before
+    assert "_cutile_loop" not in model.model.__dict__
 
 
 def test_opt_in_patch_is_applied_only_when_named(ids):

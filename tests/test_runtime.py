@@ -523,3 +523,49 @@ def test_find_package_dir_empty_and_present(monkeypatch, tmp_path):
     (pkg / "manifest.json").write_text('{"variants": []}')
     assert registry.find_package_dir() == pkg.resolve()
     assert registry.Registry(registry.find_package_dir()).archs == []
+
+
+def test_interleaved_views_of_one_buffer_do_not_overlap():
+    # q and k split from one fused QKV projection (B, S, Nq + 2 Nkv), as attention sees them
+    # (B, H, S, D): their byte ranges meet, their elements do not.
+    qkv = torch.randn(2, 7, (8 + 2 + 2) * 64, dtype=BF16)
+    q, k, v = (t.view(2, 7, -1, 64).transpose(1, 2) for t in qkv.split((512, 128, 128), dim=-1))
+    assert registry.overlapping_pair([q, k]) is None and registry.overlapping_pair([q, k, v]) is None
+    assert registry.row_arcs(q)[12 * 64 * 2] == 512 * 2 and registry.row_arcs(k)[12 * 64 * 2] == 128 * 2
+    # Half a head further, k meets q's last head: overlapping.
+    k_shifted = qkv[..., 480:608].view(2, 7, 2, 64).transpose(1, 2)
+    assert registry.overlapping_pair([q, k_shifted]) == (0, 1)
+
+
+def _touched(t: torch.Tensor) -> set:
+    """Storage indices of every element of ``t``, enumerated."""
+    grids = torch.meshgrid(*[torch.arange(n) for n in t.shape], indexing="ij")
+    offsets = sum((i * st for i, st in zip(grids, t.stride())), torch.zeros(t.shape, dtype=torch.long))
+    return {int(t.storage_offset() + o) for o in offsets.flatten()}
+
+
+def test_disjoint_arcs_never_claims_disjoint_for_views_that_share_an_element():
+    # Random strided views of one buffer: whenever the check says "disjoint", no element is shared.
+    g = torch.Generator().manual_seed(0)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    buf = torch.zeros(4096)
+    proven = 0
+    for i in range(600):
+        row, views = rand(4, 40), []
+        for _ in range(2):
+            if i % 3:  # rows of one shared stride, as split projections: (rows, heads, head_dim)
+                d, h = rand(1, 5), rand(1, 4)
+                views.append(buf.as_strided((3, h, d), (row, d, 1), rand(0, 64)))
+            else:
+                ndim = rand(1, 4)
+                shape = [rand(1, 5) for _ in range(ndim)]
+                views.append(buf.as_strided(shape, [rand(1, 40) for _ in range(ndim)], rand(0, 64)))
+        a, b = views
+        if registry.disjoint_arcs(registry.row_arcs(a), registry.row_arcs(b), a.data_ptr(), b.data_ptr()):
+            proven += 1
+            assert not _touched(a) & _touched(b), (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(),
+                                                   b.storage_offset())
+    assert proven > 20  # the check proves some pairs disjoint, not none

@@ -111,14 +111,18 @@ def _round_table(report: dict) -> list[str]:
     batches = [d["batch"] for d in next(iter(ok.values()))["decode"]]
     lines = ["", "## Rounds", "", "Median of each timing round, in the order run (prefill ms; decode ms per step). "
              "Prefill host: the time until the forward returned, before waiting for the GPU; close to the prefill "
-             "time, the host set the pace.", "",
-             "| path | prefill | prefill host | " + " | ".join(f"decode b{b}" for b in batches) + " |",
-             "|---|---|---|" + "---|" * len(batches)]
+             "time, the host set the pace. Host CPU: the timing thread's CPU time over that span (well below it, "
+             "the thread waited); GC: of that, Python's garbage collector.", "",
+             "| path | prefill | prefill host | host CPU | GC | " + " | ".join(f"decode b{b}" for b in batches) + " |",
+             "|---|---|---|---|---|" + "---|" * len(batches)]
+
+    def medians(spread) -> str:
+        return ", ".join(f"{x:.2f}" for x in (spread or {}).get("round_medians", [])) or "-"
+
     for name, p in ok.items():
-        host = p.get("prefill_host_ms") or {}
-        cells = [", ".join(f"{x:.2f}" for x in p["prefill_ms"]["round_medians"]),
-                 ", ".join(f"{x:.2f}" for x in host.get("round_medians", [])) or "-"]
-        cells += [", ".join(f"{x:.2f}" for x in d["step_ms"]["round_medians"]) for d in p["decode"]]
+        cells = [medians(p["prefill_ms"])]
+        cells += [medians(p.get(k)) for k in ("prefill_host_ms", "prefill_host_cpu_ms", "prefill_gc_ms")]
+        cells += [medians(d["step_ms"]) for d in p["decode"]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 

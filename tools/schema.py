@@ -88,6 +88,10 @@ class PathResult(_Model):
     prefill_ms: Optional[Spread] = None
     prefill_host_ms: Optional[Spread] = Field(default=None, description="host time of each timed prefill call: until "
                                               "the forward returned, before waiting for the GPU")
+    prefill_host_cpu_ms: Optional[Spread] = Field(default=None, description="CPU time of the timing thread over "
+                                                  "each prefill's host time: well below it, the thread waited")
+    prefill_gc_ms: Optional[Spread] = Field(default=None, description="time in Python's garbage collector during "
+                                            "each prefill's host time")
     prefill_tokens_per_s: Optional[float] = None
     decode: Optional[list[Decode]] = None
     runtime: Optional[Runtime] = None

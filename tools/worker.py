@@ -15,6 +15,7 @@ on one warm GPU:
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import statistics
@@ -28,31 +29,59 @@ import torch
 from . import coverage, limits, paths
 
 
+class _GcClock:
+    """Milliseconds spent in Python's cyclic garbage collector since import (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.ms = 0.0
+        self._t0 = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+
+GC_CLOCK = _GcClock()
+
+
 class Timer:
     """Times one call of a function: CUDA events on a GPU, ``perf_counter`` on a CPU.
 
-    ``host_ms`` is the last call's host time: until ``fn`` returned, before waiting for the device.
-    On a GPU, a host time close to the event time means the host, not the GPU, set the pace.
+    After each call, for telling a slow host from a busy GPU:
+
+    * ``host_ms``: host wall time until ``fn`` returned, before waiting for the device. On a GPU,
+      close to the event time means the host, not the GPU, set the pace.
+    * ``host_cpu_ms``: CPU time of the calling thread over the same span. Well below ``host_ms``,
+      the thread was waiting (a synchronizing call, or the OS ran something else); close to it,
+      the thread was computing.
+    * ``gc_ms``: of that, the time in Python's garbage collector.
     """
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
-        self.host_ms = 0.0
+        self.host_ms = self.host_cpu_ms = self.gc_ms = 0.0
+
+    def _host(self, fn) -> None:
+        gc0, cpu0, t0 = GC_CLOCK.ms, time.thread_time(), time.perf_counter()
+        fn()
+        self.host_ms = (time.perf_counter() - t0) * 1e3
+        self.host_cpu_ms = (time.thread_time() - cpu0) * 1e3
+        self.gc_ms = GC_CLOCK.ms - gc0
 
     def __call__(self, fn) -> float:
         """Milliseconds one call of ``fn`` takes (CUDA events on GPU)."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            t0 = time.perf_counter()
-            fn()
-            self.host_ms = (time.perf_counter() - t0) * 1e3
+            self._host(fn)
             end.record()
             end.synchronize()
             return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        self.host_ms = (time.perf_counter() - t0) * 1e3
+        self._host(fn)
         return self.host_ms
 
 
@@ -223,10 +252,12 @@ class PathSession:
     def round(self) -> dict:
         """Timed samples of one round: prefill ms, and per batch size TTFT ms and decode step ms."""
         s = self.s
-        out = {"prefill_ms": [], "prefill_host_ms": [], "decode": {}}
+        out = {"prefill_ms": [], "prefill_host_ms": [], "prefill_host_cpu_ms": [], "prefill_gc_ms": [], "decode": {}}
         for _ in range(s["repeats"]):
             out["prefill_ms"].append(self.timer(lambda: self.model(self.ids, use_cache=False)))
             out["prefill_host_ms"].append(self.timer.host_ms)
+            out["prefill_host_cpu_ms"].append(self.timer.host_cpu_ms)
+            out["prefill_gc_ms"].append(self.timer.gc_ms)
         for b, dec in self.decoders.items():
             ttft, ms = decode_run(dec, s["warmup"], s["decode_steps"])
             out["decode"][b] = {"ttft_ms": ttft, "step_ms": ms}
@@ -246,7 +277,8 @@ def combine_rounds(setup: dict, rounds: list[dict], s: dict) -> dict:
 
     out = dict(setup)
     out["prefill_ms"] = merged([r["prefill_ms"] for r in rounds])
-    out["prefill_host_ms"] = merged([r["prefill_host_ms"] for r in rounds])
+    for key in ("prefill_host_ms", "prefill_host_cpu_ms", "prefill_gc_ms"):
+        out[key] = merged([r[key] for r in rounds])
     out["prefill_tokens_per_s"] = s["prefill_len"] / (out["prefill_ms"]["median"] / 1e3)
     out["decode"] = []
     for b in s["decode_batches"]:

@@ -140,13 +140,16 @@ class _Plan:
     alignment, constants): the loaded variant, the grid, the packed parameters but for pointers and
     scalars, and the byte spans of the inputs for the per-call aliasing check."""
 
-    __slots__ = ("loaded", "grid", "values", "ptr_slots", "scalar_slots", "spans", "symbol", "input_slots")
+    __slots__ = ("loaded", "grid", "values", "ptr_slots", "scalar_slots", "spans", "arcs", "symbol", "input_slots")
 
     def __init__(self, loaded, grid, args, n_inputs):
         self.loaded = loaded
         self.grid = grid
         self.values, self.ptr_slots, self.scalar_slots = loaded.packer.template(args)
         self.spans = [_registry.byte_range(a)[1] - a.data_ptr() for a in args[:n_inputs]]
+        # Per input, how it may interleave with another one in the same buffer (row_arcs): only
+        # read when two byte ranges overlap.
+        self.arcs = [_registry.row_arcs(a) for a in args[:n_inputs]] if n_inputs > 1 else []
         self.symbol = loaded.variant.symbol
         #: slots of the input pointers (the first n_inputs parameters), for the aliasing check
         self.input_slots = tuple(slot for slot, _ in self.ptr_slots[:n_inputs]) if n_inputs > 1 else ()
@@ -206,22 +209,28 @@ def _make_plan(kernel: str, want: tuple, args, n_inputs: int, grid, device_index
     return _Plan(loaded, grid(variant.constants), args, n_inputs)
 
 
-def _overlap(plan: _Plan, ptrs: list) -> bool:
+def _pair_overlaps(plan: _Plan, i: int, j: int, a: int, b: int) -> bool:
+    # Byte ranges first (one comparison pair); interleaved rows of one buffer only when they meet.
     spans = plan.spans
-    for i in range(len(spans)):
-        for j in range(i + 1, len(spans)):
-            if ptrs[i] < ptrs[j] + spans[j] and ptrs[j] < ptrs[i] + spans[i]:
+    return (a < b + spans[j] and b < a + spans[i]
+            and not _registry.disjoint_arcs(plan.arcs[i], plan.arcs[j], a, b))
+
+
+def _overlap(plan: _Plan, ptrs: list) -> bool:
+    for i in range(len(ptrs)):
+        for j in range(i + 1, len(ptrs)):
+            if _pair_overlaps(plan, i, j, ptrs[i], ptrs[j]):
                 return True
     return False
 
 
 def _inputs_overlap(plan: _Plan, values: list) -> bool:
-    """Whether the byte ranges of the call's input arrays overlap (their pointers are in values)."""
+    """Whether the call's input arrays may touch the same bytes (their pointers are in values):
+    their byte ranges overlap and they do not interleave row by row without meeting (e.g. q and
+    k split from one fused QKV projection do not alias)."""
     slots = plan.input_slots
     if len(slots) == 2:  # the common case, without building a list
-        a, b = values[slots[0]], values[slots[1]]
-        spans = plan.spans
-        return a < b + spans[1] and b < a + spans[0]
+        return _pair_overlaps(plan, 0, 1, values[slots[0]], values[slots[1]])
     return _overlap(plan, [values[slot] for slot in slots])
 
 

@@ -128,13 +128,44 @@ def byte_range(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size())
 
 
+def row_arcs(t: torch.Tensor) -> dict[int, int]:
+    """``{R: e}`` in bytes: for each stride ``R`` of ``t`` (in bytes) such that every dimension
+    with a smaller stride spans ``e <= R`` bytes together and every other stride is a multiple of
+    ``R``, the bytes ``t`` touches lie, modulo ``R``, in one arc of ``e`` bytes starting at
+    ``data_ptr()``. E.g. q and k split from one fused projection ``(B, S, Nq + 2 Nkv)``: modulo the
+    row stride, q is the arc of its ``Nq`` columns and k the arc of its ``Nkv`` columns."""
+    size = t.element_size()
+    dims = [(n, st * size) for n, st in zip(t.shape, t.stride()) if n > 1]
+    arcs = {}
+    for r in {st for _, st in dims if st > 0}:
+        ext = size + sum((n - 1) * st for n, st in dims if st < r)
+        if ext <= r and all(st % r == 0 for _, st in dims if st >= r):
+            arcs[r] = ext
+    return arcs
+
+
+def disjoint_arcs(arcs_a: dict[int, int], arcs_b: dict[int, int], ptr_a: int, ptr_b: int) -> bool:
+    """True if two arrays of one buffer are proven to touch no common byte: for some shared row
+    stride ``R`` (see :func:`row_arcs`) their arcs modulo ``R``, starting at the two pointers, do
+    not meet. False means not proven (they may still be disjoint)."""
+    for r, ea in arcs_a.items():
+        eb = arcs_b.get(r)
+        if eb is not None:
+            d = (ptr_b - ptr_a) % r
+            if ea <= d and d + eb <= r:
+                return True
+    return False
+
+
 def overlapping_pair(tensors) -> tuple[int, int] | None:
-    """Indices of two arrays whose memory overlaps (kernels assume no aliasing), or None."""
+    """Indices of two arrays that may touch the same bytes (kernels assume no aliasing), or None.
+    Byte ranges that overlap are still disjoint when the arrays interleave row by row
+    (:func:`disjoint_arcs`), e.g. the q and k views of one fused QKV projection."""
     ranges = [byte_range(t) for t in tensors]
     for i in range(len(ranges)):
         for j in range(i + 1, len(ranges)):
             (a0, a1), (b0, b1) = ranges[i], ranges[j]
-            if a0 < b1 and b0 < a1:
+            if a0 < b1 and b0 < a1 and not disjoint_arcs(row_arcs(tensors[i]), row_arcs(tensors[j]), a0, b0):
                 return i, j
     return None
 

@@ -1,0 +1,367 @@
+"""Stacked q/k/v projections: one GEMM per attention layer instead of three.
+
+``LlamaAttention.forward`` (transformers v5.22.2), and the Mistral and Qwen2 variants of it, project
+the same ``hidden_states`` three times (``q_proj``, ``k_proj``, ``v_proj``): three GEMM launches and
+three module calls per layer and step. :func:`fuse_qkv` rewrites such a module in place to one
+``qkv_proj`` (``nn.Linear(H, Nq + 2 Nkv)``, weight rows ``[q; k; v]``, bias likewise when the three
+have one) and switches its class to a subclass whose forward is :func:`fused_qkv_forward`: the
+stock forward with the three projections replaced by one GEMM and a split of its output. RoPE (the
+module's ``apply_rotary_pos_emb``, possibly a ``kernels`` hub function), the cache update, the
+attention interface and ``o_proj`` are the stock lines, looked up where the stock forward looks
+them up (the globals of the class's modeling module), so kernelized RoPE and any
+``attn_implementation`` keep working.
+
+Which modules (else left alone, one log line per class and reason): the class's ``forward`` has
+the code (:func:`~._match.same_code`) of ``LlamaAttention.forward`` (no ``sliding_window``
+argument), ``MistralAttention.forward`` (``sliding_window`` from the config) or
+``Qwen2Attention.forward`` (``self.sliding_window``), and that transformers forward still has
+the 5.22.2 statements (:data:`REFERENCE_DIGESTS`); nobody replaced the forward on the instance
+(accelerate hooks, another patch); q/k/v are plain ``nn.Linear`` layers without hooks, with dense
+weights of one dtype and device, all three with a bias or none, of shapes ``(Hq * D, H)``,
+``(Hkv * D, H)``, ``(Hkv * D, H)`` for ``D = self.head_dim``. ``Qwen3Attention`` (q_norm / k_norm
+between projection and RoPE) is out of scope: the ``qk_norm_rope`` patch owns that forward.
+
+Weights, as in ``layers/mlp.py``: the stacked weight (and bias) is the only copy (the originals
+are freed); ``state_dict()`` still has the stock keys ``q_proj.weight``, ``k_proj.weight``,
+``v_proj.weight`` (and ``.bias``), views of the stacked tensors in stock order, so
+``save_pretrained`` writes the stock checkpoint (same keys and bytes); ``load_state_dict`` with
+stock keys writes into the stacked tensors; :func:`unfuse_qkv` restores the stock modules and
+class. Done on the loaded model rather than through transformers' load-time fusion hooks for the
+reasons given in ``layers/mlp.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from ._fusion import linear_problem, rebuild_fused, replace_children
+from ._match import same_code, statements_digest
+
+logger = logging.getLogger("cutile_kernels")
+
+#: The stacked projection :func:`fuse_qkv` adds (weight ``(Nq + 2 Nkv, H)``, rows ``[q; k; v]``).
+FUSED_NAME = "qkv_proj"
+_STOCK = ("q_proj", "k_proj", "v_proj")
+_ATTRS = (*_STOCK, "o_proj")
+
+# How the reproduced forward passes ``sliding_window`` to the attention interface.
+_NO_WINDOW = 0  # LlamaAttention: not at all
+_CONFIG_WINDOW = 1  # MistralAttention: getattr(self.config, "sliding_window", None)
+_MODULE_WINDOW = 2  # Qwen2Attention: self.sliding_window
+
+#: (modeling module, class) of the transformers forwards :func:`fused_qkv_forward` reproduces ->
+#: their ``statements_digest`` in transformers 5.22.2 and how each passes ``sliding_window``.
+#: If transformers changes one, classes with that forward's code are left alone.
+REFERENCE_DIGESTS = {
+    ("llama", "LlamaAttention"): ("edb09e4cdb72174c", _NO_WINDOW),
+    ("mistral", "MistralAttention"): ("ea92a9846ca1ecb5", _CONFIG_WINDOW),
+    ("qwen2", "Qwen2Attention"): ("992c57d97163d600", _MODULE_WINDOW),
+}
+
+
+def _reference_class(module_name: str, class_name: str) -> type:
+    import importlib
+
+    return getattr(importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}"), class_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _class_verdict(cls: type) -> tuple[str | None, int | None]:
+    # (why not, None) or (None, window mode). Per class, once: the fused forward does no check.
+    fwd = getattr(cls, "forward", None)
+    for (module_name, class_name), (digest, window) in REFERENCE_DIGESTS.items():
+        ref = _reference_class(module_name, class_name).forward
+        if same_code(fwd, ref):
+            if statements_digest(ref) != digest:
+                return (f"this transformers' {class_name}.forward is not the one the fused forward "
+                        "reproduces (5.22.2)"), None
+            return None, window
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    if same_code(fwd, Qwen3Attention.forward):
+        return ("its forward is Qwen3Attention.forward's code (q_norm / k_norm before RoPE; the "
+                "qk_norm_rope patch owns that forward)"), None
+    return ("its forward is not LlamaAttention, MistralAttention or Qwen2Attention.forward's code "
+            "(transformers 5.22.2)"), None
+
+
+def attention_verdict(cls: type) -> str | None:
+    """Why an attention class ``cls`` cannot take :func:`fused_qkv_forward`, or None if it can
+    (its forward is the code of one of the :data:`REFERENCE_DIGESTS` forwards, still 5.22.2's).
+    Cached per class."""
+    return _class_verdict(cls)[0]
+
+
+def why_not_fusable_qkv(module: nn.Module) -> str | None:
+    """Why :func:`fuse_qkv` leaves ``module`` alone, or None if it fuses it (see
+    :func:`is_fusable_qkv`)."""
+    if getattr(type(module), "_cutile_qkv_unfused_class", None) is not None:
+        return "already fused"
+    why = attention_verdict(type(module))
+    if why is not None:
+        return why
+    if "forward" in module.__dict__:
+        return "its forward is replaced on the instance (e.g. an accelerate hook or another patch)"
+    for name in _STOCK:
+        problem = linear_problem(getattr(module, name, None), bias_ok=True)
+        if problem:
+            return f"{name} {problem}"
+    q, k, v = (getattr(module, n) for n in _STOCK)
+    if len({lin.bias is None for lin in (q, k, v)}) > 1:
+        return "q_proj, k_proj and v_proj do not all have a bias, nor all none"
+    tensors = [t for lin in (q, k, v) for t in (lin.weight, lin.bias) if t is not None]
+    if len({t.dtype for t in tensors}) > 1 or len({t.device for t in tensors}) > 1:
+        return "q/k/v weights differ in dtype or device"
+    head_dim = getattr(module, "head_dim", None)
+    qw, kw, vw = q.weight, k.weight, v.weight
+    if not (isinstance(head_dim, int) and head_dim > 0 and qw.shape[1] == kw.shape[1] == vw.shape[1]
+            and kw.shape == vw.shape and qw.shape[0] % head_dim == 0 and kw.shape[0] % head_dim == 0
+            and kw.shape[0] > 0 and (qw.shape[0] // head_dim) % (kw.shape[0] // head_dim) == 0):
+        return (f"weight shapes {tuple(qw.shape)}, {tuple(kw.shape)}, {tuple(vw.shape)} are not "
+                f"(Hq * D, H), (Hkv * D, H), (Hkv * D, H) with D = head_dim {head_dim}")
+    return None
+
+
+def is_fusable_qkv(module: nn.Module) -> bool:
+    """True if :func:`fuse_qkv` applies to ``module``.
+
+    That is: its class's forward is the code of ``LlamaAttention.forward``,
+    ``MistralAttention.forward`` or ``Qwen2Attention.forward`` and that forward is still
+    transformers 5.22.2's (:func:`attention_verdict`); the forward is not replaced on the instance;
+    ``q_proj``, ``k_proj``, ``v_proj`` are plain ``nn.Linear`` layers without hooks, with dense
+    weights (and biases: all three or none) of one dtype on one device, shaped ``(Hq * D, H)``,
+    ``(Hkv * D, H)``, ``(Hkv * D, H)`` with ``D = module.head_dim`` and ``Hq % Hkv == 0``.
+    Already fused modules are not.
+    """
+    return why_not_fusable_qkv(module) is None
+
+
+def fused_qkv_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    """The attention forward of a fused module (the class :func:`fuse_qkv` switches it to).
+
+    ``LlamaAttention.forward`` / ``MistralAttention.forward`` / ``Qwen2Attention.forward``
+    (transformers 5.22.2; the one the module's class computes) with ``q_proj``, ``k_proj`` and
+    ``v_proj`` replaced by one ``qkv_proj`` GEMM whose output ``(..., Nq + 2 Nkv)`` is split into
+    q, k, v (views; the numbers are those of the three stock GEMMs). Same arguments and result:
+
+    Args:
+        hidden_states: ``(B, S, H)``.
+        position_embeddings: ``(cos, sin)``, each ``(B, S, D)``, for the module's
+            ``apply_rotary_pos_emb``.
+        attention_mask: what the model built for its ``attn_implementation``, or None.
+        past_key_values: a transformers ``Cache`` (updated in place), or None.
+        **kwargs: passed on to the attention interface, as the stock forward does.
+
+    Returns:
+        ``(attn_output, attn_weights)``: ``(B, S, H_out)`` in the weights' dtype, and whatever the
+        attention interface returns as weights (None for sdpa).
+    """
+    glob = self._cutile_qkv_globals  # the stock forward's module globals, read as it reads them
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    q_out, kv_out = self._cutile_qkv_split
+    query_states, key_states, value_states = self.qkv_proj(hidden_states).split((q_out, kv_out, kv_out), dim=-1)
+    # v stays a view of the qkv buffer (no copy launch): transformers 5.22.2's caches copy what
+    # they are given (DynamicLayer concatenates, StaticLayer copies into its own storage), so no
+    # cache keeps the buffer alive. A cache that kept its inputs as they are would hold the
+    # (Nq + 2 Nkv) / Nkv times larger buffer: memory, not numbers (test_dynamic_cache_keeps_no_qkv_buffer).
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = key_states.view(hidden_shape).transpose(1, 2)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = glob["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
+        self.config._attn_implementation, glob["eager_attention_forward"]
+    )
+
+    window = self._cutile_qkv_window
+    # Passed as the stock forward passes it (a second sliding_window in kwargs raises, as there).
+    extra = {} if window == _NO_WINDOW else {"sliding_window": getattr(self.config, "sliding_window", None)
+                                             if window == _CONFIG_WINDOW else self.sliding_window}
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+@functools.lru_cache(maxsize=None)
+def fused_class(cls: type) -> type:
+    """The subclass of ``cls`` (a class :func:`attention_verdict` accepts) that a fused module is
+    switched to: :func:`fused_qkv_forward` as its forward, with the stock forward's module globals
+    and ``sliding_window`` mode bound at creation (``isinstance`` checks against ``cls`` hold).
+
+    Raises:
+        ValueError: ``cls`` is not accepted by :func:`attention_verdict`.
+    """
+    why, window = _class_verdict(cls)
+    if why is not None:
+        raise ValueError(f"{cls.__name__}: {why}")
+    return type(f"CutileQKV{cls.__name__}", (cls,), {
+        "forward": fused_qkv_forward,
+        "_cutile_qkv_unfused_class": cls,
+        "_cutile_qkv_globals": cls.forward.__globals__,
+        "_cutile_qkv_window": window,
+        "__module__": __name__,
+        "__reduce_ex__": _reduce_fused,
+        "__doc__": f"{cls.__name__} with q_proj, k_proj and v_proj stacked into {FUSED_NAME} (see layers.qkv).",
+    })
+
+
+def _reduce_fused(self, protocol):
+    # A class made at run time cannot be pickled by name: rebuild it from the stock class.
+    return rebuild_fused, (fused_class, self._cutile_qkv_unfused_class, self.__dict__.copy())
+
+
+def _row_slices(module: nn.Module) -> tuple[slice, slice, slice]:
+    q_out, kv_out = module._cutile_qkv_split
+    return slice(0, q_out), slice(q_out, q_out + kv_out), slice(q_out + kv_out, q_out + 2 * kv_out)
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    # Write the stock keys: row blocks of the stacked tensors, as views (no copy), in stock order
+    # (q_proj.weight, q_proj.bias, k_proj.weight, ...), before the keys that follow (o_proj).
+    fused = [prefix + FUSED_NAME + "." + s for s in ("weight", "bias")]
+    if fused[0] not in state_dict:
+        return
+    keys = list(state_dict)
+    later = [k for k in keys[keys.index(fused[0]) + 1:] if k != fused[1]]
+    stacked = {s: state_dict.pop(k, None) for s, k in zip(("weight", "bias"), fused)}
+    for name, rows in zip(_STOCK, _row_slices(module)):
+        for suffix, t in stacked.items():
+            if t is not None:
+                state_dict[f"{prefix}{name}.{suffix}"] = t[rows]
+    for k in later:
+        state_dict[k] = state_dict.pop(k)
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+    # Accept the stock keys: stack them (the current rows where one is absent) into the fused key,
+    # which the module then loads as usual. Stock bias keys with no stacked bias stay where they
+    # are, so load_state_dict reports them as unexpected, as the stock module would.
+    fused = getattr(module, FUSED_NAME)
+    slices = _row_slices(module)
+    for suffix in ("weight", "bias"):
+        current = getattr(fused, suffix)
+        keys = [f"{prefix}{name}.{suffix}" for name in _STOCK]
+        if current is None or not any(k in state_dict for k in keys):
+            continue
+        current = current.detach()
+        parts, ok = [], True
+        for key, rows in zip(keys, slices):
+            t = state_dict.pop(key, None)
+            want = current[rows]
+            if t is None:
+                t = want
+            elif not isinstance(t, torch.Tensor) or t.shape != want.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(getattr(t, 'shape', ()))} from checkpoint, the shape in current "
+                                  f"model is {tuple(want.shape)}.")
+                ok = False
+            parts.append(t)
+        if ok:
+            device = parts[0].device  # cat needs one device; loading then copies into ours
+            state_dict[prefix + FUSED_NAME + "." + suffix] = torch.cat([t.to(device) for t in parts], dim=0)
+
+
+def _fuse_one(module: nn.Module) -> None:
+    q, k, v = (getattr(module, n) for n in _STOCK)
+    has_bias = q.bias is not None
+    with torch.no_grad():
+        weight = torch.cat([q.weight, k.weight, v.weight], dim=0)
+        bias = torch.cat([q.bias, k.bias, v.bias], dim=0) if has_bias else None
+    linear = nn.Linear(q.in_features, weight.shape[0], bias=has_bias, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=q.weight.requires_grad)
+    if has_bias:
+        linear.bias = nn.Parameter(bias, requires_grad=q.bias.requires_grad)
+    linear.train(q.training)
+    split = (q.out_features, k.out_features)
+    replace_children(module, _STOCK, {FUSED_NAME: linear})
+    module.__class__ = fused_class(type(module))
+    module._cutile_qkv_split = split
+    module._cutile_qkv_hooks = (module.register_state_dict_post_hook(_state_dict_hook),
+                                module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook))
+
+
+def _unfuse_one(module: nn.Module) -> None:
+    fused = getattr(module, FUSED_NAME)
+    w, b = fused.weight, fused.bias
+    stock = {}
+    for name, rows in zip(_STOCK, _row_slices(module)):
+        linear = nn.Linear(w.shape[1], rows.stop - rows.start, bias=b is not None, device="meta")
+        with torch.no_grad():
+            linear.weight = nn.Parameter(w[rows].clone(), requires_grad=w.requires_grad)
+            if b is not None:
+                linear.bias = nn.Parameter(b[rows].clone(), requires_grad=b.requires_grad)
+        linear.train(fused.training)
+        stock[name] = linear
+    replace_children(module, (FUSED_NAME,), stock)
+    for handle in module.__dict__.pop("_cutile_qkv_hooks", ()):
+        handle.remove()
+    module.__dict__.pop("_cutile_qkv_split", None)
+    module.__class__ = module._cutile_qkv_unfused_class
+
+
+def fuse_qkv(model: nn.Module) -> int:
+    """Stack ``q_proj``, ``k_proj`` and ``v_proj`` of every fusable attention module in ``model``
+    (in place).
+
+    Each module for which :func:`is_fusable_qkv` holds gets a ``qkv_proj`` ``nn.Linear(H, Nq +
+    2 Nkv)`` whose weight is ``cat([q_proj.weight, k_proj.weight, v_proj.weight])`` (bias likewise,
+    when they have one), in the weights' dtype and device; the three are removed (their tensors
+    are freed once nothing else refers to them; at most one module's set is held twice at a time),
+    the split sizes ``(Nq, Nkv)`` are kept as ``_cutile_qkv_split``, and the module's class becomes
+    :func:`fused_class` of its class, whose forward is :func:`fused_qkv_forward`. ``state_dict`` and
+    ``load_state_dict`` keep the stock keys (module docstring). Works on any device; results equal
+    the stock forward's up to the GEMM library's choice of kernel for the wider matrix. Modules
+    already fused, or not fusable, are left alone (logged per class with the reason).
+
+    Returns:
+        The number of modules fused by this call.
+    """
+    targets, skipped = [], Counter()
+    for m in model.modules():
+        why = why_not_fusable_qkv(m)
+        if why is None:
+            targets.append(m)
+        elif why != "already fused" and all(hasattr(m, n) for n in _ATTRS):
+            skipped[(type(m).__name__, why)] += 1
+    for m in targets:
+        _fuse_one(m)
+    if targets:
+        logger.info("cutile_kernels: stacked q_proj, k_proj and v_proj of %d attention modules (%s)", len(targets),
+                    ", ".join(sorted({type(m)._cutile_qkv_unfused_class.__name__ for m in targets})))
+    for (cls, why), n in sorted(skipped.items()):
+        logger.info("cutile_kernels: left %d %s with separate q/k/v projections: %s", n, cls, why)
+    return len(targets)
+
+
+def unfuse_qkv(model: nn.Module) -> int:
+    """Undo :func:`fuse_qkv`: give every fused attention module in ``model`` back its own
+    ``q_proj``, ``k_proj`` and ``v_proj`` (copies of the row blocks, after which the stacked
+    tensors are freed) and its original class. Returns the number of modules restored."""
+    targets = [m for m in model.modules() if getattr(type(m), "_cutile_qkv_unfused_class", None) is not None]
+    for m in targets:
+        _unfuse_one(m)
+    if targets:
+        logger.info("cutile_kernels: unstacked q/k/v projections of %d attention modules", len(targets))
+    return len(targets)
+
+
+__all__ = ["FUSED_NAME", "REFERENCE_DIGESTS", "attention_verdict", "fuse_qkv", "fused_class", "fused_qkv_forward",
+           "is_fusable_qkv", "unfuse_qkv", "why_not_fusable_qkv"]
