@@ -112,6 +112,8 @@ def main():
     p.add_argument("--include", nargs="*", default=[], metavar="PATCH",
                    help="also profile ours with these opt-in patches (e.g. fused_qkv)")
     a = p.parse_args()
+    if a.drift == 1:
+        p.error("--drift needs at least 2 prefills (for its deciles)")
     ckpt, _ = presets.resolve(a.model, device="cuda")
 
     def load(**kw):

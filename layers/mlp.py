@@ -122,6 +122,8 @@ def why_not_fusable(module: nn.Module) -> str | None:
         return f"weight shapes {tuple(g.shape)}, {tuple(u.shape)}, {tuple(d.shape)} do not chain"
     if not (g.dtype == u.dtype == d.dtype and g.device == u.device == d.device):
         return "weights differ in dtype or device"
+    if g.requires_grad != u.requires_grad:
+        return "gate_proj and up_proj differ in requires_grad (one stacked weight would train both or neither)"
     return None
 
 

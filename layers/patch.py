@@ -39,6 +39,7 @@ import ast
 import functools
 import inspect
 import logging
+import sys
 import textwrap
 import types
 from collections import Counter
@@ -227,13 +228,34 @@ _FORWARD_ATTRS = ("input_layernorm", "self_attn", "post_attention_layernorm", "m
 
 
 class _Loop:
-    """Whether a verified decoder loop is running: ``depth`` counts the calls of its owner (the module
-    whose ``forward`` loops over the layers, e.g. ``LlamaModel``) in progress; see :func:`loop_verdict`."""
+    """Where a verified decoder loop runs (see :func:`loop_verdict`): the code object of its owner's
+    ``forward`` and the absolute line span of the loop. A layer whose caller's frame runs that code
+    on a line of that span is being called by the loop itself: frames are per thread and per call,
+    so an interrupted forward, another thread, or a loop of the user's own never qualifies."""
 
-    __slots__ = ("depth",)
+    __slots__ = ("code", "first", "last")
 
-    def __init__(self):
-        self.depth = 0
+    def __init__(self, code, first: int, last: int):
+        self.code, self.first, self.last = code, first, last
+
+
+#: How many frames up from the check the owner's loop may be: the check's callers in this module,
+#: then Module._call_impl, _wrapped_call_impl and GradientCheckpointingLayer.__call__ (5.22.2).
+_MAX_FRAMES = 10
+
+
+def _in_loop(loop: "_Loop | None") -> bool:
+    """Whether the decoder forward that called this is being called from ``loop``'s line span."""
+    if loop is None:
+        return False
+    f = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if f is None:
+            return False
+        if f.f_code is loop.code:
+            return loop.first <= f.f_lineno <= loop.last
+        f = f.f_back
+    return False
 
 
 class _Inbox:
@@ -281,41 +303,39 @@ def _loop_call(node: ast.For, attr: str) -> ast.Call | None:
 
 
 @functools.lru_cache(maxsize=None)
+def _loop_span(cls: type, attr: str) -> tuple[str | None, "_Loop | None"]:
+    # (why not, None) or (None, the loop's _Loop); once per class.
+    try:
+        fn = inspect.unwrap(cls.forward)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        code = fn.__code__
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        return "its forward's source cannot be read", None
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)
+             and any(isinstance(a, ast.Attribute) and a.attr == attr for a in ast.walk(n.iter))]
+    if len(loops) != 1:
+        return f"its forward has {len(loops)} loops over self.{attr}, not one", None
+    node = loops[0]
+    if not (tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
+            and any(stmt is node for stmt in tree.body[0].body)):
+        return f"its loop over self.{attr} is nested in another statement", None
+    if _loop_call(node, attr) is None:
+        return f"its loop over self.{attr} does more than call each layer on the previous one's output", None
+    # Line 1 of the source is the code's first line (the first decorator's, if any).
+    return None, _Loop(code, code.co_firstlineno + node.lineno - 1, code.co_firstlineno + node.end_lineno - 1)
+
+
 def loop_verdict(cls: type, attr: str) -> str | None:
     """Why the decoder loop of ``cls.forward`` over ``self.<attr>`` is not verified, or None if it is.
 
     Verified means the forward's source (decorators unwrapped) has exactly one ``for`` statement
-    over ``self.<attr>`` and its body is only ``hidden = layer(hidden, <names, attributes or
-    subscripts>)``: between one layer returning and the next being called, no code of the model
-    can edit the hidden states in place. Llama, Mistral, Qwen2 and Qwen3 (5.22.2) loop that way.
+    over ``self.<attr>``, at the top level of the function, and its body is only ``hidden =
+    layer(hidden, <names, attributes or subscripts>)``: from one layer returning to the next being
+    called inside that loop, no code of the model can edit the hidden states in place. Llama,
+    Mistral, Qwen2 and Qwen3 (5.22.2) loop that way. (An attribute or subscript could still run a
+    property or ``__getitem__`` of the model's own; the classes checked here use plain ones.)
     """
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
-    except (OSError, TypeError, SyntaxError, AttributeError):
-        return "its forward's source cannot be read"
-    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)
-             and any(isinstance(a, ast.Attribute) and a.attr == attr for a in ast.walk(n.iter))]
-    if len(loops) != 1:
-        return f"its forward has {len(loops)} loops over self.{attr}, not one"
-    if _loop_call(loops[0], attr) is None:
-        return f"its loop over self.{attr} does more than call each layer on the previous one's output"
-    return None
-
-
-def _enter_loop(module, args):
-    if not torch.compiler.is_compiling():
-        module.__dict__[_LOOP].depth += 1
-
-
-def _leave_loop(module, args, output):
-    if not torch.compiler.is_compiling():
-        loop = module.__dict__[_LOOP]
-        loop.depth = max(0, loop.depth - 1)
-
-
-#: Attribute of a verified loop's owner: its :class:`_Loop`; hooks counting its calls.
-_LOOP = "_cutile_loop"
-_LOOP_HOOKS = "_cutile_loop_hooks"
+    return _loop_span(cls, attr)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -344,7 +364,6 @@ def _llama_norm(m) -> bool:
 #: A forward hook whose function carries this attribute (set to True) only observes, e.g. the
 #: bench's profiler ranges: the fusions may skip it, as they skip the norm module it hooks.
 TRANSPARENT_HOOK = "_cutile_transparent"
-_enter_loop._cutile_transparent = _leave_loop._cutile_transparent = True
 
 
 def _blocking(hooks) -> bool:
@@ -368,10 +387,12 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     if inbox is not None:
         handed, inbox.pending = inbox.pending, None
     residual = hidden_states
-    # Only exactly the tensor the previous layer returned, unchanged since (an in-place edit
-    # between layers bumps its version counter), may skip this norm; without a counter to read
-    # (compiled, or inference tensors in a verified loop), the producer made sure (_may_hand_off).
-    if handed is not None and handed[0] is hidden_states and (handed[2] is None or handed[2] == hidden_states._version):
+    # Only exactly the tensor the previous layer returned, unchanged since, may skip this norm, and
+    # only for the norm it was computed with: an in-place edit between the layers bumps the version
+    # counter; inference tensors have none (version None), so both layers must be called by the
+    # owner's verified loop, with nothing of the model's code between them (_may_hand_off).
+    if (handed is not None and handed[0] is hidden_states and inbox.norm is self.input_layernorm
+            and (hidden_states._version == handed[2] if handed[2] is not None else _in_loop(inbox.loop))):
         hidden_states = handed[1]
     else:
         hidden_states = self.input_layernorm(hidden_states)
@@ -388,26 +409,26 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     nxt = self._cutile_next
     if nxt is not None and _may_hand_off(self, nxt, hidden_states):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
-        counted = not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
-        nxt.pending = (out, normed, out._version if counted else None)
+        nxt.pending = (out, normed, None if torch.is_inference_mode_enabled() else out._version)
         return out
     return residual + hidden_states
 
 
 def _may_hand_off(layer: nn.Module, nxt: _Inbox, hidden_states: torch.Tensor) -> bool:
     """Whether ``layer`` may leave the next layer its normed input (see :class:`_Inbox`)."""
-    if (layer.training and getattr(layer, "gradient_checkpointing", False)
+    # Not under torch.compile: dynamo cannot read version counters, and a layer compiled on its own
+    # returns to eager code that could edit its output in place unseen.
+    if (torch.compiler.is_compiling() or layer.training and getattr(layer, "gradient_checkpointing", False)
             or nxt.norm.weight.device != hidden_states.device or not _unhooked(nxt.norm)):
         return False
-    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+    if not torch.is_inference_mode_enabled():
         return True
     # Inference tensors keep no version counter, so the next layer could not see an in-place edit
-    # of this one's output: hand off only inside the owner's verified loop (nothing of the model
-    # runs between the layers) and with no hook between them (this one's forward hooks, the next
-    # one's pre-hooks; global hooks are checked with the norm's).
-    loop = nxt.loop
-    return (loop is not None and loop.depth > 0 and not _blocking(layer._forward_hooks)
-            and not _blocking(nxt.layer._forward_pre_hooks))
+    # of this one's output: hand off only when the owner's verified loop calls this layer (the
+    # next one checks the same for itself) and no hook sits between the two layers (this one's
+    # forward hooks, the next one's pre-hooks; global hooks are checked with the norm's).
+    return (not _blocking(layer._forward_hooks) and not _blocking(nxt.layer._forward_pre_hooks)
+            and _in_loop(nxt.loop))
 
 
 def swapped(m: nn.Module, forward) -> bool:
@@ -497,9 +518,9 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     replaced (e.g. accelerate's device hooks). Cross-layer handoff links consecutive patched layers
     of one ``ModuleList`` whose next ``input_layernorm`` is a Llama-formula RMSNorm; it is skipped
     at run time under gradient checkpointing, across devices, and when that norm has hooks. Under
-    ``torch.inference_mode`` (no version counters) it runs only while the module that owns the
-    list runs its verified loop (:func:`loop_verdict`; counted by two hooks on the owner that
-    :func:`unfuse_decoder_layers` removes) and no hook sits between the two layers. The
+    ``torch.inference_mode`` (no version counters) it runs only when both layers are called from
+    the verified loop of the module that owns the list (:func:`loop_verdict`; checked on the
+    calling frames) and no hook sits between them; under ``torch.compile`` it does not run. The
     last layer's final add stays a plain add (the model's final norm is not a decoder layer).
     Layers of other classes are left alone, with a log line per class.
 
@@ -517,19 +538,13 @@ def fuse_decoder_layers(model: nn.Module) -> int:
 
 
 def _loop_of(owner: nn.Module | None, attr: str) -> _Loop | None:
-    # The owner's _Loop, its counting hooks installed once; None when its loop is not verified.
+    # Where the owner's verified loop runs; None (with a log line) when it is not verified.
     if owner is None:
         return None
-    loop = owner.__dict__.get(_LOOP)
-    if loop is None:
-        why = loop_verdict(type(owner), attr)
-        if why is not None:
-            logger.info("cutile_kernels: patch decoder_add_rms_norm: no cross-layer handoff under inference_mode "
-                        "in %s: %s", type(owner).__name__, why)
-            return None
-        loop = owner.__dict__[_LOOP] = _Loop()
-        owner.__dict__[_LOOP_HOOKS] = (owner.register_forward_pre_hook(_enter_loop),
-                                       owner.register_forward_hook(_leave_loop, always_call=True))
+    why, loop = _loop_span(type(owner), attr)
+    if why is not None:
+        logger.info("cutile_kernels: patch decoder_add_rms_norm: no cross-layer handoff under inference_mode "
+                    "in %s: %s", type(owner).__name__, why)
     return loop
 
 
@@ -560,13 +575,8 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
     Returns:
         The number of layers restored.
     """
-    n = restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
-                         attrs=("_cutile_inbox", "_cutile_next"), noun="layers")
-    for m in model.modules():
-        for handle in m.__dict__.pop(_LOOP_HOOKS, ()):
-            handle.remove()
-        m.__dict__.pop(_LOOP, None)
-    return n
+    return restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
+                            attrs=("_cutile_inbox", "_cutile_next"), noun="layers")
 
 
 register(Patch("decoder_add_rms_norm", apply=fuse_decoder_layers, undo=unfuse_decoder_layers,

@@ -117,6 +117,8 @@ def why_not_fusable_qkv(module: nn.Module) -> str | None:
     tensors = [t for lin in (q, k, v) for t in (lin.weight, lin.bias) if t is not None]
     if len({t.dtype for t in tensors}) > 1 or len({t.device for t in tensors}) > 1:
         return "q/k/v weights differ in dtype or device"
+    if len({t.requires_grad for t in tensors}) > 1:
+        return "q/k/v weights differ in requires_grad (one stacked tensor would train all or none)"
     head_dim = getattr(module, "head_dim", None)
     qw, kw, vw = q.weight, k.weight, v.weight
     if not (isinstance(head_dim, int) and head_dim > 0 and qw.shape[1] == kw.shape[1] == vw.shape[1]
@@ -141,7 +143,8 @@ def is_fusable_qkv(module: nn.Module) -> bool:
     return why_not_fusable_qkv(module) is None
 
 
-def fused_qkv_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                      **kwargs):
     """The attention forward of a fused module (the class :func:`fuse_qkv` switches it to).
 
     ``LlamaAttention.forward`` / ``MistralAttention.forward`` / ``Qwen2Attention.forward``

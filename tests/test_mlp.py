@@ -82,6 +82,9 @@ def test_other_formulas_and_layouts_are_not_fusable(caplog):
     hooked = LlamaMLP(LlamaConfig(**SMALL))
     hooked.up_proj.register_forward_hook(lambda *a: None)  # a hook that fusing would drop
     assert why_not_fusable(hooked) == "up_proj has forward or backward hooks"
+    frozen = LlamaMLP(LlamaConfig(**SMALL))
+    frozen.gate_proj.weight.requires_grad_(False)  # only up trains: a stacked weight cannot say so
+    assert "requires_grad" in why_not_fusable(frozen)
     mixed = LlamaMLP(LlamaConfig(**SMALL))
     mixed.up_proj.to(torch.bfloat16)
     assert why_not_fusable(mixed) == "weights differ in dtype or device"

@@ -584,3 +584,11 @@ def test_fused_qkv_on_gpu_is_as_close_to_float32_as_stock(name, attn, strict):
     for cache, stock_err in base_gen.items():
         ours_err = _generate_error(ours, ref, ids, mask, cache)
         assert ours_err <= 1.25 * stock_err + 2e-3, (cache, ours_err, stock_err)
+
+
+def test_projections_that_differ_in_requires_grad_are_left_alone():
+    # One stacked tensor has one requires_grad: fusing a frozen q/k with a trainable v would
+    # change what trains.
+    attn = _attns(_model("llama"))[0]
+    attn.k_proj.weight.requires_grad_(False)
+    assert "requires_grad" in why_not_fusable_qkv(attn)
