@@ -261,7 +261,8 @@ def _in_loop(loop: "_Loop | None") -> bool:
 class _Inbox:
     """The normed input one layer leaves for the next: ``pending = (s, rms_norm(s), version)``,
     where ``s`` is the tensor the first layer returned and ``version`` its version counter then
-    (None where there is none to read: compiled, or inference tensors inside a verified loop).
+    (None for inference tensors, which have none: then both layers must be called from the verified
+    loop, see :func:`_may_hand_off`).
     The next layer uses it only if it is called with exactly ``s`` (the same object), unchanged
     since, so anything in between that replaces or edits the hidden states in place is safe.
     ``layer`` is that next layer; ``loop`` the :class:`_Loop` of the loop that calls both, or None
