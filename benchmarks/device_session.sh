@@ -11,6 +11,8 @@
 #              candidates compiled on the dev machine and carried as .device/attn-sweep.tgz:
 #                python -m benchmarks.attention_sweep export --out /tmp/sweep-attn &&
 #                tar czf .device/attn-sweep.tgz -C /tmp sweep-attn
+#   hostops    per-call host time of our ops on the GPU, with cuBLAS, SDPA and our bare launch for
+#              scale (benchmarks/host_overhead.py --real, $CALLS calls each); host-ops.json
 #   hostprof   where the host time of an eager prefill of $MODEL goes, stock and ours
 #              (benchmarks/host_profile.py: cProfile, synchronizing calls, $DRIFT prefills GC on/off;
 #              also ours with the opt-in patches $HOSTPROF_INCLUDE)
@@ -66,6 +68,9 @@ for stage in "$@"; do
       rm -rf /tmp/sweep-attn && tar xzf "$root/.device/attn-sweep.tgz" -C /tmp
       cd "$root" && step attnsweep 200 python3 -m benchmarks.attention_sweep run --dir /tmp/sweep-attn \
           --json "$OUT/attention-sweep.json" ;;
+    hostops)
+      cd "$root" && step hostops 120 python3 benchmarks/host_overhead.py --real --calls ${CALLS:-20000} \
+          --json "$OUT/host-ops.json" ;;
     hostprof)
       cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug --drift ${DRIFT:-40} \
           ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;

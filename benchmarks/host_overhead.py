@@ -15,10 +15,15 @@ context checks. Only what needs a GPU is faked, and only in this process:
 So the numbers are the Python path between the op call and ``cuLaunchKernel``, plus a CPU
 allocation per output, minus the driver call. Run from the checkout with the build present:
 
-    python benchmarks/host_overhead.py [--calls 20000] [--json out.json]
+    python benchmarks/host_overhead.py [--calls 20000] [--json out.json] [--real]
 
 It prints median microseconds per call for each op (median over batches of 100 calls, timed
 with ``time.perf_counter_ns``), with a plain ``torch.add`` and ``torch.empty`` for scale.
+
+``--real`` (on a GPU machine) fakes nothing: the same calls on CUDA tensors, with the driver call,
+each batch ending in a synchronize (decode-step shapes keep the GPU ahead of the host). It adds
+what the model's other launches cost the host for scale (``F.linear`` on cuBLAS, SDPA) and
+``launch only``: our launcher's packing and ``cuLaunchKernel`` for a cached RMSNorm plan.
 """
 
 from __future__ import annotations
@@ -74,21 +79,48 @@ def install_fakes():
         sys.exit("no cuTile build found: run `cutile-kernels build` first")
 
 
-def cases(hidden: int = 2048, inter: int = 8192, heads: int = 32, kv_heads: int = 8, head_dim: int = 64):
+def cases(hidden: int = 2048, inter: int = 8192, heads: int = 32, kv_heads: int = 8, head_dim: int = 64,
+          device: str = "cpu"):
     """(name, fn) for decode-step shapes of a Llama-3.2-1B-like model, batch 1."""
     import cutile_kernels as ck
 
-    x = torch.randn(1, 1, hidden, dtype=BF16)
-    res = torch.randn(1, 1, hidden, dtype=BF16)
-    w = torch.randn(hidden, dtype=BF16)
-    gate = torch.randn(1, 1, inter, dtype=BF16)
-    up = torch.randn(1, 1, inter, dtype=BF16)
-    fused = torch.randn(1, 1, 2 * inter, dtype=BF16)
+    def randn(*shape):
+        return torch.randn(*shape, dtype=BF16, device=device)
+
+    x = randn(1, 1, hidden)
+    res = randn(1, 1, hidden)
+    w = randn(hidden)
+    gate = randn(1, 1, inter)
+    up = randn(1, 1, inter)
+    fused = randn(1, 1, 2 * inter)
     # transformers' q/k: (B, S, H, D) projections seen as (B, H, S, D)
-    q = torch.randn(1, 1, heads, head_dim, dtype=BF16).transpose(1, 2)
-    k = torch.randn(1, 1, kv_heads, head_dim, dtype=BF16).transpose(1, 2)
-    cos = torch.randn(1, 1, head_dim, dtype=BF16)
-    sin = torch.randn(1, 1, head_dim, dtype=BF16)
+    q = randn(1, 1, heads, head_dim).transpose(1, 2)
+    k = randn(1, 1, kv_heads, head_dim).transpose(1, 2)
+    cos = randn(1, 1, head_dim)
+    sin = randn(1, 1, head_dim)
+    extra = []
+    if device != "cpu":
+        from cutile_kernels import dispatch
+
+        wq = randn(hidden, hidden)
+        kc = randn(1, kv_heads, 64, head_dim)
+        y = torch.empty_like(x)
+        args = (x.view(1, hidden), w, y.view(1, hidden), 1e-6)
+        ck.rms_norm(x, w, 1e-6)
+        plan = next(p for p in dispatch._PLANS.values() if getattr(p, "symbol", "").startswith("rms_norm"))
+
+        def launch_only():
+            values = plan.values.copy()
+            for slot, i in plan.ptr_slots:
+                values[slot] = args[i].data_ptr()
+            dispatch._LAUNCHER.launch_values(plan.loaded, plan.grid, values, 0)
+
+        extra = [
+            ("(F.linear 2048x2048, cuBLAS)", lambda: torch.nn.functional.linear(x, wq)),
+            ("(sdpa, 64 cached keys)", lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, kc, kc, enable_gqa=True)),
+            ("(launch only: rms_norm plan)", launch_only),
+        ]
     return [
         ("rms_norm", lambda: ck.rms_norm(x, w, 1e-6)),
         ("add_rms_norm", lambda: ck.add_rms_norm(x, res, w, 1e-6)),
@@ -97,14 +129,17 @@ def cases(hidden: int = 2048, inter: int = 8192, heads: int = 32, kv_heads: int 
         ("silu_and_mul_fused", lambda: ck.silu_and_mul_fused(fused)),
         ("silu", lambda: ck.silu(gate)),
         ("(torch.add, for scale)", lambda: torch.add(x, res)),
-        ("(torch.empty, for scale)", lambda: torch.empty((1, hidden), dtype=BF16)),
+        ("(torch.empty, for scale)", lambda: torch.empty((1, hidden), dtype=BF16, device=device)),
+        *extra,
     ]
 
 
-def time_us(fn, calls: int, batch: int = 100) -> float:
-    """Median microseconds per call over batches of ``batch`` calls."""
+def time_us(fn, calls: int, batch: int = 100, sync=None) -> float:
+    """Median microseconds per call over batches of ``batch`` calls (each ending in ``sync()``)."""
     for _ in range(max(calls // 20, 50)):
         fn()
+    if sync:
+        sync()
     gc.collect()
     per = []
     clock = time.perf_counter_ns
@@ -112,6 +147,8 @@ def time_us(fn, calls: int, batch: int = 100) -> float:
         t0 = clock()
         for _ in range(batch):
             fn()
+        if sync:
+            sync()
         per.append((clock() - t0) / batch / 1e3)
     return statistics.median(per)
 
@@ -121,20 +158,28 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20000)
     ap.add_argument("--only", nargs="*", help="op names to time (default: all)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--real", action="store_true", help="on a GPU: fake nothing (see the module docstring)")
     args = ap.parse_args(argv)
-    install_fakes()
+    if args.real:
+        if not torch.cuda.is_available():
+            sys.exit("--real needs a CUDA device")
+        os.environ["CUTILE_KERNELS_STRICT"] = "1"
+        device, sync = "cuda", torch.cuda.synchronize
+    else:
+        install_fakes()
+        device, sync = "cpu", None
     from cutile_kernels import dispatch
 
     torch.set_grad_enabled(False)  # inference, as in a decode step (no custom-op dispatch)
     results = {}
-    for name, fn in cases():
+    for name, fn in cases(device=device):
         if args.only and name not in args.only:
             continue
         dispatch.reset_stats()
         fn()
         launched = sum(dispatch.STATS.launches.values())
         assert name.startswith("(") or launched >= 1, f"{name} launched nothing: {dispatch.stats()}"
-        results[name] = time_us(fn, args.calls)
+        results[name] = time_us(fn, args.calls, sync=sync)
         print(f"{name:28s} {results[name]:7.2f} us/call")
     if args.json:
         with open(args.json, "w") as f:

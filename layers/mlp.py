@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..ops.activation import silu, silu_and_mul_fused
+from ._direct import linear
 from ._fusion import linear_problem, rebuild_fused, replace_children
 from ._match import same_code, statements_digest
 
@@ -85,7 +86,8 @@ class CutileSwiGLUMLP(nn.Module):
     has_backward = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_fused(self.gate_up_proj(x)))
+        # The projections through F.linear when their module calls would run nothing else (_direct).
+        return linear(self.down_proj, silu_and_mul_fused(linear(self.gate_up_proj, x)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,8 +50,10 @@ import torch
 from torch import nn
 
 from ..ops.norm import add_rms_norm
+from ._direct import call, direct_ok
 from ._match import same_code, statements_digest
 from .norm import computes_llama_rms_norm
+from .qkv import reproduced_forward, stock_forward_parts
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -397,16 +399,25 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         hidden_states = handed[1]
     else:
         hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                      position_ids=position_ids, past_key_values=past_key_values,
-                                      use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    attn = self.self_attn
+    # The attention and MLP forwards without the module calls when no hook would run (_direct); a
+    # stock attention of a verified class through its reproduction, whose projections skip theirs.
+    parts = stock_forward_parts(type(attn)) if "forward" not in attn.__dict__ and direct_ok(attn) else None
+    if parts is not None:
+        hidden_states, _ = reproduced_forward(attn, *parts, hidden_states=hidden_states, attention_mask=attention_mask,
+                                              position_ids=position_ids, past_key_values=past_key_values,
+                                              use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    else:
+        hidden_states, _ = call(attn, hidden_states=hidden_states, attention_mask=attention_mask,
+                                position_ids=position_ids, past_key_values=past_key_values,
+                                use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     post = self.post_attention_layernorm
     if _unhooked(post):
         hidden_states, residual = add_rms_norm(hidden_states, residual, post.weight, post.variance_epsilon)
     else:
         residual = residual + hidden_states
         hidden_states = post(residual)
-    hidden_states = self.mlp(hidden_states)
+    hidden_states = call(self.mlp, hidden_states)
     nxt = self._cutile_next
     if nxt is not None and _may_hand_off(self, nxt, hidden_states):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)

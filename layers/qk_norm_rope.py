@@ -5,7 +5,8 @@ launches) and then ``apply_rotary_pos_emb`` (one more) on every layer. The patch
 of each attention module whose class's forward is ``Qwen3Attention.forward``'s code (Qwen3 and the
 classes that copy it) for :func:`fused_attention_forward`, which is that forward with those three
 calls replaced by one ``cutile_kernels.qk_norm_rope``; the projections, the cache update, the
-attention interface (with the sliding window) and ``o_proj`` are the stock lines.
+attention interface (with the sliding window) and ``o_proj`` are the stock lines (the projections
+through ``_direct.linear``: ``F.linear`` when their module call would run nothing else).
 
 Conditions (else the module is left alone, with a log line per class): the class's forward is
 Qwen3's code and still the 5.22.2 statements (:data:`QWEN3_ATTENTION_DIGEST`); the module's
@@ -26,6 +27,7 @@ import logging
 from torch import nn
 
 from ..ops.qk_norm_rope import qk_norm_rope
+from ._direct import linear
 from ._match import same_code, statements_digest
 from .patch import _llama_norm, _unhooked, restore_forwards, swap_forwards
 from .rope import computes_llama_rope, wrapped_function
@@ -88,9 +90,9 @@ def fused_attention_forward(self, hidden_states, position_embeddings, attention_
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    query_states = linear(self.q_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = linear(self.k_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
     query_states, key_states = qk_norm_rope(query_states, key_states, self.q_norm.weight, self.k_norm.weight,
@@ -116,7 +118,7 @@ def fused_attention_forward(self, hidden_states, position_embeddings, attention_
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
+    attn_output = linear(self.o_proj, attn_output)
     return attn_output, attn_weights
 
 

@@ -39,6 +39,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ._direct import call, linear
 from ._fusion import linear_problem, rebuild_fused, replace_children
 from ._match import same_code, statements_digest
 
@@ -164,12 +165,12 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
         ``(attn_output, attn_weights)``: ``(B, S, H_out)`` in the weights' dtype, and whatever the
         attention interface returns as weights (None for sdpa).
     """
-    glob = self._cutile_qkv_globals  # the stock forward's module globals, read as it reads them
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
     q_out, kv_out = self._cutile_qkv_split
-    query_states, key_states, value_states = self.qkv_proj(hidden_states).split((q_out, kv_out, kv_out), dim=-1)
+    query_states, key_states, value_states = linear(self.qkv_proj, hidden_states).split(
+        (q_out, kv_out, kv_out), dim=-1)
     # v stays a view of the qkv buffer (no copy launch): transformers 5.22.2's caches copy what
     # they are given (DynamicLayer concatenates, StaticLayer copies into its own storage), so no
     # cache keeps the buffer alive. A cache that kept its inputs as they are would hold the
@@ -177,9 +178,43 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
     query_states = query_states.view(hidden_shape).transpose(1, 2)
     key_states = key_states.view(hidden_shape).transpose(1, 2)
     value_states = value_states.view(hidden_shape).transpose(1, 2)
+    return _attend(self, self._cutile_qkv_globals, self._cutile_qkv_window, input_shape, query_states, key_states,
+                   value_states, position_embeddings, attention_mask, past_key_values, kwargs)
 
+
+def reproduced_forward(self, glob: dict, window: int, hidden_states, position_embeddings=None, attention_mask=None,
+                       past_key_values=None, **kwargs):
+    """The stock attention forward of a module whose class :func:`attention_verdict` accepts
+    (unfused), as :func:`fused_qkv_forward` reproduces it but with the three projections: the
+    same lines, the projections through :func:`._direct.linear` (``F.linear`` on a plain
+    ``nn.Linear`` without hooks; the module call otherwise). ``glob`` and ``window`` are
+    :func:`stock_forward_parts` of the class. Arguments and result as the stock forward's."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_states = linear(self.q_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = linear(self.k_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    return _attend(self, glob, window, input_shape, query_states, key_states, value_states, position_embeddings,
+                   attention_mask, past_key_values, kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def stock_forward_parts(cls: type) -> tuple[dict, int] | None:
+    """``(module globals, sliding-window mode)`` of an unfused attention class whose forward
+    :func:`reproduced_forward` reproduces, or None (another forward, or a fused class)."""
+    if getattr(cls, "_cutile_qkv_unfused_class", None) is not None:
+        return None
+    why, window = _class_verdict(cls)
+    return None if why is not None else (cls.forward.__globals__, window)
+
+
+def _attend(self, glob, window, input_shape, query_states, key_states, value_states, position_embeddings,
+            attention_mask, past_key_values, kwargs):
+    # The stock forward from RoPE on, its globals read as it reads them.
     cos, sin = position_embeddings
-    query_states, key_states = glob["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
+    rope = glob["apply_rotary_pos_emb"]  # a kernels hub function is an nn.Module
+    query_states, key_states = (call(rope, query_states, key_states, cos, sin) if isinstance(rope, nn.Module)
+                                else rope(query_states, key_states, cos, sin))
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -188,7 +223,6 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
         self.config._attn_implementation, glob["eager_attention_forward"]
     )
 
-    window = self._cutile_qkv_window
     # Passed as the stock forward passes it (a second sliding_window in kwargs raises, as there).
     extra = {} if window == _NO_WINDOW else {"sliding_window": getattr(self.config, "sliding_window", None)
                                              if window == _CONFIG_WINDOW else self.sliding_window}
@@ -198,7 +232,7 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
+    attn_output = linear(self.o_proj, attn_output)
     return attn_output, attn_weights
 
 
@@ -367,4 +401,5 @@ def unfuse_qkv(model: nn.Module) -> int:
 
 
 __all__ = ["FUSED_NAME", "REFERENCE_DIGESTS", "attention_verdict", "fuse_qkv", "fused_class", "fused_qkv_forward",
+           "reproduced_forward", "stock_forward_parts",
            "is_fusable_qkv", "unfuse_qkv", "why_not_fusable_qkv"]

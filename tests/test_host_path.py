@@ -91,11 +91,91 @@ def test_cached_plan_packs_what_a_full_pack_gives(fake_gpu):
     assert len(dispatch._PLANS) == 1
 
 
+def _variant(symbol):
+    return next(v for v in dispatch._registry.registry().variants() if v.symbol == symbol)
+
+
+def test_layout_runs_once_per_signature_and_packs_the_call_pointers(fake_gpu):
+    # (B, S, N) activations: the layout views them as (B*S, N) rows once; later calls of the same
+    # signature launch their own pointers with the plan's shapes and strides.
+    calls = []
+
+    def layout(args):
+        calls.append(1)
+        return norm_ops._rows_layout(args)
+
+    for _ in range(3):
+        x, w = torch.randn(2, 3, 2048, dtype=BF16), torch.randn(2048, dtype=BF16)
+        y = torch.empty(2, 3, 2048, dtype=BF16)
+        args = (x, w, y, 1e-6)
+        assert dispatch.run("rms_norm", norm_ops._want(2048), args, 2, norm_ops._grid(6), layout)
+        symbol, values = fake_gpu[-1]
+        assert values == ArgPacker(_variant(symbol).params).values(norm_ops._rows_layout(args))
+        assert values[0] == x.data_ptr()
+    assert len(calls) == 1 and len(dispatch._PLANS) == 1
+
+
+def _pointer_slot(symbol, laid, index):
+    """The parameter slot of argument ``index``'s pointer when ``symbol`` is launched on ``laid``."""
+    _, ptr_slots, _ = ArgPacker(_variant(symbol).params).template(laid)
+    return next(slot for slot, i in ptr_slots if i == index)
+
+
+def test_layout_that_copies_is_run_on_every_call(fake_gpu):
+    # A transposed (B, S, N) input cannot be seen as rows: reshape copies it. The plan says so, and
+    # each call lays out anew: the kernel reads a fresh copy of this call's x, never the first
+    # call's pointer, and writes the output the op returns.
+    w = torch.randn(256, dtype=BF16)
+    for n in range(2):
+        x = torch.randn(3, 2, 256, dtype=BF16).transpose(0, 1)  # (2, 3, 256), rows not collapsible
+        out = cutile_kernels.rms_norm(x, w)
+        symbol, values = fake_gpu[-1]
+        laid = norm_ops._rows_layout((x, w, out, 1e-6))
+        assert values[_pointer_slot(symbol, laid, 2)] == out.data_ptr()
+        assert values[_pointer_slot(symbol, laid, 0)] != x.data_ptr()  # the copy
+    assert list(dispatch._PLANS.values()).count(dispatch._RELAYOUT) == 1
+    assert len(fake_gpu) == 2
+
+
+def test_layout_that_moves_a_pointer_is_run_on_every_call(fake_gpu):
+    # A layout whose view of x starts elsewhere cannot be cached as x's pointer plus the view's
+    # shape: the launch must carry the view's own address.
+    x, w = torch.randn(3, 2048, dtype=BF16), torch.randn(2048, dtype=BF16)
+    args = (x, w, torch.empty(2, 2048, dtype=BF16), 1e-6)
+    shifted = lambda a: (a[0][1:], *a[1:])  # noqa: E731
+    for _ in range(2):
+        assert dispatch.run("rms_norm", norm_ops._want(2048), args, 2, norm_ops._grid(2), shifted)
+        symbol, values = fake_gpu[-1]
+        assert values[_pointer_slot(symbol, shifted(args), 0)] == x[1:].data_ptr() == x.data_ptr() + 2 * 2048
+    assert dispatch._RELAYOUT in dispatch._PLANS.values()
+
+
+def test_ops_pack_what_a_full_pack_of_their_kernel_arguments_gives(fake_gpu):
+    x, res, w = torch.randn(2, 5, 1024, dtype=BF16), torch.randn(2, 5, 1024, dtype=BF16), torch.randn(1024, dtype=BF16)
+    for _ in range(2):
+        y, s = cutile_kernels.add_rms_norm(x, res, w)
+        symbol, values = fake_gpu[-1]
+        laid = (x.view(10, 1024), res.view(10, 1024), w, y.view(10, 1024), s.view(10, 1024), 1e-6)
+        assert values == ArgPacker(_variant(symbol).params).values(laid)
+    g = torch.randn(3, 1, 2 * 512, dtype=BF16)
+    out = cutile_kernels.silu_and_mul_fused(g)
+    symbol, values = fake_gpu[-1]
+    assert values == ArgPacker(_variant(symbol).params).values((g.view(3, 2, 512), out.view(3, 512)))
+    q = torch.randn(2, 5, 4, 64, dtype=BF16).transpose(1, 2)
+    k = torch.randn(2, 5, 2, 64, dtype=BF16).transpose(1, 2)
+    cos, sin = torch.randn(2, 5, 32, dtype=BF16), torch.randn(2, 5, 32, dtype=BF16)  # partial rotary
+    qe, ke = cutile_kernels.apply_rope(q, k, cos, sin)
+    symbol, values = fake_gpu[-1]
+    laid = rope_ops._halves_layout((q, k, cos, sin, qe, ke))
+    assert laid[0].shape == (2, 4, 5, 2, 16)
+    assert values == ArgPacker(_variant(symbol).params).values(laid)
+
+
 def test_cached_plan_still_refuses_overlapping_inputs(fake_gpu):
     assert _run_rms(_rms_args(1, 2048))
     buf = torch.randn(4096, dtype=BF16)
     x, w = buf[:2048].view(1, 2048), buf[1024:3072]  # same signature as above, but w overlaps x
-    assert dispatch._signature("rms_norm", norm_ops._want(2048), (x, w, torch.empty(1, 2048, dtype=BF16), 1e-6)) \
+    assert dispatch._signature("rms_norm", norm_ops._want(2048), None, (x, w, torch.empty(1, 2048, dtype=BF16), 1e-6)) \
         in dispatch._PLANS
     with pytest.raises(cutile_kernels.FallbackError, match="overlap"):
         _run_rms((x, w, torch.empty(1, 2048, dtype=BF16), 1e-6))

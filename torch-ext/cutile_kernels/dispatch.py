@@ -45,9 +45,17 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
+#: ``os.environ`` keeps its variables in ``_data`` under encoded keys (CPython's ``os._Environ``):
+#: a lookup there costs 0.06 us against 1.2 us through the Mapping API, and this runs per launch.
+_DISABLE_KEY = os.environ.encodekey(ENV_DISABLE) if hasattr(os.environ, "encodekey") else None
+
+
 def disabled() -> bool:
     """True when ``CUTILE_KERNELS_DISABLE`` is set: every op takes its PyTorch path. Read on every
     call, so setting it at run time takes effect at once."""
+    data = getattr(os.environ, "_data", None)
+    if data is not None and _DISABLE_KEY is not None and data.get(_DISABLE_KEY) is None:
+        return False  # unset: the common case, without decoding anything
     return _flag(ENV_DISABLE)
 
 
@@ -171,12 +179,12 @@ _PLANS: dict = {}
 _MAX_PLANS = 4096
 
 
-def _signature(kernel: str, want: tuple, args) -> tuple:
-    """The plan cache key of a call: kernel, wanted constants, then per tensor argument its dtype,
-    shape, strides, base address mod 16 and device index, per scalar its type (flat: one tuple is
-    cheaper to build than one per tensor; a dtype never equals a type, so the fields cannot shift).
-    The device index of ``args[0]`` (always a tensor) is ``key[6]``."""
-    key = [kernel, want]
+def _signature(kernel: str, want: tuple, layout, args) -> tuple:
+    """The plan cache key of a call: kernel, wanted constants, layout function, then per tensor
+    argument its dtype, shape, strides, base address mod 16 and device index, per scalar its type
+    (flat: one tuple is cheaper to build than one per tensor; a dtype never equals a type, so the
+    fields cannot shift). The device index of ``args[0]`` (always a tensor) is ``key[7]``."""
+    key = [kernel, want, layout]
     for a in args:
         if isinstance(a, torch.Tensor):
             key += (a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device())
@@ -209,32 +217,29 @@ def _make_plan(kernel: str, want: tuple, args, n_inputs: int, grid, device_index
     return _Plan(loaded, grid(variant.constants), args, n_inputs)
 
 
-def _pair_overlaps(plan: _Plan, i: int, j: int, a: int, b: int) -> bool:
-    # Byte ranges first (one comparison pair); interleaved rows of one buffer only when they meet.
-    spans = plan.spans
-    return (a < b + spans[j] and b < a + spans[i]
-            and not _registry.disjoint_arcs(plan.arcs[i], plan.arcs[j], a, b))
-
-
-def _overlap(plan: _Plan, ptrs: list) -> bool:
-    for i in range(len(ptrs)):
-        for j in range(i + 1, len(ptrs)):
-            if _pair_overlaps(plan, i, j, ptrs[i], ptrs[j]):
+def _inputs_overlap(plan: _Plan, values: list) -> bool:
+    """Whether the call's input arrays may touch the same bytes (their pointers are in values):
+    their byte ranges overlap and they do not interleave row by row without meeting (e.g. q and
+    k split from one fused QKV projection do not alias). Byte ranges first, inline: this runs per
+    launch, and interleaved rows of one buffer are only looked at when two ranges meet."""
+    slots, spans = plan.input_slots, plan.spans
+    n = len(slots)
+    for i in range(n - 1):
+        a, end_a = values[slots[i]], spans[i]
+        end_a += a
+        for j in range(i + 1, n):
+            b = values[slots[j]]
+            if a < b + spans[j] and b < end_a and not _registry.disjoint_arcs(plan.arcs[i], plan.arcs[j], a, b):
                 return True
     return False
 
 
-def _inputs_overlap(plan: _Plan, values: list) -> bool:
-    """Whether the call's input arrays may touch the same bytes (their pointers are in values):
-    their byte ranges overlap and they do not interleave row by row without meeting (e.g. q and
-    k split from one fused QKV projection do not alias)."""
-    slots = plan.input_slots
-    if len(slots) == 2:  # the common case, without building a list
-        return _pair_overlaps(plan, 0, 1, values[slots[0]], values[slots[1]])
-    return _overlap(plan, [values[slot] for slot in slots])
+#: A signature whose layout function copies an argument (no view of it): each call lays out anew.
+_RELAYOUT = _NoPlan("the layout copies an argument")
 
 
-def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[dict], tuple]) -> bool:
+def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[dict], tuple],
+        layout: Callable[[tuple], tuple] | None = None) -> bool:
     """Launch ``kernel`` on the device of ``args[0]``; False means the caller must fall back.
 
     Args:
@@ -245,6 +250,14 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
             allocated (so they cannot alias anything).
         n_inputs: how many leading arguments are input tensors.
         grid: maps the chosen variant's constants to the launch grid (x, y, z).
+        layout: maps ``args`` to the arguments the kernel takes (same count and order), as views:
+            e.g. ``(B, S, N)`` activations seen as ``(B*S, N)`` rows. It must depend only on
+            what the plan key holds (dtypes, shapes, strides, devices, ``want``). It runs once per
+            call signature, not per call: the kernel arguments' shapes and strides are in the
+            plan, and each view starts at its tensor's address, so the call's own pointers are
+            launched. A layout that copies an argument (the view would not start there) is run
+            on every call of that signature instead; a copied output is then written and lost,
+            so layouts must view outputs (outputs the caller allocated contiguous always view).
 
     Returns:
         True if a cuTile kernel (prebuilt or JIT) was launched.
@@ -255,15 +268,18 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
     """
     if disabled():
         return fallback(kernel, f"disabled by {ENV_DISABLE}")
-    key = _signature(kernel, want, args)
+    key = _signature(kernel, want, layout, args)
     plan = _PLANS.get(key)
-    device_index = key[6]
     if plan is None:
-        plan = _make_plan(kernel, want, args, n_inputs, grid, device_index)
+        plan = _plan_for(kernel, want, args, n_inputs, grid, layout, key[7])
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
     if plan.__class__ is not _Plan:  # a _NoPlan: why no prebuilt variant fits
+        if layout is not None:
+            args = layout(args)
+            if plan is _RELAYOUT:
+                return run(kernel, want, args, n_inputs, grid)
         if plan.jit_ok and jit_available():
             return _jit(kernel, want, args, grid, str(plan))
         return fallback(kernel, str(plan))
@@ -274,9 +290,22 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         return fallback(kernel, f"inputs of {kernel} overlap in memory (the kernels assume no aliasing)")
     for slot, i in plan.scalar_slots:
         values[slot] = args[i]
-    _LAUNCHER.launch_values(plan.loaded, plan.grid, values, device_index)
+    _LAUNCHER.launch_values(plan.loaded, plan.grid, values, key[7])
     STATS.launches[plan.symbol] += 1
     return True
+
+
+def _plan_for(kernel: str, want: tuple, args: tuple, n_inputs: int, grid, layout, device_index: int):
+    """The plan of a new call signature: :func:`_make_plan` of the laid-out arguments, or
+    ``_RELAYOUT`` when the layout does not view every tensor argument at its own address."""
+    if layout is None:
+        return _make_plan(kernel, want, args, n_inputs, grid, device_index)
+    laid = layout(args)
+    if len(laid) != len(args) or any(
+            isinstance(a, torch.Tensor) != isinstance(v, torch.Tensor)
+            or isinstance(a, torch.Tensor) and a.data_ptr() != v.data_ptr() for a, v in zip(args, laid)):
+        return _RELAYOUT
+    return _make_plan(kernel, want, laid, n_inputs, grid, device_index)
 
 
 @lru_cache(maxsize=None)

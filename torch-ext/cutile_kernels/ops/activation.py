@@ -115,25 +115,39 @@ def _silu_and_mul_fused_impl(x: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda:
         dispatch.reference_call("silu_and_mul_fused")
         return silu_and_mul_fused_reference(x).contiguous()
-    n = x.shape[-1] // 2
-    rows = _rows(x)
-    m = rows.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m * n == 0 or silu_and_mul_fused_into(rows.view(m, 2, n), out):
-        return out.view(*x.shape[:-1], n)
+    *lead, n2 = x.shape
+    n = n2 // 2
+    out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    m = out.numel() // n if n else 0
+    if m * n == 0 or dispatch.run("silu_and_mul_fused", _want(m), (x, out), 1, _grid(m, n), _fused_rows_layout):
+        return out
     return silu_and_mul_fused_reference(x).contiguous()
+
+
+def _fused_rows_layout(args: tuple) -> tuple:
+    # x (..., 2N) as (M, 2, N) gate/up rows, out (..., N) as (M, N) (once per plan).
+    x, out = args
+    n = out.shape[-1]
+    return _rows(x).view(-1, 2, n), _rows(out)
 
 
 def _silu_impl(x: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda:
         dispatch.reference_call("silu")
         return silu_reference(x).contiguous()
-    rows = _rows(x) if x.dim() else x.reshape(1, 1)
-    m, n = rows.shape
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m * n == 0 or silu_into(rows, out):
-        return out.view_as(x)
+    if not x.dim():
+        return _silu_impl(x.view(1)).view_as(x)
+    out = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[-1]
+    m = out.numel() // n if n else 0
+    if m * n == 0 or dispatch.run("silu", _want(m), (x, out), 1, _grid(m, n), _rows_layout):
+        return out
     return silu_reference(x).contiguous()
+
+
+def _rows_layout(args: tuple) -> tuple:
+    # (..., N) input and output as (M, N) rows (once per plan).
+    return tuple(_rows(t) for t in args)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("silu_and_mul"), mutates_args=())

@@ -52,18 +52,25 @@ def _grid(rows: int):
     return lambda consts: ((rows + consts["ROWS"] - 1) // consts["ROWS"], 1, 1)
 
 
+def _rows_layout(args: tuple) -> tuple:
+    # (..., N) tensors as the kernels' (M, N) rows, the weight and eps as they are (once per plan).
+    return tuple(a.reshape(-1, a.shape[-1]) if isinstance(a, torch.Tensor) and a.dim() != 1 else a for a in args)
+
+
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_shapes(x, weight, "rms_norm")
     if not x.is_cuda:
         dispatch.reference_call("rms_norm")
         return rms_norm_reference(x, weight, eps).contiguous()
-    rows = x.reshape(-1, x.shape[-1])  # a view whenever the leading dims collapse, else a copy
-    # Sizes as separate ints and view_as: passing a torch.Size as one argument costs torch's
-    # argument parser ~1.5 us more per call.
-    m, n = rows.shape
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m * n == 0 or rms_norm_into(rows, weight, y, eps):
-        return y.view_as(x)
+    if x.dim() == 1:
+        return _rms_norm_impl(x.view(1, -1), weight, eps).view_as(x)
+    # The output has x's shape (sizes as separate ints: a torch.Size argument costs torch's
+    # argument parser ~1.5 us more per call); the rows views are made once per call signature.
+    y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[-1]
+    if y.numel() == 0 or dispatch.run("rms_norm", _want(n), (x, weight, y, float(eps)), 2,
+                                      _grid(y.numel() // n), _rows_layout):
+        return y
     return rms_norm_reference(x, weight, eps).contiguous()
 
 
@@ -85,13 +92,15 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if not x.is_cuda:
         dispatch.reference_call("add_rms_norm")
         return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
-    n = x.shape[-1]
-    a, b = x.reshape(-1, n), residual.reshape(-1, n)
-    m = a.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    s = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m * n == 0 or add_rms_norm_into(a, b, weight, y, s, eps):
+    if x.dim() == 1:
+        y, s = _add_rms_norm_impl(x.view(1, -1), residual.view(1, -1), weight, eps)
         return y.view_as(x), s.view_as(x)
+    y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[-1]
+    if y.numel() == 0 or dispatch.run("add_rms_norm", _want(n), (x, residual, weight, y, s, float(eps)), 3,
+                                      _grid(y.numel() // n), _rows_layout):
+        return y, s
     return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
 
 

@@ -93,10 +93,15 @@ def qk_norm_rope_into(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, 
     Returns False (nothing written) when no cuTile path fits; the caller then falls back.
     """
     (b, hq, s, d), hk = q.shape, k.shape[1]
-    args = (_halves(q, d), _halves(k, d), q_weight.view(2, d // 2), k_weight.view(2, d // 2), _halves(cos, d),
-            _halves(sin, d), _halves(q_out, d), _halves(k_out, d), float(eps))
+    args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, float(eps))
     grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
-    return dispatch.run(KERNEL, _want(d), args, 6, grid)
+    return dispatch.run(KERNEL, _want(d), args, 6, grid, _layout)
+
+
+def _layout(args: tuple) -> tuple:
+    # Every tensor as (..., 2, D/2) halves (the weights as (2, D/2)), eps as it is (once per plan).
+    d = args[0].shape[-1]
+    return (*(_halves(t, d) for t in args[:8]), args[8])
 
 
 def _impl(q, k, q_weight, k_weight, eps, cos, sin):

@@ -132,6 +132,12 @@ def _halves(x: torch.Tensor, rot: int) -> torch.Tensor:
     return (x if rot == d else x[..., :rot]).view(*lead, 2, rot // 2)
 
 
+def _halves_layout(args: tuple) -> tuple:
+    # q, k, cos, sin, q_out, k_out as the kernel takes them, R = cos's last size (once per plan).
+    rot = args[2].shape[-1]
+    return tuple(_halves(t, rot) for t in args)
+
+
 def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               q_out: torch.Tensor, k_out: torch.Tensor) -> bool:
     """Launch the RoPE kernel on CUDA tensors shaped as the op takes them (q (B, Hq, S, D), k
@@ -142,10 +148,8 @@ def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     fits; the caller then falls back.
     """
     (b, hq, s, d), hk, rot = q.shape, k.shape[1], cos.shape[-1]
-    args = (_halves(q, rot), _halves(k, rot), _halves(cos, rot), _halves(sin, rot), _halves(q_out, rot),
-            _halves(k_out, rot))
     grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
-    if not dispatch.run("rope", _want(rot), args, 4, grid):
+    if not dispatch.run("rope", _want(rot), (q, k, cos, sin, q_out, k_out), 4, grid, _halves_layout):
         return False
     if rot < d:  # partial rotary: the rest of each head passes through
         q_out[..., rot:].copy_(q[..., rot:])

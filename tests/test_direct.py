@@ -1,0 +1,176 @@
+"""Direct forwards (layers/_direct.py): the patched decoder, attention and MLP skip the module calls
+of their children only when the call would run nothing else, and every hook still runs.
+
+On the CPU the ops take their reference paths, so a patched model's logits equal the stock
+model's exactly, hooks or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import cutile_kernels
+from cutile_kernels.layers import _direct
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+LAYERS = 3
+
+
+def _pair(model_type: str = "llama"):
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256)
+    if model_type in ("mistral", "qwen3"):
+        kw["head_dim"] = 16
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
+    ours = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
+    ours.load_state_dict(stock.state_dict())
+    cutile_kernels.patch(ours)
+    return stock, ours
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 256, (2, 7))
+
+
+class _Calls:
+    """Counts the module calls that go through ``nn.Module.__call__``, per module class."""
+
+    def __init__(self, monkeypatch):
+        self.counts: dict[str, int] = {}
+        real = nn.Module._call_impl
+
+        def counting(module, *args, **kwargs):
+            name = type(module).__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+            return real(module, *args, **kwargs)
+
+        monkeypatch.setattr(nn.Module, "_call_impl", counting)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_without_hooks_the_children_are_not_module_called(model_type, grad_mode, ids, monkeypatch):
+    stock, ours = _pair(model_type)
+    mode = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    with mode():
+        want = stock(ids).logits
+        calls = _Calls(monkeypatch)
+        got = ours(ids).logits
+    assert torch.equal(got, want)
+    # The decoder layers are called by the model; inside them no projection, MLP or attention is.
+    assert calls.counts.get("Linear", 0) == 1, calls.counts  # lm_head only
+    assert not any("MLP" in name or "Attention" in name for name in calls.counts), calls.counts
+    assert calls.counts[type(ours.model.layers[0]).__name__] == LAYERS
+
+
+@pytest.mark.parametrize("target", ["q_proj", "o_proj", "self_attn", "mlp", "gate_up_proj", "down_proj"])
+def test_a_forward_hook_on_a_child_runs_and_its_edit_counts(target, ids):
+    stock, ours = _pair()
+    seen = {"stock": 0, "ours": 0}
+
+    def hook(tag):
+        def fn(module, args, out):
+            seen[tag] += 1
+            if isinstance(out, tuple):
+                return (out[0] * 0.5, *out[1:])
+            return out * 0.5
+        return fn
+
+    for tag, model in (("stock", stock), ("ours", ours)):
+        layer = model.model.layers[1]
+        child = {"self_attn": layer.self_attn, "mlp": layer.mlp}.get(target)
+        if child is None:
+            parent = layer.mlp if target in ("gate_up_proj", "down_proj") else layer.self_attn
+            name = "gate_proj" if tag == "stock" and target == "gate_up_proj" else target
+            child = getattr(parent, name)
+        child.register_forward_hook(hook(tag))
+    with torch.no_grad():
+        want, got = stock(ids).logits, ours(ids).logits
+    assert seen["ours"] == 1 and seen["stock"] == 1
+    if target != "gate_up_proj":  # halving the stacked gate/up output is not halving gate alone
+        assert torch.equal(got, want)
+
+
+def test_a_global_hook_sees_the_same_module_calls_as_in_stock(ids):
+    stock, ours = _pair()
+    # (transformers' hub functions such as apply_rotary_pos_emb are modules outside the model)
+    names = {id(m): n for model in (stock, ours) for n, m in model.named_modules()}
+    called = []
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, o: called.append(names.get(id(m), type(m).__name__)))
+    try:
+        with torch.no_grad():
+            want = stock(ids).logits
+            stock_calls, called[:] = list(called), []
+            got = ours(ids).logits
+    finally:
+        handle.remove()
+    assert torch.equal(got, want)
+    stacked = {"gate_proj", "up_proj", "act_fn"}  # ours has gate_up_proj and silu_and_mul instead
+    norm = [n for n in stock_calls if n.rsplit(".", 1)[-1] not in stacked]
+    assert [n for n in called if not n.endswith("gate_up_proj")] == norm
+
+
+def test_a_replaced_projection_forward_and_a_linear_subclass_keep_theirs(ids):
+    stock, ours = _pair()
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    for model in (stock, ours):
+        attn = model.model.layers[0].self_attn
+        attn.k_proj.__class__ = Scaled  # a LoRA-like subclass: its own forward must run
+        v = attn.v_proj
+        v.forward = lambda x, v=v: nn.functional.linear(x, v.weight, v.bias) + 1  # as accelerate replaces it
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, stock(ids).logits)
+        attn = ours.model.layers[0].self_attn
+        x = torch.randn(2, 64)
+        assert torch.equal(_direct.linear(attn.k_proj, x), 2 * nn.functional.linear(x, attn.k_proj.weight))
+        assert torch.equal(_direct.linear(attn.v_proj, x), nn.functional.linear(x, attn.v_proj.weight) + 1)
+
+
+def test_direct_ok_follows_every_kind_of_hook():
+    m = nn.Linear(4, 4)
+    assert _direct.direct_ok(m)
+    for register in (m.register_forward_hook, m.register_forward_pre_hook, m.register_full_backward_hook,
+                     m.register_full_backward_pre_hook):
+        handle = register(lambda *a: None)
+        assert not _direct.direct_ok(m)
+        handle.remove()
+    for register in (nn.modules.module.register_module_forward_hook,
+                     nn.modules.module.register_module_forward_pre_hook,
+                     nn.modules.module.register_module_full_backward_hook):
+        handle = register(lambda *a: None)
+        try:
+            assert not _direct.direct_ok(m)
+        finally:
+            handle.remove()
+    assert _direct.direct_ok(m)
+    m._compiled_call_impl = lambda *a: None  # what module.compile() installs
+    assert not _direct.direct_ok(m)
+
+
+def test_a_jit_trace_keeps_the_module_calls():
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen.append(_direct.direct_ok(self.lin))
+            return _direct.linear(self.lin, x)
+
+    probe = Probe()
+    torch.jit.trace(probe, torch.randn(2, 4), check_trace=False)
+    assert seen == [False]  # the trace records the module call (its scope), as stock
+    probe(torch.randn(2, 4))
+    assert seen == [False, True]
