@@ -16,6 +16,8 @@
 #   hostprof   where the host time of an eager prefill of $MODEL goes, stock and ours
 #              (benchmarks/host_profile.py: cProfile, synchronizing calls, $DRIFT prefills GC on/off;
 #              also ours with the opt-in patches $HOSTPROF_INCLUDE)
+#   hostab     the same paths timed against each other in one process, $ROUNDS_AB rounds of one prefill
+#              each in rotating order (host_profile.py --interleave): a drifting host slows all alike
 #   rank       autokernelize's ranking of $MODEL's uncovered regions on the GPU (default llama-3.2-1b)
 #   score      `autokernelize $MODEL --score $CANDIDATE`: evaluate, then the bench of stock and
 #              our build without / with the candidate (cutile~NAME and cutile, or cutile and
@@ -73,6 +75,9 @@ for stage in "$@"; do
           --json "$OUT/host-ops.json" ;;
     hostprof)
       cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug --drift ${DRIFT:-40} \
+          ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
+    hostab)
+      cd "$root/benchmarks" && step hostab 150 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --interleave ${ROUNDS_AB:-60} \
           ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
     rank)
       cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" --top 12 \

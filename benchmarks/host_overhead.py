@@ -41,10 +41,14 @@ import torch
 BF16 = torch.bfloat16
 
 
-def install_fakes():
-    """Patch this process so that the ops' CUDA path runs on CPU tensors down to the driver call."""
+def install_fakes(dispatch=None, launcher=None):
+    """Patch this process so that the ops' CUDA path runs on CPU tensors down to the driver call.
+
+    ``dispatch`` and ``launcher`` are the modules of one package copy (default: the installed
+    ``cutile_kernels``; ``kernels`` loads the build's copy under another name)."""
     os.environ["CUTILE_KERNELS_STRICT"] = "1"  # a fallback must raise: we time the kernel path only
-    from cutile_kernels import dispatch, launcher
+    if dispatch is None:
+        from cutile_kernels import dispatch, launcher
     from cutile_kernels.cubin import ArgPacker, param_info
 
     torch.Tensor.is_cuda = property(lambda self: True)
@@ -64,14 +68,15 @@ def install_fakes():
     launcher._current_raw_stream = lambda device_index: 0
     dispatch._arch_of = lambda device_index: ((9, 0), "sm_90")
     dispatch._LAUNCHER._ctx_ready.__dict__[-1] = True
+    cache = dispatch._LAUNCHER._loaded
 
     def load(variant, device_index):
         key = (device_index, variant.symbol)
-        loaded = dispatch._LAUNCHER._loaded.get(key)
+        loaded = cache.get(key)
         if loaded is None:
             packer = ArgPacker(variant.params)
             assert param_info(variant.cubin.read_bytes(), variant.symbol) == packer.layout
-            loaded = dispatch._LAUNCHER._loaded[key] = launcher._Loaded(None, packer, variant)
+            loaded = cache[key] = launcher._Loaded(None, packer, variant)
         return loaded
 
     dispatch._LAUNCHER.load = load

@@ -1,7 +1,7 @@
 """Where the host time of an eager prefill goes, stock against ours: ``cProfile`` of the forward.
 
     python benchmarks/host_profile.py llama-3.2-1b [--tokens 2048] [--calls 5] [--top 30] [--sync-debug]
-        [--drift N] [--include PATCH...]
+        [--drift N] [--include PATCH...] [--interleave N]
 
 The bench's prefill rounds show the host time (until ``forward`` returned) close to the whole
 prefill time: the host sets the pace. This prints, per model, the host and device milliseconds
@@ -13,7 +13,9 @@ the operations of one forward that make the host wait for the device
 a wait rather than a slow host. ``--drift N`` times N more prefills per model, with Python's
 garbage collector on and then off, and prints the spread of host wall time, the timing thread's CPU
 time and the collector's time: a slow host computes (CPU time near wall time), a waiting one
-does not.
+does not. ``--interleave N`` only times: all paths loaded at once, N rounds of one prefill of each
+in turn (the order rotating), so a host whose speed drifts slows every path alike; it prints each
+path's median and p10 host and prefill milliseconds and its median per-round ratio to stock.
 """
 
 import argparse
@@ -101,6 +103,30 @@ def profile(name, model, ids, calls: int, top: int, sync_debug: bool = False, dr
         print("\n".join(line[:200] for line in buf.getvalue().splitlines() if line.strip()))
 
 
+def interleave(models: dict, ids, n: int) -> None:
+    """Time ``n`` rounds of one prefill per model, in rotating order; print medians and ratios."""
+    timer = Timer(str(ids.device))
+    names = list(models)
+    rows = {k: [] for k in names}
+    with torch.inference_mode():
+        for _ in range(3):
+            for m in models.values():
+                m(ids, use_cache=False)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        for r in range(n):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                device = timer(lambda: models[k](ids, use_cache=False))
+                rows[k].append((timer.host_ms, device))
+    print(f"\n=== interleaved, {n} rounds of one prefill per path ({ids.shape[0]} x {ids.shape[1]} tokens), ms")
+    for k in names:
+        host, device = (sorted(c) for c in zip(*rows[k]))
+        ratio = statistics.median(a[1] / b[1] for a, b in zip(rows[k], rows[names[0]]))
+        print(f"{k:28s} host {statistics.median(host):6.2f} (p10 {host[len(host) // 10]:6.2f})  prefill "
+              f"{statistics.median(device):6.2f} (p10 {device[len(device) // 10]:6.2f})  prefill / {names[0]}'s, "
+              f"median by round {ratio:.3f}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -111,6 +137,8 @@ def main():
     p.add_argument("--drift", type=int, default=0, metavar="N", help="time N more prefills, GC on and off")
     p.add_argument("--include", nargs="*", default=[], metavar="PATCH",
                    help="also profile ours with these opt-in patches (e.g. fused_qkv)")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="only time the paths against each other, N rounds of one prefill each")
     a = p.parse_args()
     if a.drift == 1:
         p.error("--drift needs at least 2 prefills (for its deciles)")
@@ -120,6 +148,13 @@ def main():
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, device_map="cuda", **kw).eval()
 
     ids = torch.randint(0, 1000, (1, a.tokens), device="cuda")
+    if a.interleave:
+        models = {"stock": load(), "ours": load(use_kernels=True, kernel_config=cutile_kernels.kernel_config())}
+        if a.include:
+            models[f"ours+{'+'.join(a.include)}"] = load(use_kernels=True, kernel_config=cutile_kernels.kernel_config(
+                include=a.include))
+        interleave(models, ids, a.interleave)
+        return
     profile("stock", load(), ids, a.calls, a.top, a.sync_debug, a.drift)
     profile("ours", load(use_kernels=True, kernel_config=cutile_kernels.kernel_config()), ids, a.calls, a.top,
             a.sync_debug, a.drift)

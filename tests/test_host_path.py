@@ -281,3 +281,23 @@ def test_rope_launches_on_q_and_k_split_from_one_fused_projection(fake_gpu):
     k_bad = qkv[..., 480:608].view(2, 9, 2, 64).transpose(1, 2)
     with pytest.raises(cutile_kernels.FallbackError, match="overlap"):
         cutile_kernels.apply_rope(q, k_bad, cos, sin)
+
+
+def test_host_profile_interleave_times_every_path_against_the_first(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_profile
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    fast = AutoModelForCausalLM.from_config(cfg).eval()
+    slow = AutoModelForCausalLM.from_config(cfg).eval()
+    slow.register_forward_hook(lambda *a: __import__("time").sleep(0.05))  # 50 ms more per forward
+    host_profile.interleave({"stock": fast, "slower": slow}, torch.randint(0, 64, (1, 5)), 6)
+    lines = [line for line in capsys.readouterr().out.splitlines() if " host " in line]
+    assert [line.split()[0] for line in lines] == ["stock", "slower"]
+    ratios = [float(line.rsplit(" ", 1)[1]) for line in lines]
+    assert ratios[0] == 1.0 and ratios[1] > 1.5
