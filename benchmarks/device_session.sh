@@ -17,7 +17,8 @@
 #              (benchmarks/host_profile.py: cProfile, synchronizing calls, $DRIFT prefills GC on/off;
 #              also ours with the opt-in patches $HOSTPROF_INCLUDE)
 #   hostab     the same paths timed against each other in one process, $ROUNDS_AB rounds of one prefill
-#              each in rotating order (host_profile.py --interleave): a drifting host slows all alike
+#              each in rotating order (host_profile.py --interleave): a drifting host slows all alike;
+#              hostab-$MODEL.log
 #   rank       autokernelize's ranking of $MODEL's uncovered regions on the GPU (default llama-3.2-1b)
 #   score      `autokernelize $MODEL --score $CANDIDATE`: evaluate, then the bench of stock and
 #              our build without / with the candidate (cutile~NAME and cutile, or cutile and
@@ -36,7 +37,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention attnsweep evaluate kernels hostprof rank score bench notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention attnsweep evaluate kernels hostops hostprof hostab rank score bench notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -77,7 +78,7 @@ for stage in "$@"; do
       cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug --drift ${DRIFT:-40} \
           ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
     hostab)
-      cd "$root/benchmarks" && step hostab 150 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --interleave ${ROUNDS_AB:-60} \
+      cd "$root/benchmarks" && step "hostab-${MODEL:-llama-3.2-1b}" 150 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --interleave ${ROUNDS_AB:-60} \
           ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
     rank)
       cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" --top 12 \
