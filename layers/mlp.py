@@ -40,7 +40,7 @@ from torch import nn
 
 from ..ops.activation import silu, silu_and_mul_fused
 from ._direct import linear
-from ._fusion import linear_problem, rebuild_fused, replace_children
+from ._fusion import Stacking, fuse_one, linear_problem, new_fused, unfuse_one
 from ._match import same_code, statements_digest
 
 logger = logging.getLogger("cutile_kernels")
@@ -154,71 +154,29 @@ def fused_class(cls: type) -> type:
 
 
 def _reduce_fused(self, protocol):
-    # A class made at run time cannot be pickled by name: rebuild it from the stock class.
-    return rebuild_fused, (fused_class, self._cutile_unfused_class, self.__dict__.copy())
+    # A class made at run time cannot be pickled by name: rebuild it from the stock class (the
+    # state third, so that pickle and deepcopy set it on the new module: see _fusion.new_fused).
+    return new_fused, (fused_class, self._cutile_unfused_class), self.__dict__.copy()
 
 
-def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    # Write the stock keys: the halves of the stacked weight, as views (no copy), in stock order.
-    key = prefix + FUSED_NAME + ".weight"
-    if key not in state_dict:
-        return
-    keys = list(state_dict)
-    later = keys[keys.index(key) + 1:]
-    w = state_dict.pop(key)
-    half = w.shape[0] // 2
-    state_dict[prefix + "gate_proj.weight"] = w[:half]
-    state_dict[prefix + "up_proj.weight"] = w[half:]
-    for k in later:
-        state_dict[k] = state_dict.pop(k)
+def _row_slices(module: nn.Module) -> tuple[slice, slice]:
+    # gate rows, then up rows: the two halves of the stacked weight.
+    half = module.gate_up_proj.weight.shape[0] // 2
+    return slice(0, half), slice(half, None)
 
 
-def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs) -> None:
-    # Accept the stock keys: stack them into the fused key, which the module then loads as usual.
-    gate = state_dict.pop(prefix + "gate_proj.weight", None)
-    up = state_dict.pop(prefix + "up_proj.weight", None)
-    if gate is None and up is None:
-        return
-    w = getattr(module, FUSED_NAME).weight.detach()
-    half = w.shape[0] // 2
-    gate = w[:half] if gate is None else gate
-    up = w[half:] if up is None else up
+def _gate_up_mismatch(keys: list, given: list, current: list) -> list:
+    # Gate and up must agree with each other, not with the current halves: stacked rows of another
+    # size are then reported by the module, under gate_up_proj.weight.
+    gate, up = (want if t is None else t for t, want in zip(given, current))
     if gate.shape != up.shape:
-        error_msgs.append(f"size mismatch for {prefix}gate_proj.weight {tuple(gate.shape)} and "
-                          f"{prefix}up_proj.weight {tuple(up.shape)}")
-        return
-    state_dict[prefix + FUSED_NAME + ".weight"] = torch.cat([gate, up.to(gate.device)], dim=0)
+        return [f"size mismatch for {keys[0]} {tuple(gate.shape)} and {keys[1]} {tuple(up.shape)}"]
+    return []
 
 
-def _fuse_one(module: nn.Module) -> None:
-    gate, up = module.gate_proj, module.up_proj
-    with torch.no_grad():
-        stacked = torch.cat([gate.weight, up.weight], dim=0)
-    linear = nn.Linear(gate.in_features, 2 * gate.out_features, bias=False, device="meta")
-    linear.weight = nn.Parameter(stacked, requires_grad=gate.weight.requires_grad)
-    linear.train(gate.training)
-    replace_children(module, _STOCK, {FUSED_NAME: linear})
-    module.__class__ = fused_class(type(module))
-    module._cutile_fusion_hooks = (module.register_state_dict_post_hook(_state_dict_hook),
-                                   module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook))
-
-
-def _unfuse_one(module: nn.Module) -> None:
-    fused = getattr(module, FUSED_NAME)
-    w = fused.weight
-    half = w.shape[0] // 2
-    stock = {}
-    for name, rows in zip(_STOCK, (slice(0, half), slice(half, None))):
-        linear = nn.Linear(w.shape[1], half, bias=False, device="meta")
-        with torch.no_grad():
-            linear.weight = nn.Parameter(w[rows].clone(), requires_grad=w.requires_grad)
-        linear.train(fused.training)
-        stock[name] = linear
-    replace_children(module, (FUSED_NAME,), stock)
-    for handle in module.__dict__.pop("_cutile_fusion_hooks", ()):
-        handle.remove()
-    module.__class__ = module._cutile_unfused_class
+_STACKING = Stacking(stock=_STOCK, fused=FUSED_NAME, row_slices=_row_slices, fused_class=fused_class,
+                     unfused_attr="_cutile_unfused_class", hooks_attr="_cutile_fusion_hooks",
+                     mismatch=_gate_up_mismatch)
 
 
 def fuse_mlp(model: nn.Module) -> int:
@@ -244,7 +202,7 @@ def fuse_mlp(model: nn.Module) -> int:
         elif all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")) and why != "already fused":
             skipped[(type(m).__name__, why)] += 1
     for m in targets:
-        _fuse_one(m)
+        fuse_one(m, _STACKING)
     if targets:
         logger.info("cutile_kernels: stacked gate_proj and up_proj of %d MLPs (%s)", len(targets),
                     ", ".join(sorted({type(m).__name__ for m in targets})))
@@ -259,7 +217,7 @@ def unfuse_mlp(model: nn.Module) -> int:
     original class. Returns the number of modules restored."""
     targets = [m for m in model.modules() if getattr(type(m), "_cutile_unfused_class", None) is not None]
     for m in targets:
-        _unfuse_one(m)
+        unfuse_one(m, _STACKING)
     return len(targets)
 
 

@@ -36,11 +36,10 @@ import functools
 import logging
 from collections import Counter
 
-import torch
 from torch import nn
 
 from ._direct import call, linear
-from ._fusion import linear_problem, rebuild_fused, replace_children
+from ._fusion import Stacking, fuse_one, linear_problem, new_fused, unfuse_one
 from ._match import same_code, statements_digest
 
 logger = logging.getLogger("cutile_kernels")
@@ -260,8 +259,9 @@ def fused_class(cls: type) -> type:
 
 
 def _reduce_fused(self, protocol):
-    # A class made at run time cannot be pickled by name: rebuild it from the stock class.
-    return rebuild_fused, (fused_class, self._cutile_qkv_unfused_class, self.__dict__.copy())
+    # A class made at run time cannot be pickled by name: rebuild it from the stock class (the
+    # state third, so that pickle and deepcopy set it on the new module: see _fusion.new_fused).
+    return new_fused, (fused_class, self._cutile_qkv_unfused_class), self.__dict__.copy()
 
 
 def _row_slices(module: nn.Module) -> tuple[slice, slice, slice]:
@@ -269,89 +269,19 @@ def _row_slices(module: nn.Module) -> tuple[slice, slice, slice]:
     return slice(0, q_out), slice(q_out, q_out + kv_out), slice(q_out + kv_out, q_out + 2 * kv_out)
 
 
-def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    # Write the stock keys: row blocks of the stacked tensors, as views (no copy), in stock order
-    # (q_proj.weight, q_proj.bias, k_proj.weight, ...), before the keys that follow (o_proj).
-    fused = [prefix + FUSED_NAME + "." + s for s in ("weight", "bias")]
-    if fused[0] not in state_dict:
-        return
-    keys = list(state_dict)
-    later = [k for k in keys[keys.index(fused[0]) + 1:] if k != fused[1]]
-    stacked = {s: state_dict.pop(k, None) for s, k in zip(("weight", "bias"), fused)}
-    for name, rows in zip(_STOCK, _row_slices(module)):
-        for suffix, t in stacked.items():
-            if t is not None:
-                state_dict[f"{prefix}{name}.{suffix}"] = t[rows]
-    for k in later:
-        state_dict[k] = state_dict.pop(k)
-
-
-def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs) -> None:
-    # Accept the stock keys: stack them (the current rows where one is absent) into the fused key,
-    # which the module then loads as usual. Stock bias keys with no stacked bias stay where they
-    # are, so load_state_dict reports them as unexpected, as the stock module would.
-    fused = getattr(module, FUSED_NAME)
-    slices = _row_slices(module)
-    for suffix in ("weight", "bias"):
-        current = getattr(fused, suffix)
-        keys = [f"{prefix}{name}.{suffix}" for name in _STOCK]
-        if current is None or not any(k in state_dict for k in keys):
-            continue
-        current = current.detach()
-        parts, ok = [], True
-        for key, rows in zip(keys, slices):
-            t = state_dict.pop(key, None)
-            want = current[rows]
-            if t is None:
-                t = want
-            elif not isinstance(t, torch.Tensor) or t.shape != want.shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
-                                  f"{tuple(getattr(t, 'shape', ()))} from checkpoint, the shape in current "
-                                  f"model is {tuple(want.shape)}.")
-                ok = False
-            parts.append(t)
-        if ok:
-            device = parts[0].device  # cat needs one device; loading then copies into ours
-            state_dict[prefix + FUSED_NAME + "." + suffix] = torch.cat([t.to(device) for t in parts], dim=0)
+_STACKING = Stacking(stock=_STOCK, fused=FUSED_NAME, row_slices=_row_slices, fused_class=fused_class,
+                     unfused_attr="_cutile_qkv_unfused_class", hooks_attr="_cutile_qkv_hooks", bias=True)
 
 
 def _fuse_one(module: nn.Module) -> None:
-    q, k, v = (getattr(module, n) for n in _STOCK)
-    has_bias = q.bias is not None
-    with torch.no_grad():
-        weight = torch.cat([q.weight, k.weight, v.weight], dim=0)
-        bias = torch.cat([q.bias, k.bias, v.bias], dim=0) if has_bias else None
-    linear = nn.Linear(q.in_features, weight.shape[0], bias=has_bias, device="meta")
-    linear.weight = nn.Parameter(weight, requires_grad=q.weight.requires_grad)
-    if has_bias:
-        linear.bias = nn.Parameter(bias, requires_grad=q.bias.requires_grad)
-    linear.train(q.training)
-    split = (q.out_features, k.out_features)
-    replace_children(module, _STOCK, {FUSED_NAME: linear})
-    module.__class__ = fused_class(type(module))
-    module._cutile_qkv_split = split
-    module._cutile_qkv_hooks = (module.register_state_dict_post_hook(_state_dict_hook),
-                                module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook))
+    # The split sizes first: the forward and _row_slices (hence the hooks) read them.
+    module._cutile_qkv_split = (module.q_proj.out_features, module.k_proj.out_features)
+    fuse_one(module, _STACKING)
 
 
 def _unfuse_one(module: nn.Module) -> None:
-    fused = getattr(module, FUSED_NAME)
-    w, b = fused.weight, fused.bias
-    stock = {}
-    for name, rows in zip(_STOCK, _row_slices(module)):
-        linear = nn.Linear(w.shape[1], rows.stop - rows.start, bias=b is not None, device="meta")
-        with torch.no_grad():
-            linear.weight = nn.Parameter(w[rows].clone(), requires_grad=w.requires_grad)
-            if b is not None:
-                linear.bias = nn.Parameter(b[rows].clone(), requires_grad=b.requires_grad)
-        linear.train(fused.training)
-        stock[name] = linear
-    replace_children(module, (FUSED_NAME,), stock)
-    for handle in module.__dict__.pop("_cutile_qkv_hooks", ()):
-        handle.remove()
+    unfuse_one(module, _STACKING)
     module.__dict__.pop("_cutile_qkv_split", None)
-    module.__class__ = module._cutile_qkv_unfused_class
 
 
 def fuse_qkv(model: nn.Module) -> int:

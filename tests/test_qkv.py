@@ -456,6 +456,21 @@ def test_deepcopy_of_a_fused_model(ckpt):
     assert all(m._state_dict_hooks for m in _attns(model))
 
 
+def test_a_deepcopy_of_a_fused_model_loads_stock_keys_into_itself(ckpt):
+    # The load hooks hold their module weakly: a copy's must reach the copy (they reached a
+    # throwaway module made while deepcopy rebuilt it, and loading raised "dead Module").
+    from cutile_kernels.layers.mlp import fuse_mlp
+
+    model = _load(ckpt)
+    fuse_qkv(model)
+    fuse_mlp(model)
+    twin = copy.deepcopy(model)
+    new = {k: torch.randn_like(v) for k, v in ckpt["tensors"].items()}
+    twin.load_state_dict(new)
+    assert all(torch.equal(twin.state_dict()[k], v) for k, v in new.items())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ckpt["tensors"].items())
+
+
 def test_fused_attentions_pickle(ckpt, tmp_path):
     """Pickling fused attention modules. transformers 5.22 attention modules do not pickle even
     stock: ``_kernel_funcs`` holds kernels' rotary ``Func`` module, a local class; without it,
