@@ -2,11 +2,13 @@
 
 On a GPU machine whose CPU sets the pace of an eager forward, each module call costs the host two
 Python frames (``_wrapped_call_impl``, ``_call_impl``) and its checks; a decoder layer makes about
-ten. ``nn.Module._call_impl`` (torch 2.11-2.13) runs exactly ``module.forward(*args)`` when the
-module has no forward, pre-forward or backward hooks of its own, no global ones are registered, no
-JIT trace is recording, and ``module.compile()`` did not install a compiled call. :func:`call`
-checks those conditions and calls ``forward`` itself; otherwise it makes the module call, so
-hooks (PEFT, accelerate offload, profilers, output capture) always run. Under ``torch.compile``
+ten. ``nn.Module._call_impl`` (read in torch 2.11 and 2.13) runs exactly ``module.forward(*args)``
+when the module has no forward, pre-forward or backward hooks of its own, no global ones are
+registered, no JIT trace is recording, and ``module.compile()`` did not install a compiled call.
+:func:`call` checks those conditions, and that the module's class calls through
+``nn.Module.__call__`` unchanged (no ``__call__`` of its own, no ``torch.fx`` trace), and calls
+``forward`` itself; otherwise it makes the module call, so hooks (profilers, transformers' output
+capture) always run. Under ``torch.compile``
 the module calls stay (dynamo traces through them at no run-time cost). :func:`linear` does the
 same for an exact ``nn.Linear``, whose forward is ``F.linear(x, weight, bias)``.
 """
@@ -23,13 +25,19 @@ _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hook
                  _module._global_backward_hooks, _module._global_backward_pre_hooks)
 _tracing = torch._C._get_tracing_state
 _compiling = torch.compiler.is_compiling
+# What a call runs when nobody replaced it: a class with its own __call__ (a checkpointing
+# wrapper), torch.fx's symbolic trace (it patches Module.__call__) or code that replaces
+# nn.Linear.forward for every Linear must keep being called.
+_MODULE_CALL = nn.Module.__call__
+_LINEAR_FORWARD = nn.Linear.forward
 
 
 def direct_ok(m: nn.Module) -> bool:
     """Whether ``m(*args)`` would run exactly ``m.forward(*args)`` (see the module docstring)."""
     g0, g1, g2, g3 = _GLOBAL_HOOKS
     return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or m._compiled_call_impl is not None or g0 or g1 or g2 or g3 or _tracing() or _compiling())
+                or m._compiled_call_impl is not None or g0 or g1 or g2 or g3 or _tracing() or _compiling()
+                or type(m).__call__ is not _MODULE_CALL)
 
 
 def call(m: nn.Module, *args, **kwargs):
@@ -41,8 +49,9 @@ def call(m: nn.Module, *args, **kwargs):
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` for a projection child: ``F.linear`` on its weight and bias when ``m`` is exactly
-    ``nn.Linear`` (a subclass such as a quantized or LoRA layer keeps its own forward), its forward
-    is not replaced on the instance, and nothing else would run (:func:`direct_ok`)."""
-    if type(m) is nn.Linear and "forward" not in m.__dict__ and direct_ok(m):
+    ``nn.Linear`` (a subclass such as a PEFT, LoRA or quantized layer keeps its own forward), whose
+    forward is still torch's (not replaced on the class, nor on the instance as accelerate does),
+    and nothing else would run (:func:`direct_ok`)."""
+    if type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and "forward" not in m.__dict__ and direct_ok(m):
         return F.linear(x, m.weight, m.bias)
     return m(x)

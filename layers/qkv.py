@@ -70,10 +70,14 @@ def _reference_class(module_name: str, class_name: str) -> type:
     return getattr(importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}"), class_name)
 
 
-@functools.lru_cache(maxsize=None)
 def _class_verdict(cls: type) -> tuple[str | None, int | None]:
-    # (why not, None) or (None, window mode). Per class, once: the fused forward does no check.
-    fwd = getattr(cls, "forward", None)
+    # (why not, None) or (None, window mode) for the class's forward as it is now.
+    return _forward_verdict(getattr(cls, "forward", None))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_verdict(fwd) -> tuple[str | None, int | None]:
+    # (why not, None) or (None, window mode). Per function, once: the forwards do no check.
     for (module_name, class_name), (digest, window) in REFERENCE_DIGESTS.items():
         ref = _reference_class(module_name, class_name).forward
         if same_code(fwd, ref):
@@ -93,7 +97,7 @@ def _class_verdict(cls: type) -> tuple[str | None, int | None]:
 def attention_verdict(cls: type) -> str | None:
     """Why an attention class ``cls`` cannot take :func:`fused_qkv_forward`, or None if it can
     (its forward is the code of one of the :data:`REFERENCE_DIGESTS` forwards, still 5.22.2's).
-    Cached per class."""
+    Cached per forward function."""
     return _class_verdict(cls)[0]
 
 
@@ -198,13 +202,15 @@ def reproduced_forward(self, glob: dict, window: int, hidden_states, position_em
 
 
 @functools.lru_cache(maxsize=None)
-def stock_forward_parts(cls: type) -> tuple[dict, int] | None:
-    """``(module globals, sliding-window mode)`` of an unfused attention class whose forward
-    :func:`reproduced_forward` reproduces, or None (another forward, or a fused class)."""
+def stock_forward_parts(cls: type, forward) -> tuple[dict, int] | None:
+    """``(module globals, sliding-window mode)`` when ``forward``, the attention class ``cls``'s
+    forward now, is one that :func:`reproduced_forward` reproduces (see :data:`REFERENCE_DIGESTS`);
+    None for another forward or a fused class. Keyed by the forward too: a class whose forward is
+    replaced later (an analysis or KV-compression patch) gets a new verdict, so its forward runs."""
     if getattr(cls, "_cutile_qkv_unfused_class", None) is not None:
         return None
-    why, window = _class_verdict(cls)
-    return None if why is not None else (cls.forward.__globals__, window)
+    why, window = _forward_verdict(forward)
+    return None if why is not None else (forward.__globals__, window)
 
 
 def _attend(self, glob, window, input_shape, query_states, key_states, value_states, position_embeddings,

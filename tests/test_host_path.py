@@ -301,3 +301,27 @@ def test_host_profile_interleave_times_every_path_against_the_first(capsys):
     assert [line.split()[0] for line in lines] == ["stock", "slower"]
     ratios = [float(line.rsplit(" ", 1)[1]) for line in lines]
     assert ratios[0] == 1.0 and ratios[1] > 1.5
+
+
+def test_a_later_input_copied_by_the_layout_is_copied_on_every_call(fake_gpu):
+    # A residual that cannot be seen as rows is copied; the launch must read the copy's address
+    # with the copy's strides, not the residual's own pointer.
+    w = torch.randn(256, dtype=BF16)
+    for _ in range(2):
+        x = torch.randn(2, 3, 256, dtype=BF16)
+        res = torch.randn(3, 2, 256, dtype=BF16).transpose(0, 1)
+        y, s = cutile_kernels.add_rms_norm(x, res, w)
+        symbol, values = fake_gpu[-1]
+        laid = norm_ops._rows_layout((x, res, w, y, s, 1e-6))
+        assert values[_pointer_slot(symbol, laid, 1)] != res.data_ptr()
+        assert values[_pointer_slot(symbol, laid, 3)] == y.data_ptr()
+    assert dispatch._RELAYOUT in dispatch._PLANS.values()
+
+
+def test_a_layout_that_would_copy_an_output_falls_back(fake_gpu):
+    x, w = torch.randn(3, 2048, dtype=BF16), torch.randn(2048, dtype=BF16)
+    out = torch.empty(2048, 3, dtype=BF16).t()  # (3, 2048) with rows not contiguous
+    copies = lambda a: (a[0], a[1], a[2].contiguous(), a[3])  # noqa: E731
+    with pytest.raises(cutile_kernels.FallbackError, match="copies an output"):
+        dispatch.run("rms_norm", norm_ops._want(2048), (x, w, out, 1e-6), 2, norm_ops._grid(3), copies)
+    assert fake_gpu == []

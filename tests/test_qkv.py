@@ -69,10 +69,12 @@ def _storages(model) -> dict:
 
 @pytest.fixture(autouse=True)
 def _fresh_verdicts():
-    # Class verdicts are cached; tests that fake another transformers must not leak into others.
-    qkv_layers._class_verdict.cache_clear()
+    # Verdicts are cached per forward; tests that fake another transformers must not leak into others.
+    qkv_layers._forward_verdict.cache_clear()
+    qkv_layers.stock_forward_parts.cache_clear()
     yield
-    qkv_layers._class_verdict.cache_clear()
+    qkv_layers._forward_verdict.cache_clear()
+    qkv_layers.stock_forward_parts.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +322,8 @@ def test_fused_attention_under_torch_compile_on_cpu():
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def ckpt(request, tmp_path_factory):
     """A tiny bf16 checkpoint of each family, its stock logits and its stock safetensors."""
-    qkv_layers._class_verdict.cache_clear()
+    qkv_layers._forward_verdict.cache_clear()
+    qkv_layers.stock_forward_parts.cache_clear()
     model = _model(request.param, torch.bfloat16, seed=7)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)

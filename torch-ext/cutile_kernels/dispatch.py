@@ -234,8 +234,8 @@ def _inputs_overlap(plan: _Plan, values: list) -> bool:
     return False
 
 
-#: A signature whose layout function copies an argument (no view of it): each call lays out anew.
-_RELAYOUT = _NoPlan("the layout copies an argument")
+#: A signature whose layout function copies an input (no view of it): each call lays out anew.
+_RELAYOUT = _NoPlan("the layout copies an input")
 
 
 def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[dict], tuple],
@@ -255,9 +255,9 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
             what the plan key holds (dtypes, shapes, strides, devices, ``want``). It runs once per
             call signature, not per call: the kernel arguments' shapes and strides are in the
             plan, and each view starts at its tensor's address, so the call's own pointers are
-            launched. A layout that copies an argument (the view would not start there) is run
-            on every call of that signature instead; a copied output is then written and lost,
-            so layouts must view outputs (outputs the caller allocated contiguous always view).
+            launched. A layout that copies an input (the view would not start there) is run on
+            every call of that signature instead; one that would copy an output (which the
+            kernel would write and the caller never see) makes the call fall back.
 
     Returns:
         True if a cuTile kernel (prebuilt or JIT) was launched.
@@ -296,14 +296,20 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
 
 
 def _plan_for(kernel: str, want: tuple, args: tuple, n_inputs: int, grid, layout, device_index: int):
-    """The plan of a new call signature: :func:`_make_plan` of the laid-out arguments, or
-    ``_RELAYOUT`` when the layout does not view every tensor argument at its own address."""
+    """The plan of a new call signature: :func:`_make_plan` of the laid-out arguments;
+    ``_RELAYOUT`` when the layout does not view every input at its own address; an ``_Unfit``
+    reason when it would not view an output there, or changes the arguments' count or kinds."""
     if layout is None:
         return _make_plan(kernel, want, args, n_inputs, grid, device_index)
     laid = layout(args)
-    if len(laid) != len(args) or any(
-            isinstance(a, torch.Tensor) != isinstance(v, torch.Tensor)
-            or isinstance(a, torch.Tensor) and a.data_ptr() != v.data_ptr() for a, v in zip(args, laid)):
+    if len(laid) != len(args) or any(isinstance(a, torch.Tensor) != isinstance(v, torch.Tensor)
+                                     for a, v in zip(args, laid)):
+        return _Unfit(f"the layout of {kernel} changes its arguments")
+    moved = [i for i, (a, v) in enumerate(zip(args, laid))
+             if isinstance(a, torch.Tensor) and a.data_ptr() != v.data_ptr()]
+    if any(i >= n_inputs for i in moved):  # the kernel would write a copy the caller never sees
+        return _Unfit(f"the layout of {kernel} copies an output")
+    if moved:
         return _RELAYOUT
     return _make_plan(kernel, want, laid, n_inputs, grid, device_index)
 
