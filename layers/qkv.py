@@ -191,7 +191,8 @@ def reproduced_forward(self, glob: dict, window: int, hidden_states, position_em
     (unfused), as :func:`fused_qkv_forward` reproduces it but with the three projections: the
     same lines, the projections through :func:`._direct.linear` (``F.linear`` on a plain
     ``nn.Linear`` without hooks; the module call otherwise). ``glob`` and ``window`` are
-    :func:`stock_forward_parts` of the class. Arguments and result as the stock forward's."""
+    :func:`stock_forward_parts` of the class and its current forward. Arguments and result as the
+    stock forward's."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query_states = linear(self.q_proj, hidden_states).view(hidden_shape).transpose(1, 2)
