@@ -56,6 +56,14 @@ def new_fused(fused_class, base: type) -> nn.Module:
     return cls.__new__(cls)
 
 
+def reduce_fused(module: nn.Module, spec: "Stacking", protocol) -> tuple:
+    """``__reduce_ex__`` of a fused module (its class's, as ``partialmethod(reduce_fused, spec)``):
+    a class made at run time cannot be pickled by name, so the module is rebuilt from its stock
+    class through :func:`new_fused`, with the state third so that pickle and deepcopy set it on
+    the new module."""
+    return new_fused, (spec.fused_class, getattr(module, spec.unfused_attr)), module.__dict__.copy()
+
+
 def rebuild_fused(fused_class, base: type, state: dict) -> nn.Module:
     """Unpickle a fused module pickled by an earlier version, whose ``__reduce_ex__`` returned
     ``(rebuild_fused, (fused_class, base, state))`` (see :func:`new_fused`)."""

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..ops.activation import silu, silu_and_mul_fused
 from ._direct import linear
-from ._fusion import Stacking, fuse_one, linear_problem, new_fused, unfuse_one
+from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code, statements_digest
 
 logger = logging.getLogger("cutile_kernels")
@@ -148,15 +148,9 @@ def fused_class(cls: type) -> type:
         "forward": CutileSwiGLUMLP.forward,
         "_cutile_unfused_class": cls,
         "__module__": __name__,
-        "__reduce_ex__": _reduce_fused,
+        "__reduce_ex__": functools.partialmethod(reduce_fused, _STACKING),  # pickles via the stock class
         "__doc__": f"{cls.__name__} with gate_proj and up_proj stacked into {FUSED_NAME} (see layers.mlp).",
     })
-
-
-def _reduce_fused(self, protocol):
-    # A class made at run time cannot be pickled by name: rebuild it from the stock class (the
-    # state third, so that pickle and deepcopy set it on the new module: see _fusion.new_fused).
-    return new_fused, (fused_class, self._cutile_unfused_class), self.__dict__.copy()
 
 
 def _row_slices(module: nn.Module) -> tuple[slice, slice]:

@@ -39,7 +39,7 @@ from collections import Counter
 from torch import nn
 
 from ._direct import call, linear
-from ._fusion import Stacking, fuse_one, linear_problem, new_fused, unfuse_one
+from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code, statements_digest
 
 logger = logging.getLogger("cutile_kernels")
@@ -260,15 +260,9 @@ def fused_class(cls: type) -> type:
         "_cutile_qkv_globals": cls.forward.__globals__,
         "_cutile_qkv_window": window,
         "__module__": __name__,
-        "__reduce_ex__": _reduce_fused,
+        "__reduce_ex__": functools.partialmethod(reduce_fused, _STACKING),  # pickles via the stock class
         "__doc__": f"{cls.__name__} with q_proj, k_proj and v_proj stacked into {FUSED_NAME} (see layers.qkv).",
     })
-
-
-def _reduce_fused(self, protocol):
-    # A class made at run time cannot be pickled by name: rebuild it from the stock class (the
-    # state third, so that pickle and deepcopy set it on the new module: see _fusion.new_fused).
-    return new_fused, (fused_class, self._cutile_qkv_unfused_class), self.__dict__.copy()
 
 
 def _row_slices(module: nn.Module) -> tuple[slice, slice, slice]:
