@@ -1,6 +1,6 @@
 """Deciding whether a piece of transformers code is the code one of our kernels reproduces.
 
-Two checks, both cheap and cached by their callers:
+Two checks, both cached by their callers (the hub layers' through :func:`class_verdict`):
 
 * :func:`same_code`: two functions compile to the same bytecode, names and constants (classes
   "copied from" Llama compile to identical code; a different formula does not);
@@ -13,10 +13,36 @@ Two checks, both cheap and cached by their callers:
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import textwrap
 
+import torch
+
+
+def class_verdict(judge):
+    """Decorator for ``judge(cls) -> bool``, a check of a class's code: computed once per class and
+    cached; under ``torch.compile`` dynamo calls it while tracing and puts its result into the graph
+    as a constant (``torch.compiler.assume_constant_result``) instead of tracing into it. The hub
+    layers call such a verdict in ``forward`` (``kernels`` or a ``.train()``/``.eval()`` switch may
+    graft them onto any class of their hub name); the judges read source (``inspect``) and frames,
+    which dynamo cannot trace, and a traced lookup would break the graph at every layer.
+
+    The returned function has ``cache_clear()`` (tests) and ``judge`` (the undecorated check).
+    """
+    cache: dict[type, bool] = {}
+
+    @functools.wraps(judge)
+    def verdict(cls: type) -> bool:
+        ok = cache.get(cls)
+        if ok is None:
+            ok = cache[cls] = bool(judge(cls))
+        return ok
+
+    verdict.cache_clear = cache.clear
+    verdict.judge = judge
+    return torch.compiler.assume_constant_result(verdict)
 
 
 def _code_key(fn):

@@ -13,14 +13,12 @@ GptOss, NemotronH, DeepseekV4... multiply by the weight before casting back). Ou
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from .. import dispatch
 from ..ops.norm import rms_norm
-from ._match import same_code, statements_digest
+from ._match import class_verdict, same_code, statements_digest
 
 
 #: ``statements_digest(LlamaRMSNorm.forward)`` of transformers 5.22.2, the formula the kernel
@@ -28,12 +26,13 @@ from ._match import same_code, statements_digest
 LLAMA_RMS_NORM_DIGEST = "50b8139e32eaccc8"
 
 
-@functools.lru_cache(maxsize=None)
+@class_verdict
 def computes_llama_rms_norm(cls: type) -> bool:
     """True if ``cls.forward`` is ``LlamaRMSNorm.forward``'s code (same bytecode, names, constants,
     defaults) and ``LlamaRMSNorm.forward`` is still the 5.22.2 formula (:data:`LLAMA_RMS_NORM_DIGEST`).
 
     Classes "copied from" Llama compile to identical code; a different rounding order does not.
+    Once per class; a constant under ``torch.compile`` (:func:`~._match.class_verdict`).
     """
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -57,8 +56,9 @@ class CutileRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         cls = type(self)
-        if not computes_llama_rms_norm(cls):
-            dispatch.fallback("rms_norm", f"{cls.__name__} is not LlamaRMSNorm's formula; it keeps its own forward")
+        if not computes_llama_rms_norm(cls):  # a cached verdict; a constant under torch.compile
+            if not torch.compiler.is_compiling():  # counted and announced in eager; traced, the stock code
+                dispatch.fallback("rms_norm", f"{cls.__name__} is not LlamaRMSNorm's formula; it keeps its own forward")
             return cls.forward(self, hidden_states)
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 

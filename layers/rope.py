@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import dispatch
 from ..ops.rope import apply_rope
-from ._match import same_code, statements_digest
+from ._match import class_verdict, same_code, statements_digest
 
 #: ``statements_digest`` of Llama's ``apply_rotary_pos_emb`` and ``rotate_half`` in transformers
 #: 5.22.2 (``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``): the
@@ -52,27 +52,23 @@ def _llama_functions():
     return wrapped_function(type(modeling_llama.apply_rotary_pos_emb)), modeling_llama.rotate_half
 
 
-_VERDICTS: dict[type, bool] = {}
-
-
-@torch.compiler.disable
-def _judge(cls: type) -> bool:
-    fn = wrapped_function(cls)
-    llama_fn, llama_rotate = _llama_functions()
-    rotate = getattr(fn, "__globals__", {}).get("rotate_half")
-    ok = (fn is not None and llama_fn is not None
-          and (statements_digest(llama_fn), statements_digest(llama_rotate)) == LLAMA_ROPE_DIGESTS
-          and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
-    _VERDICTS[cls] = ok
-    return ok
-
-
+@class_verdict
 def computes_llama_rope(cls: type) -> bool:
     """True if the ``Func`` class ``cls`` wraps a function computing Llama's RoPE formula: same code
     as Llama's ``apply_rotary_pos_emb``, resolving ``rotate_half`` to the same code as Llama's, and
-    Llama's pair still being the transformers 5.22.2 formula (:data:`LLAMA_ROPE_DIGESTS`)."""
-    verdict = _VERDICTS.get(cls)
-    return _judge(cls) if verdict is None else verdict
+    Llama's pair still being the transformers 5.22.2 formula (:data:`LLAMA_ROPE_DIGESTS`). Once per
+    class; a constant under ``torch.compile`` (:func:`~._match.class_verdict`)."""
+    fn = wrapped_function(cls)
+    llama_fn, llama_rotate = _llama_functions()
+    rotate = getattr(fn, "__globals__", {}).get("rotate_half")
+    return (fn is not None and llama_fn is not None
+            and (statements_digest(llama_fn), statements_digest(llama_rotate)) == LLAMA_ROPE_DIGESTS
+            and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
+
+
+def _function_name(cls: type) -> str:
+    fn = wrapped_function(cls)
+    return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else cls.__qualname__
 
 
 class CutileRotaryPosEmb(nn.Module):
@@ -89,10 +85,10 @@ class CutileRotaryPosEmb(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         cls = type(self)
-        if not computes_llama_rope(cls):
-            fn = wrapped_function(cls)
-            name = f"{fn.__module__}.{fn.__qualname__}" if fn is not None else cls.__qualname__
-            dispatch.fallback("rope", f"{name} is not Llama's apply_rotary_pos_emb formula; it keeps its own")
+        if not computes_llama_rope(cls):  # a cached verdict; a constant under torch.compile
+            if not torch.compiler.is_compiling():  # counted and announced in eager; traced, the stock code
+                dispatch.fallback("rope", f"{_function_name(cls)} is not Llama's apply_rotary_pos_emb formula; "
+                                  "it keeps its own")
             return cls.forward(self, q, k, cos, sin, unsqueeze_dim)
         return apply_rope(q, k, cos, sin, unsqueeze_dim)
 

@@ -1,0 +1,52 @@
+"""Tiny configs of the model families the tests build models of, one row per family.
+
+Each row is the family's real architecture (transformers' config class for its ``model_type``) at a
+size the CPU runs in milliseconds: hidden 64, 4 query heads over 2 KV heads (GQA), head_dim 16,
+vocabulary 256. :data:`CLAIMED` are the families whose layers our kernels and patches cover (the
+Llama code); the others are there to check that what we do not cover is left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: The families we claim: every test of a layer, patch or compiled path runs on each.
+CLAIMED = ("llama", "mistral", "qwen2", "qwen3")
+
+_SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=256)
+
+#: model_type -> config fields beyond :data:`_SMALL` (the family's own features).
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+    # Not claimed: norms that round differently (Olmo2), (1 + weight) norms and GeGLU (Gemma).
+    "olmo2": {},
+    "gemma": {},
+}
+
+
+def config(model_type: str, layers: int = 3, **fields):
+    """The tiny config of ``model_type`` with ``layers`` decoder layers (``fields`` override)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**_SMALL, **FAMILIES[model_type], "num_hidden_layers": layers,
+                                               **fields})
+
+
+def model(model_type: str, dtype=torch.float32, layers: int = 3, attn: str | None = None, seed: int = 1234,
+          **fields):
+    """A seeded causal LM of the tiny config in eval mode, its RMSNorm weights moved off 1 so that
+    they matter (``attn``: ``attn_implementation``, default sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(config(model_type, layers, **fields), attn_implementation=attn)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+    return m.to(dtype).eval()

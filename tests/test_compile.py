@@ -1,0 +1,267 @@
+"""A kernelized model under ``torch.compile``: no graph break, our ops in the graph, the eager numbers.
+
+What users run for speed is a static KV cache with a compiled decode step: ``generate(...,
+cache_implementation="static")`` compiles it by itself (``fullgraph=False``), the bench and
+gpt-fast style code compile the forward with ``fullgraph=True``. A check that dynamo cannot trace
+(source inspection, frames) inside a layer's ``forward`` breaks the graph at every layer, or
+raises under ``fullgraph=True``; both happened (the RMSNorm hub layer's code-identity check).
+
+CPU: each claimed family (``tests/families.py``), kernelized through ``kernels`` with the build's
+layers (capability faked) and every patch applied, compiles with ``fullgraph=True``: zero graph
+breaks for the forward and for ``generate``'s static-cache decode step, with and without our
+attention; the graphs hold our custom ops; logits equal the eager kernelized model's (on the CPU
+the ops take their reference paths). GPU: the same through ``from_pretrained(..., use_kernels=True)``
+with inductor, and ``generate``'s own compile (CUDA graphs), against the eager kernelized model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+import pytest
+import torch
+
+import cutile_kernels
+from cutile_kernels.layers import patch as patcher
+from cutile_kernels.layers._match import class_verdict
+
+from families import CLAIMED, model as tiny_model
+
+transformers = pytest.importorskip("transformers")
+kernels = pytest.importorskip("kernels")
+
+from torch._dynamo.backends.registry import lookup_backend  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers.generation import CompileConfig  # noqa: E402
+
+#: Our ops per family in a decoder's graph (the name after the op namespace, which differs between
+#: the installed package and a build copy). ``rms_norm`` is the final norm and Qwen3's nothing else.
+FAMILY_OPS = {
+    "llama": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
+    "mistral": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
+    "qwen2": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
+    "qwen3": {"rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul_fused"},
+}
+
+
+class Recorder:
+    """A dynamo backend that records our ops in each graph it gets, then hands the graph to
+    ``backend`` (``aot_eager`` on the CPU: fake tensors and functionalization, as inductor
+    sees them, without a C++ build)."""
+
+    def __init__(self, backend: str = "aot_eager"):
+        self.backend = lookup_backend(backend)
+        self.graphs = 0
+        self.ops: Counter = Counter()
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.graphs += 1
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            if node.op == "call_function" and "cutile_kernels" in name:
+                self.ops[name.split(".")[-2]] += 1
+        return self.backend(gm, example_inputs, **kwargs)
+
+    def __deepcopy__(self, memo):  # CompileConfig.to_dict() deep-copies its backend: keep recording here
+        return self
+
+
+@pytest.fixture
+def no_breaks():
+    """Fresh dynamo state; fails the test if any graph break was counted."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    breaks = dict(counters["graph_break"])
+    torch._dynamo.reset()
+    assert breaks == {}, breaks
+
+
+@pytest.fixture(scope="module")
+def variant(built_package_dir):
+    return built_package_dir.parent
+
+
+def _kernelize_on_cpu(model, variant, monkeypatch, patches=None):
+    """``kernels.kernelize`` for "cuda" with every hub layer of ours from the build (capability
+    faked), then the patches (default ones, or ``patches``): what ``cutile_kernels.kernelize``
+    does on a GPU."""
+    import kernels.layer.repos as repos
+    from kernels import Mode
+
+    monkeypatch.setattr(repos, "_find_capability", lambda: 90)
+    mapping = {hub: {"cuda": {Mode.INFERENCE: kernels.LocalLayerRepository(variant, layer_name=cls)}}
+               for hub, cls in cutile_kernels.layers.MAPPING.items()}
+    with kernels.use_kernel_mapping(mapping, inherit_mapping=False):
+        kernels.kernelize(model, mode=Mode.INFERENCE, device="cuda", use_fallback=True)
+    cutile_kernels.patch(model, names=patches)
+    return model
+
+
+def _all_norms_swapped(model) -> bool:
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    return bool(norms) and all(getattr(m.__dict__.get("forward"), "__qualname__", "") == "CutileRMSNorm.forward"
+                               for m in norms)
+
+
+def _compile_config(backend, fullgraph=True):
+    cfg = CompileConfig(fullgraph=fullgraph, backend=backend)
+    cfg._compile_all_devices = True  # transformers compiles generate's decode step on a GPU only, by default
+    return cfg
+
+
+def _generate(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------
+
+def test_class_verdict_runs_its_judge_once_per_class_and_is_a_constant_when_traced(no_breaks):
+    calls = Counter()
+
+    @class_verdict
+    def reads_source(cls):
+        calls[cls] += 1
+        return "* 2" in inspect.getsource(cls.forward)  # what dynamo cannot trace
+
+    class Twice(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Thrice(torch.nn.Module):
+        def forward(self, x):
+            return x * 3
+
+    def f(m, x):
+        return x + 1 if reads_source(type(m)) else x - 1
+
+    x = torch.ones(3)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(Twice(), x), x + 1) and torch.equal(compiled(Thrice(), x), x - 1)
+    assert torch.equal(f(Twice(), x), x + 1) and torch.equal(f(Thrice(), x), x - 1)
+    assert calls == {Twice: 1, Thrice: 1}
+    reads_source.cache_clear()
+    assert reads_source(Twice) and calls[Twice] == 2
+
+
+@pytest.mark.parametrize("attn", [None, "cutile"], ids=["sdpa", "cutile-attn"])
+@pytest.mark.parametrize("model_type", CLAIMED)
+def test_kernelized_forward_compiles_fullgraph_with_our_ops(model_type, attn, variant, monkeypatch, no_breaks):
+    model = _kernelize_on_cpu(tiny_model(model_type, attn=attn), variant, monkeypatch)
+    assert _all_norms_swapped(model)
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        want = model(ids).logits
+        rec = Recorder()
+        got = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
+    assert rec.graphs == 1
+    assert set(rec.ops) == FAMILY_OPS[model_type] | ({"attention"} if attn else set())
+    torch.testing.assert_close(got, want)
+
+
+def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
+    # The opt-in patches too (rope_cos_sin, fused_qkv), on the family that takes all but qk_norm_rope.
+    model = _kernelize_on_cpu(tiny_model("llama"), variant, monkeypatch, patches=list(patcher.PATCHES))
+    assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"qk_norm_rope"}
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        want = model(ids).logits
+        rec = Recorder()
+        got = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
+    assert set(rec.ops) == FAMILY_OPS["llama"] | {"rope_cos_sin"}
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("attn", [None, "cutile"], ids=["sdpa", "cutile-attn"])
+@pytest.mark.parametrize("model_type", CLAIMED)
+def test_static_cache_generate_compiles_the_decode_step_without_breaks(model_type, attn, variant, monkeypatch,
+                                                                      no_breaks):
+    model = _kernelize_on_cpu(tiny_model(model_type, attn=attn), variant, monkeypatch)
+    ids = torch.randint(1, 256, (2, 7))
+    want = _generate(model, ids, disable_compile=True)
+    rec = Recorder()
+    got = _generate(model, ids, compile_config=_compile_config(rec))
+    # generate runs the prefill eagerly and compiles the decode step (one graph; Mistral's sliding
+    # window mask makes a second one when the cache position changes its shape class).
+    assert rec.graphs >= 1 and FAMILY_OPS[model_type] <= set(rec.ops)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "gemma"])
+def test_layers_left_alone_compile_fullgraph_with_stock_numbers(model_type, variant, monkeypatch, no_breaks):
+    """Olmo2's RMSNorm (hub name "RMSNorm", another rounding) takes our layer, whose verdict sends it
+    to its own forward; Gemma's (1 + weight) norms and GeGLU are not ours at all. Either way the
+    verdict is a constant in the graph and the numbers are the stock ones."""
+    stock = tiny_model(model_type)
+    model = _kernelize_on_cpu(tiny_model(model_type), variant, monkeypatch)
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        want = stock(ids).logits
+        got = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the built kernels under inductor and CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+def _error(logits, ref):
+    return ((logits.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny seeded bf16 checkpoints of the claimed families (safetensors), loaded as users load."""
+    out = {}
+    for model_type in CLAIMED:
+        path = tmp_path_factory.mktemp(model_type)
+        tiny_model(model_type, dtype=torch.bfloat16, layers=4).save_pretrained(path)
+        out[model_type] = path
+    return out
+
+
+def _load(path, attn=None):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
+                                                kernel_config=cutile_kernels.kernel_config(),
+                                                attn_implementation=attn).eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", [None, "cutile"], ids=["sdpa", "cutile-attn"])
+@pytest.mark.parametrize("model_type", CLAIMED)
+def test_gpu_forward_under_inductor_fullgraph(model_type, attn, checkpoints, strict, no_breaks):
+    model = _load(checkpoints[model_type], attn)
+    assert _all_norms_swapped(model)
+    ids = torch.randint(0, 256, (2, 37), device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits
+        rec = Recorder("inductor")
+        got = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
+    assert set(rec.ops) == FAMILY_OPS[model_type] | ({"attention"} if attn else set())
+    assert _error(got, want) < 1e-2, _error(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", [None, "cutile"], ids=["sdpa", "cutile-attn"])
+@pytest.mark.parametrize("model_type", CLAIMED)
+def test_gpu_static_generate_compiles_and_replays_cuda_graphs(model_type, attn, checkpoints, strict, no_breaks):
+    """transformers' own recipe: ``cache_implementation="static"`` compiles the decode step
+    (inductor, ``reduce-overhead``: CUDA graphs) with ``fullgraph=False``, where a break would cost
+    speed silently; zero breaks, and the replayed steps' logits match the eager kernelized model."""
+    model = _load(checkpoints[model_type], attn)
+    ids = torch.randint(1, 256, (3, 21), device="cuda")
+    want = _generate(model, ids, disable_compile=True)
+    got = [_generate(model, ids) for _ in range(3)]  # compile, record, replay
+    assert counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
+    for run in got:
+        for g, w in zip(run.logits, want.logits):
+            assert _error(g, w) < 2e-2, _error(g, w)
