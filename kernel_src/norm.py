@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
+from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
 RN = ct.RoundingMode.RN
@@ -144,6 +144,9 @@ ROWS = {
     ("add_rms_norm", "generic"): {64: 32, 128: 16, 256: 8, 512: 4, 1024: 2, 2048: 1, 4096: 1, 8192: 1},
 }
 CHUNKED_ROWS = 1
+#: At most this many rows (a decode step's batch), the runtime asks for one row per block
+#: (``ROWS=1``): for every width and layout of :data:`DECODE_DTYPES` such a variant is built.
+DECODE_MAX_ROWS = 256
 
 
 def _params(kind: str, dtype: str, layout: str, consts: dict):
@@ -163,10 +166,14 @@ def _matrix() -> list[VariantSpec]:
         for dtype in ("bfloat16", "float16", "float32"):
             for layout in LAYOUTS:
                 d = DTYPE_TAGS[dtype]
-                for bn in BLOCK_NS:
-                    consts = {"BLOCK_N": bn, "ROWS": ROWS[(kind, layout)][bn]}
-                    specs.append(VariantSpec(kind, "norm", f"{kind}_kernel",
-                                             f"{d}.n{bn}.r{consts['ROWS']}.{layout}",
+                rows = ROWS[(kind, layout)]
+                # Decode tiles (one row per block) where the prefill tile has more than one row.
+                tiles = [(bn, rows[bn]) for bn in BLOCK_NS]
+                if dtype in DECODE_DTYPES:
+                    tiles += [(bn, 1) for bn in BLOCK_NS if rows[bn] != 1]
+                for bn, r in tiles:
+                    consts = {"BLOCK_N": bn, "ROWS": r}
+                    specs.append(VariantSpec(kind, "norm", f"{kind}_kernel", f"{d}.n{bn}.r{r}.{layout}",
                                              _params(kind, dtype, layout, consts)))
                 consts = {"CHUNK": CHUNK, "ROWS": CHUNKED_ROWS}
                 specs.append(VariantSpec(kind, "norm", f"{kind}_chunked_kernel",
@@ -175,5 +182,6 @@ def _matrix() -> list[VariantSpec]:
     return specs
 
 
-#: Every variant of this family, in the runtime's order of preference (aligned before generic).
+#: Every variant of this family, in the runtime's order of preference: aligned before generic (a
+#: request without ``ROWS`` takes the prefill tile; one with ``ROWS=1`` the aligned decode tile).
 VARIANTS: list[VariantSpec] = _matrix()

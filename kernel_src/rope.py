@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, VariantSpec, array
+from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ConstParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -113,14 +113,19 @@ def _params(dtype: str, layout: str, consts: dict):
 def tile_matrix(kernel: str, function: str, params) -> list[VariantSpec]:
     """The variants of ``kernel`` (module of the same name) on these tiles: every dtype, layout
     (aligned before generic, the runtime's order of preference) and BLOCK, with ``params(dtype,
-    layout, consts)`` its parameters. qk_norm_rope's kernel shares the tiles, so it shares this."""
+    layout, consts)`` its parameters; for :data:`~._spec.DECODE_DTYPES` also a decode tile of one
+    position (``ROWS=1``) per BLOCK, which the runtime asks for when S is below the prefill tile's
+    rows. qk_norm_rope's kernel shares the tiles, so it shares this."""
     specs = []
     for dtype in ("bfloat16", "float16", "float32"):
         for layout in LAYOUTS:
-            for block in BLOCKS:
-                consts = {"BLOCK": block, "ROWS": ROWS[block], "HEADS": HEADS}
+            tiles = [(block, ROWS[block]) for block in BLOCKS]
+            if dtype in DECODE_DTYPES:
+                tiles += [(block, 1) for block in BLOCKS]
+            for block, rows in tiles:
+                consts = {"BLOCK": block, "ROWS": rows, "HEADS": HEADS}
                 specs.append(VariantSpec(kernel, kernel, function,
-                                         f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x{ROWS[block]}.{layout}",
+                                         f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x{rows}.{layout}",
                                          params(dtype, layout, consts)))
     return specs
 

@@ -332,9 +332,17 @@ def test_matrix_order_and_tags():
             assert not suffixes & {"aligned", "generic"}, kernel  # all or nothing
             continue
         for d in dtypes:
-            layouts = [s.tag.rsplit(".", 1)[1] for s in specs if s.kernel == kernel and s.tag.startswith(d + ".")]
+            mine = [s for s in specs if s.kernel == kernel and s.tag.startswith(d + ".")]
+            layouts = [s.tag.rsplit(".", 1)[1] for s in mine]
             assert layouts == sorted(layouts)  # "aligned" < "generic"
-            assert layouts.count("aligned") == layouts.count("generic") > 0
+            assert layouts.count("aligned") > 0 and layouts.count("generic") > 0
+            # Every request an aligned variant serves has a generic variant for inputs it refuses: the
+            # tile width (the constants but ROWS), and a decode tile (ROWS=1) where one was asked for.
+            tiles = {lay: [(tuple(sorted((k, v) for k, v in s.constants.items() if k != "ROWS")),
+                            s.constants.get("ROWS") == 1) for s in mine if s.tag.endswith(lay)]
+                     for lay in ("aligned", "generic")}
+            assert {w for w, _ in tiles["aligned"]} == {w for w, _ in tiles["generic"]}, (kernel, d)
+            assert {w for w, one in tiles["aligned"] if one} <= {w for w, one in tiles["generic"] if one}, (kernel, d)
 
 
 def test_build_id_ignores_compile_times(tmp_path):

@@ -60,7 +60,7 @@ def _rms_args(rows, hidden, dtype=BF16, offset=0):
 
 
 def _run_rms(args):
-    return dispatch.run("rms_norm", norm_ops._want(args[0].shape[1]), args, 2, norm_ops._grid(args[0].shape[0]))
+    return dispatch.run("rms_norm", norm_ops._want(args[0], args[0].shape[0]), args, 2, norm_ops._grid(args[0].shape[0]))
 
 
 def test_plan_cache_is_keyed_by_dtype_shape_class_and_alignment(fake_gpu):
@@ -108,7 +108,7 @@ def test_layout_runs_once_per_signature_and_packs_the_call_pointers(fake_gpu):
         x, w = torch.randn(2, 3, 2048, dtype=BF16), torch.randn(2048, dtype=BF16)
         y = torch.empty(2, 3, 2048, dtype=BF16)
         args = (x, w, y, 1e-6)
-        assert dispatch.run("rms_norm", norm_ops._want(2048), args, 2, norm_ops._grid(6), layout)
+        assert dispatch.run("rms_norm", norm_ops._tile(2048, False), args, 2, norm_ops._grid(6), layout)
         symbol, values = fake_gpu[-1]
         assert values == ArgPacker(_variant(symbol).params).values(norm_ops._rows_layout(args))
         assert values[0] == x.data_ptr()
@@ -144,7 +144,7 @@ def test_layout_that_moves_a_pointer_is_run_on_every_call(fake_gpu):
     args = (x, w, torch.empty(2, 2048, dtype=BF16), 1e-6)
     shifted = lambda a: (a[0][1:], *a[1:])  # noqa: E731
     for _ in range(2):
-        assert dispatch.run("rms_norm", norm_ops._want(2048), args, 2, norm_ops._grid(2), shifted)
+        assert dispatch.run("rms_norm", norm_ops._tile(2048, False), args, 2, norm_ops._grid(2), shifted)
         symbol, values = fake_gpu[-1]
         assert values[_pointer_slot(symbol, shifted(args), 0)] == x[1:].data_ptr() == x.data_ptr() + 2 * 2048
     assert dispatch._RELAYOUT in dispatch._PLANS.values()
@@ -175,7 +175,7 @@ def test_cached_plan_still_refuses_overlapping_inputs(fake_gpu):
     assert _run_rms(_rms_args(1, 2048))
     buf = torch.randn(4096, dtype=BF16)
     x, w = buf[:2048].view(1, 2048), buf[1024:3072]  # same signature as above, but w overlaps x
-    assert dispatch._signature("rms_norm", norm_ops._want(2048), None, (x, w, torch.empty(1, 2048, dtype=BF16), 1e-6)) \
+    assert dispatch._signature("rms_norm", norm_ops._want(x, 1), None, (x, w, torch.empty(1, 2048, dtype=BF16), 1e-6)) \
         in dispatch._PLANS
     with pytest.raises(cutile_kernels.FallbackError, match="overlap"):
         _run_rms((x, w, torch.empty(1, 2048, dtype=BF16), 1e-6))
@@ -323,5 +323,5 @@ def test_a_layout_that_would_copy_an_output_falls_back(fake_gpu):
     out = torch.empty(2048, 3, dtype=BF16).t()  # (3, 2048) with rows not contiguous
     copies = lambda a: (a[0], a[1], a[2].contiguous(), a[3])  # noqa: E731
     with pytest.raises(cutile_kernels.FallbackError, match="copies an output"):
-        dispatch.run("rms_norm", norm_ops._want(2048), (x, w, out, 1e-6), 2, norm_ops._grid(3), copies)
+        dispatch.run("rms_norm", norm_ops._tile(2048, False), (x, w, out, 1e-6), 2, norm_ops._grid(3), copies)
     assert fake_gpu == []

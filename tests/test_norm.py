@@ -8,6 +8,7 @@ import torch
 import cutile_kernels
 from cutile_kernels import dispatch, registry
 from cutile_kernels.ops import norm as norm_ops
+from cutile_kernels.kernel_src.norm import DECODE_MAX_ROWS, ROWS
 from launches import launched_variants
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -104,10 +105,41 @@ def test_gradients_follow_the_reference_formula():
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+def _want(hidden, rows, dtype=torch.bfloat16):
+    return norm_ops._want(torch.empty(0, hidden, dtype=dtype), rows)
+
+
 def test_small_hidden_sizes_use_the_smallest_tile():
-    assert norm_ops._want(16) == norm_ops._want(64) == (("BLOCK_N", 64),)
-    assert norm_ops._want(65) == (("BLOCK_N", 128),)
-    assert norm_ops._want(8193)[0][0] == "CHUNK"
+    assert _want(16, 4096) == _want(64, 4096) == (("BLOCK_N", 64),)
+    assert _want(65, 4096) == (("BLOCK_N", 128),)
+    assert _want(8193, 4096)[0][0] == "CHUNK"
+
+
+def test_decode_steps_ask_for_one_row_per_block():
+    # A decode step's few rows in a prefill tile (16 rows of 2048 for add_rms_norm) leave it mostly
+    # padding and the GPU mostly idle: 16-bit dtypes have decode tiles of one row.
+    assert _want(2048, 1) == _want(2048, DECODE_MAX_ROWS) == (("BLOCK_N", 2048), ("ROWS", 1))
+    assert _want(896, 16, torch.float16) == (("BLOCK_N", 1024), ("ROWS", 1))
+    assert _want(2048, DECODE_MAX_ROWS + 1) == (("BLOCK_N", 2048),)
+    assert _want(2048, 1, torch.float32) == (("BLOCK_N", 2048),)  # no float32 decode tiles: the prefill one
+    assert _want(12288, 1)[0][0] == "CHUNK"  # one row per block already
+
+
+def test_every_width_and_layout_has_a_decode_tile():
+    """A decode request (ROWS=1) must find an aligned and a generic variant of every width, or the
+    op would fall back for a misaligned or strided decode input."""
+    from cutile_kernels.kernel_src import norm as src
+
+    for kind in ("rms_norm", "add_rms_norm"):
+        for dtype in ("bf16", "fp16"):
+            for bn in src.BLOCK_NS:
+                tags = {s.tag.rsplit(".", 1)[1] for s in src.VARIANTS if s.kernel == kind and s.tag.startswith(dtype)
+                        and s.constants.get("BLOCK_N") == bn and s.constants["ROWS"] == 1}
+                assert tags == {"aligned", "generic"}, (kind, dtype, bn)
+    assert not any(s.constants["ROWS"] == 1 and s.constants.get("BLOCK_N", 9999) < 8192 and s.tag.endswith("aligned")
+                   for s in src.VARIANTS if s.tag.startswith("fp32"))  # 16-bit only: what models decode in
+    assert len({s.tag for s in src.VARIANTS if s.kernel == "rms_norm"}) == len(
+        [s for s in src.VARIANTS if s.kernel == "rms_norm"])
 
 
 def test_fake_implementations_give_shapes_and_dtypes():
@@ -141,6 +173,8 @@ GPU_CASES = (
     + [(100_000, 896, torch.bfloat16, "contiguous"), (100_000, 2048, torch.bfloat16, "contiguous")]
     + [(333, h, torch.bfloat16, "strided") for h in (1536, 4096)]
     + [(333, h, d, "misaligned") for h in (896, 2048) for d in (torch.bfloat16, torch.float32)]
+    + [(7, h, d, lay) for h, d, lay in ((896, torch.bfloat16, "misaligned"), (2048, torch.float16, "misaligned"),
+                                         (1536, torch.bfloat16, "strided"), (2048, torch.float32, "contiguous"))]
     + [(65, 1000, torch.float16, "contiguous"), (257, 100, torch.bfloat16, "contiguous")]
     + [(64, 128, torch.bfloat16, "contiguous"), (4096, 64, torch.float16, "contiguous")]
     + [(37, 12288, torch.bfloat16, "contiguous"), (5, 16384, torch.float32, "contiguous"),
@@ -153,13 +187,13 @@ def _case_id(c):
     return f"{r}x{h}-{str(d).split('.')[-1]}-{lay}"
 
 
-def _make_input(rows, hidden, dtype, layout, scale=1.0):
+def _make_input(rows, hidden, dtype, layout, scale=1.0, device="cuda"):
     if layout == "contiguous":
-        return torch.randn(rows, hidden, device="cuda", dtype=dtype) * scale
+        return torch.randn(rows, hidden, device=device, dtype=dtype) * scale
     if layout == "strided":  # rows of a wider tensor: row stride 2 * hidden + 8
-        return (torch.randn(rows, 2 * hidden + 8, device="cuda", dtype=dtype) * scale)[:, :hidden]
+        return (torch.randn(rows, 2 * hidden + 8, device=device, dtype=dtype) * scale)[:, :hidden]
     if layout == "misaligned":  # base address one element past a 16-byte boundary
-        flat = torch.randn(rows * hidden + 1, device="cuda", dtype=dtype) * scale
+        flat = torch.randn(rows * hidden + 1, device=device, dtype=dtype) * scale
         return flat[1:].view(rows, hidden)
     raise ValueError(layout)
 
@@ -202,9 +236,35 @@ def test_rms_norm_kernel_matches_float64(case, strict):
     stock_max, stock_rel = _errors(stock, ref)
     assert ours_rel <= 1.1 * stock_rel + 1e-7, (ours_rel, stock_rel)
     assert ours_max <= 1.1 * stock_max + 1e-6, (ours_max, stock_max)
-    expect_aligned = layout != "misaligned" and hidden % 16 == 0
-    assert variant.tag.endswith("aligned" if expect_aligned else "generic"), variant.tag
-    assert ("chunk" in variant.tag) == (hidden > 8192)
+    assert (variant.kernel, variant.tag) == _expected_variant("rms_norm", case)
+
+
+def _expected_variant(kind, case):
+    """(kernel, tag) a case must launch: aligned unless the base or the width is not; the chunked
+    kernel past 8192; one row per block for a decode step's rows in 16 bits, else the prefill tile."""
+    rows, hidden, dtype, layout = case
+    layout = "aligned" if layout != "misaligned" and hidden % 16 == 0 else "generic"
+    d = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    if hidden > 8192:
+        return kind, f"{d}.chunk2048.r1.{layout}"
+    bn = max(64, 1 << (hidden - 1).bit_length())
+    decode = rows <= DECODE_MAX_ROWS and dtype != torch.float32
+    return kind, f"{d}.n{bn}.r{1 if decode else ROWS[(kind, layout)][bn]}.{layout}"
+
+
+@pytest.mark.parametrize("kind", ["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_variant_choice_of_each_gpu_case(kind, case, built_package_dir):
+    # The registry's checks are tensor metadata only: run them on CPU tensors of each GPU case.
+    rows, hidden, dtype, layout = case
+    reg = registry.Registry(built_package_dir)
+    arch = "sm_90" if "sm_90" in reg.archs else reg.archs[-1]
+    x = _make_input(rows, hidden, dtype, layout, device="cpu")
+    w, out = torch.empty(hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype)
+    args = (x, w, out, 1e-6) if kind == "rms_norm" else (x, torch.empty_like(out), w, out, torch.empty_like(out), 1e-6)
+    variant, why = reg.select(kind, arch, dict(norm_ops._want(x, rows)), args)
+    assert variant is not None, why
+    assert (variant.kernel, variant.tag) == _expected_variant(kind, case)
 
 
 @pytest.mark.gpu
@@ -216,7 +276,10 @@ def test_add_rms_norm_kernel_matches_float64(case, strict):
     w = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(dtype)
     y = torch.full((rows, hidden), float("nan"), device="cuda", dtype=dtype)
     s = torch.full((rows, hidden), float("nan"), device="cuda", dtype=dtype)
+    before = dispatch.stats()["launches"]
     assert norm_ops.add_rms_norm_into(x, r, w, y, s, 1e-6)
+    variant = _launched_variant(before)
+    assert (variant.kernel, variant.tag) == _expected_variant("add_rms_norm", case)
     torch.cuda.synchronize()
     assert not torch.isnan(y).any() and not torch.isnan(s).any(), "an output element was not written"
     assert torch.equal(s, x + r)  # one rounding of the sum, as the decoder layer's add

@@ -115,8 +115,9 @@ def _emulate(q, k, qw, kw, eps, cos, sin):
     q_out, k_out = ops._outputs(q, k, qw, kw, cos, sin)
     q_out.fill_(float("nan"))
     k_out.fill_(float("nan"))
-    (_, block), = ops._want(d)
-    rows, heads = src.ROWS[block], src.HEADS
+    want = dict(ops._want(d // 2, s, q.dtype))  # the decode tile (one position) for few float16 positions
+    block = want["BLOCK"]
+    rows, heads = want.get("ROWS", src.ROWS[block]), src.HEADS
     h = lambda x: ops._halves(x, d)  # noqa: E731
     grid = (-(-s // rows), -(-hq // heads) + -(-hk // heads), b)
     run = cutile_numpy.emulate(src.qk_norm_rope_kernel, src)
@@ -191,7 +192,8 @@ def test_emulated_kernel_with_bfloat16_values():
 
 def test_build_matrix_is_small():
     specs = src.VARIANTS
-    assert len(specs) == 3 * 2 * len(src.BLOCKS) == 18
+    # prefill tiles for three dtypes, decode tiles (ROWS=1) for the two 16-bit ones, two layouts each
+    assert len(specs) == (3 + 2) * 2 * len(src.BLOCKS) == 30
     assert len({s.tag for s in specs}) == len(specs)
     for s in specs:
         assert [p.name for p in s.params] == ["q", "k", "q_weight", "k_weight", "cos", "sin", "q_out", "k_out", "eps",
@@ -199,9 +201,11 @@ def test_build_matrix_is_small():
         arrays = [p for p in s.params if p.kind == "array"]
         assert len({p.dtype for p in arrays}) == 1
         c = s.constants
-        assert c["HEADS"] * c["ROWS"] * 2 * c["BLOCK"] == 4096
+        assert c["HEADS"] * c["ROWS"] * 2 * c["BLOCK"] == 4096 or c["ROWS"] == 1
     tags = [s.tag for s in specs if s.constants["BLOCK"] == 64 and s.tag.startswith("bf16")]
-    assert tags == ["bf16.h64.t4x8.aligned", "bf16.h64.t4x8.generic"]  # aligned first: preferred
+    # aligned first: preferred; a request without ROWS takes the prefill tile (listed first)
+    assert tags == ["bf16.h64.t4x8.aligned", "bf16.h64.t4x1.aligned", "bf16.h64.t4x8.generic",
+                    "bf16.h64.t4x1.generic"]
 
 
 def test_family_is_registered_and_hashes_its_helpers():
@@ -220,9 +224,12 @@ def test_family_is_registered_and_hashes_its_helpers():
 
 
 def test_tile_choice_per_head_dim():
-    assert ops._want(16) == ops._want(64) == (("BLOCK", 32),)
-    assert ops._want(80) == ops._want(128) == (("BLOCK", 64),)
-    assert ops._want(256) == (("BLOCK", 128),)
+    want = lambda d, s=2048, dtype=torch.bfloat16: ops._want(d // 2, s, dtype)  # noqa: E731
+    assert want(16) == want(64) == (("BLOCK", 32),)
+    assert want(80) == want(128) == (("BLOCK", 64),)
+    assert want(256) == (("BLOCK", 128),)
+    assert want(128, 1) == want(128, 7) == (("BLOCK", 64), ("ROWS", 1))  # decode: fewer positions than ROWS 8
+    assert want(128, 1, torch.float32) == (("BLOCK", 64),)
 
 
 def test_unsupported_inputs_say_why():
@@ -436,7 +443,10 @@ def test_kernel_matches_stock_modules(case, dtype, strict):
         share = torch.eq(g, w).float().mean().item()
         print(f"{case} {dtype}: bitwise equal to stock {share:.4%}")
         assert dtype == torch.float32 or share >= 0.97
-    assert variant.constants["BLOCK"] == max(32, 1 << (d // 2 - 1).bit_length())
+    block = max(32, 1 << (d // 2 - 1).bit_length())
+    assert variant.constants["BLOCK"] == block
+    decode = s < src.ROWS[block] and dtype != torch.float32
+    assert variant.constants["ROWS"] == (1 if decode else src.ROWS[block]), variant.tag
 
 
 @pytest.mark.gpu

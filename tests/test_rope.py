@@ -202,29 +202,43 @@ def test_compile_on_cpu_matches_eager():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def _want(rot, positions=2048, dtype=torch.bfloat16):
+    return rope_ops._want(rot // 2, positions, dtype)
+
+
 def test_tile_choice_per_head_dim():
-    assert rope_ops._want(64) == (("BLOCK", 32),)
-    assert rope_ops._want(32) == (("BLOCK", 32),)  # Phi's rotary part of 32: the smallest tile
-    assert rope_ops._want(80) == rope_ops._want(96) == rope_ops._want(128) == (("BLOCK", 64),)
-    assert rope_ops._want(256) == (("BLOCK", 128),)
-    assert rope_ops._want(512) == (("BLOCK", 256),)  # no such variant: the PyTorch path
+    assert _want(64) == (("BLOCK", 32),)
+    assert _want(32) == (("BLOCK", 32),)  # Phi's rotary part of 32: the smallest tile
+    assert _want(80) == _want(96) == _want(128) == (("BLOCK", 64),)
+    assert _want(256) == (("BLOCK", 128),)
+    assert _want(512, positions=1) == (("BLOCK", 256),)  # no such variant: the PyTorch path
+
+
+def test_decode_steps_ask_for_one_position_per_block():
+    # Fewer positions than the prefill tile's rows (16, 8, 4 for BLOCK 32, 64, 128) in 16 bits.
+    assert _want(64, 1) == _want(64, 15) == (("BLOCK", 32), ("ROWS", 1))
+    assert _want(64, 16) == (("BLOCK", 32),)
+    assert _want(128, 3, torch.float16) == (("BLOCK", 64), ("ROWS", 1))
+    assert _want(128, 8) == (("BLOCK", 64),)
+    assert _want(128, 1, torch.float32) == (("BLOCK", 64),)  # no float32 decode tiles
 
 
 def test_build_matrix_is_small():
     specs = rope_src.VARIANTS
-    assert len(specs) == 3 * 2 * len(rope_src.BLOCKS) == 18
+    # prefill tiles for three dtypes, decode tiles (ROWS=1) for the two 16-bit ones, two layouts each
+    assert len(specs) == (3 + 2) * 2 * len(rope_src.BLOCKS) == 30
     assert len({s.tag for s in specs}) == len(specs)
     for s in specs:
         arrays = [p for p in s.params if p.kind == "array"]
         assert [p.name for p in arrays] == ["q", "k", "cos", "sin", "q_out", "k_out"]
         assert [p.ndim for p in arrays] == [5, 5, 4, 4, 5, 5]
         assert len({p.dtype for p in arrays}) == 1
-        assert s.constants["HEADS"] * s.constants["ROWS"] * s.constants["BLOCK"] * 2 == 4096
+        assert s.constants["HEADS"] * s.constants["ROWS"] * s.constants["BLOCK"] * 2 == 4096 or s.constants["ROWS"] == 1
     # Aligned before generic for the same tile: the runtime's order of preference.
     for block in rope_src.BLOCKS:
         tags = [s.tag for s in specs if s.constants["BLOCK"] == block and s.tag.startswith("bf16")]
-        stem = f"bf16.h{block}.t{rope_src.HEADS}x{rope_src.ROWS[block]}"
-        assert tags == [f"{stem}.aligned", f"{stem}.generic"]
+        prefill, decode = (f"bf16.h{block}.t{rope_src.HEADS}x{rows}" for rows in (rope_src.ROWS[block], 1))
+        assert tags == [f"{prefill}.aligned", f"{decode}.aligned", f"{prefill}.generic", f"{decode}.generic"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,6 +454,9 @@ GPU_CASES = [
     (2, 16, 8, 31, 128, 128, torch.bfloat16, "contiguous"),
     (2, 16, 8, 31, 128, 128, torch.bfloat16, "misaligned"),
     (4, 16, 8, 13, 128, 128, torch.bfloat16, "cos1"),
+    (3, 16, 8, 1, 128, 128, torch.bfloat16, "misaligned"),  # decode tiles: generic layout
+    (2, 32, 32, 1, 80, 32, torch.float16, "phi"),           # decode, partial rotary
+    (5, 8, 1, 3, 64, 64, torch.bfloat16, "cos1"),           # a few positions (speculative decode)
 ]
 
 
@@ -501,7 +518,10 @@ def test_rope_kernel_matches_float64(case, strict):
     b, hq, hkv, s, d, r, dtype, layout = case
     aligned = layout != "misaligned" and (r // 2) % 16 == 0
     assert variant.tag.endswith("aligned" if aligned else "generic"), variant.tag
-    assert variant.constants["BLOCK"] == max(32, 1 << (r // 2 - 1).bit_length())
+    block = max(32, 1 << (r // 2 - 1).bit_length())
+    assert variant.constants["BLOCK"] == block
+    decode = s < rope_src.ROWS[block] and dtype != torch.float32
+    assert variant.constants["ROWS"] == (1 if decode else rope_src.ROWS[block]), variant.tag
 
 
 @pytest.mark.gpu

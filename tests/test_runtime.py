@@ -320,7 +320,9 @@ def test_select_refuses_int32_overflow(reg, sel_arch):
     # (every bf16 candidate refuses it for that reason).
     args = _huge_bf16_call()
     cands = [v for v in reg.variants("rms_norm", sel_arch) if v.constants.get("BLOCK_N") == 2048]
-    assert [v.violation(args) for v in cands if v.arrays[0].dtype == BF16] == ["x: offsets exceed int32 indexing"] * 2
+    bf16 = [v for v in cands if v.arrays[0].dtype == BF16]  # aligned and generic, prefill and decode tiles
+    assert len(bf16) == 3 and {v.tag.rsplit(".", 1)[1] for v in bf16} == {"aligned", "generic"}
+    assert [v.violation(args) for v in bf16] == ["x: offsets exceed int32 indexing"] * 3
     v, _why = reg.select("rms_norm", sel_arch, {"BLOCK_N": 2048}, args)
     assert v is None
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .kernel_src._spec import DECODE_DTYPES
+
 ENV_BUILD_DIR = "CUTILE_KERNELS_BUILD_DIR"
 VARIANT_DIR = "torch-cuda"
 PACKAGE = "cutile_kernels"
@@ -26,6 +28,8 @@ _INT32_MAX = 2**31 - 1
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "int8": torch.int8, "int32": torch.int32, "int64": torch.int64}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+#: The torch dtypes that have decode tiles (``kernel_src._spec.DECODE_DTYPES``).
+DECODE_TORCH_DTYPES = frozenset(TORCH_DTYPES[name] for name in DECODE_DTYPES)
 
 
 def default_build_dir() -> Path:

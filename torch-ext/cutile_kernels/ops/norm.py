@@ -14,7 +14,8 @@ import torch
 from .. import dispatch
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.norm import BLOCK_NS, CHUNK, MAX_BLOCK_N
+from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, MAX_BLOCK_N
+from ..registry import DECODE_TORCH_DTYPES
 
 MIN_BLOCK_N = min(BLOCK_NS)
 
@@ -44,8 +45,17 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _want(n: int) -> tuple:
-    return (("BLOCK_N", max(MIN_BLOCK_N, next_power_of_2(n))),) if n <= MAX_BLOCK_N else (("CHUNK", CHUNK),)
+def _tile(n: int, decode: bool) -> tuple:
+    if n > MAX_BLOCK_N:
+        return (("CHUNK", CHUNK),)
+    block = (("BLOCK_N", max(MIN_BLOCK_N, next_power_of_2(n))),)
+    return block + (("ROWS", 1),) if decode else block
+
+
+def _want(x: torch.Tensor, rows: int) -> tuple:
+    """The constants to ask for: the row width's tile; one row per block for a decode step's few
+    rows (``DECODE_MAX_ROWS``) of a 16-bit dtype, whose prefill tile would be mostly padding."""
+    return _tile(x.shape[-1], rows <= DECODE_MAX_ROWS and x.dtype in DECODE_TORCH_DTYPES)
 
 
 def _grid(rows: int):
@@ -67,9 +77,9 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     # The output has x's shape (sizes as separate ints: a torch.Size argument costs torch's
     # argument parser ~1.5 us more per call); the rows views are made once per call signature.
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
-    n = x.shape[-1]
-    if y.numel() == 0 or dispatch.run("rms_norm", _want(n), (x, weight, y, float(eps)), 2,
-                                      _grid(y.numel() // n), _rows_layout):
+    rows = y.numel() // x.shape[-1]
+    if y.numel() == 0 or dispatch.run("rms_norm", _want(x, rows), (x, weight, y, float(eps)), 2, _grid(rows),
+                                      _rows_layout):
         return y
     return rms_norm_reference(x, weight, eps).contiguous()
 
@@ -80,8 +90,7 @@ def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: f
     ``y`` must be a new tensor of x's dtype (it is not checked, and must not alias the inputs).
     Returns False (nothing written) when no cuTile path fits; the caller then falls back.
     """
-    n = x.shape[1]
-    return dispatch.run("rms_norm", _want(n), (x, weight, y, float(eps)), 2, _grid(x.shape[0]))
+    return dispatch.run("rms_norm", _want(x, x.shape[0]), (x, weight, y, float(eps)), 2, _grid(x.shape[0]))
 
 
 def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -97,9 +106,9 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         return y.view_as(x), s.view_as(x)
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
-    n = x.shape[-1]
-    if y.numel() == 0 or dispatch.run("add_rms_norm", _want(n), (x, residual, weight, y, s, float(eps)), 3,
-                                      _grid(y.numel() // n), _rows_layout):
+    rows = y.numel() // x.shape[-1]
+    if y.numel() == 0 or dispatch.run("add_rms_norm", _want(x, rows), (x, residual, weight, y, s, float(eps)), 3,
+                                      _grid(rows), _rows_layout):
         return y, s
     return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
 
@@ -113,9 +122,8 @@ def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """Launch the fused kernel on CUDA tensors: ``x``, ``residual``, ``y``, ``residual_out`` (M, N),
     ``weight`` (N,). The outputs must be new tensors of x's dtype (not checked). Returns False
     (nothing written) when no cuTile path fits."""
-    n = x.shape[1]
-    return dispatch.run("add_rms_norm", _want(n), (x, residual, weight, y, residual_out, float(eps)), 3,
-                        _grid(x.shape[0]))
+    return dispatch.run("add_rms_norm", _want(x, x.shape[0]), (x, residual, weight, y, residual_out, float(eps)),
+                        3, _grid(x.shape[0]))
 
 
 @torch.library.custom_op(add_op_namespace_prefix("rms_norm"), mutates_args=())

@@ -10,19 +10,16 @@ is stock by construction; it is the fallback and the tests' model of stock trans
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .. import dispatch
 from .._ops import add_op_namespace_prefix
-from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.qk_norm_rope import BLOCKS
 from .norm import rms_norm_reference
-from .rope import _empty_like_layout, _halves, _mismatch, _result_dtype, apply_rope_reference
+from .rope import _empty_like_layout, _halves, _mismatch, _result_dtype, _want, apply_rope_reference
 
 KERNEL = "qk_norm_rope"
-MIN_BLOCK, MAX_BLOCK = min(BLOCKS), max(BLOCKS)
+MAX_BLOCK = max(BLOCKS)
 #: Dtypes the kernel is built for (q, k, both weights, cos and sin all of one of them).
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -74,11 +71,6 @@ def _outputs(q, k, q_weight, k_weight, cos, sin):
     return _empty_like_layout(q, dq), _empty_like_layout(k, dk)
 
 
-@functools.lru_cache(maxsize=None)
-def _want(d: int) -> tuple:
-    return (("BLOCK", max(MIN_BLOCK, next_power_of_2(d // 2))),)
-
-
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -95,7 +87,7 @@ def qk_norm_rope_into(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, 
     (b, hq, s, d), hk = q.shape, k.shape[1]
     args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, float(eps))
     grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
-    return dispatch.run(KERNEL, _want(d), args, 6, grid, _layout)
+    return dispatch.run(KERNEL, _want(d // 2, s, q.dtype), args, 6, grid, _layout)
 
 
 def _layout(args: tuple) -> tuple:

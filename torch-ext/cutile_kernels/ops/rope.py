@@ -16,7 +16,8 @@ import torch
 from .. import dispatch
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.rope import BLOCKS
+from ..kernel_src.rope import BLOCKS, ROWS
+from ..registry import DECODE_TORCH_DTYPES
 
 MIN_BLOCK = min(BLOCKS)
 
@@ -116,8 +117,18 @@ def _outputs(q, k, cos, sin):
 
 
 @functools.lru_cache(maxsize=None)
-def _want(rot: int) -> tuple:
-    return (("BLOCK", max(MIN_BLOCK, next_power_of_2(rot // 2))),)
+def _tiles(half: int) -> tuple:
+    # (prefill request, decode request, the prefill tile's positions) for R/2 = half.
+    block = max(MIN_BLOCK, next_power_of_2(half))
+    return (("BLOCK", block),), (("BLOCK", block), ("ROWS", 1)), ROWS.get(block, 0)
+
+
+def _want(half: int, positions: int, dtype: torch.dtype) -> tuple:
+    """The tile to ask for (rope's and qk_norm_rope's, which share them): ``half`` (R/2) padded to
+    a BLOCK; one position per block for a decode step (fewer ``positions`` than the prefill tile's
+    rows) of a dtype with decode tiles."""
+    prefill, decode, rows = _tiles(half)
+    return decode if positions < rows and dtype in DECODE_TORCH_DTYPES else prefill
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -149,7 +160,7 @@ def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """
     (b, hq, s, d), hk, rot = q.shape, k.shape[1], cos.shape[-1]
     grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
-    if not dispatch.run("rope", _want(rot), (q, k, cos, sin, q_out, k_out), 4, grid, _halves_layout):
+    if not dispatch.run("rope", _want(rot // 2, s, q.dtype), (q, k, cos, sin, q_out, k_out), 4, grid, _halves_layout):
         return False
     if rot < d:  # partial rotary: the rest of each head passes through
         q_out[..., rot:].copy_(q[..., rot:])
