@@ -26,6 +26,10 @@
 #              come back
 #   bench      `cutile-kernels bench` of $PRESETS (default: llama-3.2-1b qwen3-0.6b), paths
 #              $PATHS (default: stock cutile), decode b=1 and 16, $ROUNDS rounds (default 3); one .tgz per preset
+#   staticgen  transformers' `generate(..., cache_implementation="static")` (its own compile) of $PRESETS
+#              (default: llama-3.2-1b qwen3-0.6b), paths $PATHS (default: stock cutile) in alternating
+#              processes, $ROUNDS rounds (benchmarks/static_generate.py $STATICGEN_ARGS); staticgen.log,
+#              one JSON line a run
 #   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
 #
 # On the dev machine first (see /work/shared/device/README.md and benchmarks/device_notebooks.sh):
@@ -37,7 +41,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention attnsweep evaluate kernels hostops hostprof hostab rank score bench notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention attnsweep evaluate kernels hostops hostprof hostab rank score bench staticgen notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -101,6 +105,11 @@ for stage in "$@"; do
             --paths ${PATHS:-stock cutile} --decode-batch 1 16 --rounds ${ROUNDS:-3} ${BENCH_ARGS:-} --out "/tmp/bench/$preset" --quiet
         [ -d "/tmp/bench/$preset" ] && tar czf "$OUT/bench-$preset.tgz" -C /tmp/bench "$preset"
       done ;;
+    staticgen)
+      cd "$root" && step staticgen "${STATICGEN_LIMIT:-300}" bash -c '
+        for r in $(seq ${ROUNDS:-2}); do for preset in ${PRESETS:-llama-3.2-1b qwen3-0.6b}; do
+          for p in ${PATHS:-stock cutile}; do python3 benchmarks/static_generate.py "$preset" --path "$p" ${STATICGEN_ARGS:-} || exit 1; done
+        done; done' ;;
     notebooks)
       rm -rf /tmp/nb && mkdir -p /tmp/nb && OUT=/tmp/nb step nb 330 bash "$root/benchmarks/device_notebooks.sh"
       cp /tmp/nb/nb.log "$OUT/notebooks.log"; tar czf "$OUT/notebooks.tgz" -C /tmp/nb . ;;
