@@ -19,6 +19,7 @@ from .layers import kernel_config, kernelize
 from .ops import attention, attention_reference
 from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
 from .ops import qk_norm_rope, qk_norm_rope_reference
+from .ops._dtypes import UnsupportedDtypeError
 from .layers.patch import patch, unpatch
 from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference, silu, silu_and_mul,
                   silu_and_mul_fused, silu_and_mul_fused_reference, silu_and_mul_reference, silu_reference)
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FallbackError",
+    "UnsupportedDtypeError",
     "add_rms_norm",
     "apply_rope",
     "apply_rope_reference",

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch
+from ._dtypes import check_float
 from .._ops import add_op_namespace_prefix
 from ..kernel_src.activation import TILES
 
@@ -220,10 +221,12 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     implementation; gradients from the reference formula).
 
     Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
         ValueError: ``gate`` and ``up`` differ in shape.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
+    check_float("silu_and_mul", "gate, up", gate, up)
     if dispatch.needs_op(gate, up):
         return _silu_and_mul_op(gate, up)
     return _silu_and_mul_impl(gate, up)
@@ -236,10 +239,12 @@ def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
     convention). Returns a contiguous ``(..., N)`` tensor of x's dtype.
 
     Raises:
+        TypeError: ``x`` is not bfloat16, float16, float32 or float64.
         ValueError: the last dimension is odd.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
+    check_float("silu_and_mul_fused", "x", x)
     if dispatch.needs_op(x):
         return _silu_and_mul_fused_op(x)
     return _silu_and_mul_fused_impl(x)
@@ -251,6 +256,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     ``x``: any shape, bfloat16, float16 or float32 for the kernel (others take the reference).
     Returns a contiguous tensor of x's shape and dtype. Raises as :func:`silu_and_mul`.
     """
+    check_float("silu", "x", x)
     if dispatch.needs_op(x):
         return _silu_op(x)
     return _silu_impl(x)

@@ -26,6 +26,7 @@ import math
 import torch
 
 from .. import dispatch
+from ._dtypes import check_float
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.attention import COMBINE_BS, DECODE_BN, DECODE_HEADS, DECODE_ROWS, HEAD_DIMS, PREFILL
@@ -314,10 +315,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     gradients from the reference).
 
     Raises:
+        TypeError: q, k or v is not bfloat16, float16, float32 or float64.
         ValueError: shapes or mask do not match, or Hq is not a multiple of Hkv.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
+    check_float("attention", "q, k, v", q, k, v)
     window = int(window or 0)
     softcap = float(softcap or 0.0)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):

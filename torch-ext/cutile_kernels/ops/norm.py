@@ -12,6 +12,7 @@ import functools
 import torch
 
 from .. import dispatch
+from ._dtypes import check_float
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, MAX_BLOCK_N
@@ -191,10 +192,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     ``<namespace>::rms_norm`` (fake implementation; gradients from the reference formula).
 
     Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
         ValueError: ``weight`` is not ``(N,)``.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
+    check_float("rms_norm", "x, weight", x, weight)
     if dispatch.needs_op(x, weight):
         return _rms_norm_op(x, weight, eps)
     return _rms_norm_impl(x, weight, eps)
@@ -209,10 +212,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     outputs are new contiguous tensors.
 
     Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
         ValueError: mismatched shapes.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
+    check_float("add_rms_norm", "x, residual, weight", x, residual, weight)
     if dispatch.needs_op(x, residual, weight):
         return _add_rms_norm_op(x, residual, weight, eps)
     return _add_rms_norm_impl(x, residual, weight, eps)

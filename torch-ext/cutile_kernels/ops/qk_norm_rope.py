@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from ._dtypes import check_float
 from .._ops import add_op_namespace_prefix
 from ..kernel_src.qk_norm_rope import BLOCKS
 from .norm import rms_norm_reference
@@ -180,11 +181,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     gradients from the reference formula).
 
     Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
         ValueError: a weight is not ``(D,)``.
         RuntimeError: shapes that do not broadcast (from the reference, as transformers').
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
+    check_float("qk_norm_rope", "q, k, q_weight, k_weight, cos, sin", q, k, q_weight, k_weight, cos, sin)
     _check_weights(q, k, q_weight, k_weight)
     if q.dim() != 4 or k.dim() != 4 or _mismatch(q, k, cos, sin) is not None:
         return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)  # outside the kernel's contract

@@ -14,6 +14,7 @@ import functools
 import torch
 
 from .. import dispatch
+from ._dtypes import check_float
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.rope import BLOCKS, ROWS
@@ -246,10 +247,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     reference formula).
 
     Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
         RuntimeError: shapes that do not broadcast (from the reference, as transformers').
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
+    check_float("apply_rope", "q, k, cos, sin", q, k, cos, sin)
     if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
     if unsqueeze_dim == 2:  # (B, S, H, D): the same kernel on (B, H, S, D) views

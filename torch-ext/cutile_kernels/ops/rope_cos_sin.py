@@ -14,6 +14,7 @@ import numbers
 import torch
 
 from .. import dispatch
+from ._dtypes import FLOAT_DTYPES, SUPPORTED, UnsupportedDtypeError, check_float, dtype_name
 from .._ops import add_op_namespace_prefix
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.rope_cos_sin import BLOCKS
@@ -38,11 +39,13 @@ def rope_cos_sin_reference(inv_freq: torch.Tensor, position_ids: torch.Tensor, a
 
 
 def _check(inv_freq: torch.Tensor, position_ids: torch.Tensor) -> None:
-    if inv_freq.dim() != 1 or inv_freq.shape[0] < 1 or not inv_freq.is_floating_point():
+    check_float("rope_cos_sin", "inv_freq", inv_freq)
+    if inv_freq.dim() != 1 or inv_freq.shape[0] < 1:
         raise ValueError(f"rope_cos_sin: inv_freq must be a non-empty 1-D float tensor, got {inv_freq.dtype} "
                          f"{tuple(inv_freq.shape)}")
     if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
-        raise ValueError(f"rope_cos_sin: position_ids must be an integer tensor, got {position_ids.dtype}")
+        raise UnsupportedDtypeError(f"cutile_kernels.rope_cos_sin: position_ids is {dtype_name(position_ids.dtype)}; "
+                                    "supported: an integer tensor (int64 for the kernel)")
 
 
 def _outputs(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -144,12 +147,15 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_s
     these under ``no_grad``): an input that requires grad takes the reference formula.
 
     Raises:
-        ValueError: ``inv_freq`` is not a non-empty 1-D float tensor, or ``position_ids`` is not
-            an integer tensor.
+        UnsupportedDtypeError: (a ``TypeError`` and ``ValueError``) ``inv_freq`` or ``dtype`` is not
+            bfloat16, float16, float32 or float64, or ``position_ids`` is not an integer tensor.
+        ValueError: ``inv_freq`` is not a non-empty 1-D tensor.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
     _check(inv_freq, position_ids)
+    if dtype not in FLOAT_DTYPES:
+        raise UnsupportedDtypeError(f"cutile_kernels.rope_cos_sin: dtype is {dtype_name(dtype)}; supported: {SUPPORTED}")
     if torch.is_grad_enabled() and inv_freq.requires_grad:
         return rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
     if torch.compiler.is_compiling():

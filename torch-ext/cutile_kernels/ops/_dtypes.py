@@ -1,0 +1,40 @@
+"""The dtypes every op takes, and the one-line error for any other.
+
+The kernels are built for bfloat16, float16 and float32; float64 is served by each op's PyTorch
+reference (gradient checks use it). Integer, bool and complex tensors are no input of any op: they
+raise a ``TypeError`` naming the op, the argument and what is supported, instead of computing
+something in a dtype nobody asked for (``rms_norm`` of int64 used to return int64 values).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: What the ops take: the kernels' three dtypes, then float64 (the reference path).
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+SUPPORTED = "bfloat16, float16, float32 (cuTile kernels) or float64 (the PyTorch reference)"
+
+
+class UnsupportedDtypeError(TypeError, ValueError):
+    """A tensor of a dtype no op takes. A ``TypeError``; also a ``ValueError``, which
+    ``rope_cos_sin`` raised for such inputs before, so callers catching that still do."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_float(op: str, names: str, *tensors: torch.Tensor | None) -> None:
+    """Raise ``TypeError`` unless every given tensor (None skipped) has a dtype of :data:`FLOAT_DTYPES`.
+
+    Args:
+        op: the public function's name, e.g. ``"rms_norm"``.
+        names: the tensors' argument names, comma-separated in the order given (for the message).
+
+    Raises:
+        UnsupportedDtypeError: ``cutile_kernels.<op>: <arg> is <dtype>; supported: ...``.
+    """
+    for i, t in enumerate(tensors):
+        if t is not None and t.dtype not in FLOAT_DTYPES:
+            name = names.split(",")[i].strip()
+            raise UnsupportedDtypeError(f"cutile_kernels.{op}: {name} is {dtype_name(t.dtype)}; supported: {SUPPORTED}")
