@@ -25,9 +25,10 @@ from pathlib import Path
 from cutile_kernels import kernel_src
 from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS, VariantSpec
 
-from .aot import CALLING_CONVENTION, BuildError, compile_variant, signature, toolchain_versions, variant_hash
+from .aot import (CALLING_CONVENTION, BuildError, ToolchainMissing, compile_variant, require_toolchain, signature,
+                  toolchain_versions, variant_hash)
 
-__all__ = ["BuildError", "build", "MANIFEST_FORMAT", "PACKAGE", "VARIANT_DIR"]
+__all__ = ["BuildError", "ToolchainMissing", "build", "MANIFEST_FORMAT", "PACKAGE", "VARIANT_DIR"]
 
 MANIFEST_FORMAT = 1
 PACKAGE = "cutile_kernels"
@@ -157,7 +158,7 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
         kernels: optional list of kernel names to build (default: all); the manifest then holds
             only these.
         jobs: parallel compiler processes (default: the CPU count).
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar; ``"quiet"``: one that updates every 30 s (for logs).
         force: recompile even variants whose hash and cubin are unchanged.
         specs: build these variants instead of kernel_src's matrices (tile-config sweeps).
 
@@ -167,6 +168,8 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
 
     Raises:
         ValueError: an unsupported arch or an unknown kernel name (nothing is written).
+        ToolchainMissing: a variant needs compiling and there is no tileiras (one message that
+            names the install command; nothing is written).
         BuildError: a variant failed to compile (the message names kernel, variant and arch); the
             previous build is left as it was.
     """
@@ -213,12 +216,18 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
 
     t0 = time.perf_counter()
     if todo:
+        try:
+            require_toolchain()
+        except ToolchainMissing:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         jobs = jobs or os.cpu_count() or 1
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(todo), desc=f"cuTile AOT ({len(todo)} variants, {jobs} jobs)", unit="variant")
+            bar = tqdm(total=len(todo), desc=f"cuTile AOT -> {variant_dir} ({len(todo)} variants, {jobs} jobs)",
+                       unit="variant", mininterval=30 if progress == "quiet" else 0.1)
         with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(_compile_job, spec, arch, str(pkg / e["cubin"])): e for spec, arch, e in todo}
             try:

@@ -32,6 +32,36 @@ class BuildError(RuntimeError):
     """A variant failed to compile; the message names the kernel, the variant and the arch."""
 
 
+#: How to get the AOT toolchain: the project's own extra, which pins tileiras, nvcc (its ptxas) and
+#: nvvm to one release (cuda-tile's own ``[tileiras]`` extra may resolve a mixed set that fails).
+INSTALL_HINT = 'pip install -e ".[build]" in a checkout, or pip install "cutile-kernels[build]"'
+
+
+class ToolchainMissing(BuildError):
+    """No ``tileiras`` here: nothing can be compiled ahead of time (one message, with
+    :data:`INSTALL_HINT`, instead of one failure per variant)."""
+
+
+@lru_cache(maxsize=1)
+def toolchain_problem() -> str | None:
+    """Why nothing can be compiled here (no ``tileiras`` found by cuda.tile), or None."""
+    try:
+        from cuda.tile._compile import _find_compiler_bin  # private in cuda-tile 1.7 (pinned)
+
+        _find_compiler_bin()
+    except Exception:  # noqa: BLE001 - any failure to find it is the same answer
+        return f"no cuTile AOT toolchain (tileiras) installed: {INSTALL_HINT}"
+    return None
+
+
+def require_toolchain() -> None:
+    """Raises:
+        ToolchainMissing: :func:`toolchain_problem` is not None."""
+    problem = toolchain_problem()
+    if problem is not None:
+        raise ToolchainMissing(problem)
+
+
 def _ct_dtype(name: str):
     return getattr(ct, name)
 
@@ -112,7 +142,13 @@ def variant_hash(spec: VariantSpec, arch: str) -> str:
 
 
 def compile_variant(spec: VariantSpec, arch: str) -> tuple[bytes, float]:
-    """Compile one variant for one arch; returns (cubin bytes, seconds). Raises BuildError."""
+    """Compile one variant for one arch; returns (cubin bytes, seconds).
+
+    Raises:
+        ToolchainMissing: no tileiras here (before anything is tried).
+        BuildError: the variant failed to compile.
+    """
+    require_toolchain()
     t0 = time.perf_counter()
     buf = io.BytesIO()
     try:

@@ -358,7 +358,8 @@ def run_checks(d: Definition, fn, workloads: list[Workload], device: str, *, lau
             for name in STAGES[2:]:
                 result.stages.append({"stage": name, "status": "not run",
                                       "detail": "no CUDA device: the cuTile kernel path cannot run here"})
-            result.status, result.message = NOT_RUN, ("no CUDA device: only the compile and reference checks ran; "
+            ran = " and ".join(st["stage"] for st in result.stages if st["status"] == "passed")
+            result.status, result.message = NOT_RUN, (f"no CUDA device: only the {ran} checks ran; "
                                                       "the kernel was not run and no Trace was written")
             return result
         stage = "dispatch"
@@ -488,11 +489,16 @@ def compile_stage(s: Solution, device: str, result: Result, checkout: Path | Non
                 raise StageFailure(Status.COMPILE_ERROR, f"no prebuilt {link.kernel} variant for sm_{cap[0]}{cap[1]} "
                                    f"(build: {reg.pkg_dir}, archs {reg.archs}) and no cuTile JIT toolchain")
             return fn
+        from cutile_kernels_build.aot import ToolchainMissing
+
         manifest = inventory._manifest(build_dir)
         done = []
         for arch in s.spec.target_hardware:
             try:
                 done.append(f"{arch}: {inventory.check_compiles(link.kernel, arch, manifest)}")
+            except ToolchainMissing as exc:  # nothing to prove or disprove here: not run, said once
+                result.stages[-1].update(status="not run", detail=str(exc))
+                return fn
             except Exception as exc:
                 raise StageFailure(Status.COMPILE_ERROR, f"{arch}: {type(exc).__name__}: {exc}") from exc
         result.stages[-1]["detail"] = "; ".join(done)

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from .cli_args import device
+
 
 def _print_json(data) -> None:
     print(json.dumps(data, indent=1, default=str))
@@ -112,7 +114,7 @@ def _evaluate(args) -> int:
     if not names:
         raise ValueError("name a Solution or pass --all")
     out_root = Path(args.out) if args.out else inv.root
-    results, worst = [], 0
+    results, worst, said = [], 0, set()
     for name in names:
         r = evaluate.evaluate(name, inv.root, args.device, workloads=args.workload, seed=args.seed,
                               warmup=args.warmup, repeats=args.repeats,
@@ -124,7 +126,11 @@ def _evaluate(args) -> int:
         print(f"{name}: {r.status}" + (f" ({r.message})" if r.message else "")
               + (f"; {len(r.traces)} traces -> {written}" if written else ""))
         for st in r.stages:
-            print(f"  {st['stage']:<11} {st['status']:<8} {st.get('detail', '')}")
+            detail = st.get("detail", "")
+            if st["status"] == "not run" and detail in said:
+                detail = "(as above)"  # e.g. no toolchain: said once, not once per Solution
+            said.add(detail)
+            print(f"  {st['stage']:<11} {st['status']:<8} {detail}")
         for t in r.traces:
             p = t.evaluation.performance
             if p is not None:
@@ -261,7 +267,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--no-write", action="store_true", help="write no Traces")
     e.add_argument("--summary", help="write every result (stages, traces) as JSON here")
     e.add_argument("--workload", nargs="+", help="only these workload uuids")
-    e.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    e.add_argument("--device", type=device, help="cuda, cuda:N or cpu (default: cuda when available)")
     e.add_argument("--build", help="build whose manifest proves compiles on a CPU")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--warmup", type=int, default=10)
@@ -274,7 +280,7 @@ def add_parsers(sub) -> None:
     k.add_argument("--model", action="append", help="only the Workloads of this preset (uuid prefix, e.g. "
                                                     "qwen3-0.6b); repeat for several")
     k.add_argument("--root", help="inventory directory (default: <checkout>/inventory)")
-    k.add_argument("--device", default="cuda")
+    k.add_argument("--device", type=device, default="cuda")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--out", help="write the markdown table here")
     k.add_argument("--json", help="write the rows and the measured limits as JSON here")
@@ -293,7 +299,7 @@ def add_parsers(sub) -> None:
     a.add_argument("--rounds", type=int, help="--score's bench timing rounds (default 3)")
     a.add_argument("--bench-out", help="--score: write the bench report (bench.json, report.md, plots) here")
     a.add_argument("--root", help="inventory directory (default: <checkout>/inventory)")
-    a.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    a.add_argument("--device", type=device, help="cuda, cuda:N or cpu (default: cuda when available)")
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--steps", type=int, default=2, help="profiled decode steps")
     a.add_argument("--prompt-len", type=int, default=64, help="profiled prefill tokens")
