@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 device = "cuda" if torch.cuda.is_available() else "cpu"
 try:
     checkpoint, label = presets.resolve(sys.argv[1] if len(sys.argv) > 1 else "tiny", device=device)
-except (KeyError, FileNotFoundError) as exc:
+except (KeyError, FileNotFoundError, ValueError) as exc:  # unknown preset, no or broken weights
     sys.exit(f"quickstart: {exc.args[0] if exc.args else exc}")
 
 stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map=device).eval()

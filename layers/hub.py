@@ -14,6 +14,7 @@ build, nothing changes (the last logs a warning naming ``cutile-kernels build``)
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from transformers import KernelConfig
@@ -104,14 +105,70 @@ class CutileKernelConfig(KernelConfig):
         self.kernel_mapping = {k: _unwrap(v) for k, v in self.kernel_mapping.items()}
         from transformers.utils.kernel_config import infer_device
 
-        if infer_device(model) != "cuda":
+        _quiet_kernels_warnings()
+        device = infer_device(model)
+        if device != "cuda":
             self.kernel_mapping = {}
+            logger.info("cutile_kernels: nothing kernelized: the model is on %s and our kernels run on CUDA GPUs; "
+                        "its layers keep their own forwards", device)
             return
+        mapped = sorted(self.kernel_mapping)
         super().create_compatible_mapping(model, compile=compile)
+        _log_kernelized(model, mapped, "from_pretrained")
         if self.patch_model:
             from .patch import patch
 
             patch(model, names=_patch_names(self.exclude_patches, self.include_patches))
+
+
+def hub_layer_names(model) -> set[str]:
+    """The ``kernels`` hub layer names of ``model``'s decorated modules and kernelized functions
+    (what ``kernels.kernelize`` looks up in a mapping)."""
+    names = set()
+    for m in model.modules():
+        name = getattr(type(m), "kernel_layer_name", None)
+        if name is not None:
+            names.add(str(name))
+        for fn in (getattr(m, "_kernel_funcs", None) or {}).values():
+            name = getattr(type(fn), "kernel_layer_name", None) or getattr(fn, "kernel_layer_name", None)
+            if name is not None:
+                names.add(str(name))
+    return names
+
+
+class _OurKernelization(logging.Filter):
+    """Drops ``kernels``' "No kernel mapping found for layer ..." warning (one per module) while
+    cutile_kernels drives the kernelization: ``from_pretrained`` with our config (transformers'
+    ``set_use_kernels`` on the call stack with a :class:`CutileKernelConfig`) or our
+    :func:`kernelize`. Layers we have no kernel for keep their forwards by design; what was and was
+    not kernelized is said once, at INFO. Elsewhere (another kernel config, plain ``kernels``) the
+    warning stays. Runs only when ``kernels`` emits that warning: no cost otherwise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "No kernel mapping found for layer" not in record.getMessage():
+            return True
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code is kernelize.__code__ or (f.f_code.co_name == "set_use_kernels"
+                                                  and isinstance(f.f_locals.get("kernel_config"), CutileKernelConfig)):
+                return False
+            f = f.f_back
+        return True
+
+
+_FILTER = _OurKernelization()
+
+
+def _quiet_kernels_warnings() -> None:
+    logging.getLogger("kernels.layer.layer").addFilter(_FILTER)  # a set: adding it again changes nothing
+
+
+def _log_kernelized(model, mapped, how: str) -> None:
+    names = hub_layer_names(model)
+    ours = sorted(names & set(mapped))
+    others = sorted(names - set(mapped))
+    logger.info("cutile_kernels: %s kernelizes %s with our layers; left stock (no layer of ours for them): %s",
+                how, ", ".join(ours) or "no hub layer", ", ".join(others) or "none")
 
 
 def _patch_names(exclude=(), include=()) -> list[str]:
@@ -192,6 +249,10 @@ def kernelize(model, mode=None, build_dir=None):
 
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda" or dispatch.disabled():
+        why = ("it is disabled by CUTILE_KERNELS_DISABLE" if dispatch.disabled() else
+               "the model has no parameters" if param is None else
+               f"the model is on {param.device.type} and our kernels run on CUDA GPUs")
+        logger.info("cutile_kernels: kernelize changed nothing: %s", why)
         return model
     variant = _built_variant(build_dir)
     if variant is None:
@@ -203,6 +264,8 @@ def kernelize(model, mode=None, build_dir=None):
                        for m in (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE)}}
         for hub, cls in _mapping_in_build(variant).items()
     }
+    _log_kernelized(model, mapping, "kernelize")
+    _quiet_kernels_warnings()
     with use_kernel_mapping(mapping, inherit_mapping=False):
         kernels_kernelize(model, mode=mode, device="cuda", use_fallback=True)
     from .patch import patch

@@ -204,7 +204,8 @@ def no_network(monkeypatch):
     monkeypatch.setattr(publish, "upload", refuse)
 
 
-def test_cli_dry_run_lists_every_file_with_its_size(fake_build, tmp_path, capsys, no_network):
+def test_cli_dry_run_summarizes_by_folder_and_the_plan_lists_every_file(fake_build, tmp_path, capsys, no_network):
+    # A real build is ~1000 cubins: the output gives each folder's count and size, upload.json each file.
     out = tmp_path / "out"
     rc = cli(["publish", "--repo-id", "acme/cutile-kernels", "--dry-run", "--out", str(out), "--build", str(fake_build),
               "--inventory", str(tmp_path / "none")])
@@ -213,10 +214,16 @@ def test_cli_dry_run_lists_every_file_with_its_size(fake_build, tmp_path, capsys
     plan = json.loads((out / publish.PLAN_FILE).read_text())
     for revision, files in plan["revisions"].items():
         assert f"{revision}: {len(files)} files, " in text
+        folders = {}
         for f in files:
-            assert f"  {f['path']}  {publish.human_bytes(f['bytes'])}\n" in text
-    assert "build/torch-cuda/cutile_kernels/cubins/sm_90/rms_norm_kernel_x.cubin  104 B" in text
+            assert f"  {f['path']}  " not in text  # no line per file
+            folders.setdefault(str(Path(f["path"]).parent), []).append(f["bytes"])
+        for folder, sizes in folders.items():
+            assert f"  {folder}/  {len(sizes)} files, {publish.human_bytes(sum(sizes))}\n" in text
+    v1 = {f["path"]: f["bytes"] for f in plan["revisions"]["v1"]}
+    assert v1["build/torch-cuda/cutile_kernels/cubins/sm_90/rms_norm_kernel_x.cubin"] == 104
     assert "dry run: nothing uploaded; 10 files" in text and "kernel repo acme/cutile-kernels" in text
+    assert len(text.splitlines()) < 15
 
 
 def test_cli_dry_run_default_repo_id_comes_from_build_toml(fake_build, tmp_path, capsys, no_network):

@@ -348,35 +348,64 @@ def _derive(report: dict, hits: dict, s: BenchSettings) -> None:
                           else "see paths.cutile.runtime.fallbacks"))
 
 
-def print_report(report: dict) -> None:
-    """A table of the report (rich)."""
+def print_report(report: dict, wide: bool = False, console=None) -> None:
+    """The report as tables (rich): by default two that fit 100 columns (speed; correctness and
+    memory), with ``wide`` one table of every column (as before, about 200 columns)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 180)
-    table = Table(title=f"cutile-kernels bench: {report['model']}")
-    for col in ("path", "rel L2 err", "KL", "top-5", "gate", "prefill ms", "prefill % roof", "TTFT ms (b1)",
-                "decode tok/s", "decode % roof", "peak GB", "ours: time / launches"):
-        table.add_column(col, justify="left" if col == "path" else "right")
+    if console is None:
+        console = Console(width=None if sys.stdout.isatty() else (200 if wide else 100))
     gates = report.get("gate", {})
+    batches = sorted({d["batch"] for p in report["paths"].values() if p.get("ok") for d in p["decode"]})
+
+    def gate_cell(name):
+        return "-" if name not in gates else ("pass" if gates[name]["passed"] else "[red]FAIL[/red]")
+
+    def cov_cell(p):
+        cov = p.get("coverage")
+        return f"{cov['ours_time_share']:.1%} / {cov['ours_launch_share']:.1%}" if cov else "-"
+
+    if wide:
+        tables = [Table(title=f"cutile-kernels bench: {report['model']}")]
+        cols = [("path", lambda n, p: n), ("rel L2 err", lambda n, p: f"{p['correctness']['rel_l2_err']:.3e}"),
+                ("KL", lambda n, p: f"{p['correctness']['kl']:.2e}"),
+                ("top-5", lambda n, p: f"{p['correctness']['top5_agreement']:.4f}"), ("gate", lambda n, p: gate_cell(n)),
+                ("prefill ms", lambda n, p: f"{p['prefill_ms']['median']:.2f}"),
+                ("prefill % roof", lambda n, p: f"{p['roofline']['prefill_fraction']:.1%}"),
+                ("TTFT ms (b1)", lambda n, p: f"{p['decode'][0]['ttft_ms']:.2f}"),
+                ("decode tok/s", lambda n, p: ", ".join(f"b{d['batch']}: {d['tokens_per_s']:.1f}" for d in p["decode"])),
+                ("decode % roof", lambda n, p: ", ".join(f"{d['fraction']:.1%}" for d in p["roofline"]["decode"])),
+                ("peak GB", lambda n, p: f"{p['peak_memory_bytes'] / 1e9:.2f}"),
+                ("ours: time / launches", lambda n, p: cov_cell(p))]
+        layout = [cols]
+    else:
+        console.print(escape(f"cutile-kernels bench: {report['model']} (--wide: one table, with the rooflines)"))
+        tables = [Table(title="speed (medians)"), Table(title="correctness against float32, and memory")]
+        speed = [("path", lambda n, p: n), ("prefill ms", lambda n, p: f"{p['prefill_ms']['median']:.2f}"),
+                 ("TTFT ms", lambda n, p: f"{p['decode'][0]['ttft_ms']:.2f}")]
+        speed += [(f"b{b} tok/s", lambda n, p, b=b: next((f"{d['tokens_per_s']:.1f}" for d in p["decode"]
+                                                         if d["batch"] == b), "-")) for b in batches]
+        speed += [("ours: time / launches", lambda n, p: cov_cell(p))]
+        checks = [("path", lambda n, p: n), ("gate", lambda n, p: gate_cell(n)),
+                  ("rel L2 err", lambda n, p: f"{p['correctness']['rel_l2_err']:.3e}"),
+                  ("KL", lambda n, p: f"{p['correctness']['kl']:.2e}"),
+                  ("top-5", lambda n, p: f"{p['correctness']['top5_agreement']:.4f}"),
+                  ("peak GB", lambda n, p: f"{p['peak_memory_bytes'] / 1e9:.2f}")]
+        layout = [speed, checks]
+    for table, cols in zip(tables, layout):
+        for col, _ in cols:
+            table.add_column(col, justify="left" if col == "path" else "right", no_wrap=True)
+        for name, p in report["paths"].items():
+            if not p.get("ok"):
+                table.add_row(name, "[red]failed[/red]", *[""] * (len(cols) - 2))
+                continue
+            table.add_row(*[cell(name, p) for _, cell in cols])
+        console.print(table)
     for name, p in report["paths"].items():
         if not p.get("ok"):
-            table.add_row(name, "[red]failed[/red]", escape(p.get("error", "")[:80]), *[""] * 9)
-            continue
-        c, roof = p["correctness"], p["roofline"]
-        cov = p.get("coverage")
-        table.add_row(
-            name, f"{c['rel_l2_err']:.3e}", f"{c['kl']:.2e}", f"{c['top5_agreement']:.4f}",
-            "-" if name not in gates else ("pass" if gates[name]["passed"] else "[red]FAIL[/red]"),
-            f"{p['prefill_ms']['median']:.2f}", f"{roof['prefill_fraction']:.1%}",
-            f"{p['decode'][0]['ttft_ms']:.2f}",
-            ", ".join(f"b{d['batch']}: {d['tokens_per_s']:.1f}" for d in p["decode"]),
-            ", ".join(f"{d['fraction']:.1%}" for d in roof["decode"]),
-            f"{p['peak_memory_bytes'] / 1e9:.2f}",
-            f"{cov['ours_time_share']:.1%} / {cov['ours_launch_share']:.1%}" if cov else "-",
-        )
-    console.print(table)
+            console.print(escape(f"{name} failed: {p.get('error', '')}"))
     lim = report["limits"]
     console.print(f"limits on {lim['device']}: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
                   f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s")

@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
+
+from .cli_args import Parser, device, positive
 
 
 def _bench(args) -> int:
@@ -38,7 +41,7 @@ def _bench(args) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("cutile-kernels bench: --device cuda, but torch sees no CUDA device")
     report = bench.run(args.model, settings, out_dir=args.out, progress=not args.quiet)
-    bench.print_report(report)
+    bench.print_report(report, wide=args.wide)
     if args.out:
         written = [f for f in ("bench.json", "report.md", "throughput.png", "breakdown.png")
                    if (Path(args.out) / f).is_file()]
@@ -50,6 +53,11 @@ def _bench(args) -> int:
     return 0
 
 
+#: ``kernel_src._spec.DEFAULT_ARCHS`` for the help text, which must not import the package (and so
+#: torch and transformers): ``--help`` answers in well under a second (a test keeps the two equal).
+DEFAULT_ARCHS_HELP = "sm_80 sm_90 sm_100 sm_120"
+
+
 def _build(args) -> int:
     from cutile_kernels import registry
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
@@ -57,7 +65,7 @@ def _build(args) -> int:
 
     out = args.out or registry.default_build_dir()
     manifest = build(out, archs=args.arch or list(DEFAULT_ARCHS), kernels=args.kernel, jobs=args.jobs,
-                     progress=not args.quiet, force=args.force)
+                     progress="quiet" if args.quiet else True, force=args.force)
     stats = manifest["build_stats"]
     print(f"{len(manifest['variants'])} variants for {', '.join(manifest['archs'])}: compiled {stats['compiled']}, "
           f"reused {stats['reused']} in {stats['seconds']} s -> {stats['variant_dir']}")
@@ -79,14 +87,21 @@ def _preset(args) -> int:
 def _info(args) -> int:
     from cutile_kernels import dispatch, registry
 
+    import torch
+
     reg = registry.registry()
+    cuda = torch.cuda.is_available()
     info = {
         "build": str(reg.pkg_dir) if reg.pkg_dir else None,
         "default_build_dir": str(registry.default_build_dir()),
         "archs": reg.archs,
         "variants": len(reg.variants()),
         "kernels": sorted({v.kernel for v in reg.variants()}),
-        "jit_available": dispatch.jit_available(),
+        "cuda_available": cuda,
+        "gpu_arch": (lambda c: f"sm_{c[0]}{c[1]}")(torch.cuda.get_device_capability()) if cuda else None,
+        # JIT needs both the toolchain and a GPU to compile for.
+        "jit_toolchain": dispatch.jit_available(),
+        "jit_available": cuda and dispatch.jit_available(),
         "toolchain": {k: reg.manifest.get(k) for k in ("cuda_tile", "tileiras")},
     }
     print(json.dumps(info, indent=1))
@@ -102,8 +117,12 @@ def _publish(args) -> int:
     for revision in plan.revisions:
         files = plan.revision_files(revision)
         print(f"{revision}: {len(files)} files, {publish.human_bytes(sum(f.size for f in files))}")
+        # By folder, not by file (a build is ~1000 cubins); the plan file lists every one.
+        groups: dict[str, list] = {}
         for f in files:
-            print(f"  {f.path_in_repo}  {publish.human_bytes(f.size)}")
+            groups.setdefault(str(Path(f.path_in_repo).parent), []).append(f)
+        for folder, group in sorted(groups.items()):
+            print(f"  {folder}/  {len(group)} files, {publish.human_bytes(sum(f.size for f in group))}")
     if args.dry_run:
         print(f"dry run: nothing uploaded; {len(plan.files)} files ({publish.human_bytes(plan.total_bytes)}) for "
               f"{publish.REPO_TYPE} repo {plan.repo_id} staged in {plan.out_dir} "
@@ -115,11 +134,11 @@ def _publish(args) -> int:
 
 
 def main(argv=None) -> int:
-    from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
-
+    # Only light imports before the arguments are parsed: torch, transformers and the package are
+    # imported by the commands that use them.
     from . import paths as bench_paths
 
-    p = argparse.ArgumentParser(prog="cutile-kernels", description=__doc__,
+    p = Parser(prog="cutile-kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -127,36 +146,37 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="every path side by side: correctness gates, timings, coverage")
     b.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
     b.add_argument("--out", help="directory to write bench.json to (default: print only)")
-    b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    b.add_argument("--device", type=device, help="cuda, cuda:N or cpu (default: cuda when available)")
     b.add_argument("--seed", type=int, help="weight and prompt seed (default 0)")
-    b.add_argument("--prompt-batch", type=_positive, help="prompts in the correctness batch")
-    b.add_argument("--prompt-len", type=_positive, help="tokens per correctness prompt")
-    b.add_argument("--prefill-len", type=_positive, help="tokens of the timed batch-1 prefill")
-    b.add_argument("--decode-batch", type=_positive, nargs="+", help="decode batch sizes (default 1 4 16)")
-    b.add_argument("--decode-steps", type=_positive, help="timed decode steps per batch size")
-    b.add_argument("--repeats", type=_positive, help="timed prefills per round")
-    b.add_argument("--rounds", type=_positive, help="alternating timing rounds over the paths (default 3)")
+    b.add_argument("--prompt-batch", type=positive, help="prompts in the correctness batch")
+    b.add_argument("--prompt-len", type=positive, help="tokens per correctness prompt")
+    b.add_argument("--prefill-len", type=positive, help="tokens of the timed batch-1 prefill")
+    b.add_argument("--decode-batch", type=positive, nargs="+", help="decode batch sizes (default 1 4 16)")
+    b.add_argument("--decode-steps", type=positive, help="timed decode steps per batch size")
+    b.add_argument("--repeats", type=positive, help="timed prefills per round")
+    b.add_argument("--rounds", type=positive, help="alternating timing rounds over the paths (default 3)")
     b.add_argument("--paths", nargs="+", type=_bench_path, metavar="PATH",
                    help=f"paths to run, of {{{','.join(bench_paths.PATHS)}}} or cutile~NAME (ours without the "
                         "patch or hub layer NAME) (default: all that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--wide", action="store_true", help="one table of every column (about 200 columns wide)")
     b.set_defaults(func=_bench)
 
     c = sub.add_parser("build", help="compile every kernel variant ahead of time (no GPU needed)")
     c.add_argument("--out", help="build directory (default: $CUTILE_KERNELS_BUILD_DIR or <checkout>/build)")
-    c.add_argument("--arch", nargs="+", action="extend", help=f"target archs (default: {' '.join(DEFAULT_ARCHS)})")
+    c.add_argument("--arch", nargs="+", action="extend", help=f"target archs (default: {DEFAULT_ARCHS_HELP})")
     c.add_argument("--kernel", nargs="+", action="extend", help="only these kernels (the manifest then holds only them)")
     c.add_argument("--jobs", type=int)
     c.add_argument("--force", action="store_true", help="recompile unchanged variants too")
-    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--quiet", action="store_true", help="a progress line that updates every 30 s (logs stay short)")
     c.set_defaults(func=_build)
 
     r = sub.add_parser("preset", help="write a preset checkpoint (real config, seeded weights)")
     r.add_argument("name")
     r.add_argument("--out")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--device", default="cpu")
+    r.add_argument("--device", type=device, default="cpu", help="where to create the weights (cpu, cuda, cuda:N)")
     r.set_defaults(func=_preset)
 
     i = sub.add_parser("info", help="what this install has")
@@ -182,7 +202,13 @@ def main(argv=None) -> int:
     from cutile_kernels_build import BuildError
 
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be caught, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): end quietly, as Unix tools do on SIGPIPE (128 + 13).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, BuildError) as exc:
         if args.verbose:
             raise
@@ -200,13 +226,6 @@ def _bench_path(name: str) -> str:
     except KeyError as e:
         raise argparse.ArgumentTypeError(e.args[0]) from None
     return name
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 if __name__ == "__main__":

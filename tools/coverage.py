@@ -12,6 +12,10 @@ ceiling ``1 / (1 - f + f / s)`` of speeding it up ``s`` times.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 from collections import defaultdict
 
 import torch
@@ -119,13 +123,36 @@ def profile_steps(model, run_steps, device: str):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     ranges = _ModuleRanges(model)
     try:
-        with profile(activities=activities) as prof:
+        with without_usdt_lines(), profile(activities=activities) as prof:
             run_steps()
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
     finally:
         ranges.remove()
     return prof.events()
+
+
+@contextlib.contextmanager
+def without_usdt_lines():
+    """Drop the ``USDT:... profiler_start`` / ``profiler_stop`` lines that kineto (torch 2.11-2.13)
+    writes to file descriptor 2 around every profile: they are noise in a command's output. Whatever
+    else goes to fd 2 meanwhile is written after the block, in order."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            rest = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            if rest:
+                sys.stderr.write("".join(rest))
+                sys.stderr.flush()
 
 
 def attribute(events, device: str) -> list[dict]:

@@ -24,8 +24,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 
 @dataclass(frozen=True)
 class PathSpec:
@@ -107,7 +105,7 @@ def spec(name: str) -> PathSpec:
     return PathSpec(name, f"cutile-kernels without {part!r}", ours=True, exclude=(part,))
 
 
-def load(path: str, checkpoint: Path, dtype: torch.dtype, device: str):
+def load(path: str, checkpoint: Path, dtype, device: str):
     """Load ``checkpoint`` the way ``path`` runs it (in the calling process: patches stay there)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -138,14 +138,63 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(identity) + "\n")
     del model
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    # Said at WARNING, once, when it is written: it is disk space in the user's home they did not ask for.
+    logger.warning("cutile-kernels: wrote preset %s (%.3g MB) to %s; later runs reuse it. Remove it with "
+                   "`rm -r %s`; set %s to keep presets elsewhere", name, size / 1e6, out, out, ENV_CACHE)
     return out
 
 
 def resolve(model: str, seed: int = 0, device: str = "cpu") -> tuple[Path, str]:
-    """A checkpoint directory for a preset name or a path, and a label for reports."""
+    """A checkpoint directory for a preset name or a path, and a label for reports.
+
+    Raises:
+        FileNotFoundError: ``model`` is no preset and no directory with a ``config.json``, or the
+            directory has no weights.
+        ValueError: a weights file is truncated or not safetensors (:func:`check_weights`).
+    """
     if model in PRESETS:
         return materialize(model, seed=seed, device=device), f"{model} (config of {PRESETS[model].source}, seed {seed})"
     path = Path(model)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    check_weights(path)
     return path, str(path)
+
+
+#: Weight files transformers loads from a directory, in its order of preference.
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_weights(path: Path) -> None:
+    """Fail early, in one line, on a checkpoint directory whose weights transformers could not load:
+    none there, or a safetensors file whose header is cut off or unreadable (each file's header is
+    read with ``safetensors.safe_open``, which checks that the data it describes is all there).
+
+    Raises:
+        FileNotFoundError: no weights file (the fix: save the model with ``save_pretrained``).
+        ValueError: a truncated or corrupt safetensors file, or a shard the index names is missing.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    found = [name for name in _WEIGHTS if (path / name).is_file()]
+    if not found:
+        raise FileNotFoundError(f"checkpoint {path} has a config.json but no weights ({', '.join(_WEIGHTS[:3])}): "
+                                "save the model there with save_pretrained, or name a preset "
+                                f"({', '.join(PRESETS)})")
+    if found[0] == "model.safetensors.index.json":
+        shards = sorted(set(json.loads((path / found[0]).read_text()).get("weight_map", {}).values()))
+    elif found[0] == "model.safetensors":
+        shards = [found[0]]
+    else:
+        return  # pickled weights: transformers reports on those itself
+    for shard in shards:
+        if not (path / shard).is_file():
+            raise ValueError(f"checkpoint {path}: {found[0]} names {shard}, which is missing: copy the whole "
+                             "checkpoint again")
+        try:
+            with safe_open(str(path / shard), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"checkpoint {path}: {shard} is truncated or not a safetensors file "
+                             f"({str(exc).splitlines()[0]}): copy or save it again") from None

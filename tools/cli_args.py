@@ -1,0 +1,35 @@
+"""Argument types shared by the ``cutile-kernels`` subcommands (argparse ``type=`` callables): a bad
+value ends in argparse's one-line error naming the fix, not in a traceback from deep in torch."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+_DEVICE = re.compile(r"(cpu|cuda(:\d+)?)")
+
+
+def device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``: the devices the tools run on (no MPS, no other backend)."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device here: use cuda (or cuda:N) for an NVIDIA GPU, "
+                                         "or cpu")
+    return text
+
+
+def positive(text: str) -> int:
+    """An integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (the problem, and where the usage is),
+    not argparse's usage block followed by the error. Subparsers inherit the class."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
