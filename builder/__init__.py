@@ -174,6 +174,7 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
             previous build is left as it was.
     """
     out_dir = Path(out_dir).resolve()
+    created = not out_dir.exists()
     all_specs = kernel_src.all_variants() if specs is None else specs
     archs = list(dict.fromkeys(archs))
     validate(archs, kernels, all_specs)
@@ -220,6 +221,8 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
             require_toolchain()
         except ToolchainMissing:
             shutil.rmtree(staging, ignore_errors=True)
+            if created:
+                shutil.rmtree(out_dir, ignore_errors=True)  # nothing written, not even the directory
             raise
         jobs = jobs or os.cpu_count() or 1
         bar = None

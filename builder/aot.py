@@ -34,7 +34,7 @@ class BuildError(RuntimeError):
 
 #: How to get the AOT toolchain: the project's own extra, which pins tileiras, nvcc (its ptxas) and
 #: nvvm to one release (cuda-tile's own ``[tileiras]`` extra may resolve a mixed set that fails).
-INSTALL_HINT = 'pip install -e ".[build]" in a checkout, or pip install "cutile-kernels[build]"'
+INSTALL_HINT = 'pip install -e ".[build]" in the cutile-kernels checkout'
 
 
 class ToolchainMissing(BuildError):

@@ -86,9 +86,11 @@ class CutileKernelConfig(KernelConfig):
     """
 
     def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, patch_model=False,
-                 exclude_patches=(), include_patches=()):
+                 exclude_patches=(), include_patches=(), inactive: str | None = None):
         super().__init__(kernel_mapping, use_local_kernel=use_local_kernel, inherit_mapping=inherit_mapping)
         self.patch_model = patch_model
+        #: Why this config maps nothing anywhere (disabled, no build), said when a model loads with it.
+        self.inactive = inactive
         self.exclude_patches = tuple(exclude_patches)
         self.include_patches = tuple(include_patches)
         # Loading rewrites kernel_mapping for the model at hand (rows dropped, emptied off CUDA);
@@ -111,6 +113,11 @@ class CutileKernelConfig(KernelConfig):
             self.kernel_mapping = {}
             logger.info("cutile_kernels: nothing kernelized: the model is on %s and our kernels run on CUDA GPUs; "
                         "its layers keep their own forwards", device)
+            return
+        if self.inactive is not None:  # said here, once the model is known to be on CUDA
+            self.kernel_mapping = {}
+            log = logger.warning if self.inactive.startswith("no build") else logger.info
+            log("cutile_kernels: nothing kernelized: %s; the model keeps its own layers", self.inactive)
             return
         mapped = sorted(self.kernel_mapping)
         super().create_compatible_mapping(model, compile=compile)
@@ -222,10 +229,11 @@ def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
     include = _names(include, "include", set(PATCHES))
     if dispatch.disabled():
-        return CutileKernelConfig({}, use_local_kernel=True)
-    variant = _built_variant(build_dir)
-    if variant is None:
-        return CutileKernelConfig({}, use_local_kernel=True)
+        return CutileKernelConfig({}, use_local_kernel=True, inactive=f"disabled by {dispatch.ENV_DISABLE}")
+    variant = variant_dir(build_dir)
+    if variant is None:  # said when a CUDA model loads with it: on a CPU a build would change nothing
+        return CutileKernelConfig({}, use_local_kernel=True, inactive=(
+            f"no build under {build_dir or registry.default_build_dir()} (run `cutile-kernels build`)"))
     mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items() if hub not in exclude}
     return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True, exclude_patches=exclude,
                               include_patches=include)

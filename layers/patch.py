@@ -356,12 +356,13 @@ def decoder_verdict(cls: type) -> str | None:
 
 
 def _llama_norm(m) -> bool:
-    # A Llama-formula RMSNorm whose forward is its class's or our CutileRMSNorm (same formula).
+    # A Llama-formula RMSNorm whose forward is its class's (also when bound on the instance, as
+    # kernels' fallback does for a layer it leaves stock) or our CutileRMSNorm (same formula).
     if not (computes_llama_rms_norm(type(m)) and isinstance(getattr(m, "weight", None), torch.Tensor)
             and hasattr(m, "variance_epsilon")):
         return False
-    fwd = m.__dict__.get("forward")
-    return fwd is None or getattr(getattr(fwd, "__func__", None), "__qualname__", "") == "CutileRMSNorm.forward"
+    fwd = getattr(m.__dict__.get("forward"), "__func__", None) if "forward" in m.__dict__ else type(m).forward
+    return fwd is type(m).forward or getattr(fwd, "__qualname__", "") == "CutileRMSNorm.forward"
 
 
 #: A forward hook whose function carries this attribute (set to True) only observes, e.g. the

@@ -343,14 +343,24 @@ def test_kernel_config_disabled(monkeypatch, variant):
     assert cfg.kernel_mapping == {} and cfg.use_local_kernel is True
 
 
-def test_kernel_config_without_build_warns(tmp_path, caplog, monkeypatch):
+def test_kernel_config_without_build_warns(tmp_path, caplog, monkeypatch, ckpt):
+    # Said when a CUDA model loads with it (on a CPU a build would change nothing: not said there).
+    import transformers.utils.kernel_config as kc
+
     monkeypatch.delenv("CUTILE_KERNELS_DISABLE", raising=False)
-    with caplog.at_level(logging.WARNING, logger="cutile_kernels"):
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
         cfg = cutile_kernels.kernel_config(build_dir=tmp_path)
+        ckpt.load(use_kernels=True, kernel_config=cfg)  # a CPU model
     assert isinstance(cfg, CutileKernelConfig) and cfg.kernel_mapping == {}
+    assert not [r for r in caplog.records if r.name == "cutile_kernels" and r.levelno >= logging.WARNING]
+    caplog.clear()
+    monkeypatch.setattr(kc, "infer_device", lambda model: "cuda")
+    with caplog.at_level(logging.WARNING, logger="cutile_kernels"):
+        model = ckpt.load(use_kernels=True, kernel_config=cfg)
     msgs = [r.getMessage() for r in caplog.records if r.name == "cutile_kernels" and r.levelno == logging.WARNING]
     assert len(msgs) == 1
     assert str(tmp_path) in msgs[0] and "cutile-kernels build" in msgs[0]
+    _assert_original_forwards(model, ckpt.norm_cls)
 
 
 def test_kernel_config_default_build_dir_from_env(tmp_path, monkeypatch, variant):

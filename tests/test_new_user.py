@@ -82,7 +82,8 @@ def test_build_without_toolchain_is_one_line_with_the_install_command(no_toolcha
     rc = cli.main(["build", "--arch", "sm_90", "--kernel", "silu", "--out", str(tmp_path / "b"), "--quiet"])
     err = _one_line(capsys.readouterr().err)
     assert rc == 2 and err.startswith("cutile-kernels build: no cuTile AOT toolchain") and '".[build]"' in err
-    assert not (tmp_path / "b" / "torch-cuda").exists()
+    assert "cutile-kernels[build]" not in err  # not on PyPI: the checkout's extra is the way
+    assert not (tmp_path / "b").exists()  # nothing written, not even the directory
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only behaviour")
@@ -153,7 +154,13 @@ def broken_checkpoints(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", ["bench", "autokernelize"])
-def test_broken_checkpoints_fail_in_one_line(command, broken_checkpoints):
+def test_broken_checkpoints_fail_in_one_line(command, broken_checkpoints, tiny_checkpoint, tmp_path):
+    bad_config = tmp_path / "bad-config"
+    shutil.copytree(tiny_checkpoint, bad_config)
+    (bad_config / "config.json").write_text("{bad")
+    r = _run(command, str(bad_config))
+    line = _one_line(r.stderr)
+    assert r.returncode == 2 and "its config.json cannot be used" in line and "fix or replace" in line
     truncated, config_only = broken_checkpoints
     r = _run(command, str(truncated))
     line = _one_line(r.stderr)
@@ -210,19 +217,53 @@ def test_default_arch_help_is_the_build_matrix_default():
 
 
 def test_bench_table_fits_100_columns():
-    r = json.loads(H200_REPORT.read_text())
-    buf = io.StringIO()
+    # The H200 report, plus what autokernelize --score runs: long path names, three batch sizes.
+    import copy
+
     from rich.console import Console
 
+    r = json.loads(H200_REPORT.read_text())
+    for name in ("cutile~decoder_add_rms_norm", "cutile+rope_cos_sin"):
+        r["paths"][name] = copy.deepcopy(r["paths"]["cutile"])
+    for p in r["paths"].values():
+        p["decode"].insert(1, dict(p["decode"][0], batch=4, tokens_per_s=12345.6))
+        p["coverage"] = {"ours_time_share": 0.123, "ours_launch_share": 0.456}
+    buf = io.StringIO()
     bench.print_report(r, console=Console(file=buf, width=100))
     out = buf.getvalue()
     assert max(len(line) for line in out.splitlines()) <= 100 and "…" not in out
     for name in r["paths"]:  # every path and figure whole
         assert name in out
-    assert "564.7" in out and "7595.1" in out and "2.745e-02" in out
+    assert "564.7" in out and "7595.1" in out and "12345.6" in out and "2.745e-02" in out
+    assert "12.3%/45.6%" in out and out.count("12.3%/45.6%") == 4  # ours only; stock's share is "-"
     buf = io.StringIO()
-    bench.print_report(r, wide=True, console=Console(file=buf, width=200))
+    bench.print_report(json.loads(H200_REPORT.read_text()), wide=True, console=Console(file=buf, width=200))
     assert "decode % roof" in buf.getvalue() and "…" not in buf.getvalue()
+
+
+def test_a_run_without_stock_says_nothing_was_gated(tmp_path):
+    r = _run("bench", "--paths", "cutile", "--decode-steps", "2", "--repeats", "1", "--rounds", "1",
+             "--decode-batch", "1", "--no-coverage", "--quiet", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    said = " ".join(r.stdout.split())  # rich wraps long lines
+    assert "nothing was gated: the gates compare each path with stock eager (add stock to --paths)" in said
+    assert json.loads((tmp_path / "bench.json").read_text())["ungated"].startswith("nothing was gated")
+
+
+def test_bad_out_dir_fails_before_the_run():
+    t0 = time.perf_counter()
+    r = _run("bench", "--out", "/etc/passwd/x", timeout=120)
+    line = _one_line(r.stderr)
+    assert r.returncode == 2 and "--out /etc/passwd/x: cannot create it" in line
+    assert time.perf_counter() - t0 < 20  # refused up front, not after the bench
+
+
+def test_cuda_device_without_gpu_names_it_and_the_fix():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-only behaviour")
+    r = _run("bench", "--device", "cuda:1", timeout=60)
+    line = _one_line(r.stderr)
+    assert r.returncode == 2 and "--device cuda:1, but torch sees no CUDA device here: run with --device cpu" in line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,11 +348,32 @@ def test_info_says_jit_needs_a_gpu(capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["cuda_available"] == torch.cuda.is_available()
     assert info["jit_available"] == (torch.cuda.is_available() and info["jit_toolchain"])
+    import importlib.metadata
+
+    assert info["installed_cuda_tile"] == importlib.metadata.version("cuda-tile") and "build_toolchain" in info
+
+
+def test_patch_after_a_use_kernels_load_applies(tiny_checkpoint):
+    # kernels' fallback binds the stock forward on each norm instance: still a Llama-formula norm.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, use_kernels=True,
+                                                 kernel_config=cutile_kernels.kernel_config())
+    assert any("forward" in m.__dict__ for m in model.modules() if type(m).__name__ == "LlamaRMSNorm")
+    report = cutile_kernels.patch(model)
+    assert report.changed["decoder_add_rms_norm"] == model.config.num_hidden_layers
 
 
 # ---------------------------------------------------------------------------------------------
 # 12: where a preset went
 # ---------------------------------------------------------------------------------------------
+
+def test_preset_out_refuses_to_replace_another_preset(tmp_path, tiny_checkpoint):
+    out = tmp_path / "mine"
+    shutil.copytree(tiny_checkpoint, out)
+    with pytest.raises(FileExistsError, match=r"holds preset tiny \(seed 0\): refusing to replace it"):
+        presets.materialize("qwen3-0.6b", out_dir=out)
+    assert presets.materialize("tiny", out_dir=out) == out  # the same one: reused
 
 def test_a_new_preset_says_where_it_is_and_how_to_remove_it(tmp_path, caplog, monkeypatch):
     monkeypatch.setenv(presets.ENV_CACHE, str(tmp_path / "presets"))

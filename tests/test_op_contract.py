@@ -57,6 +57,13 @@ def test_rope_cos_sin_checks_its_position_and_output_dtypes():
         cutile_kernels.rope_cos_sin(inv, torch.zeros(1, 5), 1.0, torch.float32)
     with pytest.raises(TypeError, match=r"^cutile_kernels.rope_cos_sin: dtype is int32; supported: bfloat16"):
         cutile_kernels.rope_cos_sin(inv, torch.arange(5)[None], 1.0, torch.int32)
+    with pytest.raises(TypeError, match=r"^cutile_kernels.rope_cos_sin: dtype must be a torch.dtype .*got str"):
+        cutile_kernels.rope_cos_sin(inv, torch.arange(5)[None], 1.0, "float32")
+
+
+def test_attention_names_its_16_bit_kernels():
+    with pytest.raises(TypeError, match=r"supported: bfloat16, float16 \(cuTile kernels\) or float32, float64 \(the"):
+        cutile_kernels.attention(_f(1, 2, 3, 8, dtype=torch.int64), _f(1, 2, 3, 8), _f(1, 2, 3, 8))
 
 
 def test_the_dtype_check_traces_without_a_graph_break():

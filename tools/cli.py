@@ -39,7 +39,9 @@ def _bench(args) -> int:
     }.items() if v is not None}
     settings = bench.BenchSettings(**{**base.__dict__, **overrides})
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("cutile-kernels bench: --device cuda, but torch sees no CUDA device")
+        raise ValueError(f"--device {device}, but torch sees no CUDA device here: run with --device cpu")
+    if args.out:  # before the run, not after it: a run's results must not be lost to a bad --out
+        _writable_dir(args.out)
     report = bench.run(args.model, settings, out_dir=args.out, progress=not args.quiet)
     bench.print_report(report, wide=args.wide)
     if args.out:
@@ -49,8 +51,18 @@ def _bench(args) -> int:
     if any(not g["passed"] for g in report.get("gate", {}).values()):
         return 1
     if device.startswith("cuda") and not report.get("cutile_kernels_ran", False):
-        return 2  # on a GPU the point of the run is our kernels: none ran (see the report's fallbacks)
+        return 4  # on a GPU the point of the run is our kernels: none ran (see the report's fallbacks)
     return 0
+
+
+def _writable_dir(path: str) -> None:
+    """Create ``path`` (and parents) or raise a one-line ``FileNotFoundError`` saying why not."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FileNotFoundError(f"--out {path}: cannot create it ({exc.strerror}): choose a writable directory") from None
+    if not os.access(path, os.W_OK):
+        raise FileNotFoundError(f"--out {path}: not writable: choose a writable directory")
 
 
 #: ``kernel_src._spec.DEFAULT_ARCHS`` for the help text, which must not import the package (and so
@@ -78,7 +90,7 @@ def _preset(args) -> int:
     from . import presets
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("cutile-kernels preset: --device cuda, but torch sees no CUDA device")
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA device here: run with --device cpu")
     path = presets.materialize(args.name, out_dir=args.out, seed=args.seed, device=args.device)
     print(path)
     return 0
@@ -102,10 +114,20 @@ def _info(args) -> int:
         # JIT needs both the toolchain and a GPU to compile for.
         "jit_toolchain": dispatch.jit_available(),
         "jit_available": cuda and dispatch.jit_available(),
-        "toolchain": {k: reg.manifest.get(k) for k in ("cuda_tile", "tileiras")},
+        "build_toolchain": {k: reg.manifest.get(k) for k in ("cuda_tile", "tileiras")},  # what the build used
+        "installed_cuda_tile": _version("cuda-tile"),
     }
     print(json.dumps(info, indent=1))
     return 0
+
+
+def _version(dist: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _publish(args) -> int:
@@ -140,24 +162,26 @@ def main(argv=None) -> int:
 
     p = Parser(prog="cutile-kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log at INFO and show tracebacks (before the command: cutile-kernels -v bench ...)")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     b = sub.add_parser("bench", help="every path side by side: correctness gates, timings, coverage")
     b.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
-    b.add_argument("--out", help="directory to write bench.json to (default: print only)")
+    b.add_argument("--out", help="directory for bench.json, report.md and the plots (default: print only)")
     b.add_argument("--device", type=device, help="cuda, cuda:N or cpu (default: cuda when available)")
     b.add_argument("--seed", type=int, help="weight and prompt seed (default 0)")
     b.add_argument("--prompt-batch", type=positive, help="prompts in the correctness batch")
     b.add_argument("--prompt-len", type=positive, help="tokens per correctness prompt")
     b.add_argument("--prefill-len", type=positive, help="tokens of the timed batch-1 prefill")
-    b.add_argument("--decode-batch", type=positive, nargs="+", help="decode batch sizes (default 1 4 16)")
+    b.add_argument("--decode-batch", type=positive, nargs="+", help="decode batch sizes (default 1 4 16; CPU: 1 4)")
     b.add_argument("--decode-steps", type=positive, help="timed decode steps per batch size")
     b.add_argument("--repeats", type=positive, help="timed prefills per round")
-    b.add_argument("--rounds", type=positive, help="alternating timing rounds over the paths (default 3)")
+    b.add_argument("--rounds", type=positive, help="alternating timing rounds over the paths (default 3; CPU: 2)")
     b.add_argument("--paths", nargs="+", type=_bench_path, metavar="PATH",
-                   help=f"paths to run, of {{{','.join(bench_paths.PATHS)}}} or cutile~NAME (ours without the "
-                        "patch or hub layer NAME) (default: all that can run here)")
+                   help=f"paths to run, of {{{','.join(bench_paths.PATHS)}}}, cutile~NAME (ours without the default "
+                        "patch or hub layer NAME) or cutile+NAME (ours with the opt-in patch NAME) (default: all "
+                        "that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--wide", action="store_true", help="one table of every column (about 200 columns wide)")
@@ -167,19 +191,20 @@ def main(argv=None) -> int:
     c.add_argument("--out", help="build directory (default: $CUTILE_KERNELS_BUILD_DIR or <checkout>/build)")
     c.add_argument("--arch", nargs="+", action="extend", help=f"target archs (default: {DEFAULT_ARCHS_HELP})")
     c.add_argument("--kernel", nargs="+", action="extend", help="only these kernels (the manifest then holds only them)")
-    c.add_argument("--jobs", type=int)
+    c.add_argument("--jobs", type=positive, help="compiler processes (default: the CPU count)")
     c.add_argument("--force", action="store_true", help="recompile unchanged variants too")
     c.add_argument("--quiet", action="store_true", help="a progress line that updates every 30 s (logs stay short)")
     c.set_defaults(func=_build)
 
     r = sub.add_parser("preset", help="write a preset checkpoint (real config, seeded weights)")
-    r.add_argument("name")
-    r.add_argument("--out")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("name", help="one of tiny, llama-3.2-1b, qwen3-0.6b, qwen2.5-1.5b, mistral-7b-v0.3")
+    r.add_argument("--out", help="directory to write it to (default: $CUTILE_KERNELS_PRESET_DIR/<name>-seed<seed>)")
+    r.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     r.add_argument("--device", type=device, default="cpu", help="where to create the weights (cpu, cuda, cuda:N)")
     r.set_defaults(func=_preset)
 
-    i = sub.add_parser("info", help="what this install has")
+    i = sub.add_parser("info", help="what this install has", description="The build, its archs and variants, "
+                       "whether a CUDA GPU is there and whether JIT is available, as JSON.")
     i.set_defaults(func=_info)
 
     from .inventory_cli import add_parsers as add_inventory_parsers

@@ -4,6 +4,7 @@ value ends in argparse's one-line error naming the fix, not in a traceback from 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -33,3 +34,9 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def table_width(piped: int) -> int | None:
+    """The width for a rich ``Console``: the terminal's (``None``: rich asks it, and honours
+    ``COLUMNS``) on a terminal or when ``COLUMNS`` is set, else ``piped`` (a file or a pipe)."""
+    return None if sys.stdout.isatty() or os.environ.get("COLUMNS") else piped

@@ -5,10 +5,9 @@ KeyError or FileNotFoundError is printed and exits 2)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-from .cli_args import device
+from .cli_args import device, table_width
 
 
 def _print_json(data) -> None:
@@ -60,7 +59,7 @@ def _show(args) -> int:
         table.add_row(r["definition"], r["op_type"], ", ".join(f"{k}:{v}" for k, v in r["axes"].items()),
                       ", ".join(r["solutions"]) or "-", " ".join(r["archs"]), str(r["workloads"]), str(r["traces"]),
                       ", ".join(f"{k}: {v}" for k, v in r["latest"].items()) or "-")
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    Console(width=table_width(200)).print(table)
     for e in inv.errors:
         print(f"error: {e}")
     return 0
@@ -222,7 +221,7 @@ def _print_regions(found: dict, label: str, top: int) -> None:
             break
         table.add_row(str(rank), r["region"], r["cls"] or "-", f"{r['share']:.1%}", str(r["launches"]),
                       ", ".join(r["ops"]), f"x{r['ceiling']:.3f}", f"x{r['ceiling_max']:.3f}")
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = Console(width=table_width(200))
     console.print(table)
     for r in found["regions"]:
         if r["covered"]:
@@ -232,7 +231,7 @@ def _print_regions(found: dict, label: str, top: int) -> None:
 def add_parsers(sub) -> None:
     """Add ``inventory``, ``evaluate``, ``kernel-table`` and ``autokernelize`` to the CLI's subparsers."""
     inv = sub.add_parser("inventory", help="the kernel inventory (FlashInfer-Bench Definitions, Solutions, ...)")
-    isub = inv.add_subparsers(dest="inventory_cmd", required=True)
+    isub = inv.add_subparsers(dest="inventory_cmd", required=True, metavar="COMMAND")
     v = isub.add_parser("validate", help="every kernel described, every reference callable, every Solution compiles")
     v.add_argument("--root", help="inventory directory (default: <checkout>/inventory)")
     v.add_argument("--build", help="build whose manifest proves compiles (default: the runtime's)")

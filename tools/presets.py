@@ -121,10 +121,20 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
     identity = {"preset": name, "source": PRESETS[name].source, "seed": seed,
                 "config_sha256": hashlib.sha256(json.dumps(PRESETS[name].config, sort_keys=True).encode()).hexdigest()}
     if marker.is_file():
-        if json.loads(marker.read_text()) == identity:
+        held = json.loads(marker.read_text())
+        if held == identity:
             return out
+        if out_dir is not None and held.get("preset") != name:  # another seed of the same one is rebuilt
+            raise FileExistsError(f"{out} holds preset {held.get('preset')} (seed {held.get('seed')}): refusing to "
+                                  "replace it with another; choose another --out or remove it")
     elif out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty and holds no preset: refusing to overwrite it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = "--out" if out_dir is not None else f"${ENV_CACHE} (or ~/.cache)"
+        raise FileNotFoundError(f"cannot create {out.parent} for the preset ({exc.strerror}): set {where} to a "
+                                "writable directory") from None
     shutil.rmtree(out, ignore_errors=True)
     logger.info("materialising preset %s (seed %d) into %s", name, seed, out)
     torch.manual_seed(seed)
@@ -138,11 +148,18 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(identity) + "\n")
     del model
-    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    # Said at WARNING, once, when it is written: it is disk space in the user's home they did not ask for.
-    logger.warning("cutile-kernels: wrote preset %s (%.3g MB) to %s; later runs reuse it. Remove it with "
-                   "`rm -r %s`; set %s to keep presets elsewhere", name, size / 1e6, out, out, ENV_CACHE)
+    if out_dir is None:  # said once, when written: disk space in the user's home they did not ask for
+        size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+        logger.warning("cutile-kernels: wrote preset %s (%s) to %s; later runs reuse it. Remove it with "
+                       "`rm -r %s`; set %s to keep presets elsewhere", name, _human(size), out, out, ENV_CACHE)
     return out
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def resolve(model: str, seed: int = 0, device: str = "cpu") -> tuple[Path, str]:
@@ -158,8 +175,26 @@ def resolve(model: str, seed: int = 0, device: str = "cpu") -> tuple[Path, str]:
     path = Path(model)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    check_config(path)
     check_weights(path)
     return path, str(path)
+
+
+def check_config(path: Path) -> None:
+    """Fail early, in one line, on a ``config.json`` that transformers cannot read or whose
+    ``model_type`` it does not know.
+
+    Raises:
+        ValueError: the reason, from transformers, with the file named.
+    """
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"checkpoint {path}: its config.json cannot be used ({first}): fix or replace "
+                         "the file (transformers writes it with save_pretrained)") from None
 
 
 #: Weight files transformers loads from a directory, in its order of preference.

@@ -80,8 +80,9 @@ def markdown(report: dict, plots: list[str]) -> str:
                          f"{', '.join(row['modules'])} | {row['ceiling']:.3f} |")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    if "note" in report:
-        lines += ["", report["note"]]
+    for key in ("note", "ungated"):
+        if key in report:
+            lines += ["", report[key]]
     return "\n".join(lines) + "\n"
 
 
@@ -196,7 +197,8 @@ def breakdown_figure(report: dict):
         values = [cov["by_class"].get(cls, 0.0) / 1e3 for cov in covered.values()]
         ax.bar(list(covered), values, bottom=bottom, label=cls)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("device time, ms (one prefill + decode steps)")
+    on_gpu = str(report.get("environment", {}).get("device", "")).startswith("cuda")
+    ax.set_ylabel(f"{'device' if on_gpu else 'CPU op self'} time, ms (one prefill + decode steps)")
     ax.set_title("time by kernel class")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over one
     return plt, fig, ax

@@ -140,6 +140,7 @@ class BenchReport(_Model):
                                   "round by round")
     cutile_kernels_ran: bool
     note: Optional[str] = None
+    ungated: Optional[str] = Field(default=None, description="why nothing was gated (no stock path), when so")
 
 
 def json_schema() -> dict:

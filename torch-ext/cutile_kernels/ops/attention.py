@@ -320,7 +320,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
-    check_float("attention", "q, k, v", q, k, v)
+    check_float("attention", "q, k, v", q, k, v, kernel_dtypes=(torch.bfloat16, torch.float16))
     window = int(window or 0)
     softcap = float(softcap or 0.0)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):

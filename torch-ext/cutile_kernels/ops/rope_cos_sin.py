@@ -154,6 +154,9 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_s
         CudaError: the CUDA driver failed to launch the kernel.
     """
     _check(inv_freq, position_ids)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedDtypeError(f"cutile_kernels.rope_cos_sin: dtype must be a torch.dtype (torch.bfloat16, ...), "
+                                    f"got {type(dtype).__name__} {dtype!r}")
     if dtype not in FLOAT_DTYPES:
         raise UnsupportedDtypeError(f"cutile_kernels.rope_cos_sin: dtype is {dtype_name(dtype)}; supported: {SUPPORTED}")
     if torch.is_grad_enabled() and inv_freq.requires_grad:
