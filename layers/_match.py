@@ -65,9 +65,18 @@ def statements_digest(fn) -> str | None:
     """16 hex digits of SHA-256 over ``fn``'s body statements, one per line as ``ast.unparse``
     prints them (docstring dropped), or None when the source cannot be read."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        return source_digest(inspect.getsource(fn))
     except (OSError, TypeError, SyntaxError):
         return None
+
+
+def source_digest(source: str) -> str:
+    """:func:`statements_digest` of the first function defined in ``source``.
+
+    Raises:
+        SyntaxError: ``source`` is no Python.
+    """
+    tree = ast.parse(textwrap.dedent(source))
     body = tree.body[0].body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
             and isinstance(body[0].value.value, str):

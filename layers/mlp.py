@@ -41,13 +41,14 @@ from torch import nn
 from ..ops.activation import silu, silu_and_mul_fused
 from ._direct import linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
-from ._match import same_code, statements_digest
+from ._match import same_code
+from ._pins import TRANSFORMERS, holds
 
 logger = logging.getLogger("cutile_kernels")
 
-#: ``statements_digest(LlamaMLP.forward)`` in transformers 5.22.2, the formula the fused forward
-#: reproduces; if transformers changes it, nothing is fused.
-LLAMA_MLP_DIGEST = "5b8abf7af12a4b42"
+#: The pin (``layers/_pins.py``) of the formula the fused forward reproduces; if transformers
+#: changes it, nothing is fused.
+PIN = "llama.LlamaMLP.forward"
 
 #: The stacked gate/up projection that :func:`fuse_mlp` adds (``(2I, H)`` weight, gate rows first).
 FUSED_NAME = "gate_up_proj"
@@ -93,11 +94,10 @@ class CutileSwiGLUMLP(nn.Module):
 @functools.lru_cache(maxsize=None)
 def computes_llama_mlp(cls: type) -> bool:
     """True if ``cls.forward`` is ``LlamaMLP.forward``'s code (same bytecode, names, constants),
-    and ``LlamaMLP.forward`` is still the transformers 5.22.2 formula (:data:`LLAMA_MLP_DIGEST`)."""
+    and ``LlamaMLP.forward`` is still the pinned formula (:data:`PIN`)."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    return (statements_digest(LlamaMLP.forward) == LLAMA_MLP_DIGEST
-            and same_code(getattr(cls, "forward", None), LlamaMLP.forward))
+    return holds(PIN) and same_code(getattr(cls, "forward", None), LlamaMLP.forward)
 
 
 def _silu_classes() -> tuple:
@@ -112,7 +112,7 @@ def why_not_fusable(module: nn.Module) -> str | None:
     if getattr(module, "_cutile_unfused_class", None) is not None:
         return "already fused"
     if not computes_llama_mlp(type(module)):
-        return "its forward is not LlamaMLP.forward (transformers 5.22.2)"
+        return f"its forward is not LlamaMLP.forward (transformers {TRANSFORMERS})"
     if type(getattr(module, "act_fn", None)) not in _silu_classes():
         return f"act_fn is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
     for name in ("gate_proj", "up_proj", "down_proj"):

@@ -18,26 +18,25 @@ from torch import nn
 
 from .. import dispatch
 from ..ops.norm import rms_norm
-from ._match import class_verdict, same_code, statements_digest
+from ._match import class_verdict, same_code
+from ._pins import holds
 
-
-#: ``statements_digest(LlamaRMSNorm.forward)`` of transformers 5.22.2, the formula the kernel
-#: reproduces; a later transformers that changes it turns the kernel path off for every copy.
-LLAMA_RMS_NORM_DIGEST = "50b8139e32eaccc8"
+#: The pin (``layers/_pins.py``) of the formula the kernel reproduces; a later transformers that
+#: changes it turns the kernel path off for every copy.
+PIN = "llama.LlamaRMSNorm.forward"
 
 
 @class_verdict
 def computes_llama_rms_norm(cls: type) -> bool:
     """True if ``cls.forward`` is ``LlamaRMSNorm.forward``'s code (same bytecode, names, constants,
-    defaults) and ``LlamaRMSNorm.forward`` is still the 5.22.2 formula (:data:`LLAMA_RMS_NORM_DIGEST`).
+    defaults) and ``LlamaRMSNorm.forward`` is still the pinned formula (:data:`PIN`).
 
     Classes "copied from" Llama compile to identical code; a different rounding order does not.
     Once per class; a constant under ``torch.compile`` (:func:`~._match.class_verdict`).
     """
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    return (statements_digest(LlamaRMSNorm.forward) == LLAMA_RMS_NORM_DIGEST
-            and same_code(getattr(cls, "forward", None), LlamaRMSNorm.forward))
+    return holds(PIN) and same_code(getattr(cls, "forward", None), LlamaRMSNorm.forward)
 
 
 class CutileRMSNorm(nn.Module):

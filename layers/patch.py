@@ -51,7 +51,8 @@ from torch import nn
 
 from ..ops.norm import add_rms_norm
 from ._direct import call, direct_ok
-from ._match import same_code, statements_digest
+from ._match import same_code
+from ._pins import TRANSFORMERS, holds
 from .norm import computes_llama_rms_norm
 from .qkv import reproduced_forward, stock_forward_parts
 
@@ -221,10 +222,10 @@ def _sync_save_wrapper(model: nn.Module) -> None:
 # decoder_add_rms_norm: residual add + RMSNorm in Llama-style decoder layers
 # ---------------------------------------------------------------------------------------------
 
-#: ``statements_digest(LlamaDecoderLayer.forward)`` in transformers 5.22.2: the forward that
-#: :func:`_fused_decoder_forward` computes (pre-norm attention and MLP blocks, each added back to
-#: the residual stream). Another transformers version's forward must be re-read before it is fused.
-LLAMA_DECODER_DIGEST = "b139d1b607c01194"
+#: The pin (``layers/_pins.py``) of the forward :func:`_fused_decoder_forward` computes (pre-norm
+#: attention and MLP blocks, each added back to the residual stream). Another transformers
+#: version's forward must be re-read before it is fused.
+DECODER_PIN = "llama.LlamaDecoderLayer.forward"
 
 _FORWARD_ATTRS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -345,11 +346,11 @@ def loop_verdict(cls: type, attr: str) -> str | None:
 def decoder_verdict(cls: type) -> str | None:
     """Why ``cls`` (a decoder layer class) cannot take the fused forward, or None if it can:
     its ``forward`` must be ``LlamaDecoderLayer.forward``'s code, and that must still be the
-    transformers 5.22.2 forward (:data:`LLAMA_DECODER_DIGEST`)."""
+    pinned forward (:data:`DECODER_PIN`)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    if statements_digest(LlamaDecoderLayer.forward) != LLAMA_DECODER_DIGEST:
-        return "this transformers' LlamaDecoderLayer.forward is not the one the fused forward reproduces (5.22.2)"
+    if not holds(DECODER_PIN):
+        return f"this transformers' LlamaDecoderLayer.forward is not the one the fused forward reproduces ({TRANSFORMERS})"
     if not same_code(getattr(cls, "forward", None), LlamaDecoderLayer.forward):
         return "its forward is not LlamaDecoderLayer.forward's code"
     return None

@@ -9,7 +9,7 @@ attention interface (with the sliding window) and ``o_proj`` are the stock lines
 through ``_direct.linear``: ``F.linear`` when their module call would run nothing else).
 
 Conditions (else the module is left alone, with a log line per class): the class's forward is
-Qwen3's code and still the 5.22.2 statements (:data:`QWEN3_ATTENTION_DIGEST`); the module's
+Qwen3's code and still the pinned statements (:data:`PIN`); the module's
 ``apply_rotary_pos_emb`` computes Llama's formula; ``q_norm`` and ``k_norm`` are Llama-formula
 RMSNorms; nobody replaced the module's forward on the instance (e.g. accelerate hooks). At run
 time a call whose norms have hooks or different ``eps`` runs the stock forward instead.
@@ -28,15 +28,16 @@ from torch import nn
 
 from ..ops.qk_norm_rope import qk_norm_rope
 from ._direct import linear
-from ._match import same_code, statements_digest
+from ._match import same_code
+from ._pins import TRANSFORMERS, holds
 from .patch import _llama_norm, _unhooked, restore_forwards, swap_forwards
 from .rope import computes_llama_rope, wrapped_function
 
 logger = logging.getLogger("cutile_kernels")
 
-#: ``statements_digest(Qwen3Attention.forward)`` of transformers 5.22.2: the forward that
-#: :func:`fused_attention_forward` reproduces. Another version's forward patches nothing.
-QWEN3_ATTENTION_DIGEST = "457e3a53f1f0cfb6"
+#: The pin (``layers/_pins.py``) of the forward :func:`fused_attention_forward` reproduces.
+#: Another version's forward patches nothing.
+PIN = "qwen3.Qwen3Attention.forward"
 
 _ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -57,12 +58,12 @@ def _llama_rope_function(fn) -> bool:
 def attention_verdict(cls: type) -> str | None:
     """Why ``cls`` (an attention class) does not take the fused forward, or None if it does: its
     ``forward`` must be ``Qwen3Attention.forward``'s code, that forward must still be the 5.22.2
-    statements (:data:`QWEN3_ATTENTION_DIGEST`), and the ``apply_rotary_pos_emb`` it calls (its
+    statements (:data:`PIN`), and the ``apply_rotary_pos_emb`` it calls (its
     module's) must compute Llama's formula."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-    if statements_digest(Qwen3Attention.forward) != QWEN3_ATTENTION_DIGEST:
-        return "this transformers' Qwen3Attention.forward is not the one the fused forward reproduces (5.22.2)"
+    if not holds(PIN):
+        return f"this transformers' Qwen3Attention.forward is not the one the fused forward reproduces ({TRANSFORMERS})"
     fwd = getattr(cls, "forward", None)
     if not same_code(fwd, Qwen3Attention.forward):
         return "its forward is not Qwen3Attention.forward's code"
@@ -145,5 +146,5 @@ def unpatch_qk_norm_rope(model: nn.Module) -> int:
     return restore_forwards(model, "qk_norm_rope", fused_attention_forward)
 
 
-__all__ = ["QWEN3_ATTENTION_DIGEST", "attention_verdict", "fused_attention_forward", "patch_qk_norm_rope",
+__all__ = ["PIN", "attention_verdict", "fused_attention_forward", "patch_qk_norm_rope",
            "unpatch_qk_norm_rope"]

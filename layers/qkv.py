@@ -15,7 +15,7 @@ Which modules (else left alone, one log line per class and reason): the class's 
 the code (:func:`~._match.same_code`) of ``LlamaAttention.forward`` (no ``sliding_window``
 argument), ``MistralAttention.forward`` (``sliding_window`` from the config) or
 ``Qwen2Attention.forward`` (``self.sliding_window``), and that transformers forward still has
-the 5.22.2 statements (:data:`REFERENCE_DIGESTS`); nobody replaced the forward on the instance
+the pinned statements (:data:`REFERENCES`); nobody replaced the forward on the instance
 (accelerate hooks, another patch); q/k/v are plain ``nn.Linear`` layers without hooks, with dense
 weights of one dtype and device, all three with a bias or none, of shapes ``(Hq * D, H)``,
 ``(Hkv * D, H)``, ``(Hkv * D, H)`` for ``D = self.head_dim``. ``Qwen3Attention`` (q_norm / k_norm
@@ -40,7 +40,8 @@ from torch import nn
 
 from ._direct import call, linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
-from ._match import same_code, statements_digest
+from ._match import same_code
+from ._pins import TRANSFORMERS, holds
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -55,12 +56,12 @@ _CONFIG_WINDOW = 1  # MistralAttention: getattr(self.config, "sliding_window", N
 _MODULE_WINDOW = 2  # Qwen2Attention: self.sliding_window
 
 #: (modeling module, class) of the transformers forwards :func:`fused_qkv_forward` reproduces ->
-#: their ``statements_digest`` in transformers 5.22.2 and how each passes ``sliding_window``.
-#: If transformers changes one, classes with that forward's code are left alone.
-REFERENCE_DIGESTS = {
-    ("llama", "LlamaAttention"): ("edb09e4cdb72174c", _NO_WINDOW),
-    ("mistral", "MistralAttention"): ("ea92a9846ca1ecb5", _CONFIG_WINDOW),
-    ("qwen2", "Qwen2Attention"): ("992c57d97163d600", _MODULE_WINDOW),
+#: how each passes ``sliding_window``. Each is pinned (``layers/_pins.py``): if transformers
+#: changes one, classes with that forward's code are left alone.
+REFERENCES = {
+    ("llama", "LlamaAttention"): _NO_WINDOW,
+    ("mistral", "MistralAttention"): _CONFIG_WINDOW,
+    ("qwen2", "Qwen2Attention"): _MODULE_WINDOW,
 }
 
 
@@ -78,12 +79,12 @@ def _class_verdict(cls: type) -> tuple[str | None, int | None]:
 @functools.lru_cache(maxsize=None)
 def _forward_verdict(fwd) -> tuple[str | None, int | None]:
     # (why not, None) or (None, window mode). Per function, once: the forwards do no check.
-    for (module_name, class_name), (digest, window) in REFERENCE_DIGESTS.items():
+    for (module_name, class_name), window in REFERENCES.items():
         ref = _reference_class(module_name, class_name).forward
         if same_code(fwd, ref):
-            if statements_digest(ref) != digest:
+            if not holds(f"{module_name}.{class_name}.forward"):
                 return (f"this transformers' {class_name}.forward is not the one the fused forward "
-                        "reproduces (5.22.2)"), None
+                        f"reproduces ({TRANSFORMERS})"), None
             return None, window
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
@@ -91,12 +92,12 @@ def _forward_verdict(fwd) -> tuple[str | None, int | None]:
         return ("its forward is Qwen3Attention.forward's code (q_norm / k_norm before RoPE; the "
                 "qk_norm_rope patch owns that forward)"), None
     return ("its forward is not LlamaAttention, MistralAttention or Qwen2Attention.forward's code "
-            "(transformers 5.22.2)"), None
+            f"(transformers {TRANSFORMERS})"), None
 
 
 def attention_verdict(cls: type) -> str | None:
     """Why an attention class ``cls`` cannot take :func:`fused_qkv_forward`, or None if it can
-    (its forward is the code of one of the :data:`REFERENCE_DIGESTS` forwards, still 5.22.2's).
+    (its forward is the code of one of the :data:`REFERENCES` forwards, still the pinned one).
     Cached per forward function."""
     return _class_verdict(cls)[0]
 
@@ -205,7 +206,7 @@ def reproduced_forward(self, glob: dict, window: int, hidden_states, position_em
 @functools.lru_cache(maxsize=None)
 def stock_forward_parts(cls: type, forward) -> tuple[dict, int] | None:
     """``(module globals, sliding-window mode)`` when ``forward``, the attention class ``cls``'s
-    forward now, is one that :func:`reproduced_forward` reproduces (see :data:`REFERENCE_DIGESTS`);
+    forward now, is one that :func:`reproduced_forward` reproduces (see :data:`REFERENCES`);
     None for another forward or a fused class. Keyed by the forward too: a class whose forward is
     replaced later (an analysis or KV-compression patch) gets a new verdict, so its forward runs."""
     if getattr(cls, "_cutile_qkv_unfused_class", None) is not None:
@@ -331,6 +332,6 @@ def unfuse_qkv(model: nn.Module) -> int:
     return len(targets)
 
 
-__all__ = ["FUSED_NAME", "REFERENCE_DIGESTS", "attention_verdict", "fuse_qkv", "fused_class", "fused_qkv_forward",
+__all__ = ["FUSED_NAME", "REFERENCES", "attention_verdict", "fuse_qkv", "fused_class", "fused_qkv_forward",
            "reproduced_forward", "stock_forward_parts",
            "is_fusable_qkv", "unfuse_qkv", "why_not_fusable_qkv"]

@@ -30,12 +30,13 @@ from torch import nn
 
 from .. import dispatch
 from ..ops.rope import apply_rope
-from ._match import class_verdict, same_code, statements_digest
+from ._match import class_verdict, same_code
+from ._pins import holds
 
-#: ``statements_digest`` of Llama's ``apply_rotary_pos_emb`` and ``rotate_half`` in transformers
-#: 5.22.2 (``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``): the
-#: formula ``kernel_src/rope.py`` reproduces.
-LLAMA_ROPE_DIGESTS = ("257620718ecff20c", "b92c1a98279c25d0")
+#: The pins (``layers/_pins.py``) of Llama's ``apply_rotary_pos_emb`` and ``rotate_half``
+#: (``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``): the formula
+#: ``kernel_src/rope.py`` reproduces.
+PINS = ("llama.apply_rotary_pos_emb", "llama.rotate_half")
 
 
 def wrapped_function(cls: type):
@@ -56,14 +57,13 @@ def _llama_functions():
 def computes_llama_rope(cls: type) -> bool:
     """True if the ``Func`` class ``cls`` wraps a function computing Llama's RoPE formula: same code
     as Llama's ``apply_rotary_pos_emb``, resolving ``rotate_half`` to the same code as Llama's, and
-    Llama's pair still being the transformers 5.22.2 formula (:data:`LLAMA_ROPE_DIGESTS`). Once per
+    Llama's pair still being the pinned formula (:data:`PINS`). Once per
     class; a constant under ``torch.compile`` (:func:`~._match.class_verdict`)."""
     fn = wrapped_function(cls)
     llama_fn, llama_rotate = _llama_functions()
     rotate = getattr(fn, "__globals__", {}).get("rotate_half")
     return (fn is not None and llama_fn is not None
-            and (statements_digest(llama_fn), statements_digest(llama_rotate)) == LLAMA_ROPE_DIGESTS
-            and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
+            and all(holds(p) for p in PINS) and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
 
 
 def _function_name(cls: type) -> str:

@@ -27,14 +27,15 @@ from torch import nn
 from transformers.modeling_rope_utils import dynamic_rope_update
 
 from ..ops.rope_cos_sin import rope_cos_sin
-from ._match import same_code, statements_digest
+from ._match import same_code
+from ._pins import TRANSFORMERS, holds
 from .patch import restore_forwards, swap_forwards
 
 logger = logging.getLogger("cutile_kernels")
 
-#: ``statements_digest`` of the undecorated ``LlamaRotaryEmbedding.forward`` in transformers
-#: 5.22.2: the formula ``kernel_src/rope_cos_sin.py`` reproduces. Another formula patches nothing.
-LLAMA_ROTARY_DIGEST = "a002b01d1bd09ade"
+#: The pin (``layers/_pins.py``) of the undecorated ``LlamaRotaryEmbedding.forward``: the formula
+#: ``kernel_src/rope_cos_sin.py`` reproduces. Another formula patches nothing.
+PIN = "llama.LlamaRotaryEmbedding.forward"
 
 
 def _wrappers(fn) -> list:
@@ -50,13 +51,13 @@ def _wrappers(fn) -> list:
 def rotary_verdict(cls: type) -> str | None:
     """Why ``cls`` (a rotary embedding class) does not take our forward, or None if it does: its
     ``forward`` must be ``LlamaRotaryEmbedding.forward``'s code under the same decorators
-    (``torch.no_grad``, ``dynamic_rope_update``), and that forward must still be the transformers
-    5.22.2 formula (:data:`LLAMA_ROTARY_DIGEST`)."""
+    (``torch.no_grad``, ``dynamic_rope_update``), and that forward must still be the pinned
+    formula (:data:`PIN`)."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     ref = _wrappers(LlamaRotaryEmbedding.forward)
-    if statements_digest(ref[-1]) != LLAMA_ROTARY_DIGEST:
-        return "this transformers' LlamaRotaryEmbedding.forward is not the one the kernel reproduces (5.22.2)"
+    if not holds(PIN):
+        return f"this transformers' LlamaRotaryEmbedding.forward is not the one the kernel reproduces ({TRANSFORMERS})"
     got = _wrappers(getattr(cls, "forward", None))
     if len(got) != len(ref) or not all(same_code(a, b) for a, b in zip(got, ref)):
         return "its forward is not LlamaRotaryEmbedding.forward's code (with the same decorators)"
@@ -109,5 +110,5 @@ def unpatch_rotary_embeddings(model: nn.Module) -> int:
     return restore_forwards(model, "rope_cos_sin", CutileRotaryEmbedding.forward)
 
 
-__all__ = ["LLAMA_ROTARY_DIGEST", "CutileRotaryEmbedding", "patch_rotary_embeddings", "rotary_verdict",
+__all__ = ["PIN", "CutileRotaryEmbedding", "patch_rotary_embeddings", "rotary_verdict",
            "unpatch_rotary_embeddings"]

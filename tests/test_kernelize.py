@@ -416,15 +416,16 @@ def test_layer_runs_only_for_llama_formula_classes(caplog):
     assert "GptOssRMSNorm is not LlamaRMSNorm's formula" in caplog.text
 
 
-def test_rms_norm_gate_is_pinned_to_the_transformers_formula(monkeypatch):
+def test_rms_norm_gate_is_pinned_to_the_transformers_formula(change_pin):
     """A later transformers whose LlamaRMSNorm.forward differs turns the kernel path off for every
     copy (the bytecode check alone would follow it)."""
+    from cutile_kernels.layers import _pins
     from cutile_kernels.layers import norm as norm_layers
     from cutile_kernels.layers._match import statements_digest
 
-    assert statements_digest(LlamaRMSNorm.forward) == norm_layers.LLAMA_RMS_NORM_DIGEST
+    assert statements_digest(LlamaRMSNorm.forward) == _pins.PINS[norm_layers.PIN].digest
     norm_layers.computes_llama_rms_norm.cache_clear()
-    monkeypatch.setattr(norm_layers, "LLAMA_RMS_NORM_DIGEST", "0" * 16)
+    change_pin(norm_layers.PIN)
     try:
         assert not norm_layers.computes_llama_rms_norm(LlamaRMSNorm)
     finally:

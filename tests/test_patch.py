@@ -355,7 +355,9 @@ def test_the_four_families_have_llama_decoder_code():
 
     from cutile_kernels.layers._match import statements_digest
 
-    assert statements_digest(LlamaDecoderLayer.forward) == patcher.LLAMA_DECODER_DIGEST
+    from cutile_kernels.layers._pins import PINS
+
+    assert statements_digest(LlamaDecoderLayer.forward) == PINS[patcher.DECODER_PIN].digest
     for cls in (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer):
         assert patcher.decoder_verdict(cls) is None, cls
 

@@ -321,7 +321,9 @@ def test_patch_is_registered_by_default():
 def test_pinned_digest_is_this_transformers():
     from cutile_kernels.layers._match import statements_digest
 
-    assert statements_digest(modeling_qwen3.Qwen3Attention.forward) == layer.QWEN3_ATTENTION_DIGEST
+    from cutile_kernels.layers._pins import PINS
+
+    assert statements_digest(modeling_qwen3.Qwen3Attention.forward) == PINS[layer.PIN].digest
     assert layer.attention_verdict(modeling_qwen3.Qwen3Attention) is None
 
 

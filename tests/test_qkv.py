@@ -147,8 +147,10 @@ def test_modules_whose_projections_cannot_stack_are_left_alone(caplog):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_changed_transformers_forward_fuses_nothing(name, monkeypatch, caplog):
+    from cutile_kernels.layers import _pins
+
     model = _model(name)
-    monkeypatch.setattr(qkv_layers, "statements_digest", lambda fn: "0" * 16)  # another transformers
+    monkeypatch.setattr(_pins, "statements_digest", lambda fn: "0" * 16)  # another transformers
     with caplog.at_level("INFO", logger="cutile_kernels"):
         assert fuse_qkv(model) == 0
     assert (f"left 2 {STOCK_CLASSES[name]} with separate q/k/v projections: this transformers' "
@@ -156,10 +158,8 @@ def test_a_changed_transformers_forward_fuses_nothing(name, monkeypatch, caplog)
     assert not any(hasattr(m, FUSED_NAME) for m in model.modules())
 
 
-def test_a_changed_digest_constant_leaves_only_that_family_alone(monkeypatch):
-    digests = dict(qkv_layers.REFERENCE_DIGESTS)
-    digests[("llama", "LlamaAttention")] = ("0" * 16, digests[("llama", "LlamaAttention")][1])
-    monkeypatch.setattr(qkv_layers, "REFERENCE_DIGESTS", digests)
+def test_a_changed_digest_constant_leaves_only_that_family_alone(change_pin):
+    change_pin("llama.LlamaAttention.forward")
     assert fuse_qkv(_model("llama")) == 0
     assert fuse_qkv(_model("mistral")) == 2
 

@@ -285,7 +285,10 @@ def test_pinned_digests_are_this_transformers():
     from cutile_kernels.layers._match import statements_digest
 
     llama = wrapped_function(type(modeling_llama.apply_rotary_pos_emb))
-    assert (statements_digest(llama), statements_digest(modeling_llama.rotate_half)) == rope_layer.LLAMA_ROPE_DIGESTS
+    from cutile_kernels.layers._pins import PINS
+
+    assert (statements_digest(llama), statements_digest(modeling_llama.rotate_half)) == tuple(
+        PINS[p].digest for p in rope_layer.PINS)
 
 
 @pytest.mark.slow

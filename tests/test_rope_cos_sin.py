@@ -324,7 +324,10 @@ def test_instance_forwards_are_left_alone(caplog):
 def test_pinned_digest_is_this_transformers():
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    assert layer.statements_digest(layer._wrappers(LlamaRotaryEmbedding.forward)[-1]) == layer.LLAMA_ROTARY_DIGEST
+    from cutile_kernels.layers._match import statements_digest
+    from cutile_kernels.layers._pins import PINS
+
+    assert statements_digest(layer._wrappers(LlamaRotaryEmbedding.forward)[-1]) == PINS[layer.PIN].digest
     assert layer.rotary_verdict(LlamaRotaryEmbedding) is None
 
 

@@ -9,6 +9,7 @@
     cutile-kernels kernel-table       each kernel against the stock code path, device time and roofline (CUDA)
     cutile-kernels autokernelize M    rank uncovered regions, --scaffold one, --score a written kernel
     cutile-kernels publish            the build as a Hugging Face kernel repo (--dry-run: stage only)
+    cutile-kernels pins check         which pinned transformers functions still hold (diffs of the rest)
 """
 
 from __future__ import annotations
@@ -121,6 +122,19 @@ def _info(args) -> int:
     return 0
 
 
+def _pins_check(args) -> int:
+    from . import pins
+
+    return pins.main_check(args.json)
+
+
+def _pins_record(args) -> int:
+    from . import pins
+
+    print(pins.record())
+    return 0
+
+
 def _version(dist: str) -> str | None:
     import importlib.metadata
 
@@ -206,6 +220,14 @@ def main(argv=None) -> int:
     i = sub.add_parser("info", help="what this install has", description="The build, its archs and variants, "
                        "whether a CUDA GPU is there and whether JIT is available, as JSON.")
     i.set_defaults(func=_info)
+
+    n = sub.add_parser("pins", help="which pinned transformers functions still hold; diffs of the others")
+    nsub = n.add_subparsers(dest="pins_cmd", required=True, metavar="COMMAND")
+    nc = nsub.add_parser("check", help="each pin: holds, changed (with a unified diff) or missing; exit 1 unless all hold")
+    nc.add_argument("--json", action="store_true")
+    nc.set_defaults(func=_pins_check)
+    nr = nsub.add_parser("record", help="write the pinned functions' sources (after updating the digests)")
+    nr.set_defaults(func=_pins_record)
 
     from .inventory_cli import add_parsers as add_inventory_parsers
 

@@ -1,0 +1,127 @@
+"""The transformers code we reproduce or match, in one table, pinned to the release it was read in.
+
+Every kernel path and patch of ours computes some transformers function's math (``LlamaRMSNorm``'s
+rounding order, ``LlamaDecoderLayer.forward``'s residual stream, ...). Each such function is a
+:class:`Pin`: where it lives, the :func:`~._match.statements_digest` of its body in
+:data:`TRANSFORMERS`, and what of ours relies on it. A verdict asks :func:`holds` before it lets
+our code run for a class: a transformers release that changes a pinned function turns the kernel
+path or patch that relies on it off (the stock forward runs, with a log line), never on changed
+code. ``cutile-kernels pins check`` tells which pins hold for the installed transformers and shows
+the diff of each that does not (the pinned sources are kept beside the tools), so moving to a new
+release is reading those diffs, updating the reproductions and the digests here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ._match import statements_digest
+
+#: The transformers release every pin was read in.
+TRANSFORMERS = "5.22.2"
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One pinned transformers function.
+
+    Attributes:
+        module: the modeling module's short name (``"llama"`` for
+            ``transformers.models.llama.modeling_llama``), or a dotted module path under
+            ``transformers`` (``"integrations.sdpa_attention"``).
+        qualname: the function in it (``"LlamaRMSNorm.forward"``, ``"rotate_half"``); a function
+            the hub decorator turned into a ``kernels`` module (``apply_rotary_pos_emb``) is the
+            function it wraps, a decorated method the undecorated one (as ``inspect`` unwraps it).
+        digest: its :func:`~._match.statements_digest` in :data:`TRANSFORMERS`.
+        used_by: what of ours computes or relies on it (for reports).
+        gates: our code for it runs only while it holds (a reproduced formula or forward); False
+            for code we follow but do not reproduce (an interface's contract): reported only.
+    """
+
+    module: str
+    qualname: str
+    digest: str
+    used_by: str
+    gates: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+    def function(self):
+        """The installed transformers' function (None when it is gone)."""
+        path = (f"transformers.{self.module}" if "." in self.module
+                else f"transformers.models.{self.module}.modeling_{self.module}")
+        try:
+            obj = importlib.import_module(path)
+            for part in self.qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            return None
+        wrapped = _kernels_func(obj)
+        return wrapped if wrapped is not None else obj
+
+
+def _kernels_func(obj):
+    # The Python function a ``kernels`` ``Func`` module wraps (its forward's closure), or None.
+    import inspect
+
+    forward = getattr(type(obj), "forward", None)
+    if forward is None or not hasattr(type(obj), "kernel_layer_name"):
+        return None
+    try:
+        return inspect.getclosurevars(forward).nonlocals.get("func")
+    except (TypeError, ValueError):
+        return None
+
+
+#: name -> Pin. The digests are those of transformers 5.22.2 (:data:`TRANSFORMERS`).
+PINS: dict[str, Pin] = {p.name: p for p in (
+    Pin("llama", "LlamaRMSNorm.forward", "50b8139e32eaccc8",
+        "the RMSNorm hub layer and every norm fusion (rms_norm, add_rms_norm, qk_norm_rope kernels)"),
+    Pin("llama", "apply_rotary_pos_emb", "257620718ecff20c", "the rotary_pos_emb hub layer (rope kernel)"),
+    Pin("llama", "rotate_half", "b92c1a98279c25d0", "the rotary_pos_emb hub layer and qk_norm_rope (rope kernel)"),
+    Pin("llama", "LlamaRotaryEmbedding.forward", "a002b01d1bd09ade", "patch rope_cos_sin (rope_cos_sin kernel)"),
+    Pin("llama", "LlamaDecoderLayer.forward", "b139d1b607c01194", "patch decoder_add_rms_norm (its fused forward)"),
+    Pin("llama", "LlamaMLP.forward", "5b8abf7af12a4b42", "patch fused_gate_up (silu_and_mul kernel)"),
+    Pin("llama", "LlamaAttention.forward", "edb09e4cdb72174c",
+        "patch fused_qkv and the decoder patch's direct attention call (their reproduced forward)"),
+    Pin("mistral", "MistralAttention.forward", "ea92a9846ca1ecb5",
+        "patch fused_qkv and the decoder patch's direct attention call (their reproduced forward)"),
+    Pin("qwen2", "Qwen2Attention.forward", "992c57d97163d600",
+        "patch fused_qkv and the decoder patch's direct attention call (their reproduced forward)"),
+    Pin("qwen3", "Qwen3Attention.forward", "457e3a53f1f0cfb6", "patch qk_norm_rope (its fused forward)"),
+    # Matched, not reproduced: our code follows their contract (gates=False). Reported by
+    # `pins check`; nothing asks them at run time.
+    Pin("llama", "LlamaModel.forward", "b9c0eae1e2b38972", "patch decoder_add_rms_norm's cross-layer handoff under "
+        "inference_mode (its layer loop, verified when patched)", gates=False),
+    Pin("integrations.sdpa_attention", "sdpa_attention_forward", "c356aebf5d0f5113",
+        "attn_implementation='cutile' (cutile_attention_forward takes sdpa's arguments and masks)", gates=False),
+    Pin("integrations.hub_kernels", "kernelize", "e45cac02bd1557ef", "kernel_config() through from_pretrained (the swap "
+        "after CutileKernelConfig.create_compatible_mapping)", gates=False),
+    Pin("integrations.hub_kernels", "register_kernel_replacements_and_fusions", "98c8832e89270c64",
+        "CutileKernelConfig (unwraps the (repo, metadata) tuples this function writes)", gates=False),
+    Pin("utils.kernel_config", "KernelConfig.create_compatible_mapping", "2486ed7b90f8a63f",
+        "CutileKernelConfig.create_compatible_mapping (calls it for CUDA models)", gates=False),
+    Pin("utils.kernel_config", "KernelConfig.sanitize_kernel_mapping", "af34dae3c640b84b",
+        "CutileKernelConfig.sanitize_kernel_mapping (drops names the model lacks, then calls it)", gates=False),
+)}
+
+
+def digest_now(name: str) -> str | None:
+    """The pinned function's digest in the installed transformers (None: gone, or no source)."""
+    fn = PINS[name].function()
+    return None if fn is None else statements_digest(fn)
+
+
+def holds(name: str) -> bool:
+    """Whether the installed transformers' function still has the pinned statements.
+
+    Raises:
+        KeyError: no such pin.
+    """
+    return digest_now(name) == PINS[name].digest
+
+
+__all__ = ["PINS", "TRANSFORMERS", "Pin", "digest_now", "holds"]
