@@ -2,26 +2,16 @@
 that apply it (:func:`kernel_config` for ``from_pretrained``, :func:`kernelize` for a loaded model).
 
 Each op-family module here defines its layer classes and a ``MAPPING`` of transformers hub layer
-names to them; :data:`MAPPING` gathers those rows, so adding a layer edits only its own module.
+names to them, each feature module its patches (``PATCH_ROWS``); ``_registry.py`` gathers both, so
+adding a layer or a patch edits only its own module.
 """
 
 from __future__ import annotations
 
-from . import norm, rope
+from ._registry import MAPPING
+from .attention import cutile_attention_forward, register_attention
 from .norm import CutileRMSNorm
 from .rope import CutileRotaryPosEmb
-
-_FAMILY_MODULES = (norm, rope)
-
-#: transformers hub layer name -> class name in this package, gathered from the family modules.
-MAPPING: dict[str, str] = {}
-for _mod in _FAMILY_MODULES:
-    for _hub_name, _cls_name in _mod.MAPPING.items():
-        if _hub_name in MAPPING:
-            raise RuntimeError(f"hub layer {_hub_name!r} is mapped twice")
-        MAPPING[_hub_name] = _cls_name
-
-from .attention import cutile_attention_forward, register_attention  # noqa: E402
 
 # attn_implementation="cutile" works as soon as the package is imported.
 register_attention()

@@ -20,7 +20,7 @@ from pathlib import Path
 from transformers import KernelConfig
 
 from .. import dispatch, registry
-from . import MAPPING
+from ._registry import MAPPING
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -123,7 +123,7 @@ class CutileKernelConfig(KernelConfig):
         super().create_compatible_mapping(model, compile=compile)
         _log_kernelized(model, mapped, "from_pretrained")
         if self.patch_model:
-            from .patch import patch
+            from ._patching import patch
 
             patch(model, names=_patch_names(self.exclude_patches, self.include_patches))
 
@@ -180,7 +180,7 @@ def _log_kernelized(model, mapped, how: str) -> None:
 
 def _patch_names(exclude=(), include=()) -> list[str]:
     """The patches a config applies: the default ones but ``exclude``, plus the opt-in ``include``."""
-    from .patch import PATCHES
+    from ._patching import PATCHES
 
     return [n for n, p in PATCHES.items() if (p.default or n in include) and n not in exclude]
 
@@ -223,8 +223,7 @@ def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
             path, dtype=torch.bfloat16, device_map="cuda",
             use_kernels=True, kernel_config=cutile_kernels.kernel_config())
     """
-    from . import MAPPING
-    from .patch import PATCHES
+    from ._patching import PATCHES
 
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
     include = _names(include, "include", set(PATCHES))
@@ -276,7 +275,7 @@ def kernelize(model, mode=None, build_dir=None):
     _quiet_kernels_warnings()
     with use_kernel_mapping(mapping, inherit_mapping=False):
         kernels_kernelize(model, mode=mode, device="cuda", use_fallback=True)
-    from .patch import patch
+    from ._patching import patch
 
     patch(model)
     return model

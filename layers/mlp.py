@@ -42,6 +42,7 @@ from ..ops.activation import silu, silu_and_mul_fused
 from ._direct import linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
+from ._patching import Patch
 from ._pins import TRANSFORMERS, holds
 
 logger = logging.getLogger("cutile_kernels")
@@ -220,3 +221,8 @@ def unfuse_mlp(model: nn.Module) -> int:
 #: prefill (27.9 vs 19.6 us at 2048 x 8192 bf16, benchmarks/results/h200-2026-11-30b), and alone it
 #: saves no launch. The fused MLP (patch ``fused_gate_up``) is what runs in models.
 MAPPING = {"SiLU": "CutileSiLU"}
+
+
+#: This module's patch row (gathered by ``layers/_registry.py``, after the decoder patch).
+PATCH_ROWS = [Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
+                    description="gate_proj and up_proj of each SwiGLU MLP as one GEMM, then our silu_and_mul")]

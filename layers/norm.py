@@ -39,6 +39,19 @@ def computes_llama_rms_norm(cls: type) -> bool:
     return holds(PIN) and same_code(getattr(cls, "forward", None), LlamaRMSNorm.forward)
 
 
+def is_llama_norm(m) -> bool:
+    """Whether module ``m`` is a Llama-formula RMSNorm (:func:`computes_llama_rms_norm`) with a
+    ``weight`` tensor and ``variance_epsilon``, whose forward is its class's (also when bound on
+    the instance, as ``kernels``' fallback does for a layer it leaves stock) or
+    :class:`CutileRMSNorm`'s (same formula): what the fusions may compute in its place."""
+    if not (computes_llama_rms_norm(type(m)) and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and hasattr(m, "variance_epsilon")):
+        return False
+    fwd = getattr(m.__dict__.get("forward"), "__func__", None) if "forward" in m.__dict__ else type(m).forward
+    # By name: kernelize binds the layer of the build's copy of this package, another function object.
+    return fwd is type(m).forward or getattr(fwd, "__qualname__", "") == "CutileRMSNorm.forward"
+
+
 class CutileRMSNorm(nn.Module):
     """``LlamaRMSNorm.forward`` on the cuTile RMSNorm kernel (inference only).
 

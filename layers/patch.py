@@ -1,36 +1,12 @@
-"""The fallback patcher: changes to a loaded model that the kernelize mapping cannot express.
+"""Patch ``decoder_add_rms_norm``: the decoder layers' residual adds fused into the RMSNorms that
+follow them (see :func:`fuse_decoder_layers`), and the patch API.
 
-transformers' hub hooks let ``kernels`` swap the forward of decorated layers and functions
-(``layers.MAPPING``). Everything else is a *patch* registered here: fusions that cross module
-boundaries, forwards of undecorated classes, attention registration, weight fusion at load (and
-un-fusion at save). :func:`patch` applies the registered patches to a model in place,
-:func:`unpatch` undoes them; ``cutile_kernels.kernelize`` and ``kernel_config`` call
-:func:`patch` on CUDA models.
-
-A patch is two functions (see :class:`Patch`): ``apply(model) -> int`` changes the model in place
-and returns how many modules it changed (0: nothing here for it, or already applied), is
-idempotent, and logs what it changed and what it left alone and why; ``undo(model) -> int``
-restores what ``apply`` changed. A patch that changes parameters or buffers sets
-``changes_weights``: :func:`patch` then wraps the model's ``save_pretrained`` so that a save
-undoes it first and re-applies it after, and the checkpoint has the stock keys and bytes.
-
-Adding one, e.g. fused gate/up projections (``layers/mlp.py``, whose ``fuse_mlp``/``unfuse_mlp``
-have this contract), is one call at the end of this module::
-
-    from .mlp import fuse_mlp, unfuse_mlp
-
-    register(Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
-                   description="gate_proj and up_proj of each MLP as one GEMM"))
-
-(``changes_weights=True`` is for a patch whose own ``state_dict`` does not already give back the
-stock keys; mlp.py's hooks do.)
-
-The first patch here, ``decoder_add_rms_norm``, fuses the decoder layer's residual adds into the
-RMSNorms that follow them (see :func:`fuse_decoder_layers`); ``fused_gate_up`` (``mlp.py``) stacks
-the SwiGLU gate/up projections; ``rope_cos_sin`` (``rope_cos_sin.py``) computes the rotary
-embedding's cos/sin tables in one launch; ``qk_norm_rope`` (``qk_norm_rope.py``) runs
-Qwen3 attention's q_norm, k_norm and RoPE in one launch; ``fused_qkv`` (``qkv.py``) stacks the
-q/k/v projections of Llama, Mistral and Qwen2 attention into one GEMM.
+The mechanism (``Patch``, the registry, :func:`patch` / :func:`unpatch`, the save wrapper) lives in
+``layers/_patching.py``; each feature module declares its patches (``PATCH_ROWS``) and
+``layers/_registry.py`` gathers them in apply order: ``decoder_add_rms_norm`` (here),
+``fused_gate_up`` (``mlp.py``), ``rope_cos_sin`` (``rope_cos_sin.py``), ``qk_norm_rope``
+(``qk_norm_rope.py``), ``fused_qkv`` (``qkv.py``). This module re-exports the API
+(``cutile_kernels.patch`` is :func:`patch`), so ``cutile_kernels.layers.patch`` keeps working.
 """
 
 from __future__ import annotations
@@ -41,10 +17,6 @@ import inspect
 import logging
 import sys
 import textwrap
-import types
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
@@ -52,170 +24,13 @@ from torch import nn
 from ..ops.norm import add_rms_norm
 from ._direct import call, direct_ok
 from ._match import same_code
+from ._patching import (PATCHES, TRANSPARENT_HOOK, Patch, PatchReport, _blocking, _unhooked, applied, patch,
+                        register, restore_forwards, swap_forwards, swapped, unpatch)
 from ._pins import TRANSFORMERS, holds
-from .norm import computes_llama_rms_norm
+from .norm import is_llama_norm
 from .qkv import reproduced_forward, stock_forward_parts
 
 logger = logging.getLogger("cutile_kernels")
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One registered patch.
-
-    Attributes:
-        name: unique key (``decoder_add_rms_norm``), used in reports and ``patch(model, names=...)``.
-        apply: ``apply(model) -> int``, see the module docstring.
-        undo: ``undo(model) -> int``, or None when the patch cannot be undone.
-        description: one line for logs and reports.
-        changes_weights: apply changes parameters or buffers; saves are wrapped (module docstring).
-        default: applied by ``patch(model)`` without names (and so by ``kernel_config`` /
-            ``kernelize``); False for an opt-in patch, applied only when named (one whose
-            end-to-end benefit has not been shown, e.g. a candidate autokernelize discarded).
-    """
-
-    name: str
-    apply: Callable[[nn.Module], int]
-    undo: Callable[[nn.Module], int] | None = None
-    description: str = ""
-    changes_weights: bool = False
-    default: bool = True
-
-
-@dataclass
-class PatchReport:
-    """What one :func:`patch` or :func:`unpatch` call did.
-
-    Attributes:
-        changed: patch name -> modules changed by this call (0: nothing to do, or already done).
-        active: names of the patches in effect on the model after the call, in apply order.
-    """
-
-    changed: dict[str, int] = field(default_factory=dict)
-    active: list[str] = field(default_factory=list)
-
-
-#: The registered patches, in apply order (undone in reverse order).
-PATCHES: dict[str, Patch] = {}
-
-#: Attribute of the model (plain, not a submodule) holding {patch name: modules changed}.
-_STATE = "_cutile_patches"
-
-
-def register(p: Patch, replace: bool = False) -> Patch:
-    """Add a patch to the registry (appended to the apply order) and return it.
-
-    Raises:
-        ValueError: a patch of that name is registered and ``replace`` is False.
-    """
-    if p.name in PATCHES and not replace:
-        raise ValueError(f"a patch named {p.name!r} is already registered")
-    PATCHES[p.name] = p
-    return p
-
-
-def _select(names, defaults_only: bool = False) -> list[Patch]:
-    if names is None:
-        return [p for p in PATCHES.values() if p.default or not defaults_only]
-    names = [names] if isinstance(names, str) else list(names)
-    unknown = [n for n in names if n not in PATCHES]
-    if unknown:
-        raise KeyError(f"unknown patch(es) {unknown}; registered: {list(PATCHES)}")
-    return [PATCHES[n] for n in PATCHES if n in names]
-
-
-def _state(model: nn.Module) -> dict[str, int]:
-    state = model.__dict__.get(_STATE)
-    if state is None:
-        state = {}
-        model.__dict__[_STATE] = state
-    return state
-
-
-def applied(model: nn.Module) -> dict[str, int]:
-    """{patch name: modules it changed} for the patches in effect on ``model``."""
-    return dict(model.__dict__.get(_STATE, {}))
-
-
-def patch(model: nn.Module, names=None) -> PatchReport:
-    """Apply the registered patches (or only ``names``) to ``model`` in place.
-
-    Idempotent: a patch already in effect changes nothing more; calling it again after new
-    modules appeared patches those. Works on a model loaded long before (nothing is hooked into
-    loading). On a CPU model the patched forwards compute the stock formulas (the ops' reference
-    paths), so results do not change.
-
-    Args:
-        model: a loaded ``nn.Module`` (usually a transformers ``PreTrainedModel``).
-        names: a patch name or names (default: every registered patch whose ``default`` is
-            True; opt-in patches only when named).
-
-    Returns:
-        A :class:`PatchReport`.
-
-    Raises:
-        KeyError: an unknown name in ``names``.
-    """
-    state = _state(model)
-    report = PatchReport()
-    selected = _select(names, defaults_only=True)
-    try:
-        for p in selected:
-            # Marked in effect before it runs: a patch that raises part-way has changed some
-            # modules, and unpatch must still undo them (the undos scan the model).
-            state.setdefault(p.name, 0)
-            n = int(p.apply(model))
-            report.changed[p.name] = n
-            state[p.name] += n
-            if not state[p.name]:
-                del state[p.name]
-    finally:
-        _sync_save_wrapper(model)
-    report.active = list(state)
-    return report
-
-
-def unpatch(model: nn.Module, names=None) -> PatchReport:
-    """Undo the patches in effect on ``model`` (or only ``names``), in reverse apply order.
-
-    A patch without ``undo`` stays in effect and logs a warning.
-
-    Returns:
-        A :class:`PatchReport` whose ``changed`` counts the modules restored.
-    """
-    state = _state(model)
-    report = PatchReport()
-    for p in reversed(_select(names)):
-        if p.name not in state:
-            continue
-        if p.undo is None:
-            logger.warning("cutile_kernels: patch %s cannot be undone; it stays in effect", p.name)
-            continue
-        report.changed[p.name] = int(p.undo(model))
-        del state[p.name]
-    _sync_save_wrapper(model)
-    report.active = list(state)
-    return report
-
-
-def _patched_save_pretrained(self, *args, **kwargs):
-    # Saves the stock checkpoint: weight-changing patches are undone for the save, then re-applied.
-    names = [n for n in applied(self) if PATCHES[n].changes_weights]
-    unpatch(self, names)
-    try:
-        return type(self).save_pretrained(self, *args, **kwargs)
-    finally:
-        patch(self, names)
-
-
-def _sync_save_wrapper(model: nn.Module) -> None:
-    wants = any(PATCHES[n].changes_weights for n in applied(model) if n in PATCHES)
-    current = model.__dict__.get("save_pretrained")
-    ours = getattr(current, "__func__", None) is _patched_save_pretrained
-    if wants and current is None and hasattr(type(model), "save_pretrained"):
-        model.save_pretrained = types.MethodType(_patched_save_pretrained, model)
-    elif not wants and ours:
-        del model.__dict__["save_pretrained"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,32 +171,6 @@ def decoder_verdict(cls: type) -> str | None:
     return None
 
 
-def _llama_norm(m) -> bool:
-    # A Llama-formula RMSNorm whose forward is its class's (also when bound on the instance, as
-    # kernels' fallback does for a layer it leaves stock) or our CutileRMSNorm (same formula).
-    if not (computes_llama_rms_norm(type(m)) and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and hasattr(m, "variance_epsilon")):
-        return False
-    fwd = getattr(m.__dict__.get("forward"), "__func__", None) if "forward" in m.__dict__ else type(m).forward
-    return fwd is type(m).forward or getattr(fwd, "__qualname__", "") == "CutileRMSNorm.forward"
-
-
-#: A forward hook whose function carries this attribute (set to True) only observes, e.g. the
-#: bench's profiler ranges: the fusions may skip it, as they skip the norm module it hooks.
-TRANSPARENT_HOOK = "_cutile_transparent"
-
-
-def _blocking(hooks) -> bool:
-    return any(not getattr(h, TRANSPARENT_HOOK, False) for h in hooks.values())
-
-
-def _unhooked(m: nn.Module) -> bool:
-    # Calling the fused op instead of the norm module would skip its hooks.
-    return not (_blocking(m._forward_hooks) or _blocking(m._forward_pre_hooks) or m._backward_hooks
-                or _blocking(nn.modules.module._global_forward_hooks)
-                or _blocking(nn.modules.module._global_forward_pre_hooks))
-
-
 def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                            use_cache=False, position_embeddings=None, **kwargs):
     """``LlamaDecoderLayer.forward`` (5.22.2) with the attention block's residual add fused into
@@ -447,67 +236,13 @@ def _may_hand_off(layer: nn.Module, nxt: _Inbox, hidden_states: torch.Tensor) ->
             and _in_loop(nxt.loop))
 
 
-def swapped(m: nn.Module, forward) -> bool:
-    """Whether ``m``'s instance forward is ``forward`` bound to it (a patch's own swap)."""
-    return getattr(m.__dict__.get("forward"), "__func__", None) is forward
-
-
-def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict, done: str,
-                  prepare=None) -> Counter:
-    """The mechanism of the patches that replace a module's forward: bind ``forward`` to every
-    module of ``model`` that ``candidate(m)`` selects, is not swapped yet, has ``verdict(m)`` None
-    (else the string says why not) and whose instance forward nobody else replaced (e.g.
-    accelerate's device hooks); ``prepare(m)`` runs first on each. Logs per class what was done
-    (``done`` formatted with ``n`` and ``cls``) and what was left alone and why.
-
-    Returns:
-        {class name: modules newly swapped}.
-    """
-    new, refused = Counter(), Counter()
-    reasons: dict[str, str] = {}
-    for _, m in model.named_modules():
-        if not candidate(m) or swapped(m, forward):
-            continue
-        name = type(m).__name__
-        why = verdict(m)
-        if why is None and "forward" in m.__dict__:
-            why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
-        if why is not None:
-            refused[name] += 1
-            reasons[name] = why
-            continue
-        if prepare is not None:
-            prepare(m)
-        m.forward = types.MethodType(forward, m)
-        new[name] += 1
-    for name, n in new.items():
-        logger.info("cutile_kernels: patch %s: %s", patch_name, done.format(n=n, cls=name))
-    for name, n in refused.items():
-        logger.info("cutile_kernels: patch %s leaves %d %s alone: %s", patch_name, n, name, reasons[name])
-    return new
-
-
-def restore_forwards(model: nn.Module, patch_name: str, forward, attrs=(), noun: str = "modules") -> int:
-    """Undo :func:`swap_forwards`: drop the instance forward (and the instance ``attrs``) of every
-    module swapped to ``forward``, so the class forward runs again. Returns the modules restored."""
-    n = 0
-    for _, m in model.named_modules():
-        if swapped(m, forward):
-            for attr in ("forward", *attrs):
-                m.__dict__.pop(attr, None)
-            n += 1
-    if n:
-        logger.info("cutile_kernels: patch %s undone on %d %s", patch_name, n, noun)
-    return n
-
-
 def _is_fused(layer: nn.Module) -> bool:
     return swapped(layer, _fused_decoder_forward)
 
 
 def _decoder_verdict(m: nn.Module) -> str | None:
     why = decoder_verdict(type(m))
-    if why is None and not _llama_norm(m.post_attention_layernorm):
+    if why is None and not is_llama_norm(m.post_attention_layernorm):
         why = "its post_attention_layernorm is not a Llama-formula RMSNorm"
     return why
 
@@ -575,7 +310,7 @@ def _link_layers(model: nn.Module) -> int:
         owner = modules.get(parent) if name else None
         layers = list(seq)
         for a, b in zip(layers, layers[1:]):
-            if _is_fused(a) and _is_fused(b) and _llama_norm(b.input_layernorm):
+            if _is_fused(a) and _is_fused(b) and is_llama_norm(b.input_layernorm):
                 inbox = b.__dict__["_cutile_inbox"]
                 if inbox is None or inbox.norm is not b.input_layernorm:
                     inbox = _Inbox(b.input_layernorm, b, _loop_of(owner, attr))
@@ -595,32 +330,10 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
                             attrs=("_cutile_inbox", "_cutile_next"), noun="layers")
 
 
-register(Patch("decoder_add_rms_norm", apply=fuse_decoder_layers, undo=unfuse_decoder_layers,
-               description="residual add + RMSNorm fused in Llama-style decoder layers, within and across layers"))
+#: This module's patch row (gathered by ``layers/_registry.py``).
+PATCH_ROWS = [Patch("decoder_add_rms_norm", apply=fuse_decoder_layers, undo=unfuse_decoder_layers,
+                    description="residual add + RMSNorm fused in Llama-style decoder layers, within and across layers")]
 
-from .mlp import fuse_mlp, unfuse_mlp  # noqa: E402 - registered after the decoder patch, applied after it
-
-register(Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
-               description="gate_proj and up_proj of each SwiGLU MLP as one GEMM, then our silu_and_mul"))
-
-from .rope_cos_sin import patch_rotary_embeddings, unpatch_rotary_embeddings  # noqa: E402
-
-# Opt-in: autokernelize discarded it on the H200 (2026-11-30; benchmarks/results/autokernelize.tsv):
-# correct everywhere, but no throughput gain that the bench could tell from the host's drift.
-register(Patch("rope_cos_sin", apply=patch_rotary_embeddings, undo=unpatch_rotary_embeddings,
-               description="the rotary embedding's cos/sin tables (LlamaRotaryEmbedding code) on one cuTile launch",
-               default=False))
-
-from .qk_norm_rope import patch_qk_norm_rope, unpatch_qk_norm_rope  # noqa: E402
-
-# Default since autokernelize kept it on the H200 (2026-11-30, qwen3-0.6b: prefill 18.8 -> 16.7 ms,
-# decode b16 870 -> 952 tok/s against our build without it; benchmarks/results/autokernelize.tsv).
-register(Patch("qk_norm_rope", apply=patch_qk_norm_rope, undo=unpatch_qk_norm_rope,
-               description="Qwen3 attention's q_norm, k_norm and RoPE (Qwen3Attention code) on one cuTile launch"))
-
-from .qkv import fuse_qkv, unfuse_qkv  # noqa: E402
-
-# Opt-in until the end-to-end bench on the H200 accepts it (cutile+fused_qkv against cutile).
-register(Patch("fused_qkv", apply=fuse_qkv, undo=unfuse_qkv,
-               description="q_proj, k_proj and v_proj of each Llama/Mistral/Qwen2 attention as one GEMM",
-               default=False))
+__all__ = ["PATCHES", "TRANSPARENT_HOOK", "Patch", "PatchReport", "applied", "decoder_verdict", "fuse_decoder_layers",
+           "loop_verdict", "patch", "register", "restore_forwards", "swap_forwards", "swapped", "unfuse_decoder_layers",
+           "unpatch"]

@@ -41,6 +41,7 @@ from torch import nn
 from ._direct import call, linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
+from ._patching import Patch
 from ._pins import TRANSFORMERS, holds
 
 logger = logging.getLogger("cutile_kernels")
@@ -335,3 +336,10 @@ def unfuse_qkv(model: nn.Module) -> int:
 __all__ = ["FUSED_NAME", "REFERENCES", "attention_verdict", "fuse_qkv", "fused_class", "fused_qkv_forward",
            "reproduced_forward", "stock_forward_parts",
            "is_fusable_qkv", "unfuse_qkv", "why_not_fusable_qkv"]
+
+
+#: This module's patch row (gathered by ``layers/_registry.py``). Opt-in until the end-to-end bench
+#: on the H200 accepts it (cutile+fused_qkv against cutile).
+PATCH_ROWS = [Patch("fused_qkv", apply=fuse_qkv, undo=unfuse_qkv,
+                    description="q_proj, k_proj and v_proj of each Llama/Mistral/Qwen2 attention as one GEMM",
+                    default=False)]

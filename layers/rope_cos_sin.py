@@ -29,7 +29,7 @@ from transformers.modeling_rope_utils import dynamic_rope_update
 from ..ops.rope_cos_sin import rope_cos_sin
 from ._match import same_code
 from ._pins import TRANSFORMERS, holds
-from .patch import restore_forwards, swap_forwards
+from ._patching import Patch, restore_forwards, swap_forwards
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -112,3 +112,11 @@ def unpatch_rotary_embeddings(model: nn.Module) -> int:
 
 __all__ = ["PIN", "CutileRotaryEmbedding", "patch_rotary_embeddings", "rotary_verdict",
            "unpatch_rotary_embeddings"]
+
+
+#: This module's patch row (gathered by ``layers/_registry.py``). Opt-in: autokernelize discarded it
+#: on the H200 (2026-11-30; benchmarks/results/autokernelize.tsv): correct everywhere, but no
+#: throughput gain that the bench could tell from the host's drift.
+PATCH_ROWS = [Patch("rope_cos_sin", apply=patch_rotary_embeddings, undo=unpatch_rotary_embeddings,
+                    description="the rotary embedding's cos/sin tables (LlamaRotaryEmbedding code) on one cuTile launch",
+                    default=False)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cutile_kernels_tools import cli, evaluate, fib_schema, inventory
+from cutile_kernels_tools import cli, evaluate, fib_schema, inventory, inventory_families
 
 ROOT = Path(__file__).resolve().parents[1]
 INVENTORY = ROOT / "inventory"
@@ -58,7 +58,7 @@ def test_inventory_validates_for_every_kernel_in_the_tree():
 
 def test_generated_files_are_in_sync_with_the_code():
     inv = inventory.Inventory.load(INVENTORY)
-    gen = inventory.generated(ROOT)
+    gen = inventory_families.generated(ROOT)
     for d in gen["definitions"]:
         assert inv.definitions[d.name].to_dict() == d.to_dict(), f"{d.name}: run `cutile-kernels inventory sync`"
         assert [w.to_dict() for w in inv.workloads[d.name]] == [w.to_dict() for w in gen["workloads"][d.name]]
@@ -224,7 +224,7 @@ def test_stale_sources_workload_mismatch_and_bad_json_fail(copy):
     assert "workload 'bad': scalar input 'eps' must be given a value" in text
     assert "definitions/norm/broken.json" in text
     # sync repairs the stale copy (and only touches what changed)
-    changed = inventory.sync(copy, ROOT)
+    changed = inventory_families.sync(copy, ROOT)
     assert copy / "solutions" / "norm" / "rms_norm_cutile.json" in changed
     assert copy / "workloads" / "norm" / "rms_norm.jsonl" in changed
 

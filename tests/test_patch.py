@@ -75,10 +75,12 @@ def ids():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def scratch_registry(monkeypatch):
-    """A copy of the registry that a test may add to."""
-    monkeypatch.setattr(patcher, "PATCHES", dict(patcher.PATCHES))
+def scratch_registry():
+    """The registry, which a test may add to: restored (the same dict, every importer sees it) after."""
+    saved = dict(patcher.PATCHES)
     yield patcher.PATCHES
+    patcher.PATCHES.clear()
+    patcher.PATCHES.update(saved)
 
 
 def test_registry_has_the_decoder_patch():

@@ -15,8 +15,8 @@
 kernel of ``kernel_src`` has a Solution and a Definition, that every reference's ``run`` takes the
 Definition's inputs in order and returns its outputs, that Workloads fit their Definition, that
 a Solution's sources are the tree's files, and that every Solution compiles for its targets.
-:func:`sync` regenerates what is derived from code: the Definitions of the norm family (here) and
-of the families :mod:`.inventory_families` describes (activation, rope, attention) -- their
+:func:`.inventory_families.sync` regenerates what is derived from code: the Definitions of the norm
+family (here) and of the families :mod:`.inventory_families` describes (activation, rope, attention) -- their
 reference is the source of the ops' reference functions -- their Workloads (the presets' shapes)
 and Solutions, and every Solution's copies of tree files. A new family adds a table entry there, or
 its JSON files (by hand or with ``cutile-kernels autokernelize --scaffold``).
@@ -363,56 +363,6 @@ def kernel_functions() -> dict[str, list[str]]:
     return out
 
 
-def generated(checkout: Path) -> dict:
-    """Everything :func:`sync` derives from code: {"definitions": [...], "workloads": {name: [...]},
-    "solutions": [(Solution, family), ...]}."""
-    from . import inventory_families
-
-    defs = _norm_definitions()
-    gen = {"definitions": defs, "workloads": {d.name: _norm_workloads(d) for d in defs},
-           "solutions": _norm_solutions(checkout)}
-    for entry in inventory_families.entries():
-        gen["definitions"].append(entry.definition)
-        gen["workloads"][entry.definition.name] = entry.workloads
-        gen["solutions"] += [(inventory_families.solution(entry, s, checkout), entry.family) for s in entry.solutions]
-    return gen
-
-
-def sync(root: Path | None = None, checkout: Path | None = None) -> list[Path]:
-    """Rewrite the generated files and refresh every Solution's copies of tree files.
-
-    Returns the files whose content changed.
-
-    Raises:
-        FileNotFoundError: no source checkout to read the kernel files from.
-    """
-    checkout = checkout or repo_root()
-    if checkout is None:
-        raise FileNotFoundError("inventory sync needs a source checkout (kernel_src/, torch-ext/)")
-    root = Path(root) if root is not None else checkout / "inventory"
-    for sub in SUBDIRS:
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    before = _snapshot(root)
-    gen = generated(checkout)
-    for d in gen["definitions"]:
-        write_definition(root, d)
-        write_workloads(root, d, gen["workloads"][d.name])
-    names = set()
-    for s, family in gen["solutions"]:
-        write_solution(root, s, family)
-        names.add(s.name)
-    inv = Inventory.load(root)
-    funcs = kernel_functions()
-    for s in inv.solutions.values():
-        if s.name in names:
-            continue
-        fresh = refresh_solution(s, checkout, funcs)
-        if fresh != s:
-            _write(inv.paths[("solutions", s.name)], fresh.to_json() + "\n")
-    after = _snapshot(root)
-    return sorted(p for p in after if before.get(p) != after[p])
-
-
 def refresh_solution(s: Solution, checkout: Path, funcs: dict[str, list[str]]) -> Solution:
     """``s`` with every source that is a file of ``checkout`` re-read, and its build-matrix
     functions updated from kernel_src (when the kernel has variants)."""
@@ -558,7 +508,7 @@ def _check_definition(d: Definition, workloads: list[Workload], rep: Report) -> 
     axes = min((w.axes for w in workloads if set(w.axes) == set(d.var_axes)),
                key=lambda a: _numel(d, a), default={a: 2 for a in d.var_axes})
     try:
-        from .evaluate import check_outputs, make_inputs, reference_inputs
+        from .workload_tensors import check_outputs, make_inputs, reference_inputs
 
         w = next((w for w in workloads if w.axes == axes), None)
         inputs = make_inputs(d, w or Workload(axes=axes, inputs={n: _default_input(s) for n, s in d.inputs.items()},

@@ -66,9 +66,9 @@ def _show(args) -> int:
 
 
 def _sync(args) -> int:
-    from . import inventory
+    from . import inventory_families
 
-    changed = inventory.sync(Path(args.root) if args.root else None)
+    changed = inventory_families.sync(Path(args.root) if args.root else None)
     for p in changed:
         print(f"updated {p}")
     print(f"{len(changed)} files changed")

@@ -3,8 +3,9 @@
 Each :class:`Entry` is one Definition -- its ``run`` is the source of the op's PyTorch reference
 functions (``cutile_kernels.ops.<family>``), which restate a pinned transformers source -- with its
 Workloads (the presets' real shapes at the bench's token counts) and the Solutions of the kernels
-that serve it. :func:`.inventory.generated` collects them with the norm family's, so
-``cutile-kernels inventory sync`` writes them and the test suite checks that the files are current.
+that serve it. :func:`generated` collects them with the norm family's (``.inventory``), and
+:func:`sync` (``cutile-kernels inventory sync``) writes them; the test suite checks that the files
+are current.
 
 Shapes: a phase is (batch, tokens per sequence), :data:`PHASES` (what ``TOKEN_COUNTS`` counts, split
 as the bench runs it); decode attention also takes the KV lengths of :data:`DECODE_KV_LENS`.
@@ -25,6 +26,7 @@ from .fib_schema import (
     TensorSpec,
     Workload,
 )
+from . import inventory
 from .inventory import (
     TOKEN_COUNTS,
     TRANSFORMERS_PIN,
@@ -367,3 +369,55 @@ def _qk_norm_rope() -> Entry:
                                        "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
                                  inputs=_inputs(d, eps=float(cfg["rms_norm_eps"])), uuid=f"{preset}/{phase}"))
     return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope", "qk_norm_rope")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything derived from code, and writing it
+# ---------------------------------------------------------------------------------------------
+
+def generated(checkout: Path) -> dict:
+    """Everything :func:`sync` derives from code: {"definitions": [...], "workloads": {name: [...]},
+    "solutions": [(Solution, family), ...]}."""
+    defs = inventory._norm_definitions()
+    gen = {"definitions": defs, "workloads": {d.name: inventory._norm_workloads(d) for d in defs},
+           "solutions": inventory._norm_solutions(checkout)}
+    for entry in entries():
+        gen["definitions"].append(entry.definition)
+        gen["workloads"][entry.definition.name] = entry.workloads
+        gen["solutions"] += [(solution(entry, s, checkout), entry.family) for s in entry.solutions]
+    return gen
+
+
+def sync(root: Path | None = None, checkout: Path | None = None) -> list[Path]:
+    """Rewrite the generated files and refresh every Solution's copies of tree files.
+
+    Returns the files whose content changed.
+
+    Raises:
+        FileNotFoundError: no source checkout to read the kernel files from.
+    """
+    checkout = checkout or inventory.repo_root()
+    if checkout is None:
+        raise FileNotFoundError("inventory sync needs a source checkout (kernel_src/, torch-ext/)")
+    root = Path(root) if root is not None else checkout / "inventory"
+    for sub in inventory.SUBDIRS:
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    before = inventory._snapshot(root)
+    gen = generated(checkout)
+    for d in gen["definitions"]:
+        inventory.write_definition(root, d)
+        inventory.write_workloads(root, d, gen["workloads"][d.name])
+    names = set()
+    for s, family in gen["solutions"]:
+        inventory.write_solution(root, s, family)
+        names.add(s.name)
+    inv = inventory.Inventory.load(root)
+    funcs = inventory.kernel_functions()
+    for s in inv.solutions.values():
+        if s.name in names:
+            continue
+        fresh = inventory.refresh_solution(s, checkout, funcs)
+        if fresh != s:
+            inventory._write(inv.paths[("solutions", s.name)], fresh.to_json() + "\n")
+    after = inventory._snapshot(root)
+    return sorted(p for p in after if before.get(p) != after[p])

@@ -1,0 +1,31 @@
+"""Gathers what the feature modules declare: the kernelize mapping rows (``MAPPING``) and the patches
+(``PATCH_ROWS``), in one place and one order, so that adding a layer or a patch edits only its own
+module (and, for a new module, the tuples here)."""
+
+from __future__ import annotations
+
+from . import mlp, norm, qk_norm_rope, qkv, rope, rope_cos_sin
+from . import patch as decoder
+from ._patching import PATCHES, register
+
+#: Modules whose ``MAPPING`` rows (transformers hub layer name -> layer class) are gathered. mlp's
+#: ``SiLU`` row is left out: on the H200 our SiLU lost to ``F.silu`` at prefill, and alone it saves
+#: no launch (the fused MLP, patch ``fused_gate_up``, is what runs).
+MAPPING_MODULES = (norm, rope)
+#: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse).
+PATCH_MODULES = (decoder, mlp, rope_cos_sin, qk_norm_rope, qkv)
+
+#: transformers hub layer name -> class name in this package, gathered from the family modules.
+MAPPING: dict[str, str] = {}
+for _mod in MAPPING_MODULES:
+    for _hub_name, _cls_name in _mod.MAPPING.items():
+        if _hub_name in MAPPING:
+            raise RuntimeError(f"hub layer {_hub_name!r} is mapped twice")
+        MAPPING[_hub_name] = _cls_name
+
+for _mod in PATCH_MODULES:
+    for _row in _mod.PATCH_ROWS:
+        if _row.name not in PATCHES:  # the registry outlives a reload of this module
+            register(_row)
+
+__all__ = ["MAPPING", "MAPPING_MODULES", "PATCH_MODULES"]

@@ -1,0 +1,89 @@
+"""The tree's shape (CPU): no module of the packages imports a module that imports it back, directly
+or not, at module level or inside a function (the data flows one way: kernel_src -> build ->
+runtime and ops -> layers -> tools)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, Path]:
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    mods = {}
+    for pkg, rel in dirs.items():
+        for f in (ROOT / rel).glob("*.py"):
+            mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    for f in (ROOT / dirs["cutile_kernels"] / "ops").glob("*.py"):
+        mods["cutile_kernels.ops" if f.stem == "__init__" else f"cutile_kernels.ops.{f.stem}"] = f
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict) -> set[str]:
+    package = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+            # `from pkg import mod` imports the submodule; `from mod import name` the module
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in mods and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in mods and t != name:
+                out.add(t)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    assert "cutile_kernels.layers.patch" in mods and "cutile_kernels_tools.bench" in mods
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
