@@ -4,7 +4,7 @@ wrapper, and the helpers that swap a module's forward.
 transformers' hub hooks let ``kernels`` swap the forward of decorated layers and functions
 (``layers.MAPPING``). Everything else is a *patch*: fusions that cross module boundaries, forwards
 of undecorated classes, weight fusion at load (and un-fusion at save). Each feature module declares
-its patches as a module-level ``PATCHES`` list of :class:`Patch` rows; ``layers`` gathers them in
+its patches as a module-level ``PATCH_ROWS`` list of :class:`Patch` rows; ``layers`` gathers them in
 apply order (``layers/_registry.py``), so adding one edits only its own module. :func:`patch`
 applies the registered patches to a model in place, :func:`unpatch` undoes them;
 ``cutile_kernels.kernelize`` and ``kernel_config`` call :func:`patch` on CUDA models.
