@@ -42,16 +42,9 @@ class ToolchainMissing(BuildError):
     :data:`INSTALL_HINT`, instead of one failure per variant)."""
 
 
-@lru_cache(maxsize=1)
 def toolchain_problem() -> str | None:
     """Why nothing can be compiled here (no ``tileiras`` found by cuda.tile), or None."""
-    try:
-        from cuda.tile._compile import _find_compiler_bin  # private in cuda-tile 1.7 (pinned)
-
-        _find_compiler_bin()
-    except Exception:  # noqa: BLE001 - any failure to find it is the same answer
-        return f"no cuTile AOT toolchain (tileiras) installed: {INSTALL_HINT}"
-    return None
+    return None if kernel_src.tileiras_found() else f"no cuTile AOT toolchain (tileiras) installed: {INSTALL_HINT}"
 
 
 def require_toolchain() -> None:

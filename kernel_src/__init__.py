@@ -8,6 +8,7 @@ imports a family module only to JIT-compile a kernel that no prebuilt variant fi
 from __future__ import annotations
 
 import importlib
+from functools import lru_cache
 
 #: The op families, i.e. the modules of this package that hold kernels.
 FAMILIES = ("norm", "activation", "rope", "attention", "rope_cos_sin", "qk_norm_rope")
@@ -23,3 +24,16 @@ def family_module(name: str):
 def all_variants():
     """Every VariantSpec of every family, in build order."""
     return [spec for fam in FAMILIES for spec in family_module(fam).VARIANTS]
+
+
+@lru_cache(maxsize=1)
+def tileiras_found() -> bool:
+    """Whether cuda.tile finds its ``tileiras`` compiler here (what both an ahead-of-time build and
+    a JIT compile need); once per process."""
+    try:
+        from cuda.tile._compile import _find_compiler_bin  # private in cuda-tile 1.7 (pinned)
+
+        _find_compiler_bin()
+        return True
+    except Exception:  # noqa: BLE001 - any failure to find it is the same answer
+        return False

@@ -343,9 +343,9 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
         return "-" if name not in gates else ("pass" if gates[name]["passed"] else "[red]FAIL[/red]")
 
     def cov_cell(name, p, sep=" / "):
-        cov = p.get("coverage")
-        ours = name not in ("stock", "stock-compile", "liger", "tilegym")  # others' coverage by us is 0 by design
-        return f"{cov['ours_time_share']:.1%}{sep}{cov['ours_launch_share']:.1%}" if cov and ours else "-"
+        cov = p.get("coverage")  # on the others' paths our share is 0 by design: "-"
+        return (f"{cov['ours_time_share']:.1%}{sep}{cov['ours_launch_share']:.1%}"
+                if cov and bench_paths.spec(name).ours else "-")
 
     if wide:
         tables = [Table(title=f"cutile-kernels bench: {report['model']}")]

@@ -111,7 +111,7 @@ def _info(args) -> int:
         "variants": len(reg.variants()),
         "kernels": sorted({v.kernel for v in reg.variants()}),
         "cuda_available": cuda,
-        "gpu_arch": (lambda c: f"sm_{c[0]}{c[1]}")(torch.cuda.get_device_capability()) if cuda else None,
+        "gpu_arch": "sm_{}{}".format(*torch.cuda.get_device_capability()) if cuda else None,
         # JIT needs both the toolchain and a GPU to compile for.
         "jit_toolchain": dispatch.jit_available(),
         "jit_available": cuda and dispatch.jit_available(),

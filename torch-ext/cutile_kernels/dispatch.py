@@ -129,18 +129,9 @@ def jit_available() -> bool:
     ``CUTILE_KERNELS_JIT`` is not set to 0/false/no/off."""
     if os.environ.get(ENV_JIT, "").strip().lower() in ("0", "false", "no", "off"):
         return False
-    return _jit_toolchain()
+    from . import kernel_src
 
-
-@lru_cache(maxsize=1)
-def _jit_toolchain() -> bool:
-    try:
-        from cuda.tile._compile import _find_compiler_bin  # private in cuda-tile 1.7 (pinned)
-
-        _find_compiler_bin()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means no JIT toolchain
-        return False
+    return kernel_src.tileiras_found()
 
 
 class _Plan:
