@@ -2,19 +2,19 @@
 # The GPU checks of one session as stages, several per device call (each call has 600 s):
 #
 #   tests      the `gpu`-marked tests ($TESTS, default: all of tests/)
-#   attention  the attention microbenchmark (benchmarks/attention_bench.py)
+#   attention  the attention microbenchmark (dev/microbench/attention_bench.py)
 #   evaluate   every inventory Solution through `cutile-kernels evaluate --all` (one process):
 #              Traces and the summary come back in evaluate.tgz
 #   kernels    `cutile-kernels kernel-table`: every kernel against the stock code path on the presets'
 #              shapes (device time, eager time, roofline fraction); table and JSON in kernels.tgz
-#   attnsweep  the attention prefill tile sweep (benchmarks/attention_sweep.py run) over the
+#   attnsweep  the attention prefill tile sweep (dev/sweeps/attention_sweep.py run) over the
 #              candidates compiled on the dev machine and carried as .device/attn-sweep.tgz:
-#                python -m benchmarks.attention_sweep export --out /tmp/sweep-attn &&
+#                python -m dev.sweeps.attention_sweep export --out /tmp/sweep-attn &&
 #                tar czf .device/attn-sweep.tgz -C /tmp sweep-attn
 #   hostops    per-call host time of our ops on the GPU, with cuBLAS, SDPA and our bare launch for
 #              scale (benchmarks/host_overhead.py --real, $CALLS calls each); host-ops.json
 #   hostprof   where the host time of an eager prefill of $MODEL goes, stock and ours
-#              (benchmarks/host_profile.py: cProfile, synchronizing calls, $DRIFT prefills GC on/off;
+#              (dev/diagnostics/host_profile.py: cProfile, synchronizing calls, $DRIFT prefills GC on/off;
 #              also ours with the opt-in patches $HOSTPROF_INCLUDE)
 #   hostab     the same paths timed against each other in one process, $ROUNDS_AB rounds of one prefill
 #              each in rotating order (host_profile.py --interleave): a drifting host slows all alike;
@@ -59,7 +59,7 @@ for stage in "$@"; do
     tests)
       cd "$root" && step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
     attention)
-      cd "$root/benchmarks" && step attention 100 python3 attention_bench.py --json /tmp/attention-bench.json ;;
+      cd "$root/dev/microbench" && step attention 100 python3 attention_bench.py --json /tmp/attention-bench.json ;;
     evaluate)
       rm -rf /tmp/eval && mkdir -p /tmp/eval
       cd "$root" && step evaluate 300 python3 -m cutile_kernels_tools.cli evaluate --all --root inventory \
@@ -73,16 +73,16 @@ for stage in "$@"; do
     attnsweep)
       [ -f "$root/.device/attn-sweep.tgz" ] || { echo "attnsweep: carry .device/attn-sweep.tgz" >&2; status=2; continue; }
       rm -rf /tmp/sweep-attn && tar xzf "$root/.device/attn-sweep.tgz" -C /tmp
-      cd "$root" && step attnsweep 200 python3 -m benchmarks.attention_sweep run --dir /tmp/sweep-attn \
+      cd "$root" && step attnsweep 200 python3 -m dev.sweeps.attention_sweep run --dir /tmp/sweep-attn \
           --json "$OUT/attention-sweep.json" ;;
     hostops)
       cd "$root" && step hostops 120 python3 benchmarks/host_overhead.py --real --calls ${CALLS:-20000} \
           --json "$OUT/host-ops.json" ;;
     hostprof)
-      cd "$root/benchmarks" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug --drift ${DRIFT:-40} \
+      cd "$root/dev/diagnostics" && step hostprof 120 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --sync-debug --drift ${DRIFT:-40} \
           ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
     hostab)
-      cd "$root/benchmarks" && step "hostab-${MODEL:-llama-3.2-1b}" 150 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --interleave ${ROUNDS_AB:-60} \
+      cd "$root/dev/diagnostics" && step "hostab-${MODEL:-llama-3.2-1b}" 150 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --interleave ${ROUNDS_AB:-60} \
           ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
     rank)
       cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" --top 12 \

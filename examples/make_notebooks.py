@@ -571,7 +571,7 @@ The build matrix lists one `VariantSpec` per compiled variant: the dtype, the co
 assumptions each array is compiled with. Declared assumptions (unit stride, 16-byte alignment, length a
 multiple of 16) let the compiler vectorise; the runtime checks them on the real tensors before every
 launch and falls back to a more general variant when they do not hold. In the package this file is
-`kernel_src/<family>.py`, and the family's name goes into `kernel_src.FAMILIES`.
+`kernel_src/<family>.py`, found by its name (no list to edit).
 """),
     code(KERNEL_SRC),
     md("""
@@ -671,7 +671,7 @@ for name, t in {"contiguous, 4096": x[:4096], "offset by one element": x[1:], "e
 The layer follows the `kernels` layer contract: an `nn.Module` without `__init__` or extra members
 (only `has_backward` and `can_torch_compile`), whose `forward` has the signature of the forward it
 replaces. Its `MAPPING` row names the transformers hub layer it serves; in the package it lives in
-`layers/<family>.py`, whose module is listed in `layers._FAMILY_MODULES`.
+`layers/<family>.py`, whose module is listed in `layers._registry.MAPPING_MODULES`.
 """),
     code(LAYER_SRC),
     code("""
@@ -762,11 +762,11 @@ assert rel(o) <= 1.1 * rel(s) and sum(LAUNCHES.values()) - before == config.num_
 
 | piece | here | in the checkout |
 |---|---|---|
-| kernel + build matrix | `tutorial_kernels/quick_gelu.py` | `kernel_src/<family>.py`, its name in `kernel_src.FAMILIES` |
+| kernel + build matrix | `tutorial_kernels/quick_gelu.py` | `kernel_src/<family>.py` (found by its name) |
 | compile | `build(..., specs=VARIANTS)` | `cutile-kernels build` (every family's `VARIANTS`) |
 | Definition, Solution | `inventory/` in the scratch directory | `inventory/definitions/<family>/`, `inventory/solutions/<family>/` |
-| op | `tutorial_kernels/ops.py` | `torch-ext/cutile_kernels/ops/<family>.py`: custom op + fake, `dispatch.run` |
-| layer + mapping row | `tutorial_kernels/layers.py` | `layers/<family>.py`, listed in `layers._FAMILY_MODULES` |
+| op | `tutorial_kernels/ops.py` | `torch-ext/cutile_kernels/ops/<family>.py`: `define_op` (custom op, fake, autograd, CPU path) over a launch through `dispatch.run` |
+| layer + mapping row | `tutorial_kernels/layers.py` | `layers/<family>.py`, listed in `layers._registry.MAPPING_MODULES` |
 | tests | `test_quick_gelu.py` | `tests/test_<family>.py` |
 
 Then `cutile-kernels bench <preset>` shows the new kernel in the coverage report, and

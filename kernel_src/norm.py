@@ -53,7 +53,7 @@ def _scale(h, inv_rms, w, dtype):
     return (h * inv_rms).astype(dtype).astype(ct.float32) * w
 
 
-# Hints from the sm_90 sweep (benchmarks/norm_sweep.py): occupancy 4 was the fastest RMSNorm at
+# Hints from the sm_90 sweep (dev/sweeps/norm_sweep.py): occupancy 4 was the fastest RMSNorm at
 # every width, 8 worker warps the fastest fused add (it moves 2.5x the bytes per row).
 @ct.kernel(occupancy=4)
 def rms_norm_kernel(x, weight, y, eps: float, BLOCK_N: ct.Constant[int], ROWS: ct.Constant[int]):
@@ -135,7 +135,7 @@ BLOCK_NS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 #: Chunk width of the chunked kernels.
 CHUNK = 2048
 #: Rows per block of the single-tile kernels, per kernel and layout, from the sm_90 sweep
-#: (benchmarks/norm_sweep.py): about 8192 elements per RMSNorm block and 16-32k per fused block
+#: (dev/sweeps/norm_sweep.py): about 8192 elements per RMSNorm block and 16-32k per fused block
 #: when the layout is aligned; small tiles when it is not, where big tiles ran 5-10x slower.
 ROWS = {
     ("rms_norm", "aligned"): {64: 128, 128: 64, 256: 32, 512: 16, 1024: 8, 2048: 4, 4096: 2, 8192: 1},

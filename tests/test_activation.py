@@ -84,7 +84,7 @@ def test_strided_and_empty_inputs_on_cpu():
     ("silu", lambda: (torch.randn(6, 5, 24).transpose(0, 1),)),
 ])
 def test_custom_ops_pass_opcheck(op, args):
-    fn = getattr(act_ops, f"_{op}_op")
+    fn = getattr(act_ops, f"_{op}").op
     a = tuple(t.requires_grad_() for t in args())
     torch.library.opcheck(fn, a, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -112,9 +112,9 @@ def test_fake_implementations_give_shapes_and_dtypes():
 
     with FakeTensorMode():
         g = torch.empty(2, 3, 896, dtype=torch.float16)
-        y = act_ops._silu_and_mul_op(g, g.float())
-        z = act_ops._silu_and_mul_fused_op(torch.empty(7, 2 * 8960, dtype=torch.bfloat16))
-        s = act_ops._silu_op(g)
+        y = act_ops._silu_and_mul.op(g, g.float())
+        z = act_ops._silu_and_mul_fused.op(torch.empty(7, 2 * 8960, dtype=torch.bfloat16))
+        s = act_ops._silu.op(g)
     assert y.shape == (2, 3, 896) and y.dtype == torch.float32
     assert z.shape == (7, 8960) and z.dtype == torch.bfloat16
     assert s.shape == (2, 3, 896) and s.dtype == torch.float16

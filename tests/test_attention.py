@@ -267,8 +267,8 @@ def test_custom_op_passes_opcheck():
     q, k, v = make_qkv(2, 4, 2, 5, 7, 16, torch.float32)
     m = hf_mask(2, 5, 7, 2, left_padding(2, 7, [0, 3]))
     utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    torch.library.opcheck(attn_ops._attention_op, (q, k, v, m, 0.25, False, 0, 0.0), test_utils=utils)
-    torch.library.opcheck(attn_ops._attention_op, (q, k, v, None, 0.25, True, 3, 5.0), test_utils=utils)
+    torch.library.opcheck(attn_ops._attention.op, (q, k, v, m, 0.25, False, 0, 0.0), test_utils=utils)
+    torch.library.opcheck(attn_ops._attention.op, (q, k, v, None, 0.25, True, 3, 5.0), test_utils=utils)
 
 
 def test_fake_gives_the_output_layout():
@@ -277,7 +277,7 @@ def test_fake_gives_the_output_layout():
     with FakeTensorMode():
         q = torch.empty(2, 7, 8, 64, dtype=torch.bfloat16).transpose(1, 2)
         k = torch.empty(2, 2, 30, 64, dtype=torch.bfloat16)
-        out = attn_ops._attention_op(q, k, k, None, 0.1, True, 0, 0.0)
+        out = attn_ops._attention.op(q, k, k, None, 0.1, True, 0, 0.0)
     assert out.shape == (2, 8, 7, 64) and out.dtype == torch.bfloat16 and out.transpose(1, 2).is_contiguous()
 
 
@@ -741,9 +741,9 @@ def test_gpu_model_against_fp32_stock(family, strict):
 
 
 def test_prefill_sweep_candidates_include_what_ships():
-    """benchmarks/attention_sweep.py (run on the GPU by hand) must time the shipped prefill tiles
+    """dev/sweeps/attention_sweep.py (run on the GPU by hand) must time the shipped prefill tiles
     next to its candidates, under tags that name each one once."""
-    from benchmarks import attention_sweep, attention_variants
+    from dev.sweeps import attention_sweep, attention_variants
     from cutile_kernels.kernel_src import attention as src
 
     specs = attention_sweep.candidates()

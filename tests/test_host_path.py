@@ -284,11 +284,11 @@ def test_rope_launches_on_q_and_k_split_from_one_fused_projection(fake_gpu):
 
 
 def test_host_profile_interleave_times_every_path_against_the_first(capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "dev" / "diagnostics"))
     try:
         import host_profile
     finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.path.remove(str(ROOT / "dev" / "diagnostics"))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,

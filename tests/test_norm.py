@@ -82,8 +82,8 @@ def test_custom_ops_pass_opcheck(layout):
         x = x.transpose(0, 1)  # non-contiguous: the op's outputs are contiguous like its fake's
     w = torch.randn(64, dtype=torch.float32, requires_grad=True)
     utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    torch.library.opcheck(norm_ops._rms_norm_op, (x, w, 1e-6), test_utils=utils)
-    torch.library.opcheck(norm_ops._add_rms_norm_op, (x, torch.randn_like(x), w, 1e-6), test_utils=utils)
+    torch.library.opcheck(norm_ops._rms_norm.op, (x, w, 1e-6), test_utils=utils)
+    torch.library.opcheck(norm_ops._add_rms_norm.op, (x, torch.randn_like(x), w, 1e-6), test_utils=utils)
     y = cutile_kernels.rms_norm(x, w.detach())
     assert y.is_contiguous() and torch.equal(y, cutile_kernels.rms_norm_reference(x, w.detach(), 1e-6))
 
@@ -148,8 +148,8 @@ def test_fake_implementations_give_shapes_and_dtypes():
     with FakeTensorMode():
         x = torch.empty(2, 3, 896, dtype=torch.float16, device="cpu")
         w = torch.empty(896, dtype=torch.float32)
-        y = norm_ops._rms_norm_op(x, w, 1e-6)
-        a, s = norm_ops._add_rms_norm_op(x, x, w, 1e-6)
+        y = norm_ops._rms_norm.op(x, w, 1e-6)
+        a, s = norm_ops._add_rms_norm.op(x, x, w, 1e-6)
     assert y.shape == (2, 3, 896) and y.dtype == torch.float32
     assert a.shape == s.shape == (2, 3, 896) and s.dtype == torch.float16
 

@@ -70,3 +70,160 @@ def test_the_dtype_check_traces_without_a_graph_break():
     fn = torch.compile(lambda x, w: cutile_kernels.rms_norm(x * 2, w), backend="eager", fullgraph=True)
     x, w = _f(3, 64), _f(64)
     torch.testing.assert_close(fn(x, w), cutile_kernels.rms_norm_reference(x * 2, w, 1e-6))
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract every op defined through ops/_define.py passes (a new op adds one SAMPLES row).
+# ---------------------------------------------------------------------------------------------
+
+from cutile_kernels import dispatch  # noqa: E402
+from cutile_kernels.ops._define import OPS  # noqa: E402
+
+
+def _rope_args(dtype, device="cpu", heads=(4, 2), s=5, d=16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, s, heads[0], d, generator=g).to(dtype).transpose(1, 2)  # transformers' strided view
+    k = torch.randn(1, s, heads[1], d, generator=g).to(dtype).transpose(1, 2)
+    pos = torch.arange(s)[None, :, None].double()
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).double() / d)
+    ang = torch.cat([pos * inv, pos * inv], dim=-1)
+    return [t.to(device) for t in (q, k)], [t.to(dtype).to(device) for t in (ang.cos(), ang.sin())]
+
+
+def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
+    """The op's positional arguments: real-model layouts at a tiny size (rows not a tile multiple),
+    head_dim ``d``."""
+    g = torch.Generator().manual_seed(1)
+
+    def f(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    if name == "rms_norm":
+        return f(3, 7, 64), 1 + 0.1 * f(64), 1e-6
+    if name == "add_rms_norm":
+        return f(3, 7, 64), f(3, 7, 64), 1 + 0.1 * f(64), 1e-6
+    if name == "silu":
+        return (f(7, 3, 40).transpose(0, 1),)
+    if name == "silu_and_mul":
+        return f(7, 40), f(7, 40)
+    if name == "silu_and_mul_fused":
+        return (f(2, 7, 80),)
+    if name == "rope":
+        (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
+        return q, k, cos, sin
+    if name == "qk_norm_rope":
+        (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
+        return q, k, 1 + 0.1 * f(d), 1 + 0.1 * f(d), 1e-6, cos, sin
+    if name == "rope_cos_sin":
+        return 1.0 / 10000 ** (torch.arange(0, d, 2).to(device, torch.float32) / d), \
+            torch.arange(9, device=device).view(1, 9), 1.0, dtype
+    if name == "attention":
+        mask = torch.ones(1, 1, 5, 9, dtype=torch.bool, device=device).tril(4)
+        return f(1, 4, 5, d), f(1, 2, 9, d), f(1, 2, 9, d), mask, d ** -0.5, False, 0, 0.0
+    raise KeyError(f"no contract sample for op {name!r}: add one to tests/test_op_contract.py")
+
+
+def test_every_op_is_defined_once_and_has_a_sample():
+    assert sorted(OPS) == sorted(["rms_norm", "add_rms_norm", "silu", "silu_and_mul", "silu_and_mul_fused", "rope",
+                                  "qk_norm_rope", "rope_cos_sin", "attention"])
+    for name in OPS:
+        _sample(name)
+    with pytest.raises(ValueError, match="defined twice"):
+        from cutile_kernels.ops._define import define_op
+
+        define_op("rms_norm", OPS["rms_norm"]._cuda, reference=OPS["rms_norm"].reference, fake=lambda *a: None)
+
+
+def _outs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_passes_opcheck(name):
+    args = _sample(name)
+    utils = ["test_schema", "test_faketensor"] + (["test_autograd_registration"] if OPS[name].differentiable else [])
+    torch.library.opcheck(OPS[name].op, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_fake_matches_the_real_output(name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _sample(name, torch.float32)
+    real = _outs(OPS[name].op(*args))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = _outs(OPS[name].op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)))
+    assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_cpu_path_is_the_reference_and_counts_itself(name):
+    args = _sample(name)
+    dispatch.reset_stats()
+    got = _outs(OPS[name](*args))
+    want = _outs(OPS[name].reference(*args))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert dispatch.stats()["reference_calls"] == {name: 1}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in OPS if OPS[n].differentiable))
+def test_gradients_are_the_references(name):
+    args = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in _sample(name)]
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    outs = _outs(OPS[name](*args))
+    cots = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, leaves, cots, allow_unused=True)
+    ref_args = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+    ref_leaves = [a for a in ref_args if isinstance(a, torch.Tensor) and a.requires_grad]
+    want = torch.autograd.grad(_outs(OPS[name].reference(*ref_args)), ref_leaves, cots, allow_unused=True)
+    assert len(got) == len(want) and any(g is not None for g in got)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_compiles_fullgraph_into_one_graph(name):
+    import torch._dynamo.testing
+
+    args = _sample(name, torch.float32)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: OPS[name](*a), backend=counter, fullgraph=True)
+    got = _outs(fn(*args))
+    assert counter.frame_count == 1
+    ops_in_graph = [n.target for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert OPS[name].op._opoverload in ops_in_graph or any(getattr(t, "_name", "").endswith(f"::{name}")
+                                                            for t in ops_in_graph)
+    assert all(torch.equal(g, w) for g, w in zip(got, _outs(OPS[name].run(*args))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_gpu_op_replays_in_a_cuda_graph_and_disable_announces_the_fallback(name, dtype, monkeypatch):
+    args = _sample(name, dtype, "cuda", d=64)
+    eager = _outs(OPS[name](*args))
+    dispatch.reset_stats()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        OPS[name](*args)  # warm-up outside capture (plans, module loads)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = _outs(OPS[name](*args))
+    for o in static:
+        o.fill_(float("nan"))  # poisoned: the replay must write every element
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, w) for g, w in zip(static, eager))
+    assert sum(dispatch.stats()["launches"].values()) > 0 and not dispatch.stats()["fallbacks"]
+    monkeypatch.setenv(dispatch.ENV_DISABLE, "1")
+    dispatch.reset_stats()
+    ref = _outs(OPS[name](*args))
+    assert any("disabled by" in k for k in dispatch.stats()["fallbacks"])
+    for g, w in zip(ref, eager):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)

@@ -604,9 +604,16 @@ def test_card_lists_only_the_layers_the_package_maps(tmp_path):
     layers.mkdir(parents=True)
     (tmp_path / "pkg" / "ops").mkdir()
     (tmp_path / "pkg" / "ops" / "__init__.py").write_text('__all__ = ["rms_norm", "rms_norm_reference"]\n')
-    (layers / "__init__.py").write_text("from . import norm, mlp\n_FAMILY_MODULES = (norm,)\n")
+    (layers / "_registry.py").write_text("from . import norm, mlp\nMAPPING_MODULES = (norm,)\n")
     (layers / "norm.py").write_text('MAPPING = {"RMSNorm": "CutileRMSNorm"}\n')
     (layers / "mlp.py").write_text('MAPPING = {"SiLU": "CutileSiLU"}\n')
     assert shipped_api(tmp_path / "pkg") == ({"RMSNorm": "CutileRMSNorm"}, ["rms_norm"])
-    (layers / "__init__.py").write_text("")  # no tuple to read: every module's rows
+    (layers / "_registry.py").write_text("")  # no tuple to read: every module's rows
     assert shipped_api(tmp_path / "pkg")[0] == {"RMSNorm": "CutileRMSNorm", "SiLU": "CutileSiLU"}
+
+
+def test_card_mapping_of_the_build_is_the_one_kernelize_uses(built_package_dir):
+    from cutile_kernels.layers import MAPPING
+    from cutile_kernels_tools.card import shipped_api
+
+    assert shipped_api(built_package_dir)[0] == MAPPING

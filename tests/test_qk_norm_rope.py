@@ -82,7 +82,7 @@ def test_reference_and_op_match_transformers_bitwise(shape, dtype):
     q, k, qw, kw, cos, sin = args
     for got in (ops.qk_norm_rope_reference(q, k, qw, kw, EPS, cos, sin),
                 cutile_kernels.qk_norm_rope(q, k, qw, kw, EPS, cos, sin),
-                ops._qk_norm_rope_op(q, k, qw, kw, EPS, cos, sin)):
+                ops._qk_norm_rope.op(q, k, qw, kw, EPS, cos, sin)):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride() and torch.equal(g, w)
 
@@ -248,8 +248,12 @@ def test_shape_errors_and_contract_edges():
         cutile_kernels.qk_norm_rope(q, k, qw[:32], kw, EPS, cos, sin)
     with pytest.raises(ValueError, match="k_weight of shape"):
         cutile_kernels.qk_norm_rope(q, k, qw, kw[None], EPS, cos, sin)
-    with pytest.raises(ValueError, match="shapes do not match"):
-        ops._qk_norm_rope_fake(q, k, qw, kw, EPS, cos[:, :2], sin[:, :2])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    short_cos, short_sin = cos[:, :2], sin[:, :2]
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match="shapes do not match"):
+        ops._qk_norm_rope.op(*(mode.from_tensor(t) for t in (q, k, qw, kw)), EPS,
+                             *(mode.from_tensor(t) for t in (short_cos, short_sin)))
     # Partial rotary: the reference (first R rotated, the rest passed through), as transformers' formula.
     got = cutile_kernels.qk_norm_rope(q, k, qw, kw, EPS, cos[..., :32], sin[..., :32])
     want = cutile_kernels.apply_rope_reference(cutile_kernels.rms_norm_reference(q, qw, EPS),
@@ -268,7 +272,7 @@ def test_cpu_path_is_the_counted_reference():
 
 def test_fake_gives_the_stock_dtypes_and_layouts():
     q, k, qw, kw, cos, sin = _inputs(2, 4, 2, 3, 64, torch.bfloat16)
-    qo, ko = ops._qk_norm_rope_fake(q, k, qw.float(), kw, EPS, cos, sin)
+    qo, ko = ops._fake(q, k, qw.float(), kw, EPS, cos, sin)
     want = _stock(q, k, qw.float(), kw, EPS, cos, sin)
     assert (qo.dtype, ko.dtype) == (want[0].dtype, want[1].dtype) == (torch.float32, torch.bfloat16)
     assert qo.stride() == want[0].stride() and ko.stride() == want[1].stride()
@@ -277,7 +281,7 @@ def test_fake_gives_the_stock_dtypes_and_layouts():
 def test_custom_op_passes_opcheck_and_compiles():
     args = _inputs(2, 4, 2, 5, 64)
     q, k, qw, kw, cos, sin = args
-    torch.library.opcheck(ops._qk_norm_rope_op, (q, k, qw, kw, EPS, cos, sin),
+    torch.library.opcheck(ops._qk_norm_rope.op, (q, k, qw, kw, EPS, cos, sin),
                           test_utils=("test_schema", "test_faketensor"))
     fn = torch.compile(lambda *a: cutile_kernels.qk_norm_rope(*a[:4], EPS, *a[4:]), backend="eager", fullgraph=True)
     want = ops.qk_norm_rope_reference(q, k, qw, kw, EPS, cos, sin)

@@ -96,7 +96,7 @@ def test_output_layout_is_the_stock_one(layout):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        fq, fk = rope_ops._rope_op(*(mode.from_tensor(t) for t in (q, k, cos, sin)))
+        fq, fk = rope_ops._rope.op(*(mode.from_tensor(t) for t in (q, k, cos, sin)))
     assert (fq.stride(), fk.stride()) == (got[0].stride(), got[1].stride())
 
 
@@ -161,9 +161,9 @@ def test_shapes_outside_the_kernel_contract_take_the_reference():
         cutile_kernels.apply_rope(q, k, cos[:, :4], sin[:, :4])
     # The custom op itself states its contract.
     with pytest.raises(ValueError, match="even last dim"):
-        rope_ops._rope_op(q, k, cos[..., :31], sin[..., :31])
+        rope_ops._rope.op(q, k, cos[..., :31], sin[..., :31])
     with pytest.raises(ValueError, match="batch 1 or B"):
-        rope_ops._rope_op(q, k, torch.cat([cos, cos, cos]), torch.cat([sin, sin, sin]))
+        rope_ops._rope.op(q, k, torch.cat([cos, cos, cos]), torch.cat([sin, sin, sin]))
 
 
 @pytest.mark.parametrize("case", ["view", "partial", "cos-batch-1"])
@@ -176,7 +176,7 @@ def test_custom_op_passes_opcheck(case):
         cos, sin = cos[:1], sin[:1]
     q.requires_grad_(True)
     utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    torch.library.opcheck(rope_ops._rope_op, (q, k, cos, sin), test_utils=utils)
+    torch.library.opcheck(rope_ops._rope.op, (q, k, cos, sin), test_utils=utils)
 
 
 def test_gradients_follow_the_reference_formula():

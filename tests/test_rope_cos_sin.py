@@ -237,7 +237,7 @@ def test_cpu_path_is_the_counted_reference():
 
 def test_custom_op_passes_opcheck_and_compiles():
     args = (_inv_freq(64), _positions(2, 7), 1.25, torch.bfloat16)
-    torch.library.opcheck(ops._rope_cos_sin_op, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops._rope_cos_sin.op, args, test_utils=("test_schema", "test_faketensor"))
     fn = torch.compile(lambda i, p: cutile_kernels.rope_cos_sin(i, p, 1.25, torch.bfloat16), backend="eager",
                        fullgraph=True)
     assert all(torch.equal(g, w) for g, w in zip(fn(*args[:2]), ops.rope_cos_sin_reference(*args)))

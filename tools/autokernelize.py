@@ -8,7 +8,7 @@ what helps end to end.
 2. :func:`scaffold` writes, for the chosen region, a Definition whose reference is the module's
    own code (transformers' class at the installed, pinned release, run through
    ``torch.func.functional_call``), Workloads from the model's shapes, a kernel stub with an empty
-   build matrix, a test, and the family's entry in ``kernel_src.FAMILIES``.
+   build matrix (found by ``kernel_src`` by its file name; nothing to register) and a test.
 3. Once the kernel is written, :func:`score` runs ``evaluate`` (every correctness gate, on the
    GPU) and, only if that passes, the end-to-end bench (logit gates and throughput), then appends
    keep or discard with the reason to the results log (:data:`LOG_COLUMNS`). A candidate is kept
@@ -436,29 +436,11 @@ def _test(d: Definition) -> str:
     )
 
 
-def register_family(target: Path, family: str) -> bool:
-    """Add ``family`` to ``FAMILIES`` in ``target/kernel_src/__init__.py``; False if already there.
-
-    Raises:
-        FileNotFoundError: no such file, or it has no ``FAMILIES = (...)`` tuple.
-    """
-    path = target / "kernel_src" / "__init__.py"
-    text = path.read_text()
-    m = re.search(r"^FAMILIES = \(([^)]*)\)", text, flags=re.M)
-    if m is None:
-        raise FileNotFoundError(f"{path} has no `FAMILIES = (...)` tuple")
-    names = ast.literal_eval(f"({m.group(1)})")
-    if family in names:
-        return False
-    new = "FAMILIES = (" + ", ".join(json.dumps(n) for n in (*names, family)) + ")"
-    path.write_text(text[:m.start()] + new + text[m.end():])
-    return True
-
-
 def scaffold(model, region: dict, label: str, target: Path, name: str | None = None,
              inventory_root: Path | None = None) -> dict:
     """Write the Definition, Workloads, kernel stub, test and build-matrix entry of ``region``
-    under ``target`` (a checkout); returns {"definition": name, "files": [...], "registered": bool}.
+    under ``target`` (a checkout); returns {"definition": name, "files": [...], "registered": bool}
+    (registered: ``kernel_src`` of the target finds the new family module, which it does by its name).
 
     Raises:
         FileExistsError: one of the files exists (nothing is written then).
@@ -481,11 +463,13 @@ def scaffold(model, region: dict, label: str, target: Path, name: str | None = N
         raise FileExistsError(f"refusing to overwrite {', '.join(existing)}")
     if not (target / "kernel_src" / "__init__.py").is_file():  # checked before anything is written
         raise FileNotFoundError(f"{target} is not a cutile-kernels checkout (no kernel_src/__init__.py): "
-                                "--target must be one, the scaffold registers its family there")
+                                "--target must be one, the scaffold adds its family module there")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    registered = register_family(target, name)
+    from cutile_kernels.kernel_src import discover
+
+    registered = name in discover(target / "kernel_src")
     return {"definition": name, "files": [str(p) for p in files], "registered": registered}
 
 

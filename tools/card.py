@@ -321,14 +321,14 @@ def _literal(path: Path, name: str):
 
 
 def _family_modules(init: Path) -> set[str] | None:
-    """The module names in ``layers/__init__.py``'s ``_FAMILY_MODULES`` tuple (the ones whose
+    """The module names in ``layers/_registry.py``'s ``MAPPING_MODULES`` tuple (the ones whose
     ``MAPPING`` rows the package gathers), or None if it cannot be read."""
     try:
         tree = ast.parse(init.read_text())
     except (OSError, SyntaxError):
         return None
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_FAMILY_MODULES"
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MAPPING_MODULES"
                                                  for t in node.targets)
                 and isinstance(node.value, ast.Tuple)):
             return {e.id for e in node.value.elts if isinstance(e, ast.Name)}
@@ -341,11 +341,11 @@ def shipped_api(package_dir: Path) -> tuple[dict, list[str]]:
 
     Returns:
         (``{hub layer name: layer class}`` from the ``MAPPING`` literal of every ``layers/*.py``
-        module the package gathers (``_FAMILY_MODULES``), the names in ``ops/__init__.py``'s ``__all__`` without the ``*_reference`` ones).
+        module the package gathers (``MAPPING_MODULES``), the names in ``ops/__init__.py``'s ``__all__`` without the ``*_reference`` ones).
     """
     package_dir = Path(package_dir)
     mapping: dict = {}
-    shipped = _family_modules(package_dir / "layers" / "__init__.py")
+    shipped = _family_modules(package_dir / "layers" / "_registry.py")
     for f in sorted((package_dir / "layers").glob("*.py")):
         if shipped is not None and f.stem not in shipped:
             continue  # a layer module the package's MAPPING leaves out (e.g. mlp's SiLU)

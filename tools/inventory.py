@@ -319,10 +319,9 @@ def make_solution(d: Definition, kernel: str, family: str, op: str, checkout: Pa
     Its entry ``main.py::run`` calls ``cutile_kernels.ops.<family>.<op>`` with the Definition's
     inputs in order (the installed package is what runs), or runs ``body`` when one is given (the
     op imported as ``_op``, the inputs by name: e.g. ``"return _op(q, k, v, scale=scale)"`` for an
-    op that takes some of them as keywords); the sources are that entry and the
-    kernel's files from ``checkout``: ``kernel_src/<family>.py``, ``kernel_src/_spec.py`` and
-    ``torch-ext/cutile_kernels/ops/<family>.py`` (those that exist). The build-matrix link lists
-    the device functions of ``kernel`` in kernel_src (none yet for a scaffold).
+    op that takes some of them as keywords); the sources are that entry and the kernel's files from
+    ``checkout`` (:func:`kernel_sources`). The build-matrix link lists the device functions of
+    ``kernel`` in kernel_src (none yet for a scaffold).
     """
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
 
@@ -333,9 +332,7 @@ def make_solution(d: Definition, kernel: str, family: str, op: str, checkout: Pa
              f"def run({', '.join(params)}):\n"
              + textwrap.indent((body or f"return _op({', '.join(params)})").strip(), "    ") + "\n")
     sources = [SourceFile(path="main.py", content=entry)]
-    for rel in (f"kernel_src/{family}.py", "kernel_src/_spec.py", f"torch-ext/cutile_kernels/ops/{family}.py"):
-        if (checkout / rel).is_file():
-            sources.append(SourceFile(path=rel, content=(checkout / rel).read_text()))
+    sources += [SourceFile(path=rel, content=(checkout / rel).read_text()) for rel in kernel_sources(checkout, family)]
     functions = kernel_functions().get(kernel, [])
     return Solution(
         name=f"{kernel}_cutile", definition=d.name, author=AUTHOR,
@@ -349,6 +346,42 @@ def make_solution(d: Definition, kernel: str, family: str, op: str, checkout: Pa
                                     f"prebuilt per variant of its build matrix for {', '.join(archs or DEFAULT_ARCHS)}; "
                                     "launched by the cutile-kernels runtime (JIT when no prebuilt variant fits)."),
     )
+
+
+#: Where the modules of the device code and of the ops live in a source checkout.
+_SOURCE_DIRS = {"cutile_kernels.kernel_src": "kernel_src", "cutile_kernels.ops": "torch-ext/cutile_kernels/ops"}
+
+
+def kernel_sources(checkout: Path, family: str) -> list[str]:
+    """The files of ``checkout`` that a family's kernel runs: ``kernel_src/<family>.py``,
+    ``torch-ext/cutile_kernels/ops/<family>.py`` and every module of those two folders that they
+    import, directly or not (the op definition helper, dtype checks, another family's reference,
+    kernel_src/_spec.py); those two first, the rest sorted. The runtime (dispatch, registry,
+    launcher) is the installed package's, named in the Solution's dependencies, not copied."""
+    start = [rel for rel in (f"kernel_src/{family}.py", f"torch-ext/cutile_kernels/ops/{family}.py")
+             if (checkout / rel).is_file()]
+    seen, todo = list(start), list(start)
+    while todo:
+        for dep in _relative_imports(checkout, todo.pop()):
+            if dep not in seen:
+                seen.append(dep)
+                todo.append(dep)
+    return start + sorted(seen[len(start):])
+
+
+def _relative_imports(checkout: Path, rel: str) -> list[str]:
+    # The files of _SOURCE_DIRS that ``rel`` imports with relative imports.
+    package = next(pkg for pkg, folder in _SOURCE_DIRS.items() if rel.startswith(folder + "/")).split(".")
+    found = []
+    for node in ast.walk(ast.parse((checkout / rel).read_text())):
+        if not isinstance(node, ast.ImportFrom) or not node.level:
+            continue
+        module = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+        for name in [module] + [f"{module}.{a.name}" for a in node.names]:
+            pkg, _, leaf = name.rpartition(".")
+            if pkg in _SOURCE_DIRS and (checkout / _SOURCE_DIRS[pkg] / f"{leaf}.py").is_file():
+                found.append(f"{_SOURCE_DIRS[pkg]}/{leaf}.py")
+    return found
 
 
 def kernel_functions() -> dict[str, list[str]]:
@@ -368,6 +401,11 @@ def refresh_solution(s: Solution, checkout: Path, funcs: dict[str, list[str]]) -
     functions updated from kernel_src (when the kernel has variants)."""
     sources = [SourceFile(path=src.path, content=(checkout / src.path).read_text())
                if (checkout / src.path).is_file() else src for src in s.sources]
+    module = s.spec.build_matrix.module if s.spec.build_matrix is not None else ""
+    family = module.removeprefix("cutile_kernels.kernel_src.")
+    if module != family and (checkout / f"kernel_src/{family}.py").is_file():  # the kernel's files as they are now
+        sources = [src for src in sources if src.path == s.entry_file] + [
+            SourceFile(path=rel, content=(checkout / rel).read_text()) for rel in kernel_sources(checkout, family)]
     spec = s.spec
     if spec.build_matrix is not None and funcs.get(spec.build_matrix.kernel):
         spec = spec.model_copy(update={"build_matrix": spec.build_matrix.model_copy(

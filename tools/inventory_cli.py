@@ -198,7 +198,8 @@ def _autokernelize(args) -> int:
           f"time, ceiling x{region['ceiling']:.3f} at 2x):")
     for f in out["files"]:
         print(f"  {f}")
-    print("  kernel_src/__init__.py FAMILIES " + ("+= " + out["definition"] if out["registered"] else "already lists it"))
+    if not out["registered"]:
+        print(f"  warning: kernel_src does not find {out['definition']}.py (a family module's name must not start with _)")
     print(f"next: write the kernel and its VARIANTS, the op, then `cutile-kernels autokernelize {args.model} "
           f"--score {out['definition']}`")
     return 0

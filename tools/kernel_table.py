@@ -22,7 +22,7 @@ written once) over the device time, against the copy bandwidth measured at the s
 memory-bound, so that is its ceiling.
 
 Definitions whose reference is not the stock path (``attention``: a plain float32 softmax, where
-stock runs sdpa) are left out with the reason; ``benchmarks/attention_bench.py`` times our attention
+stock runs sdpa) are left out with the reason; ``dev/microbench/attention_bench.py`` times our attention
 against sdpa. A row whose call launched none of our kernels (a fallback) is marked so, not timed (the CLI then
 exits 1).
 """
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 #: Definitions whose reference is not the code the stock model runs, and where to look instead.
 NOT_STOCK = {
-    "attention": "its reference is a float32 softmax, stock runs sdpa: see benchmarks/attention_bench.py",
+    "attention": "its reference is a float32 softmax, stock runs sdpa: see dev/microbench/attention_bench.py",
 }
 
 

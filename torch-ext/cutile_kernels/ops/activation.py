@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ._dtypes import check_float
-from .._ops import add_op_namespace_prefix
+from ._define import define_op
 from ..kernel_src.activation import TILES
 
 
@@ -93,12 +93,17 @@ def silu_into(x: torch.Tensor, out: torch.Tensor) -> bool:
     return dispatch.run("silu", _want(m), (x, out), 1, _grid(m, n))
 
 
-def _silu_and_mul_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _check_silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
     if gate.shape != up.shape or gate.dim() < 1:
         raise ValueError(f"silu_and_mul: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
-    if not gate.is_cuda:
-        dispatch.reference_call("silu_and_mul")
-        return silu_and_mul_reference(gate, up).contiguous()
+
+
+def _check_silu_and_mul_fused(x: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul_fused: last dimension of {tuple(x.shape)} is not even (gate and up halves)")
+
+
+def _silu_and_mul_cuda(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.dtype != up.dtype:
         dispatch.fallback("silu_and_mul", f"gate and up dtypes differ ({gate.dtype}, {up.dtype})")
         return silu_and_mul_reference(gate, up).contiguous()
@@ -110,12 +115,7 @@ def _silu_and_mul_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(gate, up).contiguous()
 
 
-def _silu_and_mul_fused_impl(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul_fused: last dimension of {tuple(x.shape)} is not even (gate and up halves)")
-    if not x.is_cuda:
-        dispatch.reference_call("silu_and_mul_fused")
-        return silu_and_mul_fused_reference(x).contiguous()
+def _silu_and_mul_fused_cuda(x: torch.Tensor) -> torch.Tensor:
     *lead, n2 = x.shape
     n = n2 // 2
     out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
@@ -132,12 +132,9 @@ def _fused_rows_layout(args: tuple) -> tuple:
     return _rows(x).view(-1, 2, n), _rows(out)
 
 
-def _silu_impl(x: torch.Tensor) -> torch.Tensor:
-    if not x.is_cuda:
-        dispatch.reference_call("silu")
-        return silu_reference(x).contiguous()
+def _silu_cuda(x: torch.Tensor) -> torch.Tensor:
     if not x.dim():
-        return _silu_impl(x.view(1)).view_as(x)
+        return _silu_cuda(x.view(1)).view_as(x)
     out = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     n = x.shape[-1]
     m = out.numel() // n if n else 0
@@ -151,54 +148,23 @@ def _rows_layout(args: tuple) -> tuple:
     return tuple(_rows(t) for t in args)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("silu_and_mul"), mutates_args=())
-def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _silu_and_mul_impl(gate, up)
-
-
-@_silu_and_mul_op.register_fake
 def _silu_and_mul_fake(gate, up):
     return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("silu_and_mul_fused"), mutates_args=())
-def _silu_and_mul_fused_op(x: torch.Tensor) -> torch.Tensor:
-    return _silu_and_mul_fused_impl(x)
-
-
-@_silu_and_mul_fused_op.register_fake
 def _silu_and_mul_fused_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("silu"), mutates_args=())
-def _silu_op(x: torch.Tensor) -> torch.Tensor:
-    return _silu_impl(x)
-
-
-@_silu_op.register_fake
 def _silu_fake(x):
     return x.new_empty(x.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _reference_grads(reference):
-    # The kernels have no backward: differentiate the reference on the saved inputs instead.
-    def backward(ctx, grad):
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
-            return torch.autograd.grad(reference(*inputs), inputs, grad, allow_unused=True)
-
-    return backward
-
-
-_silu_and_mul_op.register_autograd(_reference_grads(silu_and_mul_reference), setup_context=_setup_context)
-_silu_and_mul_fused_op.register_autograd(_reference_grads(silu_and_mul_fused_reference), setup_context=_setup_context)
-_silu_op.register_autograd(_reference_grads(silu_reference), setup_context=_setup_context)
-
+_silu_and_mul = define_op("silu_and_mul", _silu_and_mul_cuda, reference=silu_and_mul_reference,
+                          fake=_silu_and_mul_fake, check=_check_silu_and_mul)
+_silu_and_mul_fused = define_op("silu_and_mul_fused", _silu_and_mul_fused_cuda, reference=silu_and_mul_fused_reference,
+                                fake=_silu_and_mul_fused_fake, check=_check_silu_and_mul_fused)
+_silu = define_op("silu", _silu_cuda, reference=silu_reference, fake=_silu_fake)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -227,9 +193,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("silu_and_mul", "gate, up", gate, up)
-    if dispatch.needs_op(gate, up):
-        return _silu_and_mul_op(gate, up)
-    return _silu_and_mul_impl(gate, up)
+    return _silu_and_mul(gate, up)
 
 
 def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
@@ -245,9 +209,7 @@ def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("silu_and_mul_fused", "x", x)
-    if dispatch.needs_op(x):
-        return _silu_and_mul_fused_op(x)
-    return _silu_and_mul_fused_impl(x)
+    return _silu_and_mul_fused(x)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -257,6 +219,4 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     Returns a contiguous tensor of x's shape and dtype. Raises as :func:`silu_and_mul`.
     """
     check_float("silu", "x", x)
-    if dispatch.needs_op(x):
-        return _silu_op(x)
-    return _silu_impl(x)
+    return _silu(x)

@@ -27,7 +27,7 @@ import torch
 
 from .. import dispatch
 from ._dtypes import check_float
-from .._ops import add_op_namespace_prefix
+from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.attention import COMBINE_BS, DECODE_BN, DECODE_HEADS, DECODE_ROWS, HEAD_DIMS, PREFILL
 
@@ -238,12 +238,9 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return True
 
 
-def _attention_impl(q, k, v, mask, scale, causal, window, softcap):
-    _check(q, k, v, mask)
-    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-    if not q.is_cuda:
-        dispatch.reference_call("attention")
-        return attention_reference(q, k, v, mask, scale, causal, window, softcap)
+def _attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    causal: bool, window: int, softcap: float) -> torch.Tensor:
+    window, softcap = window or None, softcap or None
     B, Hq, Sq, D = q.shape
     out = torch.empty(B, Sq, Hq, D, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
@@ -258,35 +255,23 @@ def _attention_impl(q, k, v, mask, scale, causal, window, softcap):
     return attention_reference(q, k, v, mask, scale, causal, window, softcap)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("attention"), mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                  causal: bool, window: int, softcap: float) -> torch.Tensor:
-    return _attention_impl(q, k, v, mask, scale, causal, window or None, softcap or None)
+def _op_reference(q, k, v, mask, scale, causal, window, softcap):
+    # The op's arguments say "none" as 0 (its schema has no optional int / float).
+    return attention_reference(q, k, v, mask, scale, causal, window or None, softcap or None)
 
 
-@_attention_op.register_fake
+def _op_check(q, k, v, mask, scale, causal, window, softcap) -> None:
+    _check(q, k, v, mask)
+
+
 def _attention_fake(q, k, v, mask, scale, causal, window, softcap):
     B, Hq, Sq, D = q.shape
     return q.new_empty(B, Sq, Hq, v.shape[3]).transpose(1, 2)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, causal, window, softcap = inputs
-    ctx.save_for_backward(q, k, v, mask)
-    ctx.params = (scale, causal, window or None, softcap or None)
-
-
-def _backward(ctx, grad):
-    # The kernel has no backward: differentiate the reference on the saved inputs instead.
-    q, k, v, mask = ctx.saved_tensors
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out = attention_reference(*inputs, mask, *ctx.params)
-        grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-    return (*grads, None, None, None, None, None)
-
-
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
+# The CPU path is the reference as it returns (the op's layout already, not contiguous).
+_attention = define_op("attention", _attention_cuda, reference=_op_reference, fake=_attention_fake, check=_op_check,
+                       cpu=_op_reference)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -321,9 +306,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("attention", "q, k, v", q, k, v, kernel_dtypes=(torch.bfloat16, torch.float16))
-    window = int(window or 0)
-    softcap = float(softcap or 0.0)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
-        scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
-        return _attention_op(q, k, v, mask, float(scale), bool(causal), window, softcap)
-    return _attention_impl(q, k, v, mask, scale, causal, window or None, softcap or None)
+    _check(q, k, v, mask)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    return _attention.call_checked(q, k, v, mask, scale, bool(causal), int(window or 0), float(softcap or 0.0))

@@ -13,7 +13,7 @@ import torch
 
 from .. import dispatch
 from ._dtypes import check_float
-from .._ops import add_op_namespace_prefix
+from ._define import contiguous, define_op
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, MAX_BLOCK_N
 from ..registry import DECODE_TORCH_DTYPES
@@ -68,13 +68,19 @@ def _rows_layout(args: tuple) -> tuple:
     return tuple(a.reshape(-1, a.shape[-1]) if isinstance(a, torch.Tensor) and a.dim() != 1 else a for a in args)
 
 
-def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     _check_shapes(x, weight, "rms_norm")
-    if not x.is_cuda:
-        dispatch.reference_call("rms_norm")
-        return rms_norm_reference(x, weight, eps).contiguous()
+
+
+def _check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _check_shapes(x, weight, "add_rms_norm")
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+
+
+def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 1:
-        return _rms_norm_impl(x.view(1, -1), weight, eps).view_as(x)
+        return _rms_norm_cuda(x.view(1, -1), weight, eps).view_as(x)
     # The output has x's shape (sizes as separate ints: a torch.Size argument costs torch's
     # argument parser ~1.5 us more per call); the rows views are made once per call signature.
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
@@ -94,16 +100,10 @@ def rms_norm_into(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, eps: f
     return dispatch.run("rms_norm", _want(x, x.shape[0]), (x, weight, y, float(eps)), 2, _grid(x.shape[0]))
 
 
-def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+def _add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_shapes(x, weight, "add_rms_norm")
-    if residual.shape != x.shape:
-        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
-    if not x.is_cuda:
-        dispatch.reference_call("add_rms_norm")
-        return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
     if x.dim() == 1:
-        y, s = _add_rms_norm_impl(x.view(1, -1), residual.view(1, -1), weight, eps)
+        y, s = _add_rms_norm_cuda(x.view(1, -1), residual.view(1, -1), weight, eps)
         return y.view_as(x), s.view_as(x)
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
@@ -111,11 +111,7 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if y.numel() == 0 or dispatch.run("add_rms_norm", _want(x, rows), (x, residual, weight, y, s, float(eps)), 3,
                                       _grid(rows), _rows_layout):
         return y, s
-    return _contiguous(add_rms_norm_reference(x, residual, weight, eps))
-
-
-def _contiguous(pair):
-    return tuple(t.contiguous() for t in pair)
+    return contiguous(add_rms_norm_reference(x, residual, weight, eps))
 
 
 def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
@@ -127,50 +123,19 @@ def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                         3, _grid(x.shape[0]))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rms_norm"), mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm_impl(x, weight, eps)
-
-
-@_rms_norm_op.register_fake
 def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
-@torch.library.custom_op(add_op_namespace_prefix("add_rms_norm"), mutates_args=())
-def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _add_rms_norm_impl(x, residual, weight, eps)
-
-
-@_add_rms_norm_op.register_fake
 def _add_rms_norm_fake(x, residual, weight, eps):
     s_dtype = torch.promote_types(x.dtype, residual.dtype)
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, s_dtype)), x.new_empty(x.shape, dtype=s_dtype)
 
 
-def _setup_context(ctx, inputs, output):
-    *tensors, eps = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.eps = eps
-
-
-def _reference_grads(reference, ctx, grads):
-    # The kernels have no backward: differentiate the reference on the saved inputs instead.
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
-        outputs = reference(*inputs, ctx.eps)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
-        got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
-    return (*got, None)
-
-
-_rms_norm_op.register_autograd(lambda ctx, g: _reference_grads(rms_norm_reference, ctx, (g,)),
-                               setup_context=_setup_context)
-_add_rms_norm_op.register_autograd(lambda ctx, gy, gs: _reference_grads(add_rms_norm_reference, ctx, (gy, gs)),
-                                   setup_context=_setup_context)
-
+_rms_norm = define_op("rms_norm", _rms_norm_cuda, reference=rms_norm_reference, fake=_rms_norm_fake,
+                      check=_check_rms_norm)
+_add_rms_norm = define_op("add_rms_norm", _add_rms_norm_cuda, reference=add_rms_norm_reference,
+                          fake=_add_rms_norm_fake, check=_check_add_rms_norm)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -198,9 +163,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("rms_norm", "x, weight", x, weight)
-    if dispatch.needs_op(x, weight):
-        return _rms_norm_op(x, weight, eps)
-    return _rms_norm_impl(x, weight, eps)
+    return _rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -218,6 +181,4 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("add_rms_norm", "x, residual, weight", x, residual, weight)
-    if dispatch.needs_op(x, residual, weight):
-        return _add_rms_norm_op(x, residual, weight, eps)
-    return _add_rms_norm_impl(x, residual, weight, eps)
+    return _add_rms_norm(x, residual, weight, eps)

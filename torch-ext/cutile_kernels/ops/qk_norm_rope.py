@@ -14,7 +14,7 @@ import torch
 
 from .. import dispatch
 from ._dtypes import check_float
-from .._ops import add_op_namespace_prefix
+from ._define import define_op
 from ..kernel_src.qk_norm_rope import BLOCKS
 from .norm import rms_norm_reference
 from .rope import _empty_like_layout, _halves, _mismatch, _result_dtype, _want, apply_rope_reference
@@ -97,22 +97,29 @@ def _layout(args: tuple) -> tuple:
     return (*(_halves(t, d) for t in args[:8]), args[8])
 
 
-def _impl(q, k, q_weight, k_weight, eps, cos, sin):
-    """The op once shapes are checked (``_mismatch`` None, weights (D,))."""
+def _cuda(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+          cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on CUDA once shapes are checked (``_mismatch`` None, weights (D,))."""
     q_out, k_out = _outputs(q, k, q_weight, k_weight, cos, sin)
-    if q.is_cuda:
-        if q_out.numel() == 0 and k_out.numel() == 0:
+    if q_out.numel() == 0 and k_out.numel() == 0:
+        return q_out, k_out
+    why = unsupported(q, k, q_weight, k_weight, cos, sin)
+    if why is None:
+        if qk_norm_rope_into(q, k, q_weight, k_weight, eps, cos, sin, q_out, k_out):
             return q_out, k_out
-        why = unsupported(q, k, q_weight, k_weight, cos, sin)
-        if why is None:
-            if qk_norm_rope_into(q, k, q_weight, k_weight, eps, cos, sin, q_out, k_out):
-                return q_out, k_out
-        else:
-            dispatch.fallback(KERNEL, why)
     else:
-        dispatch.reference_call(KERNEL)
+        dispatch.fallback(KERNEL, why)
+    return _copy_reference(q, k, q_weight, k_weight, eps, cos, sin, q_out, k_out)
+
+
+def _copy_reference(q, k, q_weight, k_weight, eps, cos, sin, q_out, k_out):
     q_ref, k_ref = qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)
     return q_out.copy_(q_ref), k_out.copy_(k_ref)
+
+
+def _cpu(q, k, q_weight, k_weight, eps, cos, sin):
+    # The reference in the op's declared layout (q's and k's memory order).
+    return _copy_reference(q, k, q_weight, k_weight, eps, cos, sin, *_outputs(q, k, q_weight, k_weight, cos, sin))
 
 
 def _check(q, k, q_weight, k_weight, cos, sin) -> None:
@@ -122,38 +129,15 @@ def _check(q, k, q_weight, k_weight, cos, sin) -> None:
         raise ValueError(f"qk_norm_rope: {why}")
 
 
-@torch.library.custom_op(add_op_namespace_prefix(KERNEL), mutates_args=())
-def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_op(q, k, q_weight, k_weight, eps, cos, sin) -> None:
     _check(q, k, q_weight, k_weight, cos, sin)
-    return _impl(q, k, q_weight, k_weight, eps, cos, sin)
 
 
-@_qk_norm_rope_op.register_fake
-def _qk_norm_rope_fake(q, k, q_weight, k_weight, eps, cos, sin):
-    _check(q, k, q_weight, k_weight, cos, sin)
+def _fake(q, k, q_weight, k_weight, eps, cos, sin):
     return _outputs(q, k, q_weight, k_weight, cos, sin)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, q_weight, k_weight, eps, cos, sin = inputs
-    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
-    ctx.eps = eps
-
-
-def _backward(ctx, grad_q, grad_k):
-    # The kernel has no backward: differentiate the reference formula on the saved inputs.
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
-        q, k, qw, kw, cos, sin = inputs
-        outputs = qk_norm_rope_reference(q, k, qw, kw, ctx.eps, cos, sin)
-        pairs = [(o, g) for o, g in zip(outputs, (grad_q, grad_k)) if g is not None]
-        got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
-    gq, gk, gqw, gkw, gcos, gsin = got
-    return gq, gk, gqw, gkw, None, gcos, gsin
-
-
-_qk_norm_rope_op.register_autograd(_backward, setup_context=_setup_context)
+_qk_norm_rope = define_op(KERNEL, _cuda, reference=qk_norm_rope_reference, fake=_fake, check=_check_op, cpu=_cpu)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
@@ -191,9 +175,4 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     _check_weights(q, k, q_weight, k_weight)
     if q.dim() != 4 or k.dim() != 4 or _mismatch(q, k, cos, sin) is not None:
         return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)  # outside the kernel's contract
-    if dispatch.needs_op(q, k, q_weight, k_weight, cos, sin):
-        return _qk_norm_rope_op(q, k, q_weight, k_weight, float(eps), cos, sin)
-    if not q.is_cuda:  # the reference as is (the op copies it into its declared layout)
-        dispatch.reference_call(KERNEL)
-        return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)
-    return _impl(q, k, q_weight, k_weight, eps, cos, sin)
+    return _qk_norm_rope.call_checked(q, k, q_weight, k_weight, float(eps), cos, sin)

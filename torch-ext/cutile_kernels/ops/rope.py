@@ -15,7 +15,7 @@ import torch
 
 from .. import dispatch
 from ._dtypes import check_float
-from .._ops import add_op_namespace_prefix
+from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.rope import BLOCKS, ROWS
 from ..registry import DECODE_TORCH_DTYPES
@@ -169,53 +169,31 @@ def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return True
 
 
-def _rope_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+def _rope_cuda(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, k, cos, sin)
-    return _rope_checked(q, k, cos, sin)
-
-
-def _rope_checked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_rope_impl` once ``_check`` has passed (``apply_rope`` has just checked)."""
     q_out, k_out = _outputs(q, k, cos, sin)
-    if q.is_cuda:
-        if q_out.numel() == 0 and k_out.numel() == 0:
-            return q_out, k_out
-        if rope_into(q, k, cos, sin, q_out, k_out):
-            return q_out, k_out
-    else:
-        dispatch.reference_call("rope")
+    if q_out.numel() == 0 and k_out.numel() == 0:
+        return q_out, k_out
+    if rope_into(q, k, cos, sin, q_out, k_out):
+        return q_out, k_out
+    return _copy_reference(q, k, cos, sin, q_out, k_out)
+
+
+def _copy_reference(q, k, cos, sin, q_out, k_out):
     q_ref, k_ref = apply_rope_reference(q, k, cos, sin)
     return q_out.copy_(q_ref), k_out.copy_(k_ref)
 
 
-@torch.library.custom_op(add_op_namespace_prefix("rope"), mutates_args=())
-def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope_impl(q, k, cos, sin)
+def _rope_cpu(q, k, cos, sin):
+    # The reference in the op's declared layout (q's and k's memory order).
+    return _copy_reference(q, k, cos, sin, *_outputs(q, k, cos, sin))
 
 
-@_rope_op.register_fake
 def _rope_fake(q, k, cos, sin):
-    _check(q, k, cos, sin)
     return _outputs(q, k, cos, sin)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _backward(ctx, grad_q, grad_k):
-    # The kernel has no backward: differentiate the reference formula on the saved inputs.
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
-        outputs = apply_rope_reference(*inputs)
-        pairs = [(o, g) for o, g in zip(outputs, (grad_q, grad_k)) if g is not None]
-        return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
-
-
-_rope_op.register_autograd(_backward, setup_context=_setup_context)
+_rope = define_op("rope", _rope_cuda, reference=apply_rope_reference, fake=_rope_fake, check=_check, cpu=_rope_cpu)
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -260,9 +238,4 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     if _mismatch(q, k, cos, sin) is not None:  # shapes outside the kernel's contract
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
-    if dispatch.needs_op(q, k, cos, sin):
-        return _rope_op(q, k, cos, sin)
-    if not q.is_cuda:  # the reference as is (the op copies it into its declared layout)
-        dispatch.reference_call("rope")
-        return apply_rope_reference(q, k, cos, sin)
-    return _rope_checked(q, k, cos, sin)  # _mismatch was None above
+    return _rope.call_checked(q, k, cos, sin)  # _mismatch was None above

@@ -15,7 +15,7 @@ import torch
 
 from .. import dispatch
 from ._dtypes import FLOAT_DTYPES, SUPPORTED, UnsupportedDtypeError, check_float, dtype_name
-from .._ops import add_op_namespace_prefix
+from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.rope_cos_sin import BLOCKS
 
@@ -89,35 +89,33 @@ def rope_cos_sin_into(inv_freq: torch.Tensor, position_ids: torch.Tensor, attent
     return dispatch.run(KERNEL, _want(half), args, 2, lambda c: ((n + c["ROWS"] - 1) // c["ROWS"], 1, 1))
 
 
-def _rope_cos_sin_impl(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
+def _rope_cos_sin_cuda(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(inv_freq, position_ids)
     cos, sin = _outputs(inv_freq, position_ids, dtype)
-    if position_ids.is_cuda:
-        if cos.numel() == 0:
+    if cos.numel() == 0:
+        return cos, sin
+    why = unsupported(inv_freq, position_ids, attention_scaling, dtype)
+    if why is None:
+        if rope_cos_sin_into(inv_freq.float(), position_ids, attention_scaling, cos, sin):
             return cos, sin
-        why = unsupported(inv_freq, position_ids, attention_scaling, dtype)
-        if why is None:
-            if rope_cos_sin_into(inv_freq.float(), position_ids, attention_scaling, cos, sin):
-                return cos, sin
-        else:
-            dispatch.fallback(KERNEL, why)
     else:
-        dispatch.reference_call(KERNEL)
+        dispatch.fallback(KERNEL, why)
     ref_cos, ref_sin = rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
     return cos.copy_(ref_cos), sin.copy_(ref_sin)
 
 
-@torch.library.custom_op(add_op_namespace_prefix(KERNEL), mutates_args=())
-def _rope_cos_sin_op(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope_cos_sin_impl(inv_freq, position_ids, attention_scaling, dtype)
-
-
-@_rope_cos_sin_op.register_fake
-def _rope_cos_sin_fake(inv_freq, position_ids, attention_scaling, dtype):
+def _check_op(inv_freq, position_ids, attention_scaling, dtype) -> None:
     _check(inv_freq, position_ids)
+
+
+def _fake(inv_freq, position_ids, attention_scaling, dtype):
     return _outputs(inv_freq, position_ids, dtype)
+
+
+# No gradient: transformers computes the tables under no_grad (rope_cos_sin sends a caller that
+# wants one to the reference). The positions pick the device.
+_rope_cos_sin = define_op(KERNEL, _rope_cos_sin_cuda, reference=rope_cos_sin_reference, fake=_fake, check=_check_op,
+                          backward=None, device_arg=1)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_scaling: float,
@@ -164,8 +162,5 @@ def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, attention_s
     if torch.compiler.is_compiling():
         if not isinstance(attention_scaling, numbers.Real):
             return rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
-        return _rope_cos_sin_op(inv_freq, position_ids, float(attention_scaling), dtype)
-    if not position_ids.is_cuda:  # the reference as is (contiguous, like the op's outputs)
-        dispatch.reference_call(KERNEL)
-        return rope_cos_sin_reference(inv_freq, position_ids, attention_scaling, dtype)
-    return _rope_cos_sin_impl(inv_freq, position_ids, attention_scaling, dtype)
+        attention_scaling = float(attention_scaling)
+    return _rope_cos_sin.call_checked(inv_freq, position_ids, attention_scaling, dtype)

@@ -1,7 +1,7 @@
 """Attention prefill tile sweep against sdpa (a microbenchmark can reject, never accept).
 
-    python -m benchmarks.attention_sweep export --out .sweep-attn      # CPU: compile the candidates (sm_90)
-    python -m benchmarks.attention_sweep run --dir .sweep-attn --json out.json   # GPU: check, then time
+    python -m dev.sweeps.attention_sweep export --out .sweep-attn      # CPU: compile the candidates (sm_90)
+    python -m dev.sweeps.attention_sweep run --dir .sweep-attn --json out.json   # GPU: check, then time
 
 (from the checkout's root: the hint variants live in the ``benchmarks`` package).
 
@@ -34,8 +34,8 @@ TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128)]
 #: (module, kernel function, label): the shipped prefill kernel (8 warps on sm_90), the shipped
 #: decode kernel (4 warps) and the hint variants of attention_variants.py.
 FUNCTIONS = [("attention", "attention_prefill_kernel", "w8"), ("attention", "attention_kernel", "w4"),
-             ("benchmarks.attention_variants", "attention_w8_occ2_kernel", "w8.occ2"),
-             ("benchmarks.attention_variants", "attention_w8_cta2_kernel", "w8.cta2")]
+             ("dev.sweeps.attention_variants", "attention_w8_occ2_kernel", "w8.occ2"),
+             ("dev.sweeps.attention_variants", "attention_w8_cta2_kernel", "w8.cta2")]
 #: (name, batch, query heads, KV heads, sequence, head_dim): the presets' prefills.
 SHAPES = [("llama-3.2-1b 1x2048", 1, 32, 8, 2048, 64), ("qwen3-0.6b 1x2048", 1, 16, 8, 2048, 128),
           ("mistral-7b 1x2048", 1, 32, 8, 2048, 128), ("llama-3.2-1b 4x1024", 4, 32, 8, 1024, 64)]

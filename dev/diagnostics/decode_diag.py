@@ -1,6 +1,6 @@
 """Where does a stock decode step's time go? One checkpoint loaded four ways, timed in alternation.
 
-    python benchmarks/decode_diag.py <checkpoint dir> [--steps 24]
+    python dev/diagnostics/decode_diag.py <checkpoint dir> [--steps 24]
 
 Paths: ``stock`` (plain from_pretrained); ``stock+use_kernels`` (use_kernels=True with an empty
 mapping: transformers' kernel plumbing, no layer replaced); ``cutile`` (our RMSNorm);

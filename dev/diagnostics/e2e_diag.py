@@ -1,7 +1,7 @@
 """Which of our changes moves a model's end-to-end time? One checkpoint, stock and ours, with
 each of our patches switched off in turn, timed in alternating rounds in one process.
 
-    python benchmarks/e2e_diag.py llama-3.2-1b [--rounds 3] [--json out.json]
+    python dev/diagnostics/e2e_diag.py llama-3.2-1b [--rounds 3] [--json out.json]
 
 Configs: ``stock``; ``ours`` (kernel_config: hub layers RMSNorm + rotary_pos_emb, and every
 registered patch); ``ours -<patch>`` (that patch undone); ``hub only`` (every patch undone).

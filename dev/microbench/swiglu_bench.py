@@ -1,6 +1,6 @@
 """SiLU-and-mul and the fused SwiGLU MLP against the stock path, on the H200.
 
-    python benchmarks/swiglu_bench.py [--json out.json]
+    python dev/microbench/swiglu_bench.py [--json out.json]
 
 For Llama-3.2-1B (H 2048, I 8192) and Qwen3-0.6B (H 1024, I 3072), bf16, at M = 1, 2, 4, 8, 16
 (decode) and 2048 (prefill) rows:

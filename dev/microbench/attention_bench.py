@@ -1,6 +1,6 @@
 """Attention microbenchmark on a GPU: the ``"cutile"`` attention function against transformers' sdpa one.
 
-    python benchmarks/attention_bench.py --json attention-bench.json
+    python dev/microbench/attention_bench.py --json attention-bench.json
 
 Shapes of Llama-3.2-1B (32 query / 8 KV heads, head_dim 64) and Qwen3-0.6B (16 / 8, 128), bf16.
 Both sides are timed as a model calls them, through transformers' attention-function signature

@@ -1,6 +1,6 @@
 """RoPE and fused residual-add + RMSNorm microbenchmark on a GPU (a microbenchmark can reject, never accept).
 
-    python benchmarks/rope_bench.py --json rope-bench.json
+    python dev/microbench/rope_bench.py --json rope-bench.json
 
 For the Llama-3.2-1B (32/8 heads, head_dim 64, hidden 2048) and Qwen3-0.6B (16/8, 128, hidden
 1024) shapes at prefill 1x2048 and decode b=1 / b=16, times

@@ -10,7 +10,7 @@ a GPU, are replaced by an output allocation. What remains is the forward's Pytho
 work, plus the stock model's small CPU elementwise ops. The models are timed alternately, one
 forward each per round, so a drifting host slows both alike:
 
-    python benchmarks/host_model.py [--layers 16] [--tokens 8] [--rounds 300] [--profile 30]
+    python dev/diagnostics/host_model.py [--layers 16] [--tokens 8] [--rounds 300] [--profile 30]
 
 It prints each model's median and p10 microseconds per forward and their ratio (median over rounds
 of ours / stock). ``--profile N`` adds the top N functions of ours under cProfile.
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # for host_overhead
 import host_overhead  # noqa: E402
 
 

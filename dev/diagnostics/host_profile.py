@@ -1,6 +1,6 @@
 """Where the host time of an eager prefill goes, stock against ours: ``cProfile`` of the forward.
 
-    python benchmarks/host_profile.py llama-3.2-1b [--tokens 2048] [--calls 5] [--top 30] [--sync-debug]
+    python dev/diagnostics/host_profile.py llama-3.2-1b [--tokens 2048] [--calls 5] [--top 30] [--sync-debug]
         [--drift N] [--include PATCH...] [--interleave N]
 
 The bench's prefill rounds show the host time (until ``forward`` returned) close to the whole

@@ -1,7 +1,7 @@
 """RMSNorm tile-config sweep and microbenchmark (a microbenchmark can reject, never accept).
 
-    python benchmarks/norm_sweep.py export --out .sweep            # CPU: compile candidates (sm_90)
-    python benchmarks/norm_sweep.py run --dir .sweep --json out.json  # GPU: check, then time
+    python dev/sweeps/norm_sweep.py export --out .sweep            # CPU: compile candidates (sm_90)
+    python dev/sweeps/norm_sweep.py run --dir .sweep --json out.json  # GPU: check, then time
 
 Each candidate is checked against a float64 reference on fresh random inputs (output poisoned with
 NaN first), then timed with CUDA events (median of repeats after warm-up). Bandwidth counts the
@@ -28,7 +28,7 @@ def sweep_specs():
         return VariantSpec(kind, module, function, f"bf16.n{bn}.r{rows}.{layout}{label}",
                            norm._params(kind, "bfloat16", layout, consts))
 
-    exp = "benchmarks.norm_variants"
+    exp = "dev.sweeps.norm_variants"
     specs = []
     grid = {4096: (1, 2, 4, 8), 2048: (2, 4, 8, 16), 1024: (4, 8, 16, 32), 128: (64, 128, 256)}
     for fn, module, label in [("rms_norm_kernel", "norm", ""), ("rms_norm_w8_kernel", exp, ".w8"),
