@@ -76,26 +76,26 @@ def _kernels_func(obj):
         return None
 
 
-#: name -> Pin. The digests are those of transformers 5.22.2 (:data:`TRANSFORMERS`).
-PINS: dict[str, Pin] = {p.name: p for p in (
-    Pin("llama", "LlamaRMSNorm.forward", "50b8139e32eaccc8",
-        "the RMSNorm hub layer and every norm fusion (rms_norm, add_rms_norm, qk_norm_rope kernels)"),
-    Pin("llama", "apply_rotary_pos_emb", "257620718ecff20c", "the rotary_pos_emb hub layer (rope kernel)"),
-    Pin("llama", "rotate_half", "b92c1a98279c25d0", "the rotary_pos_emb hub layer and qk_norm_rope (rope kernel)"),
-    Pin("llama", "LlamaRotaryEmbedding.forward", "a002b01d1bd09ade", "patch rope_cos_sin (rope_cos_sin kernel)"),
-    Pin("llama", "LlamaDecoderLayer.forward", "b139d1b607c01194", "patch decoder_add_rms_norm (its fused forward)"),
-    Pin("llama", "LlamaMLP.forward", "5b8abf7af12a4b42", "patch fused_gate_up (silu_and_mul kernel)"),
-    Pin("llama", "LlamaAttention.forward", "edb09e4cdb72174c",
-        "patch fused_qkv and the decoder patch's direct attention call (their reproduced forward)"),
-    Pin("mistral", "MistralAttention.forward", "ea92a9846ca1ecb5",
-        "patch fused_qkv and the decoder patch's direct attention call (their reproduced forward)"),
-    Pin("qwen2", "Qwen2Attention.forward", "992c57d97163d600",
-        "patch fused_qkv and the decoder patch's direct attention call (their reproduced forward)"),
-    Pin("qwen3", "Qwen3Attention.forward", "457e3a53f1f0cfb6", "patch qk_norm_rope (its fused forward)"),
-    # Matched, not reproduced: our code follows their contract (gates=False). Reported by
-    # `pins check`; nothing asks them at run time.
-    Pin("llama", "LlamaModel.forward", "b9c0eae1e2b38972", "patch decoder_add_rms_norm's cross-layer handoff under "
-        "inference_mode (its layer loop, verified when patched)", gates=False),
+#: name -> Pin: every pin, those of the interfaces below and those the family modules declare
+#: (``layers/models/*.py``, registered by ``layers/_registry.py``). Digests of transformers 5.22.2.
+PINS: dict[str, Pin] = {}
+
+
+def register(*pins: Pin) -> None:
+    """Add pins to :data:`PINS` (a family module's, at import; the same pin again is a no-op).
+
+    Raises:
+        ValueError: another pin of that name is registered.
+    """
+    for p in pins:
+        if PINS.get(p.name, p) != p:
+            raise ValueError(f"pin {p.name!r} is declared twice with different values")
+        PINS[p.name] = p
+
+
+# Matched, not reproduced: our code follows these interfaces' contracts (gates=False). Reported by
+# `pins check`; nothing asks them at run time. The families' own pins are in layers/models/.
+register(
     Pin("integrations.sdpa_attention", "sdpa_attention_forward", "c356aebf5d0f5113",
         "attn_implementation='cutile' (cutile_attention_forward takes sdpa's arguments and masks)", gates=False),
     Pin("integrations.hub_kernels", "kernelize", "e45cac02bd1557ef", "kernel_config() through from_pretrained (the swap "
@@ -106,7 +106,7 @@ PINS: dict[str, Pin] = {p.name: p for p in (
         "CutileKernelConfig.create_compatible_mapping (calls it for CUDA models)", gates=False),
     Pin("utils.kernel_config", "KernelConfig.sanitize_kernel_mapping", "af34dae3c640b84b",
         "CutileKernelConfig.sanitize_kernel_mapping (drops names the model lacks, then calls it)", gates=False),
-)}
+)
 
 
 def digest_now(name: str) -> str | None:
@@ -124,4 +124,4 @@ def holds(name: str) -> bool:
     return digest_now(name) == PINS[name].digest
 
 
-__all__ = ["PINS", "TRANSFORMERS", "Pin", "digest_now", "holds"]
+__all__ = ["PINS", "TRANSFORMERS", "Pin", "digest_now", "holds", "register"]

@@ -1,10 +1,11 @@
-"""Gathers what the feature modules declare: the kernelize mapping rows (``MAPPING``) and the patches
-(``PATCH_ROWS``), in one place and one order, so that adding a layer or a patch edits only its own
-module (and, for a new module, the tuples here)."""
+"""Gathers what the feature and family modules declare: the kernelize mapping rows (``MAPPING``), the
+patches (``PATCH_ROWS``) and the families' pins, in one place and one order, so that adding a layer
+or a patch edits only its own module (and, for a new feature module, the tuples here; a new family
+module is found by name)."""
 
 from __future__ import annotations
 
-from . import mlp, norm, qk_norm_rope, qkv, rope, rope_cos_sin
+from . import _pins, mlp, models, norm, qkv, rope, rope_cos_sin
 from . import patch as decoder
 from ._patching import PATCHES, register
 
@@ -12,8 +13,14 @@ from ._patching import PATCHES, register
 #: ``SiLU`` row is left out: on the H200 our SiLU lost to ``F.silu`` at prefill, and alone it saves
 #: no launch (the fused MLP, patch ``fused_gate_up``, is what runs).
 MAPPING_MODULES = (norm, rope)
-#: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse).
-PATCH_MODULES = (decoder, mlp, rope_cos_sin, qk_norm_rope, qkv)
+for _family in models.FAMILIES.values():
+    _pins.register(*_family.pins)
+
+#: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse): the shared
+#: features, then the families' own (after the features they build on), then fused q/k/v (which
+#: must see the attention forwards the others chose).
+PATCH_MODULES = (decoder, mlp, rope_cos_sin,
+                 *(m for m in models.modules() if hasattr(m, "PATCH_ROWS")), qkv)
 
 #: transformers hub layer name -> class name in this package, gathered from the family modules.
 MAPPING: dict[str, str] = {}

@@ -5,7 +5,7 @@ The mechanism (``Patch``, the registry, :func:`patch` / :func:`unpatch`, the sav
 ``layers/_patching.py``; each feature module declares its patches (``PATCH_ROWS``) and
 ``layers/_registry.py`` gathers them in apply order: ``decoder_add_rms_norm`` (here),
 ``fused_gate_up`` (``mlp.py``), ``rope_cos_sin`` (``rope_cos_sin.py``), ``qk_norm_rope``
-(``qk_norm_rope.py``), ``fused_qkv`` (``qkv.py``). This module re-exports the API
+(``models/qwen3.py``), ``fused_qkv`` (``qkv.py``). This module re-exports the API
 (``cutile_kernels.patch`` is :func:`patch`), so ``cutile_kernels.layers.patch`` keeps working.
 """
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import torch
 
-#: The families we claim: every test of a layer, patch or compiled path runs on each.
-CLAIMED = ("llama", "mistral", "qwen2", "qwen3")
+#: The model types the package claims (``cutile_kernels.layers.models``): every test of a layer,
+#: patch or compiled path runs on each. A claimed type without a row below fails test_families.
+from cutile_kernels.layers.models import claimed_model_types  # noqa: E402
+
+CLAIMED = claimed_model_types()
 
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               vocab_size=256)

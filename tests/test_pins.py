@@ -60,7 +60,7 @@ def test_check_shows_the_diff_of_a_changed_pin(change_pin, monkeypatch, tmp_path
 
 
 def test_a_changed_pin_turns_its_patch_off(change_pin, caplog):
-    from cutile_kernels.layers import qk_norm_rope
+    from cutile_kernels.layers.models import qwen3 as qk_norm_rope
     from families import model
 
     qk_norm_rope.attention_verdict.cache_clear()

@@ -16,7 +16,7 @@ import cutile_kernels
 from cutile_kernels import dispatch
 from cutile_kernels.kernel_src import qk_norm_rope as src
 from cutile_kernels.layers import patch as patcher
-from cutile_kernels.layers import qk_norm_rope as layer
+from cutile_kernels.layers.models import qwen3 as layer
 from cutile_kernels_tools import evaluate, inventory
 from launches import launched_variants
 

@@ -1,4 +1,7 @@
-"""Patch ``qk_norm_rope``: Qwen3's q_norm, k_norm and RoPE on one cuTile launch.
+"""The Qwen3 family, and its patch ``qk_norm_rope``: q_norm, k_norm and RoPE on one cuTile launch.
+
+Qwen3's decoder is Llama's code except its attention, which normalises q and k per head before
+RoPE; so Qwen3 gets every shared feature of the Llama family (``models/llama.py``) and this patch.
 
 transformers' ``Qwen3Attention.forward`` (v5.22.2) runs ``q_norm`` and ``k_norm`` (two RMSNorm
 launches) and then ``apply_rotary_pos_emb`` (one more) on every layer. The patch swaps the forward
@@ -26,19 +29,29 @@ import logging
 
 from torch import nn
 
-from ..ops.qk_norm_rope import qk_norm_rope
-from ._direct import linear
-from ._match import same_code
-from ._pins import TRANSFORMERS, holds
-from ._patching import Patch, _unhooked, restore_forwards, swap_forwards
-from .norm import is_llama_norm
-from .rope import computes_llama_rope, wrapped_function
+from ...ops.qk_norm_rope import qk_norm_rope
+from .._direct import linear
+from .._match import same_code
+from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
+from .._pins import TRANSFORMERS, Pin, holds
+from ..norm import is_llama_norm
+from ..rope import computes_llama_rope, wrapped_function
+from . import Family
 
 logger = logging.getLogger("cutile_kernels")
 
-#: The pin (``layers/_pins.py``) of the forward :func:`fused_attention_forward` reproduces.
+#: The pin of the forward :func:`fused_attention_forward` reproduces (in :data:`FAMILY`).
 #: Another version's forward patches nothing.
 PIN = "qwen3.Qwen3Attention.forward"
+
+FAMILY = Family(
+    name="qwen3",
+    model_types=("qwen3",),
+    pins=(Pin("qwen3", "Qwen3Attention.forward", "457e3a53f1f0cfb6", "patch qk_norm_rope (its fused forward)"),),
+    presets=("qwen3-0.6b",),
+    covered="the Llama family's kernels, and q_norm + k_norm + RoPE on one launch (qk_norm_rope)",
+    not_covered="GEMMs (cuBLAS), embedding, sampling",
+)
 
 _ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -147,7 +160,7 @@ def unpatch_qk_norm_rope(model: nn.Module) -> int:
     return restore_forwards(model, "qk_norm_rope", fused_attention_forward)
 
 
-__all__ = ["PIN", "attention_verdict", "fused_attention_forward", "patch_qk_norm_rope",
+__all__ = ["FAMILY", "PIN", "attention_verdict", "fused_attention_forward", "patch_qk_norm_rope",
            "unpatch_qk_norm_rope"]
 
 

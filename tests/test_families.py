@@ -1,0 +1,46 @@
+"""The model families (``layers/models/``): each claimed model type has a tiny config the tests build,
+each family's pins are registered, and the benchmark presets belong to the families that name them."""
+
+from __future__ import annotations
+
+import families
+from cutile_kernels.layers import _pins, models
+from cutile_kernels_tools import presets
+
+
+def test_every_claimed_model_type_has_a_tiny_config_row():
+    assert set(families.CLAIMED) <= set(families.FAMILIES)
+    assert families.CLAIMED == models.claimed_model_types()
+    for model_type in families.CLAIMED:
+        assert families.config(model_type, layers=1).model_type == model_type
+
+
+def test_families_are_found_by_name_and_claim_disjoint_model_types():
+    assert models.discover() == ("llama", "qwen3")
+    assert set(models.FAMILIES) == set(models.discover())
+    claimed = models.claimed_model_types()
+    assert len(claimed) == len(set(claimed)) and {"llama", "mistral", "qwen2", "qwen3"} == set(claimed)
+    assert models.family_of("mistral").name == "llama" and models.family_of("gemma") is None
+
+
+def test_every_family_pin_is_registered_once():
+    for family in models.FAMILIES.values():
+        assert family.pins, family.name
+        for pin in family.pins:
+            assert _pins.PINS[pin.name] is pin
+    names = [p.name for f in models.FAMILIES.values() for p in f.pins]
+    assert len(names) == len(set(names))
+    # the rest are the interfaces' pins, which gate nothing (reported by `pins check` only)
+    others = set(_pins.PINS) - set(names)
+    assert others and all(not _pins.PINS[n].gates for n in others)
+
+
+def test_presets_belong_to_the_family_that_names_them():
+    named = {p: f for f in models.FAMILIES.values() for p in f.presets}
+    for name, preset in presets.PRESETS.items():
+        if name == "tiny":
+            continue
+        family = models.family_of(preset.config["model_type"])
+        if family is not None:
+            assert named.get(name) is family, f"preset {name} ({preset.config['model_type']}) not in {family.name}"
+    assert set(named) <= set(presets.PRESETS)
