@@ -40,7 +40,8 @@ def main(argv=None) -> dict:
 
     from torch._dynamo.utils import counters
 
-    from cutile_kernels_tools import paths, presets
+    from cutile_kernels_tools.bench import paths
+    from cutile_kernels_tools import presets
 
     ckpt, _ = presets.resolve(args.model, device="cuda")
     model = paths.load(args.path, ckpt, torch.bfloat16, "cuda")
@@ -67,7 +68,7 @@ def main(argv=None) -> dict:
         "unique_graphs": counters["stats"]["unique_graphs"],
     }
     if args.bench_steps:
-        from cutile_kernels_tools.worker import Decoder, decode_run
+        from cutile_kernels_tools.bench.worker import Decoder, decode_run
 
         dec = Decoder(model, args.batch, args.prompt, 2 * args.bench_steps + 2, "cuda", True, 0)
         with torch.inference_mode():  # as the bench's worker runs it (the static cache is an inference tensor)

@@ -65,7 +65,7 @@ from transformers import AutoModelForCausalLM
 import cutile_kernels
 from cutile_kernels import registry
 from cutile_kernels_tools import presets
-from cutile_kernels_tools.worker import kernelized_layers
+from cutile_kernels_tools.bench.worker import kernelized_layers
 
 # kernels warns once per hub layer that a mapping does not name (rotary_pos_emb, ...): expected here.
 logging.getLogger("kernels").setLevel(logging.ERROR)

@@ -13,7 +13,7 @@ import sys
 import cutile_kernels
 import torch
 from cutile_kernels_tools import presets
-from cutile_kernels_tools.worker import kernelized_layers
+from cutile_kernels_tools.bench.worker import kernelized_layers
 from transformers import AutoModelForCausalLM
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,6 +11,15 @@ Qwen3 and Mistral copy::
 The fused kernel first forms ``s = x + residual`` rounded to the input dtype (what the decoder
 layer's ``residual + hidden_states`` produces), writes ``s`` and normalises it.
 
+The ``rms_norm_gemma`` kernels compute the other rounding order transformers uses, Gemma's
+(``GemmaRMSNorm``, Gemma 2 and 3, Qwen3.5's ``(1 + weight)`` norms) and OLMo 2's
+(``Olmo2RMSNorm``): everything in float32 and one rounding at the end, the weight shifted by a
+runtime ``offset`` (1.0 for Gemma's ``1 + weight``, 0.0 for OLMo 2's ``weight``)::
+
+    h = x.float()
+    h = h * rsqrt(mean(h ** 2, -1) + eps)        # float32
+    y = (h * (offset + weight.float())).to(x.dtype)
+
 Every tile dimension is a power of two: a row of N elements is loaded as ``BLOCK_N =
 next_power_of_2(N)`` lanes with zero padding (zeros add nothing to the sum of squares, and the
 mean divides by the true N). Rows longer than the largest single tile go through the chunked
@@ -53,6 +62,12 @@ def _scale(h, inv_rms, w, dtype):
     return (h * inv_rms).astype(dtype).astype(ct.float32) * w
 
 
+@ct.function
+def _scale_float(h, inv_rms, w, offset):
+    # Gemma's / OLMo 2's order: normalise and multiply by (offset + weight) in float32, round once.
+    return (h * inv_rms) * (w + offset)
+
+
 # Hints from the sm_90 sweep (dev/sweeps/norm_sweep.py): occupancy 4 was the fastest RMSNorm at
 # every width, 8 worker warps the fastest fused add (it moves 2.5x the bytes per row).
 @ct.kernel(occupancy=4)
@@ -63,6 +78,17 @@ def rms_norm_kernel(x, weight, y, eps: float, BLOCK_N: ct.Constant[int], ROWS: c
     w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
     inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
     ct.store(y, index=(bid, 0), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
+
+
+@ct.kernel(occupancy=4)
+def rms_norm_gemma_kernel(x, weight, y, eps: float, offset: float, BLOCK_N: ct.Constant[int],
+                          ROWS: ct.Constant[int]):
+    """y = (RMSNorm(x) * (offset + weight)) in float32, rounded once. Shapes as rms_norm_kernel."""
+    bid = ct.bid(0)
+    h = ct.load(x, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
+    w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
+    inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
+    ct.store(y, index=(bid, 0), tile=_scale_float(h, inv_rms, w, offset).astype(y.dtype))
 
 
 @ct.kernel(num_worker_warps=8)
@@ -95,6 +121,24 @@ def rms_norm_chunked_kernel(x, weight, y, eps: float, CHUNK: ct.Constant[int], R
         h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
         w = ct.reshape(ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32), (1, CHUNK))
         ct.store(y, index=(bid, j), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
+
+
+@ct.kernel
+def rms_norm_gemma_chunked_kernel(x, weight, y, eps: float, offset: float, CHUNK: ct.Constant[int],
+                                  ROWS: ct.Constant[int]):
+    """rms_norm_gemma_kernel for rows of any length: one sweep for the sum of squares, one to write."""
+    bid = ct.bid(0)
+    n_chunks = ct.cdiv(x.shape[1], CHUNK)
+    h = ct.load(x, index=(bid, 0), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+    acc = _sum_sq(h, x.dtype)
+    for j in range(1, n_chunks):
+        h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        acc = acc + _sum_sq(h, x.dtype)
+    inv_rms = _inv_rms(acc, x.shape[1], eps)
+    for j in range(n_chunks):
+        h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        w = ct.reshape(ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32), (1, CHUNK))
+        ct.store(y, index=(bid, j), tile=_scale_float(h, inv_rms, w, offset).astype(y.dtype))
 
 
 @ct.kernel
@@ -143,6 +187,9 @@ ROWS = {
     ("rms_norm", "generic"): {64: 32, 128: 16, 256: 8, 512: 4, 1024: 2, 2048: 1, 4096: 1, 8192: 1},
     ("add_rms_norm", "generic"): {64: 32, 128: 16, 256: 8, 512: 4, 1024: 2, 2048: 1, 4096: 1, 8192: 1},
 }
+# rms_norm_gemma moves the bytes rms_norm moves: its tiles until a sweep says otherwise.
+ROWS[("rms_norm_gemma", "aligned")] = ROWS[("rms_norm", "aligned")]
+ROWS[("rms_norm_gemma", "generic")] = ROWS[("rms_norm", "generic")]
 CHUNKED_ROWS = 1
 #: At most this many rows (a decode step's batch), the runtime asks for one row per block
 #: (``ROWS=1``): for every width and layout of :data:`DECODE_DTYPES` such a variant is built.
@@ -152,17 +199,20 @@ DECODE_MAX_ROWS = 256
 def _params(kind: str, dtype: str, layout: str, consts: dict):
     arrays = {
         "rms_norm": ("x", "weight", "y"),
+        "rms_norm_gemma": ("x", "weight", "y"),
         "add_rms_norm": ("x", "residual", "weight", "y", "residual_out"),
     }[kind]
     params = [array(a, dtype, 1 if a == "weight" else 2, layout) for a in arrays]
     params.append(ScalarParam("eps", "float32"))
+    if kind == "rms_norm_gemma":
+        params.append(ScalarParam("offset", "float32"))
     params += [ConstParam(k, v) for k, v in consts.items()]
     return tuple(params)
 
 
 def _matrix() -> list[VariantSpec]:
     specs = []
-    for kind in ("rms_norm", "add_rms_norm"):
+    for kind in ("rms_norm", "add_rms_norm", "rms_norm_gemma"):
         for dtype in ("bfloat16", "float16", "float32"):
             for layout in LAYOUTS:
                 d = DTYPE_TAGS[dtype]

@@ -211,12 +211,13 @@ def swapped(m: nn.Module, forward) -> bool:
 
 
 def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict, done: str,
-                  prepare=None) -> Counter:
+                  prepare=None, replaceable=None) -> Counter:
     """The mechanism of the patches that replace a module's forward: bind ``forward`` to every
     module of ``model`` that ``candidate(m)`` selects, is not swapped yet, has ``verdict(m)`` None
     (else the string says why not) and whose instance forward nobody else replaced (e.g.
-    accelerate's device hooks); ``prepare(m)`` runs first on each. Logs per class what was done
-    (``done`` formatted with ``n`` and ``cls``) and what was left alone and why.
+    accelerate's device hooks) unless ``replaceable(that forward)`` says it may go (a hub layer of
+    ours that would run the stock code anyway); ``prepare(m)`` runs first on each. Logs per class
+    what was done (``done`` formatted with ``n`` and ``cls``) and what was left alone and why.
 
     Returns:
         {class name: modules newly swapped}.
@@ -228,7 +229,7 @@ def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict
             continue
         name = type(m).__name__
         why = verdict(m)
-        if why is None and "forward" in m.__dict__:
+        if why is None and "forward" in m.__dict__ and not (replaceable and replaceable(m.__dict__["forward"])):
             why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
         if why is not None:
             refused[name] += 1

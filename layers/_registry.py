@@ -18,9 +18,9 @@ for _family in models.FAMILIES.values():
 
 #: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse): the shared
 #: features, then the families' own (after the features they build on), then fused q/k/v (which
-#: must see the attention forwards the others chose).
+#: must see the attention forwards the others chose), then the opt-in float32-order norms.
 PATCH_MODULES = (decoder, mlp, rope_cos_sin,
-                 *(m for m in models.modules() if hasattr(m, "PATCH_ROWS")), qkv)
+                 *(m for m in models.modules() if hasattr(m, "PATCH_ROWS")), qkv, norm)
 
 #: transformers hub layer name -> class name in this package, gathered from the family modules.
 MAPPING: dict[str, str] = {}

@@ -9,6 +9,12 @@ The hub name covers classes that round differently (in transformers 5.22, 12 of 
 GptOss, NemotronH, DeepseekV4... multiply by the weight before casting back). Our kernel computes
 ``LlamaRMSNorm``'s formula, so the layer runs it only for classes whose ``forward`` is
 ``LlamaRMSNorm.forward``'s code; any other keeps its own forward and says so once.
+
+The other order transformers uses, float32 throughout and one rounding at the end, is the opt-in
+patch ``rms_norm_gemma`` here (``kernel_config(include=["rms_norm_gemma"])``): it binds the
+``rms_norm_gemma`` kernel to every module whose class computes ``GemmaRMSNorm``'s formula (offset 1:
+Gemma 1/2/3, Qwen3.5, ...) or ``Olmo2RMSNorm``'s (offset 0: OLMo 2/3, GptOss, ...), replacing the
+hub layer's stock fallback where ``kernelize`` bound it. Opt-in until the H200 bench accepts it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import torch
 from torch import nn
 
 from .. import dispatch
-from ..ops.norm import rms_norm
+from ..ops.norm import rms_norm, rms_norm_gemma
 from ._match import class_verdict, same_code
-from ._pins import holds
+from ._patching import Patch, restore_forwards, swap_forwards
+from ._pins import TRANSFORMERS, holds
 
 #: The pin (``layers/_pins.py``) of the formula the kernel reproduces; a later transformers that
 #: changes it turns the kernel path off for every copy.
@@ -77,3 +84,83 @@ class CutileRMSNorm(nn.Module):
 
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
 MAPPING = {"RMSNorm": "CutileRMSNorm"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch rms_norm_gemma: the float32-order norms (Gemma's (1 + weight), OLMo 2's weight)
+# ---------------------------------------------------------------------------------------------
+
+#: The pins (``layers/models/gemma.py``, ``olmo2.py``) of the two forwards the patch reproduces.
+GEMMA_PINS = ("gemma.GemmaRMSNorm.forward", "gemma.GemmaRMSNorm._norm")
+OLMO2_PIN = "olmo2.Olmo2RMSNorm.forward"
+
+
+@class_verdict
+def computes_gemma_rms_norm(cls: type) -> bool:
+    """True if ``cls.forward`` and ``cls._norm`` are ``GemmaRMSNorm``'s code (float32, ``1 + weight``,
+    one rounding) and still the pinned statements (:data:`GEMMA_PINS`). Once per class; a constant
+    under ``torch.compile``."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    return (all(holds(p) for p in GEMMA_PINS) and same_code(getattr(cls, "forward", None), GemmaRMSNorm.forward)
+            and same_code(getattr(cls, "_norm", None), GemmaRMSNorm._norm))
+
+
+@class_verdict
+def computes_olmo2_rms_norm(cls: type) -> bool:
+    """True if ``cls.forward`` is ``Olmo2RMSNorm.forward``'s code (float32, ``weight``, one rounding)
+    and still the pinned statements (:data:`OLMO2_PIN`). Once per class; a constant under compile."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    return holds(OLMO2_PIN) and same_code(getattr(cls, "forward", None), Olmo2RMSNorm.forward)
+
+
+def _float_norm_eps(m: nn.Module):
+    return m.eps if hasattr(m, "eps") else getattr(m, "variance_epsilon", None)
+
+
+def float_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``GemmaRMSNorm.forward`` / ``Olmo2RMSNorm.forward`` (5.22.2) on the ``rms_norm_gemma``
+    kernel: ``x`` ``(..., N)`` -> ``(x / rms(x)) * (offset + weight)`` in float32, rounded once."""
+    offset = 1.0 if computes_gemma_rms_norm(type(self)) else 0.0  # the patch took only these two formulas
+    return rms_norm_gemma(x, self.weight, _float_norm_eps(self), offset)
+
+
+def _float_norm_candidate(m: nn.Module) -> bool:
+    return (isinstance(getattr(m, "weight", None), torch.Tensor) and _float_norm_eps(m) is not None
+            and type(m).__name__.endswith("RMSNorm"))
+
+
+def _float_norm_verdict(m: nn.Module) -> str | None:
+    if not (computes_gemma_rms_norm(type(m)) or computes_olmo2_rms_norm(type(m))):
+        if not (all(holds(p) for p in GEMMA_PINS) and holds(OLMO2_PIN)):
+            return f"this transformers' GemmaRMSNorm / Olmo2RMSNorm is not the one reproduced ({TRANSFORMERS})"
+        return "its formula is neither GemmaRMSNorm's nor Olmo2RMSNorm's code"
+    if m.weight.dim() != 1 or not isinstance(_float_norm_eps(m), float):
+        return f"weight of shape {tuple(m.weight.shape)} or eps {_float_norm_eps(m)!r} is not an (N,) tensor and a float"
+    return None
+
+
+def _our_hub_forward(fwd) -> bool:
+    # kernelize binds CutileRMSNorm.forward (the build's copy: by name), which runs the stock code here.
+    return getattr(getattr(fwd, "__func__", None), "__qualname__", "") == "CutileRMSNorm.forward"
+
+
+def patch_rms_norm_gemma(model: nn.Module) -> int:
+    """Patch ``rms_norm_gemma``: bind :func:`float_norm_forward` to every RMSNorm of ``model`` whose
+    class computes Gemma's or OLMo 2's formula (see the module docstring). Same numbers as the
+    stock forward on the CPU (the reference formula). Returns the number of modules newly patched."""
+    new = swap_forwards(model, "rms_norm_gemma", float_norm_forward, _float_norm_candidate, _float_norm_verdict,
+                        "{n} {cls} on the rms_norm_gemma kernel", replaceable=_our_hub_forward)
+    return sum(new.values())
+
+
+def unpatch_rms_norm_gemma(model: nn.Module) -> int:
+    """Undo :func:`patch_rms_norm_gemma`: the class forward again. Returns the modules restored."""
+    return restore_forwards(model, "rms_norm_gemma", float_norm_forward, noun="norms")
+
+
+#: This module's patch row (gathered by ``layers/_registry.py``): opt-in until the H200 bench
+#: (``autokernelize gemma-3-1b --score rms_norm_gemma``) accepts it.
+PATCH_ROWS = [Patch("rms_norm_gemma", apply=patch_rms_norm_gemma, undo=unpatch_rms_norm_gemma, default=False,
+                    description="float32-order RMSNorms (Gemma's 1 + weight, OLMo 2's weight) on one cuTile launch")]

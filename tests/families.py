@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-#: The model types the package claims (``cutile_kernels.layers.models``): every test of a layer,
-#: patch or compiled path runs on each. A claimed type without a row below fails test_families.
+#: The model types the package claims by default (``cutile_kernels.layers.models``): every test of
+#: a layer, patch or compiled path runs on each. A family's type without a row below fails
+#: test_families.
 from cutile_kernels.layers.models import claimed_model_types  # noqa: E402
 
 CLAIMED = claimed_model_types()
@@ -25,9 +26,11 @@ FAMILIES = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
-    # Not claimed: norms that round differently (Olmo2), (1 + weight) norms and GeGLU (Gemma).
+    # Covered by opt-in patches only (Family.default False): float32-order norms (Olmo2),
+    # (1 + weight) norms and GeGLU (Gemma), Gemma 3's q/k norms and sliding-window layers.
     "olmo2": {},
     "gemma": {},
+    "gemma3_text": {"sliding_window": 4, "sliding_window_pattern": 2},
 }
 
 

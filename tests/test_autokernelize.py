@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from cutile_kernels_tools import autokernelize as ak
-from cutile_kernels_tools import cli, evaluate, inventory, presets
+from cutile_kernels_tools import cli, inventory, presets
+from cutile_kernels_tools.inventory import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -75,7 +75,7 @@ def test_gate_uses_paired_top5_test():
 
 
 def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
-    from cutile_kernels_tools.schema import BenchReport
+    from cutile_kernels_tools.bench.schema import BenchReport
 
     out = tmp_path / "out"
     rc = cli.main(["bench", "--out", str(out), "--quiet", "--decode-steps", "3", "--repeats", "2"])
@@ -144,13 +144,13 @@ def test_failing_path_is_reported_not_fatal(preset_cache, tmp_path):
 
 
 def test_schema_file_is_current():
-    from cutile_kernels_tools.schema import json_schema
+    from cutile_kernels_tools.bench.schema import json_schema
 
     assert json.loads((ROOT / "docs" / "bench-schema.json").read_text()) == json_schema()
 
 
 def test_amdahl_and_coverage_summary():
-    from cutile_kernels_tools import coverage
+    from cutile_kernels_tools.bench import coverage
 
     assert coverage.amdahl(0.5, 2.0) == pytest.approx(1 / 0.75)
     assert coverage.amdahl(0.0, 10.0) == 1.0
@@ -224,7 +224,7 @@ def test_cuda_attribution_from_profiler_events():
     module, and the op is the innermost aten op around the runtime call torch hung the kernel on."""
     from types import SimpleNamespace as NS
 
-    from cutile_kernels_tools import coverage
+    from cutile_kernels_tools.bench import coverage
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -262,7 +262,7 @@ def test_cuda_attribution_from_profiler_events():
 
 
 def test_path_specs_and_the_without_form(capsys):
-    from cutile_kernels_tools import paths
+    from cutile_kernels_tools.bench import paths
 
     assert paths.spec("cutile-attn").attn == "cutile" and paths.spec("cutile-attn").ours
     assert paths.spec("cutile").attn is None and paths.spec("stock").exclude == ()

@@ -8,19 +8,22 @@ from cutile_kernels.layers import _pins, models
 from cutile_kernels_tools import presets
 
 
-def test_every_claimed_model_type_has_a_tiny_config_row():
-    assert set(families.CLAIMED) <= set(families.FAMILIES)
+def test_every_family_model_type_has_a_tiny_config_row():
     assert families.CLAIMED == models.claimed_model_types()
-    for model_type in families.CLAIMED:
+    assert set(models.claimed_model_types(opt_in=True)) <= set(families.FAMILIES)
+    for model_type in models.claimed_model_types(opt_in=True):
         assert families.config(model_type, layers=1).model_type == model_type
 
 
 def test_families_are_found_by_name_and_claim_disjoint_model_types():
-    assert models.discover() == ("llama", "qwen3")
+    assert models.discover() == ("gemma", "llama", "olmo2", "qwen3")
     assert set(models.FAMILIES) == set(models.discover())
     claimed = models.claimed_model_types()
     assert len(claimed) == len(set(claimed)) and {"llama", "mistral", "qwen2", "qwen3"} == set(claimed)
-    assert models.family_of("mistral").name == "llama" and models.family_of("gemma") is None
+    every = models.claimed_model_types(opt_in=True)
+    assert len(every) == len(set(every)) and set(every) - set(claimed) == {"gemma", "gemma3_text", "olmo2"}
+    assert models.family_of("mistral").name == "llama" and models.family_of("gemma3_text").name == "gemma"
+    assert models.family_of("phi3") is None
 
 
 def test_every_family_pin_is_registered_once():

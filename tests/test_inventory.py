@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cutile_kernels_tools import cli, evaluate, fib_schema, inventory, inventory_families
+from cutile_kernels_tools import cli, inventory
+from cutile_kernels_tools.inventory import evaluate, fib_schema, families as inventory_families
 
 ROOT = Path(__file__).resolve().parents[1]
 INVENTORY = ROOT / "inventory"
@@ -90,7 +91,7 @@ def _workload_axes(name: str) -> dict:
 
 
 def test_new_families_have_the_presets_shapes():
-    from cutile_kernels_tools import inventory_families as fam
+    from cutile_kernels_tools.inventory import families as fam
 
     assert {p: b * s for p, (b, s) in fam.PHASES.items()} == inventory.TOKEN_COUNTS
     mlp = _workload_axes("silu_and_mul")

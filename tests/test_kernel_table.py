@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cutile_kernels_tools import cli, inventory, kernel_table
+from cutile_kernels_tools import cli, inventory
+from cutile_kernels_tools.inventory import kernel_table
 
 
 @pytest.fixture(scope="module")

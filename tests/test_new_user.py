@@ -19,7 +19,8 @@ import torch
 
 import cutile_kernels
 import cutile_kernels_build.aot as aot
-from cutile_kernels_tools import bench, cli, inventory, presets, report
+from cutile_kernels_tools import bench, cli, inventory, presets
+from cutile_kernels_tools.bench import report
 
 ROOT = Path(__file__).resolve().parents[1]
 EXE = str(Path(sys.executable).parent / "cutile-kernels")

@@ -17,7 +17,8 @@ from cutile_kernels import dispatch
 from cutile_kernels.kernel_src import qk_norm_rope as src
 from cutile_kernels.layers import patch as patcher
 from cutile_kernels.layers.models import qwen3 as layer
-from cutile_kernels_tools import evaluate, inventory
+from cutile_kernels_tools.inventory import evaluate
+from cutile_kernels_tools import inventory
 from launches import launched_variants
 
 import cutile_numpy

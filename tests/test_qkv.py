@@ -565,7 +565,7 @@ def test_fused_qkv_on_gpu_is_as_close_to_float32_as_stock(name, attn, strict):
     a left-padded batch, and generate() over both caches. Stock is measured before kernelize,
     which swaps the modeling module's shared RoPE function."""
     import cutile_kernels
-    from cutile_kernels_tools.worker import runtime_copies  # the hub RoPE runs from the build's copy
+    from cutile_kernels_tools.bench.worker import runtime_copies  # the hub RoPE runs from the build's copy
 
     ref = _gpu_model(name)  # float32, sdpa (our attention takes bf16 and fp16)
     g = torch.Generator().manual_seed(5)

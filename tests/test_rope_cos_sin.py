@@ -18,7 +18,8 @@ from cutile_kernels.kernel_src import rope_cos_sin as src
 from launches import launched_variants
 from cutile_kernels.layers import patch as patcher
 from cutile_kernels.layers import rope_cos_sin as layer
-from cutile_kernels_tools import evaluate, inventory
+from cutile_kernels_tools.inventory import evaluate
+from cutile_kernels_tools import inventory
 
 import cutile_numpy
 

@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from . import coverage, inventory
-from .fib_schema import AxisConst, AxisVar, Definition, RandomInput, ScalarInput, TensorSpec, Workload
+from .bench import coverage
+from . import inventory
+from .inventory.fib_schema import AxisConst, AxisVar, Definition, RandomInput, ScalarInput, TensorSpec, Workload
 
 #: Captured call shape: batch and sequence lengths unlikely to equal any config size, so that a
 #: dimension of this length is recognisably the batch or the sequence.
@@ -59,7 +60,8 @@ DEFAULT_LOG = Path("benchmarks") / "results" / "autokernelize.tsv"
 
 def load_model(model: str, device: str | None = None, seed: int = 0):
     """The kernelized model (the bench's ``cutile`` path) and its label."""
-    from . import paths, presets
+    from .bench import paths
+    from . import presets
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     checkpoint, label = presets.resolve(model, seed=seed, device=device)
@@ -89,7 +91,7 @@ def regions(model, device: str, steps: int = 2, prompt_len: int = 64, speedup: f
     ``ops`` (top aten ops), ``ceiling`` (Amdahl at ``speedup``), ``ceiling_max`` (1 / (1 - share)),
     ``covered`` (None, or why it is ours). Uncovered regions come first, by time.
     """
-    from .worker import Decoder, our_symbols
+    from .bench.worker import Decoder, our_symbols
 
     dec = Decoder(model, 1, prompt_len, steps + 1, device, False, seed)
 
@@ -640,7 +642,8 @@ def score(model: str, candidate: str, *, root: Path | None = None, log: Path | N
         KeyError: unknown candidate (see :func:`ensure_solution`).
         FileNotFoundError: no inventory at ``root``.
     """
-    from . import bench, evaluate
+    from . import bench
+    from .inventory import evaluate
 
     checkout = checkout or inventory.repo_root() or Path.cwd()
     inv = inventory.Inventory.load(root)

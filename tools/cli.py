@@ -172,7 +172,7 @@ def _publish(args) -> int:
 def main(argv=None) -> int:
     # Only light imports before the arguments are parsed: torch, transformers and the package are
     # imported by the commands that use them.
-    from . import paths as bench_paths
+    from .bench import paths as bench_paths
 
     p = Parser(prog="cutile-kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     nr = nsub.add_parser("record", help="write the pinned functions' sources (after updating the digests)")
     nr.set_defaults(func=_pins_record)
 
-    from .inventory_cli import add_parsers as add_inventory_parsers
+    from .inventory.cli import add_parsers as add_inventory_parsers
 
     add_inventory_parsers(sub)
 
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
 
 
 def _bench_path(name: str) -> str:
-    from . import paths as bench_paths
+    from .bench import paths as bench_paths
 
     try:
         bench_paths.spec(name)

@@ -78,6 +78,29 @@ PRESETS = {
             "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
             "vocab_size": 32768,
         }),
+        # Value for value from google/gemma-3-1b-it's config.json (transformers 4.52.4 wrote it), as a
+        # public Gemma 3 checkpoint-loading note quotes it (found with the search tool, 2026-12-01).
+        Preset("gemma-3-1b", "google/gemma-3-1b-it", {
+            "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+            "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912,
+            "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26,
+            "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+            "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+            "sliding_window_pattern": 6, "use_cache": True, "vocab_size": 262144,
+        }),
+        # allenai/OLMo-2-0425-1B: the values of fairseq2's OLMO2Config, whose defaults are that
+        # checkpoint's (hidden 2048, MLP 8192, 16 layers of 16 heads, vocab 100352, 4096 positions,
+        # RoPE theta 5e5, untied embeddings), as a public checkpoint check also asserts them.
+        Preset("olmo-2-1b", "allenai/OLMo-2-0425-1B", {
+            "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": 100257, "pad_token_id": 100277,
+            "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+            "max_position_embeddings": 4096, "num_attention_heads": 16, "num_hidden_layers": 16,
+            "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000.0,
+            "tie_word_embeddings": False, "use_cache": True, "vocab_size": 100352,
+        }),
     ]
 }
 

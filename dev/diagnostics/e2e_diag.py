@@ -17,7 +17,7 @@ import cutile_kernels
 import torch
 from cutile_kernels.layers import patch as patcher
 from cutile_kernels_tools import presets
-from cutile_kernels_tools.worker import Decoder, Timer, decode_run
+from cutile_kernels_tools.bench.worker import Decoder, Timer, decode_run
 from transformers import AutoModelForCausalLM
 
 _ms = Timer("cuda")

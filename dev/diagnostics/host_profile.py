@@ -28,7 +28,7 @@ import statistics
 import cutile_kernels
 import torch
 from cutile_kernels_tools import presets
-from cutile_kernels_tools.worker import Timer
+from cutile_kernels_tools.bench.worker import Timer
 from transformers import AutoModelForCausalLM
 
 

@@ -28,12 +28,14 @@ class Family:
 
     Attributes:
         name: the family (its module's name).
-        model_types: transformers ``model_type`` values whose models our default kernel_config()
-            accelerates (what the tests' tiny configs and the README's coverage table list).
+        model_types: transformers ``model_type`` values of the family (each has a tiny config in the
+            tests and a row in the README's coverage table).
         pins: the transformers functions the family's code paths reproduce, with their digests.
         presets: benchmark presets (``cutile-kernels presets``) from the configs of real checkpoints.
         covered: one line: what runs in our kernels for this family.
         not_covered: one line: what still runs stock code.
+        default: whether ``kernel_config()`` accelerates it as is; False while its kernels are opt-in
+            patches (``kernel_config(include=[...])``) that the GPU bench has not accepted yet.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Family:
     presets: tuple[str, ...] = ()
     covered: str = ""
     not_covered: str = ""
+    default: bool = True
 
 
 def discover() -> tuple[str, ...]:
@@ -59,9 +62,10 @@ def modules() -> list:
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in modules()}
 
 
-def claimed_model_types() -> tuple[str, ...]:
-    """Every ``model_type`` some family claims, in family order."""
-    return tuple(t for f in FAMILIES.values() for t in f.model_types)
+def claimed_model_types(opt_in: bool = False) -> tuple[str, ...]:
+    """Every ``model_type`` of the families the default ``kernel_config()`` accelerates (with
+    ``opt_in``: also those whose kernels are opt-in patches), in family order."""
+    return tuple(t for f in FAMILIES.values() if f.default or opt_in for t in f.model_types)
 
 
 def family_of(model_type: str) -> Family | None:

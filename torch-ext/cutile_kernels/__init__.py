@@ -21,7 +21,8 @@ from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_re
 from .ops import qk_norm_rope, qk_norm_rope_reference
 from .ops._dtypes import UnsupportedDtypeError
 from .layers.patch import patch, unpatch
-from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference, silu, silu_and_mul,
+from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_gemma, rms_norm_gemma_reference,
+                  rms_norm_reference, silu, silu_and_mul,
                   silu_and_mul_fused, silu_and_mul_fused_reference, silu_and_mul_reference, silu_reference)
 
 __version__ = "0.1.0"
@@ -45,6 +46,8 @@ __all__ = [
     "registry",
     "reset_stats",
     "rms_norm",
+    "rms_norm_gemma",
+    "rms_norm_gemma_reference",
     "rms_norm_reference",
     "rope_cos_sin",
     "rope_cos_sin_reference",

@@ -2,7 +2,8 @@
 
 The math and rounding order are those of transformers' ``LlamaRMSNorm`` (see
 ``kernel_src/norm.py``); :func:`rms_norm_reference` restates them in PyTorch and is both the
-fallback and the test oracle's model.
+fallback and the test oracle's model. :func:`rms_norm_gemma` is the other order transformers uses
+(``GemmaRMSNorm``, ``Olmo2RMSNorm``): float32 throughout, one rounding at the end.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
     """``s = x + residual`` (the decoder layer's residual add), then ``(rms_norm(s), s)``."""
     s = x + residual
     return rms_norm_reference(s, weight, eps), s
+
+
+def rms_norm_gemma_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """RMSNorm as transformers' ``GemmaRMSNorm.forward`` computes it (v5.22.2; Gemma 2 and 3 and
+    Qwen3.5's norms copy it) with ``offset=1.0``, and as ``Olmo2RMSNorm.forward`` with ``offset=0.0``:
+    normalise in float32, multiply by ``offset + weight`` in float32, round once to ``x.dtype``."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (offset + weight.float())).to(x.dtype)
 
 
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
@@ -123,6 +133,25 @@ def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
                         3, _grid(x.shape[0]))
 
 
+def _check_rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
+    _check_shapes(x, weight, "rms_norm_gemma")
+
+
+def _rms_norm_gemma_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    if x.dim() == 1:
+        return _rms_norm_gemma_cuda(x.view(1, -1), weight, eps, offset).view_as(x)
+    y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    rows = y.numel() // x.shape[-1]
+    if y.numel() == 0 or dispatch.run("rms_norm_gemma", _want(x, rows), (x, weight, y, float(eps), float(offset)), 2,
+                                      _grid(rows), _rows_layout):
+        return y
+    return rms_norm_gemma_reference(x, weight, eps, offset).contiguous()
+
+
+def _rms_norm_gemma_fake(x, weight, eps, offset):
+    return x.new_empty(x.shape)
+
+
 def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
 
@@ -134,6 +163,8 @@ def _add_rms_norm_fake(x, residual, weight, eps):
 
 _rms_norm = define_op("rms_norm", _rms_norm_cuda, reference=rms_norm_reference, fake=_rms_norm_fake,
                       check=_check_rms_norm)
+_rms_norm_gemma = define_op("rms_norm_gemma", _rms_norm_gemma_cuda, reference=rms_norm_gemma_reference,
+                            fake=_rms_norm_gemma_fake, check=_check_rms_norm_gemma)
 _add_rms_norm = define_op("add_rms_norm", _add_rms_norm_cuda, reference=add_rms_norm_reference,
                           fake=_add_rms_norm_fake, check=_check_add_rms_norm)
 
@@ -182,3 +213,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """
     check_float("add_rms_norm", "x, residual, weight", x, residual, weight)
     return _add_rms_norm(x, residual, weight, eps)
+
+
+def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 1.0) -> torch.Tensor:
+    """RMSNorm in Gemma's rounding order: ``((x / rms(x)) * (offset + weight)).to(x.dtype)``, all
+    in float32 (transformers' ``GemmaRMSNorm``; ``Olmo2RMSNorm`` with ``offset=0.0``).
+
+    Args:
+        x: ``(..., N)`` activations, any N and rows, rows may be strided; bfloat16, float16 or
+            float32.
+        weight: ``(N,)``; same dtype as ``x`` for the cuTile kernel. Gemma stores ``weight``
+            around 0 and multiplies by ``1 + weight`` (``offset=1.0``); OLMo 2 multiplies by
+            ``weight`` (``offset=0.0``).
+        eps: added to the mean square (Gemma's ``self.eps``, OLMo 2's ``variance_epsilon``).
+        offset: added to the weight in float32 before the multiply.
+
+    Returns:
+        ``(..., N)`` contiguous tensor of ``x.dtype``.
+
+    On CUDA this runs a cuTile kernel (prebuilt, else JIT); other inputs (mixed dtypes, float64,
+    no build) take :func:`rms_norm_gemma_reference` and log the reason once. Under
+    ``torch.compile`` or when an input requires grad it is the custom op
+    ``<namespace>::rms_norm_gemma`` (gradients from the reference).
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        ValueError: ``weight`` is not ``(N,)``.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("rms_norm_gemma", "x, weight", x, weight)
+    return _rms_norm_gemma(x, weight, float(eps), float(offset))

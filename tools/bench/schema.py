@@ -1,7 +1,7 @@
 """The bench report's schema (``cutile-kernels/bench/2``), as pydantic models.
 
 ``cutile-kernels bench --out DIR`` writes ``bench.json`` that validates against :class:`BenchReport`;
-``python -m cutile_kernels_tools.schema`` prints the JSON Schema (``docs/bench-schema.json`` holds
+``python -m cutile_kernels_tools.bench.schema`` prints the JSON Schema (``docs/bench-schema.json`` holds
 it; a test keeps the two in step). Times are milliseconds unless a name says ``us``
 (microseconds); rates are per second; bandwidth in bytes/s; shares are fractions of 1.
 """

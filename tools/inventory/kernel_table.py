@@ -142,7 +142,8 @@ def measure(inv, triples, device: str = "cuda", *, bandwidth_Bps: float, l2_byte
     ``n``, and return microseconds per call; they default to :func:`.timing.graph_us` and
     :func:`.timing.events_us`.
     """
-    from . import evaluate, inventory, timing
+    from . import evaluate
+    from .. import inventory, timing
 
     graph_timer = graph_timer or (lambda fn, n: timing.graph_us(fn, per_graph=max(1, 10 // n)) / n)
     eager_timer = eager_timer or (lambda fn, n: timing.events_us(fn, reps=5, inner=max(1, 50 // n)) / n)
@@ -193,7 +194,9 @@ def run(root: Path | None = None, solutions=None, models=None, device: str = "cu
             model names no Workload.
         KeyError: an unknown Solution name.
     """
-    from . import evaluate, inventory, limits
+    from . import evaluate
+    from .. import inventory
+    from ..bench import limits
 
     inv = inventory.Inventory.load(root)
     triples, skipped = select(inv, solutions, models)

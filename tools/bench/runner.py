@@ -1,6 +1,6 @@
 """``cutile-kernels bench``: one checkpoint run every way a user might run it, side by side.
 
-For a checkpoint directory or a preset (:mod:`.presets`) the bench runs, each in its own process so
+For a checkpoint directory or a preset (:mod:`..presets`) the bench runs, each in its own process so
 that no patch leaks from one path into another:
 
 1. the machine's limits (:mod:`.limits`): copy bandwidth and matmul rate, for roofline fractions;
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from . import paths as bench_paths
-from . import presets
-from .metrics import logit_metrics, top5_hits  # noqa: F401 - logit_metrics stays part of this module's API
+from .. import presets
+from ..metrics import logit_metrics, top5_hits  # noqa: F401 - logit_metrics stays part of this module's API
 
 SCHEMA = "cutile-kernels/bench/2"
 
@@ -333,7 +333,7 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
     from rich.table import Table
 
     if console is None:
-        from .cli_args import table_width
+        from ..cli_args import table_width
 
         console = Console(width=table_width(200 if wide else 100))
     gates = report.get("gate", {})

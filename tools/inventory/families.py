@@ -17,23 +17,9 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fib_schema import (
-    AxisVar,
-    Definition,
-    RandomInput,
-    ScalarInput,
-    Solution,
-    TensorSpec,
-    Workload,
-)
-from . import inventory
-from .inventory import (
-    TOKEN_COUNTS,
-    TRANSFORMERS_PIN,
-    WORKLOAD_PRESETS,
-    make_solution,
-    reference_source,
-)
+from .fib_schema import AxisVar, Definition, RandomInput, ScalarInput, Solution, TensorSpec, Workload
+from .. import inventory
+from . import TOKEN_COUNTS, TRANSFORMERS_PIN, WORKLOAD_PRESETS, make_solution, reference_source
 
 #: (batch, tokens per sequence) per phase; batch x tokens is ``TOKEN_COUNTS[phase]``.
 PHASES = {"decode-b1": (1, 1), "decode-b16": (16, 1), "prefill-2048": (1, 2048)}
@@ -79,7 +65,7 @@ def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
 
 def model_shapes(preset: str) -> dict:
     """The sizes of a preset the kernels see: hidden, intermediate, q / kv heads, head_dim."""
-    from . import presets
+    from .. import presets
 
     cfg = presets.PRESETS[preset].config
     heads = cfg["num_attention_heads"]
@@ -329,7 +315,7 @@ QWEN3 = "src/transformers/models/qwen3/modeling_qwen3.py"
 
 
 def _qk_norm_rope() -> Entry:
-    from . import presets
+    from .. import presets
 
     norm, rope, ops = _ops("norm"), _ops("rope"), _ops("qk_norm_rope")
     src = f"{QWEN3}::Qwen3Attention.forward"

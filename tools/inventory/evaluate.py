@@ -41,18 +41,10 @@ from pathlib import Path
 
 import torch
 
-from .fib_schema import (
-    Correctness,
-    Definition,
-    Environment,
-    Evaluation,
-    EvaluationStatus,
-    Performance,
-    Solution,
-    Trace,
-    Workload,
-)
-from .timing import synchronize, time_pair
+from .fib_schema import (Correctness,
+                         Definition, Environment, Evaluation, EvaluationStatus, Performance, Solution, Trace,
+                         Workload)
+from ..timing import synchronize, time_pair
 # The Workload -> tensors helpers (inventory's validate and kernel-table use them too); part of this
 # module's API as before.
 from .workload_tensors import as_tuple, check_outputs, make_inputs, reference_inputs, torch_dtype  # noqa: F401
@@ -239,7 +231,7 @@ def run_checks(d: Definition, fn, workloads: list[Workload], device: str, *, lau
         kernel_needs_cuda: on a non-CUDA ``device``, stop after the reference stage with status
             ``NOT_RUN_NO_CUDA`` (the runtime serves CPU tensors with the reference by design).
     """
-    from .inventory import load_reference
+    from . import load_reference
 
     env = environment(device)
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -369,7 +361,7 @@ def launch_count() -> int:
     """cuTile kernels launched so far in this process, over every loaded copy of the runtime."""
     import cutile_kernels.dispatch  # noqa: F401 - the source package's counters exist even before a call
 
-    from .worker import runtime_copies
+    from ..bench.worker import runtime_copies
 
     return sum(sum(d.STATS.launches.values()) + sum(d.STATS.jit_launches.values()) for d in runtime_copies())
 
@@ -393,7 +385,7 @@ def load_entry(s: Solution):
 
 def compile_stage(s: Solution, device: str, result: Result, checkout: Path | None, build_dir: Path | None):
     """Stage 1; returns the entry function. Raises StageFailure(COMPILE_ERROR)."""
-    from . import inventory
+    from .. import inventory
 
     with _stage(result, "compile"):
         try:
@@ -453,7 +445,7 @@ def evaluate(solution: str, root: Path | None = None, device: str | None = None,
         KeyError: unknown Solution, Definition or Workload uuid.
         FileNotFoundError: no inventory at ``root``.
     """
-    from . import inventory
+    from .. import inventory
 
     inv = inventory.Inventory.load(root)
     if solution not in inv.solutions:

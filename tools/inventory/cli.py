@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cli_args import device, table_width
+from ..cli_args import device, table_width
 
 
 def _print_json(data) -> None:
@@ -15,7 +15,7 @@ def _print_json(data) -> None:
 
 
 def _validate(args) -> int:
-    from . import inventory
+    from .. import inventory
 
     rep = inventory.validate(Path(args.root) if args.root else None, compile=not args.no_compile,
                              build_dir=Path(args.build) if args.build else None)
@@ -39,7 +39,7 @@ def _show(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from . import inventory
+    from .. import inventory
 
     inv = inventory.Inventory.load(Path(args.root) if args.root else None)
     if args.name:
@@ -66,7 +66,7 @@ def _show(args) -> int:
 
 
 def _sync(args) -> int:
-    from . import inventory_families
+    from . import families as inventory_families
 
     changed = inventory_families.sync(Path(args.root) if args.root else None)
     for p in changed:
@@ -76,7 +76,7 @@ def _sync(args) -> int:
 
 
 def _new_solution(args) -> int:
-    from . import inventory
+    from .. import inventory
 
     checkout = inventory.repo_root()
     if checkout is None:
@@ -97,7 +97,7 @@ def _new_solution(args) -> int:
 
 
 def _export(args) -> int:
-    from . import inventory
+    from .. import inventory
 
     out = inventory.export(inventory.Inventory.load(Path(args.root) if args.root else None), Path(args.out))
     print(f"wrote a FlashInfer-Bench dataset to {out}")
@@ -105,7 +105,8 @@ def _export(args) -> int:
 
 
 def _evaluate(args) -> int:
-    from . import evaluate, inventory
+    from . import evaluate
+    from .. import inventory
 
     root = Path(args.root) if args.root else None
     inv = inventory.Inventory.load(root)
@@ -159,7 +160,7 @@ def _kernel_table(args) -> int:
 
 
 def _autokernelize(args) -> int:
-    from . import autokernelize as ak
+    from .. import autokernelize as ak
 
     if args.score:
         bench_kw = {k: v for k, v in (("decode_batches", tuple(args.decode_batch or ())), ("rounds", args.rounds)) if v}
@@ -190,7 +191,7 @@ def _autokernelize(args) -> int:
         raise KeyError(f"no region {args.scaffold!r}: give a rank (1 = most time) or a region path from the list")
     if region["covered"]:
         raise ValueError(f"region {region['region']} is already ours: {region['covered']}")
-    from . import inventory
+    from .. import inventory
 
     target = Path(args.target) if args.target else (inventory.repo_root() or Path.cwd())
     out = ak.scaffold(model, region, label, target, name=args.name)

@@ -227,7 +227,7 @@ class PathSession:
         ref = torch.load(job["reference"])
         with torch.inference_mode():
             logits = model(ref["prompt"].to(s["device"]), use_cache=False).logits.float().cpu()
-        from .metrics import logit_metrics
+        from ..metrics import logit_metrics
 
         out = {"path": self.name, "description": self.spec.description,
                "correctness": logit_metrics(logits, ref["logits"]), "kernelized_layers": kernelized_layers(model),

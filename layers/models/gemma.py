@@ -1,0 +1,28 @@
+"""The Gemma family (Gemma, Gemma 2, Gemma 3 text; transformers 5.22.2).
+
+What differs from the Llama code: ``GemmaRMSNorm`` multiplies by ``1 + weight`` and rounds once,
+after the multiply, in float32 (not decorated for the hub: the opt-in patch ``rms_norm_gemma`` of
+``layers/norm.py`` reaches it, on the ``rms_norm_gemma`` kernel); four norms per decoder layer
+(Gemma 2 and 3), GeGLU with ``gelu_pytorch_tanh``, the embedding scaled by sqrt(hidden), sliding
+and global layers, logit softcaps (Gemma 2), q/k norms and two RoPE bases (Gemma 3). Gemma's
+attention and rotary embedding are Llama's code, so the opt-in ``fused_qkv`` and ``rope_cos_sin``
+apply to Gemma 1 as they are.
+"""
+
+from __future__ import annotations
+
+from .._pins import Pin
+from . import Family
+
+_USE = "patch rms_norm_gemma (rms_norm_gemma kernel, offset 1)"
+
+FAMILY = Family(
+    name="gemma",
+    model_types=("gemma", "gemma3_text"),
+    pins=(Pin("gemma", "GemmaRMSNorm.forward", "6fae0a5e1216d30d", _USE),
+          Pin("gemma", "GemmaRMSNorm._norm", "53678ba7610507ed", _USE)),
+    presets=("gemma-3-1b",),
+    covered="opt-in (include=['rms_norm_gemma']): every RMSNorm, q/k norms included, in Gemma's order",
+    not_covered="GeGLU, embedding scale, softcaps, attention (sdpa), RoPE, GEMMs",
+    default=False,
+)

@@ -1,0 +1,72 @@
+"""The contract every registered patch keeps, alone, on every model family (tests/families.py; CPU).
+
+On the families a patch claims it changes modules; on every family the patched model's logits equal
+the stock model's (the CPU runs the reference formulas, which are the stock ones), save_pretrained
+writes the stock checkpoint byte for byte, and unpatch leaves the stock model: the same logits, no
+instance forward and no hook of ours. A new patch adds its row to CLAIMS (the test fails until it
+does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cutile_kernels
+import families
+from cutile_kernels.layers._patching import PATCHES
+from cutile_kernels.layers.models import claimed_model_types
+
+#: patch -> the model types whose models it changes (the rest it must leave alone). A patch checks
+#: code identity per class, so it also takes unclaimed families that copy the code it reproduces.
+CLAIMS = {
+    "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3"},
+    "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2"},  # Olmo2MLP is LlamaMLP's code
+    "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma"},  # LlamaRotaryEmbedding's code
+    "qk_norm_rope": {"qwen3"},  # Qwen3Attention's code only
+    "fused_qkv": {"llama", "mistral", "qwen2", "gemma"},  # Llama-code attention (Qwen3's: qk_norm_rope)
+    "rms_norm_gemma": {"gemma", "gemma3_text", "olmo2"},  # GemmaRMSNorm's and Olmo2RMSNorm's code
+}
+
+
+def test_every_patch_has_a_claims_row():
+    assert set(CLAIMS) == set(PATCHES)
+    claimed = set(families.CLAIMED)
+    for name, types in CLAIMS.items():
+        assert types <= set(families.FAMILIES), name
+        # every patch covers some family the package claims (by default or through opt-in patches)
+        assert types & (claimed if PATCHES[name].default else set(claimed_model_types(opt_in=True))), name
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _ours(model) -> list[str]:
+    """Modules carrying an instance forward or a hook: what a patch may leave behind."""
+    left = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    left += [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    return left
+
+
+@pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
+@pytest.mark.parametrize("name", sorted(PATCHES))
+def test_patch_alone_keeps_stock_logits_and_checkpoint_and_undoes(name, model_type, tmp_path):
+    model = families.model(model_type)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    want = _logits(model, ids)
+    model.save_pretrained(tmp_path / "stock")
+    assert _ours(model) == []
+
+    report = cutile_kernels.patch(model, names=[name])
+    changed = report.changed[name]
+    assert (changed > 0) == (model_type in CLAIMS[name]), (name, model_type, changed)
+    assert torch.equal(_logits(model, ids), want)
+    model.save_pretrained(tmp_path / "patched")
+    assert ((tmp_path / "patched" / "model.safetensors").read_bytes()
+            == (tmp_path / "stock" / "model.safetensors").read_bytes())
+
+    assert cutile_kernels.unpatch(model, names=[name]).changed.get(name, 0) == changed
+    assert _ours(model) == []
+    assert torch.equal(_logits(model, ids), want)

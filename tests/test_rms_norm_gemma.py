@@ -1,0 +1,232 @@
+"""RMSNorm in Gemma's rounding order (``rms_norm_gemma``: GemmaRMSNorm with offset 1, Olmo2RMSNorm
+with offset 0): the reference against transformers' classes, the kernel's tile logic emulated on
+the CPU (tests/cutile_numpy.py) against float64, its build matrix, and on the GPU every variant
+family against a float64 reference with the output poisoned first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cutile_kernels
+import cutile_numpy
+from cutile_kernels import dispatch
+from cutile_kernels.kernel_src import norm as src
+from cutile_kernels.ops import norm as norm_ops
+from launches import launched_variants
+
+transformers = pytest.importorskip("transformers")
+
+
+def _classes():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    return [(GemmaRMSNorm, 1.0), (Gemma2RMSNorm, 1.0), (Gemma3RMSNorm, 1.0), (Olmo2RMSNorm, 0.0)]
+
+
+def _eps(module) -> float:
+    return module.eps if hasattr(module, "eps") else module.variance_epsilon
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("cls,offset", _classes(), ids=lambda c: getattr(c, "__name__", str(c)))
+def test_reference_is_the_transformers_norm(cls, offset, dtype):
+    m = cls(96).to(dtype)
+    with torch.no_grad():
+        m.weight.normal_()
+    x = (torch.randn(4, 5, 96) * 3).to(dtype)
+    want = m(x)
+    assert torch.equal(cutile_kernels.rms_norm_gemma_reference(x, m.weight, _eps(m), offset), want)
+    got = cutile_kernels.rms_norm_gemma(x, m.weight, _eps(m), offset)  # CPU: the reference, counted
+    assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, want)
+
+
+def test_rounding_order_differs_from_llamas():
+    # The reason it is a kernel of its own: Llama rounds before the weight multiply, Gemma after.
+    x, w = torch.randn(64, 2048).bfloat16(), torch.randn(2048).bfloat16()
+    ours = cutile_kernels.rms_norm_gemma_reference(x, w, 1e-6, 0.0)
+    assert not torch.equal(ours, cutile_kernels.rms_norm_reference(x, w, 1e-6))
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="rms_norm_gemma: weight of shape"):
+        cutile_kernels.rms_norm_gemma(torch.randn(3, 8), torch.randn(9))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernels' tile logic against float64, output poisoned and windowed
+# ---------------------------------------------------------------------------------------------
+
+def _exact(x, w, eps, offset):
+    xd = x.double()
+    return (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)) * (offset + w.double())
+
+
+def _emulate(x, w, eps, offset, out):
+    rows, n = x.shape
+    want = dict(norm_ops._want(x, rows))
+    if "CHUNK" in want:
+        kernel, consts = src.rms_norm_gemma_chunked_kernel, (want["CHUNK"], src.CHUNKED_ROWS)
+        r = src.CHUNKED_ROWS
+    else:
+        layout = "aligned" if n % 16 == 0 else "generic"
+        r = want.get("ROWS", src.ROWS[("rms_norm_gemma", layout)][want["BLOCK_N"]])
+        kernel, consts = src.rms_norm_gemma_kernel, (want["BLOCK_N"], r)
+    run = cutile_numpy.emulate(kernel, src)
+    run((-(-rows // r), 1, 1), (x, w, out, cutile_numpy.float32(eps), cutile_numpy.float32(offset), *consts))
+
+
+@pytest.mark.parametrize("offset", [1.0, 0.0])
+@pytest.mark.parametrize("rows,n,dtype", [(1, 64, torch.float32), (5, 1000, torch.float32), (19, 1152, torch.float16),
+                                          (3, 256, torch.float16), (300, 64, torch.float32),
+                                          (2, 12288, torch.float32)], ids=str)
+def test_emulated_kernel_matches_float64(rows, n, dtype, offset):
+    x = (torch.randn(rows, 2 * n + 8) * 2)[:, :n].to(dtype)  # strided rows, as a window of a wider buffer
+    w = (0.3 * torch.randn(n)).to(dtype)
+    buf = torch.full((rows + 2, n + 24), 7.0, dtype=dtype)
+    out = buf[1:rows + 1, 8:n + 8]
+    out.fill_(float("nan"))
+    _emulate(x, w, 1e-6, offset, out)
+    assert not out.isnan().any(), "an output element was not written"
+    outside = torch.ones_like(buf, dtype=torch.bool)
+    outside[1:rows + 1, 8:n + 8] = False
+    assert (buf[outside] == 7.0).all(), "the kernel wrote outside its output"
+    ref = _exact(x, w, 1e-6, offset)
+    stock = cutile_kernels.rms_norm_gemma_reference(x, w, 1e-6, offset)
+    err = (out.double() - ref).abs().max().item()
+    stock_err = (stock.double() - ref).abs().max().item()
+    assert err <= 1.1 * stock_err + 4 * torch.finfo(dtype).eps * ref.abs().max().item(), (err, stock_err)
+
+
+def test_build_matrix_has_every_rms_norm_tile_and_the_offset_scalar():
+    gemma = [s for s in src.VARIANTS if s.kernel == "rms_norm_gemma"]
+    plain = [s for s in src.VARIANTS if s.kernel == "rms_norm"]
+    assert sorted(s.tag for s in gemma) == sorted(s.tag for s in plain)
+    assert len({s.tag for s in gemma}) == len(gemma)
+    for s in gemma:
+        assert [p.name for p in s.params if p.kind == "scalar"] == ["eps", "offset"]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+#: (rows, hidden, dtype, offset): Gemma 3 1B / Gemma 2 2B / OLMo 2 1B hidden sizes, the q/k norms'
+#: head_dim 256, one row, prefill rows, rows past a tile, a chunked width.
+GPU_CASES = ([(r, h, torch.bfloat16, 1.0) for h in (1152, 2304, 256) for r in (1, 16, 2048)]
+             + [(r, 2048, torch.bfloat16, 0.0) for r in (1, 2048)]
+             + [(333, 1152, torch.float16, 1.0), (65, 1000, torch.float32, 1.0), (7, 12288, torch.bfloat16, 1.0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_kernel_matches_float64(case, strict):
+    rows, hidden, dtype, offset = case
+    x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)
+    x = x if rows % 2 else x.contiguous()  # odd row counts strided, even ones contiguous
+    w = (0.3 * torch.randn(hidden, device="cuda")).to(dtype)
+    before = dispatch.stats()["launches"]
+    y = cutile_kernels.rms_norm_gemma(x, w, 1e-6, offset)
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["rms_norm_gemma"]
+    ref = _exact(x, w, 1e-6, offset)
+    stock = cutile_kernels.rms_norm_gemma_reference(x, w, 1e-6, offset)
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    stock_rel = ((stock.double() - ref).norm() / ref.norm()).item()
+    assert rel <= 1.1 * stock_rel + 1e-7, (rel, stock_rel)
+    poisoned = torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)
+    assert norm_ops.dispatch.run("rms_norm_gemma", norm_ops._want(x, rows), (x, w, poisoned, 1e-6, offset), 2,
+                                 norm_ops._grid(rows), norm_ops._rows_layout)
+    torch.cuda.synchronize()
+    assert not poisoned.isnan().any() and torch.equal(poisoned, y)
+
+
+# ---------------------------------------------------------------------------------------------
+# The opt-in patch rms_norm_gemma on models (CPU: the reference path, so stock numbers exactly)
+# ---------------------------------------------------------------------------------------------
+
+import families  # noqa: E402
+from cutile_kernels.layers import norm as norm_layer  # noqa: E402
+
+
+def _norms(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "olmo2"])
+def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
+    model = families.model(model_type)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert cutile_kernels.patch(model).changed.get("rms_norm_gemma", 0) == 0  # opt-in: not by default
+    n = cutile_kernels.patch(model, names=["rms_norm_gemma"]).changed["rms_norm_gemma"]
+    assert n == len(_norms(model)) > 0  # every norm, q/k norms included
+    dispatch.reset_stats()
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    assert dispatch.stats()["reference_calls"]["rms_norm_gemma"] == n
+
+
+def test_patch_leaves_llama_norms_alone():
+    model = families.model("llama")
+    assert cutile_kernels.patch(model, names=["rms_norm_gemma"]).changed["rms_norm_gemma"] == 0
+
+
+def test_patch_replaces_the_hub_layers_stock_fallback_on_olmo2():
+    # kernelize binds our RMSNorm hub layer to Olmo2's norms, which runs their stock code (Llama order
+    # only): the patch may replace that instance forward, and unpatch gives the class forward back.
+    from cutile_kernels.layers.norm import CutileRMSNorm
+
+    model = families.model("olmo2")
+    for m in _norms(model):
+        m.forward = CutileRMSNorm.forward.__get__(m)
+    n = cutile_kernels.patch(model, names=["rms_norm_gemma"]).changed["rms_norm_gemma"]
+    assert n == len(_norms(model))
+    assert all(m.forward.__func__ is norm_layer.float_norm_forward for m in _norms(model))
+    cutile_kernels.unpatch(model, names=["rms_norm_gemma"])
+    assert all("forward" not in m.__dict__ for m in _norms(model))
+
+
+def test_kernel_config_includes_it_by_name():
+    cfg = cutile_kernels.kernel_config(include=["rms_norm_gemma"])
+    assert cfg is not None
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
+def test_patched_model_compiles_fullgraph_with_the_op_in_the_graph(model_type):
+    import torch._dynamo.testing
+
+    model = families.model(model_type, layers=2)
+    cutile_kernels.patch(model, names=["rms_norm_gemma"])
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(ids).logits
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(ids).logits
+    assert counter.frame_count == 1
+    targets = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("rms_norm_gemma" in t for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
+def test_gpu_patched_model_is_as_close_to_float32_as_stock(model_type, strict):
+    ref = families.model(model_type).cuda()
+    stock = families.model(model_type, dtype=torch.bfloat16).cuda()
+    ours = families.model(model_type, dtype=torch.bfloat16).cuda()
+    assert cutile_kernels.patch(ours, names=["rms_norm_gemma"]).changed["rms_norm_gemma"] > 0
+    ids = torch.randint(0, 256, (3, 37), device="cuda")
+    with torch.no_grad():
+        want, s, o = ref(ids).logits.double(), stock(ids).logits.double(), ours(ids).logits.double()
+    stock_rel = ((s - want).norm() / want.norm()).item()
+    ours_rel = ((o - want).norm() / want.norm()).item()
+    assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
