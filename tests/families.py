@@ -26,6 +26,11 @@ FAMILIES = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+                "logits_scaling": 4.0},
+    "smollm3": {"no_rope_layer_interval": 2, "pad_token_id": 0},  # every second layer NoPE
+    # Covered by opt-in patches only: fused gate/up and q/k/v in the checkpoint, partial RoPE.
+    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "partial_rotary_factor": 0.5},
     # Covered by opt-in patches only (Family.default False): float32-order norms (Olmo2),
     # (1 + weight) norms and GeGLU (Gemma), Gemma 3's q/k norms and sliding-window layers.
     "olmo2": {},

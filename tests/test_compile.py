@@ -42,6 +42,8 @@ FAMILY_OPS = {
     "mistral": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
     "qwen2": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
     "qwen3": {"rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul_fused"},
+    "granite": {"rms_norm", "rope", "silu_and_mul_fused"},  # scaled residual adds: no fused add + norm
+    "smollm3": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
 }
 
 
@@ -166,9 +168,10 @@ def test_kernelized_forward_compiles_fullgraph_with_our_ops(model_type, attn, va
 
 def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
     # The opt-in patches too (rope_cos_sin, fused_qkv), on the family that takes all but Qwen3's and
-    # the float32-order norms' (tests/test_rms_norm_gemma.py compiles that one on Gemma and OLMo 2).
+    # the other families' own (tests/test_rms_norm_gemma.py and tests/test_phi3.py compile those).
     model = _kernelize_on_cpu(tiny_model("llama"), variant, monkeypatch, patches=list(patcher.PATCHES))
-    assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"qk_norm_rope", "rms_norm_gemma"}
+    assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"qk_norm_rope", "rms_norm_gemma", "phi3_mlp",
+                                                                  "phi3_rope"}
     ids = torch.randint(0, 256, (2, 11))
     with torch.no_grad():
         want = model(ids).logits

@@ -101,6 +101,17 @@ PRESETS = {
             "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000.0,
             "tie_word_embeddings": False, "use_cache": True, "vocab_size": 100352,
         }),
+        # microsoft/Phi-3-mini-4k-instruct: the sizes two public catalogues give for it (hidden 3072,
+        # MLP 8192, 32 layers of 32 heads without GQA, vocab 32064, 4096 positions; found with the
+        # search tool); the rest are transformers' Phi3Config defaults (rms_norm_eps 1e-5, RoPE theta
+        # 1e4, full rotary, no RoPE scaling).
+        Preset("phi-3-mini-4k", "microsoft/Phi-3-mini-4k-instruct", {
+            "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_act": "silu", "hidden_size": 3072,
+            "intermediate_size": 8192, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-05,
+            "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 32064,
+            "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
+        }),
     ]
 }
 

@@ -30,7 +30,8 @@ class Family:
         name: the family (its module's name).
         model_types: transformers ``model_type`` values of the family (each has a tiny config in the
             tests and a row in the README's coverage table).
-        pins: the transformers functions the family's code paths reproduce, with their digests.
+        pins: the transformers functions the family's code paths reproduce, with their digests
+            (none for a family whose modules are another family's code: those pins gate it).
         presets: benchmark presets (``cutile-kernels presets``) from the configs of real checkpoints.
         covered: one line: what runs in our kernels for this family.
         not_covered: one line: what still runs stock code.

@@ -1,0 +1,187 @@
+"""The Phi-3 family (Phi-3, Phi-3.5, Phi-4-mini; transformers 5.22.2), and its opt-in patches
+``phi3_mlp`` and ``phi3_rope``.
+
+What differs from the Llama code: q/k/v and gate/up are fused in the checkpoint (``qkv_proj``,
+``gate_up_proj``), RoPE may be partial (``partial_rotary_factor``: Phi-4-mini rotates 3/4 of each
+head) with its own ``apply_rotary_pos_emb``, and LongRoPE scales the frequencies past
+``original_max_position_embeddings`` (inside the rotary embedding, which is Llama's code: the cos/sin
+tables carry the scaling, so the kernels need nothing of it). The norms are Llama's code: the
+``RMSNorm`` hub layer runs them by default.
+
+* ``phi3_mlp``: ``Phi3MLP.forward`` with ``up * silu(gate)`` on our ``silu_and_mul`` kernel, which
+  reads both halves of the fused GEMM output in one pass (the product commutes exactly, so the
+  rounding is stock's).
+* ``phi3_rope``: ``Phi3Attention.forward`` with its ``apply_rotary_pos_emb`` (the first R elements
+  of each head rotated, the rest passed through) as one ``apply_rope`` launch for q and k.
+
+Both check the class's code against the pinned statements when patching, leave any other class
+alone with a log line, and are opt-in until the H200 bench accepts them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from ...ops.activation import silu_and_mul
+from ...ops.rope import apply_rope
+from .._direct import linear
+from .._match import same_code
+from .._patching import Patch, restore_forwards, swap_forwards
+from .._pins import TRANSFORMERS, Pin, holds
+from . import Family
+
+MLP_PIN, ATTN_PIN, ROPE_PIN = ("phi3.Phi3MLP.forward", "phi3.Phi3Attention.forward", "phi3.apply_rotary_pos_emb")
+
+FAMILY = Family(
+    name="phi3",
+    model_types=("phi3",),
+    pins=(Pin("phi3", "Phi3MLP.forward", "3d1e633d3a91c93e", "patch phi3_mlp (silu_and_mul kernel)"),
+          Pin("phi3", "Phi3Attention.forward", "3d29f7a1c8d3bd49", "patch phi3_rope (its reproduced forward)"),
+          Pin("phi3", "apply_rotary_pos_emb", "53f4abb0b4b23f1f", "patch phi3_rope (rope kernel, partial rotary)")),
+    presets=("phi-3-mini-4k",),
+    covered="RMSNorm (Llama's code); opt-in: SwiGLU on the fused gate/up output, partial RoPE of q and k in one launch",
+    not_covered="GEMMs (cuBLAS), attention (sdpa), the residual adds",
+    default=False,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# phi3_mlp
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def mlp_verdict(cls: type) -> str | None:
+    """Why MLP class ``cls`` does not take :func:`fused_mlp_forward`, or None if it does."""
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    if not holds(MLP_PIN):
+        return f"this transformers' Phi3MLP.forward is not the one the patch reproduces ({TRANSFORMERS})"
+    if not same_code(getattr(cls, "forward", None), Phi3MLP.forward):
+        return "its forward is not Phi3MLP.forward's code"
+    return None
+
+
+def _mlp_verdict(m: nn.Module) -> str | None:
+    from transformers.activations import SiLUActivation
+
+    why = mlp_verdict(type(m))
+    if why is None and type(getattr(m, "activation_fn", None)) not in (SiLUActivation, nn.SiLU):
+        why = f"activation_fn is {type(getattr(m, 'activation_fn', None)).__name__}, not SiLU"
+    return why
+
+
+def fused_mlp_forward(self, hidden_states):
+    """``Phi3MLP.forward`` (5.22.2) with ``up * silu(gate)`` as one ``silu_and_mul`` launch on the two
+    halves of ``gate_up_proj``'s output. Same arguments and result."""
+    gate, up = linear(self.gate_up_proj, hidden_states).chunk(2, dim=-1)
+    return linear(self.down_proj, silu_and_mul(gate, up))
+
+
+def patch_phi3_mlp(model: nn.Module) -> int:
+    """Patch ``phi3_mlp`` (module docstring). Returns the number of MLPs newly patched."""
+    new = swap_forwards(model, "phi3_mlp", fused_mlp_forward,
+                        lambda m: hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"), _mlp_verdict,
+                        "up * silu(gate) of {n} {cls} on one cuTile launch")
+    return sum(new.values())
+
+
+def unpatch_phi3_mlp(model: nn.Module) -> int:
+    """Undo :func:`patch_phi3_mlp`. Returns the modules restored."""
+    return restore_forwards(model, "phi3_mlp", fused_mlp_forward)
+
+
+# ---------------------------------------------------------------------------------------------
+# phi3_rope
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def attention_verdict(cls: type) -> str | None:
+    """Why attention class ``cls`` does not take :func:`rope_attention_forward`, or None if it does:
+    its forward must be ``Phi3Attention.forward``'s code calling Phi-3's ``apply_rotary_pos_emb``,
+    both still the pinned statements."""
+    from transformers.models.llama.modeling_llama import rotate_half
+    from transformers.models.phi3 import modeling_phi3
+
+    if not (holds(ATTN_PIN) and holds(ROPE_PIN)):
+        return f"this transformers' Phi3Attention / apply_rotary_pos_emb is not the one reproduced ({TRANSFORMERS})"
+    fwd = getattr(cls, "forward", None)
+    if not same_code(fwd, modeling_phi3.Phi3Attention.forward):
+        return "its forward is not Phi3Attention.forward's code"
+    rope = fwd.__globals__.get("apply_rotary_pos_emb")
+    if not (same_code(rope, modeling_phi3.apply_rotary_pos_emb)
+            and same_code(getattr(rope, "__globals__", {}).get("rotate_half"), rotate_half)):
+        return "the apply_rotary_pos_emb it calls is not Phi-3's partial-rotary formula"
+    return None
+
+
+def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    """``Phi3Attention.forward`` (5.22.2) with ``apply_rotary_pos_emb`` as one ``apply_rope`` launch
+    for q and k (partial rotary: the first ``cos.shape[-1]`` elements of each head). Same arguments
+    and result."""
+    glob = type(self).forward.__globals__  # the class's modeling module: its attention registry and eager path
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    qkv = linear(self.qkv_proj, hidden_states)
+    query_pos = self.config.num_attention_heads * self.head_dim
+    query_states = qkv[..., :query_pos]
+    key_states = qkv[..., query_pos : query_pos + self.num_key_value_heads * self.head_dim]
+    value_states = qkv[..., query_pos + self.num_key_value_heads * self.head_dim :]
+
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = key_states.view(hidden_shape).transpose(1, 2)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rope(query_states, key_states, cos, sin)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
+        self.config._attn_implementation, glob["eager_attention_forward"]
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=getattr(self.config, "sliding_window", None),
+        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = linear(self.o_proj, attn_output)
+    return attn_output, attn_weights
+
+
+def patch_phi3_rope(model: nn.Module) -> int:
+    """Patch ``phi3_rope`` (module docstring). Returns the number of attention modules newly patched."""
+    new = swap_forwards(model, "phi3_rope", rope_attention_forward,
+                        lambda m: hasattr(m, "qkv_proj") and hasattr(m, "o_proj"),
+                        lambda m: attention_verdict(type(m)),
+                        "RoPE of q and k of {n} {cls} on one cuTile launch")
+    return sum(new.values())
+
+
+def unpatch_phi3_rope(model: nn.Module) -> int:
+    """Undo :func:`patch_phi3_rope`. Returns the modules restored."""
+    return restore_forwards(model, "phi3_rope", rope_attention_forward)
+
+
+#: This module's patch rows (gathered by ``layers/_registry.py``): opt-in until the H200 bench
+#: (``cutile-kernels bench phi-3-mini-4k --paths stock cutile cutile+phi3_mlp cutile+phi3_rope``) accepts them.
+PATCH_ROWS = [
+    Patch("phi3_mlp", apply=patch_phi3_mlp, undo=unpatch_phi3_mlp, default=False,
+          description="Phi-3 MLP's up * silu(gate) on the fused gate/up output, one cuTile launch"),
+    Patch("phi3_rope", apply=patch_phi3_rope, undo=unpatch_phi3_rope, default=False,
+          description="Phi-3 attention's partial RoPE of q and k in one cuTile launch"),
+]
+
+__all__ = ["ATTN_PIN", "FAMILY", "MLP_PIN", "ROPE_PIN", "attention_verdict", "fused_mlp_forward", "mlp_verdict",
+           "patch_phi3_mlp", "patch_phi3_rope", "rope_attention_forward", "unpatch_phi3_mlp", "unpatch_phi3_rope"]

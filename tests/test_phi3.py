@@ -1,0 +1,79 @@
+"""The Phi-3 family's opt-in patches (layers/models/phi3.py): phi3_mlp (up * silu(gate) on the fused
+gate/up output) and phi3_rope (partial RoPE of q and k in one launch). CPU: stock logits exactly
+(the reference paths), the ops in a fullgraph compile, what is left alone; GPU: as close to float32
+as stock bf16."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import cutile_kernels
+import families
+from cutile_kernels import dispatch
+from cutile_kernels.layers.models import phi3
+
+PATCHES = ["phi3_mlp", "phi3_rope"]
+
+
+@pytest.mark.parametrize("partial", [0.5, 0.75, 1.0])
+def test_patches_keep_stock_logits_and_run_our_ops(partial):
+    model = families.model("phi3", partial_rotary_factor=partial)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert cutile_kernels.patch(model).changed.get("phi3_mlp", 0) == 0  # opt-in: not by default
+    report = cutile_kernels.patch(model, names=PATCHES)
+    n = model.config.num_hidden_layers
+    assert report.changed == {"phi3_mlp": n, "phi3_rope": n}
+    dispatch.reset_stats()
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    calls = dispatch.stats()["reference_calls"]
+    assert calls["silu_and_mul"] == n and calls["rope"] == n
+
+
+def test_other_activations_and_forwards_are_left_alone(caplog):
+    model = families.model("phi3", hidden_act="gelu_pytorch_tanh")
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
+        report = cutile_kernels.patch(model, names=PATCHES)
+    assert report.changed == {"phi3_mlp": 0, "phi3_rope": model.config.num_hidden_layers}
+    assert "leaves 3 Phi3MLP alone: activation_fn is GELUTanh, not SiLU" in caplog.text
+    assert phi3.mlp_verdict(torch.nn.Module) == "its forward is not Phi3MLP.forward's code"
+    assert phi3.attention_verdict(torch.nn.Module) == "its forward is not Phi3Attention.forward's code"
+
+
+def test_patched_model_compiles_fullgraph_with_our_ops():
+    import torch._dynamo.testing
+
+    model = families.model("phi3", layers=2)
+    cutile_kernels.patch(model, names=PATCHES)
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = model(ids).logits
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        got = torch.compile(model, backend=counter, fullgraph=True)(ids).logits
+    assert counter.frame_count == 1
+    targets = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any(t.endswith("silu_and_mul.default") for t in targets) and any(t.endswith("rope.default") for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partial", [0.75, 1.0])
+def test_gpu_patched_model_is_as_close_to_float32_as_stock(partial, strict):
+    ref = families.model("phi3", partial_rotary_factor=partial).cuda()
+    stock = families.model("phi3", dtype=torch.bfloat16, partial_rotary_factor=partial).cuda()
+    ours = families.model("phi3", dtype=torch.bfloat16, partial_rotary_factor=partial).cuda()
+    assert cutile_kernels.patch(ours, names=PATCHES).changed == {"phi3_mlp": 3, "phi3_rope": 3}
+    ids = torch.randint(0, 256, (3, 41), device="cuda")
+    with torch.no_grad():
+        want, s, o = ref(ids).logits.double(), stock(ids).logits.double(), ours(ids).logits.double()
+    stock_rel = ((s - want).norm() / want.norm()).item()
+    ours_rel = ((o - want).norm() / want.norm()).item()
+    assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
