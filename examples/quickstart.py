@@ -20,7 +20,8 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 try:
     checkpoint, label = presets.resolve(sys.argv[1] if len(sys.argv) > 1 else "tiny", device=device)
 except (KeyError, FileNotFoundError, ValueError) as exc:  # unknown preset, no or broken weights
-    sys.exit(f"quickstart: {exc.args[0] if exc.args else exc}")
+    print(f"quickstart: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    sys.exit(2)  # bad input, as the CLI says it
 
 stock = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map=device).eval()
 ours = AutoModelForCausalLM.from_pretrained(

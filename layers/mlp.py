@@ -217,7 +217,7 @@ def unfuse_mlp(model: nn.Module) -> int:
 
 
 #: transformers hub layer name -> layer class in this module. Not gathered into ``layers.MAPPING``
-#: (``layers/__init__.py`` leaves this module out): on the H200 our SiLU lost to ``F.silu`` at
+#: (``layers/_registry.py`` leaves this module out of ``MAPPING_MODULES``): on the H200 our SiLU lost to ``F.silu`` at
 #: prefill (27.9 vs 19.6 us at 2048 x 8192 bf16, benchmarks/results/h200-2026-11-30b), and alone it
 #: saves no launch. The fused MLP (patch ``fused_gate_up``) is what runs in models.
 MAPPING = {"SiLU": "CutileSiLU"}

@@ -29,10 +29,11 @@ FAMILIES = {
     "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
                 "logits_scaling": 4.0},
     "smollm3": {"no_rope_layer_interval": 2, "pad_token_id": 0},  # every second layer NoPE
-    # Covered by opt-in patches only: fused gate/up and q/k/v in the checkpoint, partial RoPE.
+    # Opt-in patches for its fused-in-the-checkpoint gate/up and partial RoPE; its norms by default.
     "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "partial_rotary_factor": 0.5},
-    # Covered by opt-in patches only (Family.default False): float32-order norms (Olmo2),
-    # (1 + weight) norms and GeGLU (Gemma), Gemma 3's q/k norms and sliding-window layers.
+    # Families whose own kernels are opt-in patches (Family.default False; what they share with the
+    # Llama code still runs by default): float32-order norms (Olmo2), (1 + weight) norms and GeGLU
+    # (Gemma), Gemma 3's q/k norms and sliding-window layers.
     "olmo2": {},
     "gemma": {},
     "gemma3_text": {"sliding_window": 4, "sliding_window_pattern": 2},

@@ -90,3 +90,25 @@ def test_no_import_cycles():
 
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_module_with_rows_is_gathered():
+    # A layers/ module that declares MAPPING or PATCH_ROWS but is missing from layers/_registry.py's
+    # tuples would be silently ignored; family modules (layers/models/) are found by name.
+    import importlib
+
+    from cutile_kernels.layers import _registry, models
+
+    gathered_patches = {m.__name__ for m in _registry.PATCH_MODULES}
+    gathered_maps = {m.__name__ for m in (*_registry.MAPPING_MODULES, *_registry.MAPPING_LEFT_OUT)}
+    for f in sorted((ROOT / "layers").glob("*.py")) + sorted((ROOT / "layers" / "models").glob("*.py")):
+        if f.stem in ("__init__", "_registry"):  # the gatherer itself
+            continue
+        pkg = "cutile_kernels.layers" + (".models" if f.parent.name == "models" else "")
+        mod = importlib.import_module(f"{pkg}.{f.stem}")
+        if hasattr(mod, "PATCH_ROWS"):
+            assert mod.__name__ in gathered_patches, f"{f.name} declares PATCH_ROWS that nothing registers"
+        rows = getattr(mod, "MAPPING", None)
+        if isinstance(rows, dict) and rows and rows is not _registry.MAPPING:  # its own, non-empty rows
+            assert mod.__name__ in gathered_maps, f"{f.name} declares MAPPING rows that nothing gathers"
+    assert {m.__name__ for m in models.modules() if hasattr(m, "PATCH_ROWS")} <= gathered_patches

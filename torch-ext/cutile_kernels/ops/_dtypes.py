@@ -48,6 +48,9 @@ def check_float(op: str, names: str, *tensors: torch.Tensor | None, kernel_dtype
         UnsupportedDtypeError: ``cutile_kernels.<op>: <arg> is <dtype>; supported: ...``.
     """
     for i, t in enumerate(tensors):
+        if t is not None and not isinstance(t, torch.Tensor):
+            name = names.split(",")[i].strip()
+            raise UnsupportedDtypeError(f"cutile_kernels.{op}: {name} is a {type(t).__name__}, not a torch.Tensor")
         if t is not None and t.dtype not in FLOAT_DTYPES:
             name = names.split(",")[i].strip()
             raise UnsupportedDtypeError(f"cutile_kernels.{op}: {name} is {dtype_name(t.dtype)}; "

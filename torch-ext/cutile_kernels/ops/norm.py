@@ -50,9 +50,11 @@ def rms_norm_gemma_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, 
 
 
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
-    if weight.dim() != 1 or x.dim() < 1 or weight.shape[0] != x.shape[-1]:
+    if x.dim() < 1:
+        raise ValueError(f"{name}: input of shape {tuple(x.shape)} has no hidden dimension to normalise")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"{name}: weight of shape {tuple(weight.shape)} does not match hidden size "
-                         f"{x.shape[-1] if x.dim() else None} of input {tuple(x.shape)}")
+                         f"{x.shape[-1]} of input {tuple(x.shape)}")
 
 
 @functools.lru_cache(maxsize=None)
