@@ -35,8 +35,10 @@ class Family:
         presets: benchmark presets (``cutile-kernels presets``) from the configs of real checkpoints.
         covered: one line: what runs in our kernels for this family.
         not_covered: one line: what still runs stock code.
-        default: whether ``kernel_config()`` accelerates it as is; False while its kernels are opt-in
-            patches (``kernel_config(include=[...])``) that the GPU bench has not accepted yet.
+        default: whether the package claims it by default (its own kernels run under
+            ``kernel_config()`` as is); False while they are opt-in patches
+            (``kernel_config(include=[...])``) the GPU bench has not accepted yet. What a family
+            shares with another's code (OLMo 2's MLP is Llama's) runs by default either way.
     """
 
     name: str
