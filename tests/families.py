@@ -29,6 +29,9 @@ FAMILIES = {
     "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
                 "logits_scaling": 4.0},
     "smollm3": {"no_rope_layer_interval": 2, "pad_token_id": 0},  # every second layer NoPE
+    # Qwen3.5's text decoder: gated DeltaNet layers, every second layer full attention.
+    "qwen3_5_text": {"full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
     # Opt-in patches for its fused-in-the-checkpoint gate/up and partial RoPE; its norms by default.
     "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "partial_rotary_factor": 0.5},
     # Families whose own kernels are opt-in patches (Family.default False; what they share with the

@@ -21,11 +21,11 @@ from cutile_kernels.layers.models import claimed_model_types
 #: code identity per class, so it also takes unclaimed families that copy the code it reproduces.
 CLAIMS = {
     "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3", "smollm3"},
-    "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3"},  # LlamaMLP's code
+    "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "qwen3_5_text"},  # LlamaMLP
     "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "smollm3", "phi3"},  # Llama's rotary
     "qk_norm_rope": {"qwen3"},  # Qwen3Attention's code only
     "fused_qkv": {"llama", "mistral", "qwen2", "gemma", "granite"},  # Llama-code attention (Qwen3's: qk_norm_rope)
-    "rms_norm_gemma": {"gemma", "gemma3_text", "olmo2"},  # GemmaRMSNorm's and Olmo2RMSNorm's code
+    "rms_norm_gemma": {"gemma", "gemma3_text", "olmo2", "qwen3_5_text"},  # Gemma's / Olmo2's RMSNorm code
     "phi3_mlp": {"phi3"},
     "phi3_rope": {"phi3"},
 }

@@ -156,7 +156,7 @@ def _norms(model):
     return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "olmo2", "qwen3_5_text"])
 def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
     model = families.model(model_type)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
@@ -218,7 +218,7 @@ def test_patched_model_compiles_fullgraph_with_the_op_in_the_graph(model_type):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2", "qwen3_5_text"])
 def test_gpu_patched_model_is_as_close_to_float32_as_stock(model_type, strict):
     ref = families.model(model_type).cuda()
     stock = families.model(model_type, dtype=torch.bfloat16).cuda()
