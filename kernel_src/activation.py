@@ -21,7 +21,11 @@ arrays is read or written:
   output (M, 2N) (``x[:, 0]`` is gate, ``x[:, 1]`` is up). Passing the halves as one array keeps
   the no-aliasing contract (two strided views of one tensor would interleave in memory) and lets
   the aligned variant declare every stride, so the loads can be vectorised;
-* ``silu_kernel(x, out)``: ``out = silu(x)``, for transformers' ``SiLU`` hub layer.
+* ``silu_kernel(x, out)``: ``out = silu(x)``, for transformers' ``SiLU`` hub layer;
+* ``gelu_tanh_and_mul_fused_kernel(x, out)``: GeGLU (Gemma's MLP, ``act_fn`` ``gelu_pytorch_tanh``)
+  on the (M, 2, N) view, with the rounding order of ``silu_and_mul``: ``gelu(gate)`` computed as
+  torch's CUDA kernel does, ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))`` in float32
+  (Hendrycks & Gimpel 2016, "Gaussian Error Linear Units"), rounded to the dtype, then the product.
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ FULL = ct.RoundingMode.FULL
 def _silu(h):
     # torch's CUDA silu: x / (1 + exp(-x)) in float32, full-precision exp and IEEE division.
     return ct.truediv(h, 1.0 + ct.exp(-h, rounding_mode=FULL), rounding_mode=RN)
+
+
+#: torch's constants for ``gelu(approximate="tanh")`` (``kBeta = M_SQRT2 * M_2_SQRTPI * 0.5``, i.e.
+#: sqrt(2 / pi), and ``kKappa``), rounded to float32 as its opmath is.
+GELU_BETA = 0.7978845608028654
+GELU_KAPPA = 0.044715
+
+
+@ct.function
+def _gelu_tanh(h):
+    # torch's order: x^3 as (x * x) * x, inner = beta * (x + kappa * x^3), (0.5 * x) * (1 + tanh(inner)).
+    inner = GELU_BETA * (h + GELU_KAPPA * (h * h * h))
+    return (0.5 * h) * (1.0 + ct.tanh(inner, rounding_mode=FULL))
+
+
+@ct.function
+def _gelu_tanh_and_mul(g, u, dtype):
+    # GemmaMLP's order (LlamaMLP's code): act_fn(gate) rounded to the input dtype, then the product.
+    s = _gelu_tanh(g.astype(ct.float32)).astype(dtype).astype(ct.float32)
+    return (s * u.astype(ct.float32)).astype(dtype)
 
 
 @ct.function
@@ -67,6 +91,15 @@ def silu_and_mul_fused_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant
 
 
 @ct.kernel
+def gelu_tanh_and_mul_fused_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant[int]):
+    """out = gelu_tanh(x[:, 0]) * x[:, 1]. x: (M, 2, N), out: (M, N); blocks as silu_and_mul_kernel."""
+    i, j = ct.bid(0), ct.bid(1)
+    g = ct.reshape(ct.load(x, index=(i, 0, j), shape=(ROWS, 1, BLOCK), padding_mode=ZERO), (ROWS, BLOCK))
+    u = ct.reshape(ct.load(x, index=(i, 1, j), shape=(ROWS, 1, BLOCK), padding_mode=ZERO), (ROWS, BLOCK))
+    ct.store(out, index=(i, j), tile=_gelu_tanh_and_mul(g, u, out.dtype))
+
+
+@ct.kernel
 def silu_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant[int]):
     """out = silu(x), computed in float32 and rounded once. x, out: (M, N)."""
     i, j = ct.bid(0), ct.bid(1)
@@ -90,6 +123,7 @@ KERNELS = {
     "silu_and_mul": ("silu_and_mul_kernel", (("gate", 2), ("up", 2), ("out", 2))),
     "silu_and_mul_fused": ("silu_and_mul_fused_kernel", (("x", 3), ("out", 2))),
     "silu": ("silu_kernel", (("x", 2), ("out", 2))),
+    "gelu_tanh_and_mul_fused": ("gelu_tanh_and_mul_fused_kernel", (("x", 3), ("out", 2))),
 }
 
 

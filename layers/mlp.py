@@ -38,7 +38,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from ..ops.activation import silu, silu_and_mul_fused
+from ..ops.activation import gelu_tanh_and_mul_fused, silu, silu_and_mul_fused
 from ._direct import linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
@@ -92,6 +92,20 @@ class CutileSwiGLUMLP(nn.Module):
         return linear(self.down_proj, silu_and_mul_fused(linear(self.gate_up_proj, x)))
 
 
+class CutileGeGLUMLP(nn.Module):
+    """``LlamaMLP.forward`` with a ``gelu_pytorch_tanh`` ``act_fn`` (Gemma's MLP) on a stacked gate/up
+    weight: ``down(gelu_tanh_and_mul(gate_up(x)))``. Shapes as :class:`CutileSwiGLUMLP`."""
+
+    gate_up_proj: nn.Linear
+    down_proj: nn.Linear
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self.down_proj, gelu_tanh_and_mul_fused(linear(self.gate_up_proj, x)))
+
+
 @functools.lru_cache(maxsize=None)
 def computes_llama_mlp(cls: type) -> bool:
     """True if ``cls.forward`` is ``LlamaMLP.forward``'s code (same bytecode, names, constants),
@@ -107,15 +121,28 @@ def _silu_classes() -> tuple:
     return (SiLUActivation, nn.SiLU)
 
 
-def why_not_fusable(module: nn.Module) -> str | None:
+def _is_gelu_tanh(act) -> bool:
+    # transformers' GELUTanh on torch's C gelu (not its use_gelu_tanh_python formula).
+    from transformers.activations import GELUTanh
+
+    f = getattr(act, "act", None)
+    return (type(act) is GELUTanh and isinstance(f, functools.partial) and f.func is nn.functional.gelu
+            and f.keywords == {"approximate": "tanh"} and not f.args)
+
+
+def why_not_fusable(module: nn.Module, kind: str = "silu") -> str | None:
     """Why :func:`fuse_mlp` leaves ``module`` alone, or None if it fuses it (see
-    :func:`is_fusable_mlp`)."""
+    :func:`is_fusable_mlp`); ``kind`` is the activation the fusion is for (``"silu"``, SwiGLU, or
+    ``"gelu_tanh"``, GeGLU)."""
     if getattr(module, "_cutile_unfused_class", None) is not None:
         return "already fused"
     if not computes_llama_mlp(type(module)):
         return f"its forward is not LlamaMLP.forward (transformers {TRANSFORMERS})"
-    if type(getattr(module, "act_fn", None)) not in _silu_classes():
-        return f"act_fn is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
+    act = getattr(module, "act_fn", None)
+    if kind == "silu" and type(act) not in _silu_classes():
+        return f"act_fn is {type(act).__name__}, not SiLU"
+    if kind == "gelu_tanh" and not _is_gelu_tanh(act):
+        return f"act_fn is {type(act).__name__}, not GELUTanh on torch's gelu(approximate='tanh')"
     for name in ("gate_proj", "up_proj", "down_proj"):
         problem = linear_problem(getattr(module, name, None))
         if problem:
@@ -145,11 +172,22 @@ def is_fusable_mlp(module: nn.Module) -> bool:
 def fused_class(cls: type) -> type:
     """The subclass of ``cls`` that a fused module is switched to: ``cls`` with
     :class:`CutileSwiGLUMLP`'s forward (``isinstance`` checks against ``cls`` still hold)."""
-    return type(f"CutileFused{cls.__name__}", (cls,), {
-        "forward": CutileSwiGLUMLP.forward,
+    return _make_fused_class(cls, CutileSwiGLUMLP.forward, "silu", "")
+
+
+@functools.lru_cache(maxsize=None)
+def geglu_fused_class(cls: type) -> type:
+    """:func:`fused_class` for a GeGLU MLP (:class:`CutileGeGLUMLP`'s forward)."""
+    return _make_fused_class(cls, CutileGeGLUMLP.forward, "gelu_tanh", "GeGLU")
+
+
+def _make_fused_class(cls: type, forward, kind: str, tag: str) -> type:
+    return type(f"CutileFused{tag}{cls.__name__}", (cls,), {
+        "forward": forward,
         "_cutile_unfused_class": cls,
+        "_cutile_act_kind": kind,
         "__module__": __name__,
-        "__reduce_ex__": functools.partialmethod(reduce_fused, _STACKING),  # pickles via the stock class
+        "__reduce_ex__": functools.partialmethod(reduce_fused, _STACKINGS[kind]),  # pickles via the stock class
         "__doc__": f"{cls.__name__} with gate_proj and up_proj stacked into {FUSED_NAME} (see layers.mlp).",
     })
 
@@ -172,9 +210,14 @@ def _gate_up_mismatch(keys: list, given: list, current: list) -> list:
 _STACKING = Stacking(stock=_STOCK, fused=FUSED_NAME, row_slices=_row_slices, fused_class=fused_class,
                      unfused_attr="_cutile_unfused_class", hooks_attr="_cutile_fusion_hooks",
                      mismatch=_gate_up_mismatch)
+#: activation kind -> its stacking spec (the same weights layout, another fused class).
+_STACKINGS = {"silu": _STACKING,
+              "gelu_tanh": Stacking(stock=_STOCK, fused=FUSED_NAME, row_slices=_row_slices,
+                                    fused_class=geglu_fused_class, unfused_attr="_cutile_unfused_class",
+                                    hooks_attr="_cutile_fusion_hooks", mismatch=_gate_up_mismatch)}
 
 
-def fuse_mlp(model: nn.Module) -> int:
+def fuse_mlp(model: nn.Module, kind: str = "silu") -> int:
     """Stack ``gate_proj`` and ``up_proj`` of every fusable MLP in ``model`` (in place).
 
     Each module for which :func:`is_fusable_mlp` holds gets a ``gate_up_proj`` ``nn.Linear(H,
@@ -186,18 +229,21 @@ def fuse_mlp(model: nn.Module) -> int:
     device; on CUDA the activation is our kernel, elsewhere the reference formula. Modules that
     are already fused, or not fusable, are left alone.
 
+    ``kind="gelu_tanh"`` does the same for GeGLU MLPs (Gemma's: ``act_fn`` ``gelu_pytorch_tanh``),
+    whose fused forward is :class:`CutileGeGLUMLP`'s.
+
     Returns:
         The number of modules fused by this call.
     """
     targets, skipped = [], Counter()
     for m in model.modules():
-        why = why_not_fusable(m)
+        why = why_not_fusable(m, kind)
         if why is None:
             targets.append(m)
         elif all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")) and why != "already fused":
             skipped[(type(m).__name__, why)] += 1
     for m in targets:
-        fuse_one(m, _STACKING)
+        fuse_one(m, _STACKINGS[kind])
     if targets:
         logger.info("cutile_kernels: stacked gate_proj and up_proj of %d MLPs (%s)", len(targets),
                     ", ".join(sorted({type(m).__name__ for m in targets})))
@@ -206,14 +252,25 @@ def fuse_mlp(model: nn.Module) -> int:
     return len(targets)
 
 
-def unfuse_mlp(model: nn.Module) -> int:
-    """Undo :func:`fuse_mlp`: give every fused MLP in ``model`` back its own ``gate_proj`` and
-    ``up_proj`` (copies of the two halves, after which the stacked weight is freed) and its
-    original class. Returns the number of modules restored."""
-    targets = [m for m in model.modules() if getattr(type(m), "_cutile_unfused_class", None) is not None]
+def unfuse_mlp(model: nn.Module, kind: str = "silu") -> int:
+    """Undo :func:`fuse_mlp` (of that ``kind``): give every such fused MLP in ``model`` back its own
+    ``gate_proj`` and ``up_proj`` (copies of the two halves, after which the stacked weight is
+    freed) and its original class. Returns the number of modules restored."""
+    targets = [m for m in model.modules() if getattr(type(m), "_cutile_unfused_class", None) is not None
+               and getattr(type(m), "_cutile_act_kind", "silu") == kind]
     for m in targets:
-        unfuse_one(m, _STACKING)
+        unfuse_one(m, _STACKINGS[kind])
     return len(targets)
+
+
+def fuse_geglu_mlp(model: nn.Module) -> int:
+    """Patch ``fused_gate_up_geglu``: :func:`fuse_mlp` for GeGLU MLPs. Returns the modules fused."""
+    return fuse_mlp(model, "gelu_tanh")
+
+
+def unfuse_geglu_mlp(model: nn.Module) -> int:
+    """Undo :func:`fuse_geglu_mlp`. Returns the modules restored."""
+    return unfuse_mlp(model, "gelu_tanh")
 
 
 #: transformers hub layer name -> layer class in this module. Not gathered into ``layers.MAPPING``
@@ -225,4 +282,8 @@ MAPPING = {"SiLU": "CutileSiLU"}
 
 #: This module's patch row (gathered by ``layers/_registry.py``, after the decoder patch).
 PATCH_ROWS = [Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
-                    description="gate_proj and up_proj of each SwiGLU MLP as one GEMM, then our silu_and_mul")]
+                    description="gate_proj and up_proj of each SwiGLU MLP as one GEMM, then our silu_and_mul"),
+              # Opt-in until the H200 bench accepts it (Gemma; estimate: ceiling ~1.02-1.04 for eager decode).
+              Patch("fused_gate_up_geglu", apply=fuse_geglu_mlp, undo=unfuse_geglu_mlp, default=False,
+                    description="gate_proj and up_proj of each GeGLU MLP (Gemma) as one GEMM, then our "
+                                "gelu_tanh_and_mul")]

@@ -110,6 +110,8 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
         return f(7, 40), f(7, 40)
     if name == "silu_and_mul_fused":
         return (f(2, 7, 80),)
+    if name == "gelu_tanh_and_mul_fused":
+        return (f(2, 7, 80),)
     if name == "rope":
         (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
         return q, k, cos, sin

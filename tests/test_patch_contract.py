@@ -27,6 +27,7 @@ CLAIMS = {
     "fused_qkv": {"llama", "mistral", "qwen2", "gemma", "granite"},  # Llama-code attention (Qwen3's: qk_norm_rope)
     "rms_norm_gemma": {"gemma", "gemma3_text", "olmo2", "qwen3_5_text"},  # Gemma's / Olmo2's RMSNorm code
     "phi3_mlp": {"phi3"},
+    "fused_gate_up_geglu": {"gemma", "gemma3_text"},  # LlamaMLP's code with GELUTanh
     "phi3_rope": {"phi3"},
 }
 

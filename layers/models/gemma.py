@@ -3,7 +3,8 @@
 What differs from the Llama code: ``GemmaRMSNorm`` multiplies by ``1 + weight`` and rounds once,
 after the multiply, in float32 (not decorated for the hub: the opt-in patch ``rms_norm_gemma`` of
 ``layers/norm.py`` reaches it, on the ``rms_norm_gemma`` kernel); four norms per decoder layer
-(Gemma 2 and 3), GeGLU with ``gelu_pytorch_tanh``, the embedding scaled by sqrt(hidden), sliding
+(Gemma 2 and 3), GeGLU with ``gelu_pytorch_tanh`` (LlamaMLP's code with another activation: the
+opt-in ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs our GeGLU), the embedding scaled by sqrt(hidden), sliding
 and global layers, logit softcaps (Gemma 2), q/k norms and two RoPE bases (Gemma 3). Gemma's
 attention and rotary embedding are Llama's code, so the opt-in ``fused_qkv`` and ``rope_cos_sin``
 apply to Gemma 1 as they are.
@@ -22,7 +23,8 @@ FAMILY = Family(
     pins=(Pin("gemma", "GemmaRMSNorm.forward", "6fae0a5e1216d30d", _USE),
           Pin("gemma", "GemmaRMSNorm._norm", "53678ba7610507ed", _USE)),
     presets=("gemma-3-1b",),
-    covered="opt-in (include=['rms_norm_gemma']): every RMSNorm, q/k norms included, in Gemma's order",
-    not_covered="GeGLU, embedding scale, softcaps, attention (sdpa), RoPE, GEMMs",
+    covered="opt-in (include=['rms_norm_gemma', 'fused_gate_up_geglu']): every RMSNorm in Gemma's order "
+            "(q/k norms included), GeGLU on one fused gate/up GEMM",
+    not_covered="embedding scale, softcaps, attention (sdpa), RoPE, the residual adds, GEMMs",
     default=False,
 )

@@ -149,13 +149,32 @@ def _activation() -> list[Entry]:
                      "LlamaMLP when the MLP is not fused, at the MLP's shapes."),
     )
 
+    gemma_mlp = "src/transformers/models/gemma/modeling_gemma.py::GemmaMLP.forward"
+    geglu = Definition(
+        name="gelu_tanh_and_mul_fused", op_type="gelu_tanh_and_mul",
+        axes=dict(fused.axes),
+        inputs=dict(fused.inputs),
+        outputs={"out": spec(two_d, "gelu(x[:, :I], approximate='tanh') * x[:, I:], the activation rounded to the "
+                                    "dtype before the product")},
+        reference=reference_source([ops.gelu_tanh_and_mul_fused_reference], ["x"],
+                                   "return gelu_tanh_and_mul_fused_reference(x)",
+                                   _header(gemma_mlp, "act_fn(gate_proj(x)) * up_proj(x) with act_fn = GELUTanh "
+                                                      "(F.gelu(approximate='tanh')): the activation rounded to the "
+                                                      "input dtype, then the product.", "cutile_kernels.ops.activation"),
+                                   imports),
+        tags=_tags("activation", gemma_mlp),
+        description=("GeGLU on the two halves of a fused gate/up projection with GemmaMLP's rounding order "
+                     f"(transformers v{TRANSFORMERS_PIN}, {gemma_mlp}; Gemma 2 and 3 copy it)."),
+        constraints=["gate_up_size == 2 * intermediate_size"],
+    )
+
     # decode-b16 first: evaluate's boundaries come from the first Workload (1 and 17 rows: one
     # row and a count that is no power of two).
     order = ["decode-b16", *(p for p in TOKEN_COUNTS if p != "decode-b16")]
 
-    def rows(d: Definition) -> list[Workload]:
+    def rows(d: Definition, presets=WORKLOAD_PRESETS) -> list[Workload]:
         out = []
-        for preset in WORKLOAD_PRESETS:
+        for preset in presets:
             inter_size = model_shapes(preset)["intermediate"]
             for phase in order:
                 tokens = TOKEN_COUNTS[phase]
@@ -167,7 +186,9 @@ def _activation() -> list[Entry]:
 
     return [Entry("activation", pair, rows(pair), [SolutionSpec("silu_and_mul", "silu_and_mul")]),
             Entry("activation", fused, rows(fused), [SolutionSpec("silu_and_mul_fused", "silu_and_mul_fused")]),
-            Entry("activation", silu, rows(silu), [SolutionSpec("silu", "silu")])]
+            Entry("activation", silu, rows(silu), [SolutionSpec("silu", "silu")]),
+            Entry("activation", geglu, rows(geglu, ("gemma-3-1b",)),
+                  [SolutionSpec("gelu_tanh_and_mul_fused", "gelu_tanh_and_mul_fused")])]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ Layout of the package (the same in a source checkout and in a build variant):
 from . import dispatch, layers, registry
 from .dispatch import FallbackError, reset_stats, stats
 from .layers import kernel_config, kernelize
-from .ops import attention, attention_reference
+from .ops import attention, attention_reference, gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference
 from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
 from .ops import qk_norm_rope, qk_norm_rope_reference
 from .ops._dtypes import UnsupportedDtypeError
@@ -37,6 +37,8 @@ __all__ = [
     "attention_reference",
     "add_rms_norm_reference",
     "dispatch",
+    "gelu_tanh_and_mul_fused",
+    "gelu_tanh_and_mul_fused_reference",
     "kernel_config",
     "kernelize",
     "layers",

@@ -38,6 +38,15 @@ def silu_and_mul_fused_reference(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(gate.contiguous(), up)
 
 
+def gelu_tanh_and_mul_fused_reference(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU of the two halves of ``x`` (..., 2N) exactly as ``GemmaMLP.forward`` (LlamaMLP's code
+    with ``act_fn`` ``gelu_pytorch_tanh``, v5.22.2) computes it on the two GEMM outputs:
+    ``gelu(gate, approximate="tanh")`` rounded to gate's dtype, then times ``up``. The gate half is
+    made contiguous first, as the stock ``gate_proj`` output is."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate.contiguous(), approximate="tanh") * up
+
+
 def _want(rows: int) -> tuple:
     r, b = TILES["row"]  # the one config, at every row count (see kernel_src.activation.TILES)
     return (("ROWS", r), ("BLOCK", b))
@@ -132,6 +141,22 @@ def _fused_rows_layout(args: tuple) -> tuple:
     return _rows(x).view(-1, 2, n), _rows(out)
 
 
+def _gelu_tanh_and_mul_fused_cuda(x: torch.Tensor) -> torch.Tensor:
+    *lead, n2 = x.shape
+    n = n2 // 2
+    out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    m = out.numel() // n if n else 0
+    if m * n == 0 or dispatch.run("gelu_tanh_and_mul_fused", _want(m), (x, out), 1, _grid(m, n), _fused_rows_layout):
+        return out
+    return gelu_tanh_and_mul_fused_reference(x).contiguous()
+
+
+def _check_gelu_tanh_and_mul_fused(x: torch.Tensor) -> None:
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"gelu_tanh_and_mul_fused: last dimension of {tuple(x.shape)} is not even (gate and up "
+                         "halves)")
+
+
 def _silu_cuda(x: torch.Tensor) -> torch.Tensor:
     if not x.dim():
         return _silu_cuda(x.view(1)).view_as(x)
@@ -165,6 +190,9 @@ _silu_and_mul = define_op("silu_and_mul", _silu_and_mul_cuda, reference=silu_and
 _silu_and_mul_fused = define_op("silu_and_mul_fused", _silu_and_mul_fused_cuda, reference=silu_and_mul_fused_reference,
                                 fake=_silu_and_mul_fused_fake, check=_check_silu_and_mul_fused)
 _silu = define_op("silu", _silu_cuda, reference=silu_reference, fake=_silu_fake)
+_gelu_tanh_and_mul_fused = define_op("gelu_tanh_and_mul_fused", _gelu_tanh_and_mul_fused_cuda,
+                                     reference=gelu_tanh_and_mul_fused_reference, fake=_silu_and_mul_fused_fake,
+                                     check=_check_gelu_tanh_and_mul_fused)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -220,3 +248,28 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     """
     check_float("silu", "x", x)
     return _silu(x)
+
+
+def gelu_tanh_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU on a fused gate/up GEMM output: ``gelu(x[..., :N], approximate="tanh") * x[..., N:]``,
+    with Gemma's MLP rounding order (the activation rounded to the dtype, then the product).
+
+    Args:
+        x: ``(..., 2N)``, gate half first; bfloat16, float16 or float32 for the kernel.
+
+    Returns:
+        A contiguous ``(..., N)`` tensor of x's dtype.
+
+    On CUDA this runs a cuTile kernel (prebuilt, else JIT); other inputs take
+    :func:`gelu_tanh_and_mul_fused_reference` and log the reason once. Under ``torch.compile`` or
+    when an input requires grad it is the custom op ``<namespace>::gelu_tanh_and_mul_fused``
+    (gradients from the reference).
+
+    Raises:
+        TypeError: ``x`` is not bfloat16, float16, float32 or float64.
+        ValueError: the last dimension is odd.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("gelu_tanh_and_mul_fused", "x", x)
+    return _gelu_tanh_and_mul_fused(x)

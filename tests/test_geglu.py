@@ -1,0 +1,160 @@
+"""GeGLU (Gemma's MLP activation, ``gelu_pytorch_tanh(gate) * up``): the op's reference against
+transformers' GemmaMLP, the kernel's tile logic emulated on the CPU against float64, the opt-in
+patch ``fused_gate_up_geglu`` on Gemma models, and on the GPU the kernel and the patched model
+against float32 references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cutile_kernels
+import cutile_numpy
+import families
+from cutile_kernels import dispatch
+from cutile_kernels.kernel_src import activation as kact
+from cutile_kernels.ops import activation as act_ops
+from launches import launched_variants
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_reference_is_gemma_mlps_activation(dtype):
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    mlp = GemmaMLP(GemmaConfig(hidden_size=32, intermediate_size=48, hidden_act="gelu_pytorch_tanh")).to(dtype)
+    x = (torch.randn(3, 5, 32) * 2).to(dtype)
+    with torch.no_grad():
+        gu = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+        got = mlp.down_proj(cutile_kernels.gelu_tanh_and_mul_fused(gu))
+        assert torch.equal(got, mlp(x))
+    assert cutile_kernels.gelu_tanh_and_mul_fused(gu).is_contiguous()
+    with pytest.raises(ValueError, match="is not even"):
+        cutile_kernels.gelu_tanh_and_mul_fused(torch.randn(3, 7))
+
+
+def test_kernel_constants_are_torchs():
+    assert kact.GELU_BETA == pytest.approx(math.sqrt(2 / math.pi), rel=1e-15) and kact.GELU_KAPPA == 0.044715
+
+
+def _exact(x):
+    xd = x.double()
+    n = xd.shape[-1] // 2
+    g, u = xd[..., :n], xd[..., n:]
+    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
+
+
+@pytest.mark.parametrize("rows,n,dtype", [(1, 100, torch.float32), (5, 1000, torch.float32), (19, 6912, torch.float16),
+                                          (3, 8960, torch.float32)], ids=str)
+def test_emulated_kernel_matches_float64_and_writes_only_its_output(rows, n, dtype):
+    x = (torch.randn(rows, 2 * n) * 3).to(dtype)
+    buf = torch.full((rows + 2, n + 40), 7.0, dtype=dtype)
+    out = buf[1:rows + 1, 8:n + 8]
+    out.fill_(float("nan"))
+    r, b = kact.TILES["row"]
+    run = cutile_numpy.emulate(kact.gelu_tanh_and_mul_fused_kernel, kact)
+    run(act_ops._grid(rows, n)({"ROWS": r, "BLOCK": b}), (x.unflatten(-1, (2, n)), out, r, b))
+    assert not out.isnan().any(), "an output element was not written"
+    outside = torch.ones_like(buf, dtype=torch.bool)
+    outside[1:rows + 1, 8:n + 8] = False
+    assert (buf[outside] == 7.0).all(), "the kernel wrote outside its output"
+    ref, stock = _exact(x), act_ops.gelu_tanh_and_mul_fused_reference(x)
+    err = (out.double() - ref).abs().max().item()
+    stock_err = (stock.double() - ref).abs().max().item()
+    assert err <= 1.1 * stock_err + 4 * torch.finfo(dtype).eps * ref.abs().max().item(), (err, stock_err)
+
+
+# ---------------------------------------------------------------------------------------------
+# The opt-in patch on models (CPU: the reference path, so stock numbers exactly)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text"])
+def test_patch_fuses_every_geglu_mlp_and_keeps_stock_logits(model_type, tmp_path):
+    model = families.model(model_type)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = model(ids).logits
+    model.save_pretrained(tmp_path / "stock")
+    assert cutile_kernels.patch(model).changed.get("fused_gate_up_geglu", 0) == 0  # opt-in: not by default
+    n = model.config.num_hidden_layers
+    assert cutile_kernels.patch(model, names=["fused_gate_up_geglu"]).changed["fused_gate_up_geglu"] == n
+    dispatch.reset_stats()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    assert dispatch.stats()["reference_calls"]["gelu_tanh_and_mul_fused"] == n
+    model.save_pretrained(tmp_path / "patched")
+    assert ((tmp_path / "patched" / "model.safetensors").read_bytes()
+            == (tmp_path / "stock" / "model.safetensors").read_bytes())
+
+
+def test_swiglu_and_python_gelu_mlps_are_left_alone():
+    from cutile_kernels.layers.mlp import why_not_fusable
+
+    llama = families.model("llama")
+    assert cutile_kernels.patch(llama, names=["fused_gate_up_geglu"]).changed["fused_gate_up_geglu"] == 0
+    gemma = families.model("gemma", hidden_act="gelu_python_tanh")
+    assert why_not_fusable(gemma.model.layers[0].mlp, "gelu_tanh").startswith("act_fn is GELUTanh, not GELUTanh on")
+    # and the SwiGLU fusion still refuses Gemma's GELU, as before
+    assert why_not_fusable(families.model("gemma").model.layers[0].mlp) == "act_fn is GELUTanh, not SiLU"
+
+
+def test_patched_model_compiles_fullgraph_with_the_op():
+    import torch._dynamo.testing
+
+    model = families.model("gemma3_text", layers=2)
+    cutile_kernels.patch(model, names=["fused_gate_up_geglu", "rms_norm_gemma"])
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        want = model(ids).logits
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        got = torch.compile(model, backend=counter, fullgraph=True)(ids).logits
+    assert counter.frame_count == 1
+    targets = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("gelu_tanh_and_mul_fused" in t for t in targets) and any("rms_norm_gemma" in t for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,dtype", [(1, 6912, torch.bfloat16), (16, 6912, torch.bfloat16),
+                                          (2048, 6912, torch.bfloat16), (7, 9216, torch.float16),
+                                          (33, 1000, torch.float32)], ids=str)
+def test_gpu_kernel_matches_float64(rows, n, dtype, strict):
+    x = (torch.randn(rows, 2 * n, device="cuda") * 3).to(dtype)
+    before = dispatch.stats()["launches"]
+    out = cutile_kernels.gelu_tanh_and_mul_fused(x)
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["gelu_tanh_and_mul_fused"]
+    ref, stock = _exact(x), act_ops.gelu_tanh_and_mul_fused_reference(x)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    stock_rel = ((stock.double() - ref).norm() / ref.norm()).item()
+    assert rel <= 1.1 * stock_rel + 1e-7, (rel, stock_rel)
+    poisoned = torch.full_like(out, float("nan"))
+    assert act_ops.dispatch.run("gelu_tanh_and_mul_fused", act_ops._want(rows),
+                                (x.view(rows, 2, n), poisoned), 1, act_ops._grid(rows, n))
+    torch.cuda.synchronize()
+    assert torch.equal(poisoned, out)
+
+
+@pytest.mark.gpu
+def test_gpu_patched_gemma_is_as_close_to_float32_as_stock(strict):
+    ref = families.model("gemma3_text").cuda()
+    stock = families.model("gemma3_text", dtype=torch.bfloat16).cuda()
+    ours = families.model("gemma3_text", dtype=torch.bfloat16).cuda()
+    cutile_kernels.patch(ours, names=["fused_gate_up_geglu", "rms_norm_gemma"])
+    ids = torch.randint(0, 256, (3, 37), device="cuda")
+    with torch.no_grad():
+        want, s, o = ref(ids).logits.double(), stock(ids).logits.double(), ours(ids).logits.double()
+    stock_rel = ((s - want).norm() / want.norm()).item()
+    ours_rel = ((o - want).norm() / want.norm()).item()
+    assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
