@@ -158,7 +158,7 @@ def test_tile_config_by_rows():
 
 def test_variant_matrix():
     specs = kact.VARIANTS
-    assert len(specs) == 3 * 3 * 2 * len(kact.TILES) == 18
+    assert len(specs) == 4 * 3 * 2 * len(kact.TILES) == 24  # 4 kernels (GeGLU since 2026-12-01), 3 dtypes, 2 layouts
     for kernel in kact.KERNELS:
         mine = [s for s in specs if s.kernel == kernel]
         for d in ("bf16", "fp16", "fp32"):

@@ -107,9 +107,27 @@ def _check_silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> None:
         raise ValueError(f"silu_and_mul: gate shape {tuple(gate.shape)} != up shape {tuple(up.shape)}")
 
 
-def _check_silu_and_mul_fused(x: torch.Tensor) -> None:
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul_fused: last dimension of {tuple(x.shape)} is not even (gate and up halves)")
+def _halves_check(name: str):
+    def check(x: torch.Tensor) -> None:
+        if x.dim() < 1 or x.shape[-1] % 2:
+            raise ValueError(f"{name}: last dimension of {tuple(x.shape)} is not even (gate and up halves)")
+
+    return check
+
+
+def _halves_cuda(kernel: str, reference):
+    """The CUDA implementation of an activation-and-mul op on the two halves of ``x`` (..., 2N)."""
+
+    def cuda(x: torch.Tensor) -> torch.Tensor:
+        *lead, n2 = x.shape
+        n = n2 // 2
+        out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+        m = out.numel() // n if n else 0
+        if m * n == 0 or dispatch.run(kernel, _want(m), (x, out), 1, _grid(m, n), _fused_rows_layout):
+            return out
+        return reference(x).contiguous()
+
+    return cuda
 
 
 def _silu_and_mul_cuda(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -124,37 +142,11 @@ def _silu_and_mul_cuda(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_reference(gate, up).contiguous()
 
 
-def _silu_and_mul_fused_cuda(x: torch.Tensor) -> torch.Tensor:
-    *lead, n2 = x.shape
-    n = n2 // 2
-    out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
-    m = out.numel() // n if n else 0
-    if m * n == 0 or dispatch.run("silu_and_mul_fused", _want(m), (x, out), 1, _grid(m, n), _fused_rows_layout):
-        return out
-    return silu_and_mul_fused_reference(x).contiguous()
-
-
 def _fused_rows_layout(args: tuple) -> tuple:
     # x (..., 2N) as (M, 2, N) gate/up rows, out (..., N) as (M, N) (once per plan).
     x, out = args
     n = out.shape[-1]
     return _rows(x).view(-1, 2, n), _rows(out)
-
-
-def _gelu_tanh_and_mul_fused_cuda(x: torch.Tensor) -> torch.Tensor:
-    *lead, n2 = x.shape
-    n = n2 // 2
-    out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
-    m = out.numel() // n if n else 0
-    if m * n == 0 or dispatch.run("gelu_tanh_and_mul_fused", _want(m), (x, out), 1, _grid(m, n), _fused_rows_layout):
-        return out
-    return gelu_tanh_and_mul_fused_reference(x).contiguous()
-
-
-def _check_gelu_tanh_and_mul_fused(x: torch.Tensor) -> None:
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"gelu_tanh_and_mul_fused: last dimension of {tuple(x.shape)} is not even (gate and up "
-                         "halves)")
 
 
 def _silu_cuda(x: torch.Tensor) -> torch.Tensor:
@@ -187,12 +179,15 @@ def _silu_fake(x):
 
 _silu_and_mul = define_op("silu_and_mul", _silu_and_mul_cuda, reference=silu_and_mul_reference,
                           fake=_silu_and_mul_fake, check=_check_silu_and_mul)
-_silu_and_mul_fused = define_op("silu_and_mul_fused", _silu_and_mul_fused_cuda, reference=silu_and_mul_fused_reference,
-                                fake=_silu_and_mul_fused_fake, check=_check_silu_and_mul_fused)
+_silu_and_mul_fused = define_op("silu_and_mul_fused",
+                                _halves_cuda("silu_and_mul_fused", silu_and_mul_fused_reference),
+                                reference=silu_and_mul_fused_reference, fake=_silu_and_mul_fused_fake,
+                                check=_halves_check("silu_and_mul_fused"))
 _silu = define_op("silu", _silu_cuda, reference=silu_reference, fake=_silu_fake)
-_gelu_tanh_and_mul_fused = define_op("gelu_tanh_and_mul_fused", _gelu_tanh_and_mul_fused_cuda,
+_gelu_tanh_and_mul_fused = define_op("gelu_tanh_and_mul_fused",
+                                     _halves_cuda("gelu_tanh_and_mul_fused", gelu_tanh_and_mul_fused_reference),
                                      reference=gelu_tanh_and_mul_fused_reference, fake=_silu_and_mul_fused_fake,
-                                     check=_check_gelu_tanh_and_mul_fused)
+                                     check=_halves_check("gelu_tanh_and_mul_fused"))
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
