@@ -32,7 +32,7 @@ class Family:
             tests and a row in the README's coverage table).
         pins: the transformers functions the family's code paths reproduce, with their digests
             (none for a family whose modules are another family's code: those pins gate it).
-        presets: benchmark presets (``cutile-kernels presets``) from the configs of real checkpoints.
+        presets: benchmark presets (``tools/presets.py``) from the configs of real checkpoints.
         covered: one line: what runs in our kernels for this family.
         not_covered: one line: what still runs stock code.
         default: whether the package claims it by default (its own kernels run under
