@@ -65,3 +65,35 @@ def model(model_type: str, dtype=torch.float32, layers: int = 3, attn: str | Non
             if "norm" in name and p.dim() == 1:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
     return m.to(dtype).eval()
+
+
+def compile_fullgraph(model, seed: int = 6):
+    """Compile ``model`` with ``fullgraph=True`` (aot_eager) on a seeded (1, 7) prompt. Returns
+    (frames dynamo compiled, the call targets of the graphs as strings, compiled logits, eager logits)."""
+    import torch._dynamo.testing
+
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = model(ids).logits
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        got = torch.compile(model, backend=counter, fullgraph=True)(ids).logits
+    targets = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    return counter.frame_count, targets, got, want
+
+
+def relative_errors_vs_float32(model_type: str, patch_names, seq: int = 37, **fields):
+    """On CUDA: the float32 model's logits as the reference, and the relative L2 error against it of
+    the stock bf16 model and of the bf16 model patched with ``patch_names``. Returns (ours, stock,
+    the PatchReport of the patch call)."""
+    import cutile_kernels
+
+    ref = model(model_type, **fields).cuda()
+    stock = model(model_type, dtype=torch.bfloat16, **fields).cuda()
+    ours = model(model_type, dtype=torch.bfloat16, **fields).cuda()
+    report = cutile_kernels.patch(ours, names=list(patch_names))
+    ids = torch.randint(0, 256, (3, seq), device="cuda")
+    with torch.no_grad():
+        want, s, o = ref(ids).logits.double(), stock(ids).logits.double(), ours(ids).logits.double()
+    return ((o - want).norm() / want.norm()).item(), ((s - want).norm() / want.norm()).item(), report

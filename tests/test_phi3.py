@@ -47,19 +47,10 @@ def test_other_activations_and_forwards_are_left_alone(caplog):
 
 
 def test_patched_model_compiles_fullgraph_with_our_ops():
-    import torch._dynamo.testing
-
     model = families.model("phi3", layers=2)
     cutile_kernels.patch(model, names=PATCHES)
-    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        want = model(ids).logits
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    with torch.no_grad():
-        got = torch.compile(model, backend=counter, fullgraph=True)(ids).logits
-    assert counter.frame_count == 1
-    targets = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    frames, targets, got, want = families.compile_fullgraph(model, seed=8)
+    assert frames == 1
     assert any(t.endswith("silu_and_mul.default") for t in targets) and any(t.endswith("rope.default") for t in targets)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -67,13 +58,7 @@ def test_patched_model_compiles_fullgraph_with_our_ops():
 @pytest.mark.gpu
 @pytest.mark.parametrize("partial", [0.75, 1.0])
 def test_gpu_patched_model_is_as_close_to_float32_as_stock(partial, strict):
-    ref = families.model("phi3", partial_rotary_factor=partial).cuda()
-    stock = families.model("phi3", dtype=torch.bfloat16, partial_rotary_factor=partial).cuda()
-    ours = families.model("phi3", dtype=torch.bfloat16, partial_rotary_factor=partial).cuda()
-    assert cutile_kernels.patch(ours, names=PATCHES).changed == {"phi3_mlp": 3, "phi3_rope": 3}
-    ids = torch.randint(0, 256, (3, 41), device="cuda")
-    with torch.no_grad():
-        want, s, o = ref(ids).logits.double(), stock(ids).logits.double(), ours(ids).logits.double()
-    stock_rel = ((s - want).norm() / want.norm()).item()
-    ours_rel = ((o - want).norm() / want.norm()).item()
+    ours_rel, stock_rel, report = families.relative_errors_vs_float32("phi3", PATCHES, seq=41,
+                                                                      partial_rotary_factor=partial)
+    assert report.changed == {"phi3_mlp": 3, "phi3_rope": 3}
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)

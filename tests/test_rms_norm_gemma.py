@@ -199,20 +199,10 @@ def test_kernel_config_includes_it_by_name():
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
 def test_patched_model_compiles_fullgraph_with_the_op_in_the_graph(model_type):
-    import torch._dynamo.testing
-
     model = families.model(model_type, layers=2)
     cutile_kernels.patch(model, names=["rms_norm_gemma"])
-    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        want = model(ids).logits
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    with torch.no_grad():
-        got = compiled(ids).logits
-    assert counter.frame_count == 1
-    targets = {str(n.target) for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"}
+    frames, targets, got, want = families.compile_fullgraph(model, seed=6)
+    assert frames == 1
     assert any("rms_norm_gemma" in t for t in targets)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -220,13 +210,6 @@ def test_patched_model_compiles_fullgraph_with_the_op_in_the_graph(model_type):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2", "qwen3_5_text"])
 def test_gpu_patched_model_is_as_close_to_float32_as_stock(model_type, strict):
-    ref = families.model(model_type).cuda()
-    stock = families.model(model_type, dtype=torch.bfloat16).cuda()
-    ours = families.model(model_type, dtype=torch.bfloat16).cuda()
-    assert cutile_kernels.patch(ours, names=["rms_norm_gemma"]).changed["rms_norm_gemma"] > 0
-    ids = torch.randint(0, 256, (3, 37), device="cuda")
-    with torch.no_grad():
-        want, s, o = ref(ids).logits.double(), stock(ids).logits.double(), ours(ids).logits.double()
-    stock_rel = ((s - want).norm() / want.norm()).item()
-    ours_rel = ((o - want).norm() / want.norm()).item()
+    ours_rel, stock_rel, report = families.relative_errors_vs_float32(model_type, ["rms_norm_gemma"])
+    assert report.changed["rms_norm_gemma"] > 0
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
