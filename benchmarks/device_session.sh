@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of one session as stages, several per device call (each call has 600 s):
 #
-#   tests      the `gpu`-marked tests ($TESTS, default: all of tests/)
+#   tests      the `gpu`-marked tests ($TESTS, default: all of tests/), $TESTS_LIMIT s (default 240)
 #   attention  the attention microbenchmark (dev/microbench/attention_bench.py)
 #   evaluate   every inventory Solution through `cutile-kernels evaluate --all` (one process):
 #              Traces and the summary come back in evaluate.tgz
@@ -57,7 +57,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 for stage in "$@"; do
   case "$stage" in
     tests)
-      cd "$root" && step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
+      cd "$root" && step tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
     attention)
       cd "$root/dev/microbench" && step attention 100 python3 attention_bench.py --json /tmp/attention-bench.json ;;
     evaluate)
