@@ -275,7 +275,13 @@ def test_path_specs_and_the_without_form(capsys):
         paths.spec("cutile~rope_cos_sin")  # would be the same model as cutile
     with pytest.raises(KeyError, match="no opt-in patch"):
         paths.spec("cutile+fused_gate_up")  # already in cutile
-    for bad in ("cutile~nope", "stock~fused_gate_up", "cutile~", "cutile+", "warp-drive"):
+    c = paths.spec("cutile-compile~decoder_add_rms_norm")  # the compiled path takes both forms too
+    assert c.compile and c.ours and c.exclude == ("decoder_add_rms_norm",)
+    assert paths.spec("cutile-compile+rms_norm_olmo2").compile and not paths.spec("cutile+rms_norm_olmo2").compile
+    assert paths.spec("cutile-compile~rotary_pos_emb~fused_gate_up").exclude == ("rotary_pos_emb", "fused_gate_up")
+    assert paths.spec("cutile+phi3_mlp+rms_norm_olmo2").include == ("phi3_mlp", "rms_norm_olmo2")
+    for bad in ("cutile~nope", "stock~fused_gate_up", "stock-compile~RMSNorm", "cutile~", "cutile+", "cutile~RMSNorm~",
+                "cutile~RMSNorm~nope", "cutile+phi3_mlp+fused_gate_up", "warp-drive"):
         with pytest.raises(KeyError):
             paths.spec(bad)
     with pytest.raises(SystemExit):

@@ -13,7 +13,8 @@
 ``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
 ``cutile~NAME``    ours without one default patch or hub layer ``NAME``, and ``cutile+NAME`` ours
                    with the opt-in patch ``NAME`` (not among the defaults): what
-                   ``autokernelize --score`` times a candidate against / with
+                   ``autokernelize --score`` times a candidate against / with;
+                   ``cutile-compile~NAME`` and ``cutile-compile+NAME`` the same, compiled
 =================  ==============================================================================
 """
 
@@ -72,7 +73,8 @@ WITHOUT, WITH = "~", "+"
 def spec(name: str) -> PathSpec:
     """The PathSpec of a path name: one of :data:`PATHS`, ``cutile~NAME`` (``cutile`` without the
     default patch or hub layer ``NAME``) or ``cutile+NAME`` (``cutile`` with the opt-in patch
-    ``NAME`` too).
+    ``NAME`` too); ``cutile-compile~NAME`` and ``cutile-compile+NAME`` likewise, compiled. Several
+    names with the same separator change several (``cutile-compile~rotary_pos_emb~fused_gate_up``).
 
     Raises:
         KeyError: an unknown path, or a NAME that the form cannot change (``~``: neither a default
@@ -82,27 +84,30 @@ def spec(name: str) -> PathSpec:
         return PATHS[name]
     for sep in (WITHOUT, WITH):
         base, found, part = name.partition(sep)
-        if found and base == "cutile" and part:
+        if found and base in ("cutile", "cutile-compile") and part:
             break
     else:
-        raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, cutile{WITHOUT}<default patch or "
-                       f"hub layer>, cutile{WITH}<opt-in patch>")
+        raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, cutile[-compile]{WITHOUT}<default "
+                       f"patch or hub layer>, cutile[-compile]{WITH}<opt-in patch>")
+    parts = tuple(part.split(sep))
     from cutile_kernels import layers
     from cutile_kernels.layers import patch
 
     opt_in = {n for n, p in patch.PATCHES.items() if not p.default}
-    if sep == WITH:
-        if part not in opt_in:
-            raise KeyError(f"path {name!r}: {part!r} is no opt-in patch (cutile applies the default ones); "
-                           f"opt-in: {sorted(opt_in)}")
-        return PathSpec(name, f"cutile-kernels with the opt-in patch {part!r}", ours=True, include=(part,))
     known = (set(patch.PATCHES) - opt_in) | set(layers.MAPPING)
-    if part in opt_in:
-        raise KeyError(f"path {name!r}: {part!r} is opt-in, cutile does not apply it (time cutile{WITH}{part} "
-                       "against cutile)")
-    if part not in known:
-        raise KeyError(f"path {name!r}: {part!r} is no patch or hub layer of ours; known: {sorted(known)}")
-    return PathSpec(name, f"cutile-kernels without {part!r}", ours=True, exclude=(part,))
+    for one in parts:
+        if sep == WITH and one not in opt_in:
+            raise KeyError(f"path {name!r}: {one!r} is no opt-in patch ({base} applies the default ones); "
+                           f"opt-in: {sorted(opt_in)}")
+        if sep == WITHOUT and one in opt_in:
+            raise KeyError(f"path {name!r}: {one!r} is opt-in, {base} does not apply it (time {base}{WITH}{one} "
+                           f"against {base})")
+        if sep == WITHOUT and one not in known:
+            raise KeyError(f"path {name!r}: {one!r} is no patch or hub layer of ours; known: {sorted(known)}")
+    what = "with the opt-in patch" if sep == WITH else "without"
+    return PathSpec(name, f"{PATHS[base].description}, {what} {', '.join(map(repr, parts))}",
+                    compile=PATHS[base].compile, ours=True, include=parts if sep == WITH else (),
+                    exclude=parts if sep == WITHOUT else ())
 
 
 def load(path: str, checkpoint: Path, dtype, device: str):
