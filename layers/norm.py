@@ -10,11 +10,14 @@ GptOss, NemotronH, DeepseekV4... multiply by the weight before casting back). Ou
 ``LlamaRMSNorm``'s formula, so the layer runs it only for classes whose ``forward`` is
 ``LlamaRMSNorm.forward``'s code; any other keeps its own forward and says so once.
 
-The other order transformers uses, float32 throughout and one rounding at the end, is the opt-in
-patch ``rms_norm_gemma`` here (``kernel_config(include=["rms_norm_gemma"])``): it binds the
-``rms_norm_gemma`` kernel to every module whose class computes ``GemmaRMSNorm``'s formula (offset 1:
-Gemma 1/2/3, Qwen3.5, ...) or ``Olmo2RMSNorm``'s (offset 0: OLMo 2/3, GptOss, ...), replacing the
-hub layer's stock fallback where ``kernelize`` bound it. Opt-in until the H200 bench accepts it.
+The other order transformers uses, float32 throughout and one rounding at the end, is two patches
+here on the ``rms_norm_gemma`` kernel: ``rms_norm_gemma`` (default) takes every module whose class
+computes ``GemmaRMSNorm``'s formula (offset 1: Gemma 1/2/3, Qwen3.5, ...), the opt-in
+``rms_norm_olmo2`` (``kernel_config(include=["rms_norm_olmo2"])``) every one computing
+``Olmo2RMSNorm``'s (offset 0: OLMo 2/3, GptOss, ...), replacing the hub layer's stock fallback where
+``kernelize`` bound it. ``from_pretrained`` applies the patches before ``kernelize``, which rebinds
+every hub-decorated module's forward (OLMo 2's norms are decorated, Gemma's are not), so a patch
+also marks each module it takes (:data:`FLOAT_NORM_MARK`) and the hub layer runs the marked formula.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class CutileRMSNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         cls = type(self)
         if not computes_llama_rms_norm(cls):  # a cached verdict; a constant under torch.compile
+            offset = getattr(self, FLOAT_NORM_MARK, None)  # taken by a float-order patch before kernelize
+            if offset is not None:
+                return rms_norm_gemma(hidden_states, self.weight, _float_norm_eps(self), offset)
             if not torch.compiler.is_compiling():  # counted and announced in eager; traced, the stock code
                 dispatch.fallback("rms_norm", f"{cls.__name__} is not LlamaRMSNorm's formula; it keeps its own forward")
             return cls.forward(self, hidden_states)
@@ -87,10 +93,15 @@ MAPPING = {"RMSNorm": "CutileRMSNorm"}
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch rms_norm_gemma: the float32-order norms (Gemma's (1 + weight), OLMo 2's weight)
+# Patches rms_norm_gemma and rms_norm_olmo2: the float32-order norms (Gemma's 1 + weight, OLMo 2's weight)
 # ---------------------------------------------------------------------------------------------
 
-#: The pins (``layers/models/gemma.py``, ``olmo2.py``) of the two forwards the patch reproduces.
+#: Instance attribute the two float-order patches set on each module they take (the offset, 1.0 or
+#: 0.0): kernelize rebinds the forward of a hub-decorated module after the patches ran (OLMo 2's
+#: norms), and :class:`CutileRMSNorm` then runs the marked formula.
+FLOAT_NORM_MARK = "_cutile_float_norm"
+
+#: The pins (``layers/models/gemma.py``, ``olmo2.py``) of the two forwards the patches reproduce.
 GEMMA_PINS = ("gemma.GemmaRMSNorm.forward", "gemma.GemmaRMSNorm._norm")
 OLMO2_PIN = "olmo2.Olmo2RMSNorm.forward"
 
@@ -119,11 +130,16 @@ def _float_norm_eps(m: nn.Module):
     return m.eps if hasattr(m, "eps") else getattr(m, "variance_epsilon", None)
 
 
-def float_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``GemmaRMSNorm.forward`` / ``Olmo2RMSNorm.forward`` (5.22.2) on the ``rms_norm_gemma``
-    kernel: ``x`` ``(..., N)`` -> ``(x / rms(x)) * (offset + weight)`` in float32, rounded once."""
-    offset = 1.0 if computes_gemma_rms_norm(type(self)) else 0.0  # the patch took only these two formulas
-    return rms_norm_gemma(x, self.weight, _float_norm_eps(self), offset)
+def gemma_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``GemmaRMSNorm.forward`` (5.22.2) on the ``rms_norm_gemma`` kernel: ``x`` ``(..., N)`` ->
+    ``(x / rms(x)) * (1 + weight)`` in float32, rounded once to ``x.dtype``."""
+    return rms_norm_gemma(x, self.weight, _float_norm_eps(self), 1.0)
+
+
+def olmo2_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``Olmo2RMSNorm.forward`` (5.22.2) on the ``rms_norm_gemma`` kernel with offset 0:
+    ``(x / rms(x)) * weight`` in float32, rounded once to ``x.dtype``."""
+    return rms_norm_gemma(x, self.weight, _float_norm_eps(self), 0.0)
 
 
 def _float_norm_candidate(m: nn.Module) -> bool:
@@ -131,14 +147,17 @@ def _float_norm_candidate(m: nn.Module) -> bool:
             and type(m).__name__.endswith("RMSNorm"))
 
 
-def _float_norm_verdict(m: nn.Module) -> str | None:
-    if not (computes_gemma_rms_norm(type(m)) or computes_olmo2_rms_norm(type(m))):
-        if not (all(holds(p) for p in GEMMA_PINS) and holds(OLMO2_PIN)):
-            return f"this transformers' GemmaRMSNorm / Olmo2RMSNorm is not the one reproduced ({TRANSFORMERS})"
-        return "its formula is neither GemmaRMSNorm's nor Olmo2RMSNorm's code"
-    if m.weight.dim() != 1 or not isinstance(_float_norm_eps(m), float):
-        return f"weight of shape {tuple(m.weight.shape)} or eps {_float_norm_eps(m)!r} is not an (N,) tensor and a float"
-    return None
+def _float_norm_verdict(computes, pins, formula):
+    def verdict(m: nn.Module) -> str | None:
+        if not computes(type(m)):
+            if not all(holds(p) for p in pins):
+                return f"this transformers' {formula} is not the one reproduced ({TRANSFORMERS})"
+            return f"its formula is not {formula}'s code"
+        if m.weight.dim() != 1 or not isinstance(_float_norm_eps(m), float):
+            return (f"weight of shape {tuple(m.weight.shape)} or eps {_float_norm_eps(m)!r} is not an (N,) tensor "
+                    "and a float")
+        return None
+    return verdict
 
 
 def _our_hub_forward(fwd) -> bool:
@@ -146,21 +165,53 @@ def _our_hub_forward(fwd) -> bool:
     return getattr(getattr(fwd, "__func__", None), "__qualname__", "") == "CutileRMSNorm.forward"
 
 
-def patch_rms_norm_gemma(model: nn.Module) -> int:
-    """Patch ``rms_norm_gemma``: bind :func:`float_norm_forward` to every RMSNorm of ``model`` whose
-    class computes Gemma's or OLMo 2's formula (see the module docstring). Same numbers as the
-    stock forward on the CPU (the reference formula). Returns the number of modules newly patched."""
-    new = swap_forwards(model, "rms_norm_gemma", float_norm_forward, _float_norm_candidate, _float_norm_verdict,
-                        "{n} {cls} on the rms_norm_gemma kernel", replaceable=_our_hub_forward)
+def _swap_float_norms(model: nn.Module, name: str, forward, verdict, offset: float) -> int:
+    new = swap_forwards(model, name, forward, _float_norm_candidate, verdict, "{n} {cls} on the rms_norm_gemma kernel",
+                        replaceable=_our_hub_forward, prepare=lambda m: setattr(m, FLOAT_NORM_MARK, offset))
     return sum(new.values())
+
+
+def _restore_float_norms(model: nn.Module, name: str, forward, offset: float) -> int:
+    marked = [m for m in model.modules() if m.__dict__.get(FLOAT_NORM_MARK) == offset]
+    for m in marked:
+        del m.__dict__[FLOAT_NORM_MARK]
+    restore_forwards(model, name, forward, noun="norms")
+    return len(marked)  # every module the patch took is marked, whoever rebound its forward since
+
+
+def patch_rms_norm_gemma(model: nn.Module) -> int:
+    """Patch ``rms_norm_gemma``: bind :func:`gemma_norm_forward` to every RMSNorm of ``model`` whose
+    class computes ``GemmaRMSNorm``'s formula (see the module docstring). Same numbers as the stock
+    forward on the CPU (the reference formula). Returns the number of modules newly patched."""
+    return _swap_float_norms(model, "rms_norm_gemma", gemma_norm_forward,
+                             _float_norm_verdict(computes_gemma_rms_norm, GEMMA_PINS, "GemmaRMSNorm"), 1.0)
 
 
 def unpatch_rms_norm_gemma(model: nn.Module) -> int:
     """Undo :func:`patch_rms_norm_gemma`: the class forward again. Returns the modules restored."""
-    return restore_forwards(model, "rms_norm_gemma", float_norm_forward, noun="norms")
+    return _restore_float_norms(model, "rms_norm_gemma", gemma_norm_forward, 1.0)
 
 
-#: This module's patch row (gathered by ``layers/_registry.py``): opt-in until the H200 bench
-#: (``autokernelize gemma-3-1b --score rms_norm_gemma``) accepts it.
-PATCH_ROWS = [Patch("rms_norm_gemma", apply=patch_rms_norm_gemma, undo=unpatch_rms_norm_gemma, default=False,
-                    description="float32-order RMSNorms (Gemma's 1 + weight, OLMo 2's weight) on one cuTile launch")]
+def patch_rms_norm_olmo2(model: nn.Module) -> int:
+    """Patch ``rms_norm_olmo2``: bind :func:`olmo2_norm_forward` to every RMSNorm of ``model`` whose
+    class computes ``Olmo2RMSNorm``'s formula. Returns the number of modules newly patched."""
+    return _swap_float_norms(model, "rms_norm_olmo2", olmo2_norm_forward,
+                             _float_norm_verdict(computes_olmo2_rms_norm, (OLMO2_PIN,), "Olmo2RMSNorm"), 0.0)
+
+
+def unpatch_rms_norm_olmo2(model: nn.Module) -> int:
+    """Undo :func:`patch_rms_norm_olmo2` (also where kernelize rebound the hub layer since: the
+    hub layer's stock fallback again). Returns the modules restored."""
+    return _restore_float_norms(model, "rms_norm_olmo2", olmo2_norm_forward, 0.0)
+
+
+#: This module's patch rows (gathered by ``layers/_registry.py``). ``rms_norm_gemma`` is on by
+#: default since the H200 bench of 2026-12-01 (gemma-3-1b: decode 1.8x, prefill 1.7x over our build
+#: without it; docs/results.md); ``rms_norm_olmo2`` stays opt-in until a bench of olmo-2-1b with it
+#: running accepts it (that day's run did not launch it: the kernelize-order bug the mark fixes).
+PATCH_ROWS = [
+    Patch("rms_norm_gemma", apply=patch_rms_norm_gemma, undo=unpatch_rms_norm_gemma, default=True,
+          description="GemmaRMSNorm (float32, 1 + weight, one rounding) on one cuTile launch"),
+    Patch("rms_norm_olmo2", apply=patch_rms_norm_olmo2, undo=unpatch_rms_norm_olmo2, default=False,
+          description="Olmo2RMSNorm (float32, weight, one rounding) on the same kernel, offset 0"),
+]

@@ -20,9 +20,9 @@ def test_families_are_found_by_name_and_claim_disjoint_model_types():
     assert set(models.FAMILIES) == set(models.discover())
     claimed = models.claimed_model_types()
     assert len(claimed) == len(set(claimed))
-    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "smollm3"} == set(claimed)
+    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "gemma", "gemma3_text", "phi3"} == set(claimed)
     every = models.claimed_model_types(opt_in=True)
-    assert len(every) == len(set(every)) and set(every) - set(claimed) == {"gemma", "gemma3_text", "olmo2", "phi3", "qwen3_5_text"}
+    assert len(every) == len(set(every)) and set(every) - set(claimed) == {"olmo2", "qwen3_5_text"}
     assert models.family_of("mistral").name == "llama" and models.family_of("gemma3_text").name == "gemma"
     assert models.family_of("phi3").name == "phi3" and models.family_of("gpt2") is None
 

@@ -25,7 +25,8 @@ CLAIMS = {
     "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "smollm3", "phi3"},  # Llama's rotary
     "qk_norm_rope": {"qwen3"},  # Qwen3Attention's code only
     "fused_qkv": {"llama", "mistral", "qwen2", "gemma", "granite"},  # Llama-code attention (Qwen3's: qk_norm_rope)
-    "rms_norm_gemma": {"gemma", "gemma3_text", "olmo2", "qwen3_5_text"},  # Gemma's / Olmo2's RMSNorm code
+    "rms_norm_gemma": {"gemma", "gemma3_text", "qwen3_5_text"},  # GemmaRMSNorm's code
+    "rms_norm_olmo2": {"olmo2"},  # Olmo2RMSNorm's code
     "phi3_mlp": {"phi3"},
     "fused_gate_up_geglu": {"gemma", "gemma3_text"},  # LlamaMLP's code with GELUTanh
     "phi3_rope": {"phi3"},

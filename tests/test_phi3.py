@@ -24,10 +24,10 @@ def test_patches_keep_stock_logits_and_run_our_ops(partial):
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         want = model(ids).logits
-    assert cutile_kernels.patch(model).changed.get("phi3_mlp", 0) == 0  # opt-in: not by default
-    report = cutile_kernels.patch(model, names=PATCHES)
     n = model.config.num_hidden_layers
-    assert report.changed == {"phi3_mlp": n, "phi3_rope": n}
+    by_default = cutile_kernels.patch(model).changed  # phi3_rope is a default patch, phi3_mlp opt-in
+    assert by_default["phi3_rope"] == n and "phi3_mlp" not in by_default
+    assert cutile_kernels.patch(model, names=PATCHES).changed == {"phi3_mlp": n, "phi3_rope": 0}
     dispatch.reset_stats()
     with torch.no_grad():
         got = model(ids).logits

@@ -145,7 +145,7 @@ def test_gpu_kernel_matches_float64(case, strict):
 
 
 # ---------------------------------------------------------------------------------------------
-# The opt-in patch rms_norm_gemma on models (CPU: the reference path, so stock numbers exactly)
+# The patches rms_norm_gemma and rms_norm_olmo2 on models (CPU: the reference path, so stock numbers exactly)
 # ---------------------------------------------------------------------------------------------
 
 import families  # noqa: E402
@@ -156,15 +156,24 @@ def _norms(model):
     return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma3_text", "olmo2", "qwen3_5_text"])
+#: model type -> the float-order patch that takes its norms, and whether it is a default patch.
+FLOAT_NORMS = {"gemma": ("rms_norm_gemma", True), "gemma3_text": ("rms_norm_gemma", True),
+               "qwen3_5_text": ("rms_norm_gemma", True), "olmo2": ("rms_norm_olmo2", False)}
+
+
+@pytest.mark.parametrize("model_type", sorted(FLOAT_NORMS))
 def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
+    name, default = FLOAT_NORMS[model_type]
+    other = ({"rms_norm_gemma", "rms_norm_olmo2"} - {name}).pop()
     model = families.model(model_type)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = model(ids).logits
-    assert cutile_kernels.patch(model).changed.get("rms_norm_gemma", 0) == 0  # opt-in: not by default
-    n = cutile_kernels.patch(model, names=["rms_norm_gemma"]).changed["rms_norm_gemma"]
+    by_default = cutile_kernels.patch(model).changed.get(name, 0)
+    n = by_default + cutile_kernels.patch(model, names=[name, other]).changed[name]
     assert n == len(_norms(model)) > 0  # every norm, q/k norms included
+    assert by_default == (n if default else 0)
+    assert cutile_kernels.patch(model, names=[other]).changed[other] == 0  # the other formula's patch: none
     dispatch.reset_stats()
     with torch.no_grad():
         got = model(ids).logits
@@ -185,22 +194,48 @@ def test_patch_replaces_the_hub_layers_stock_fallback_on_olmo2():
     model = families.model("olmo2")
     for m in _norms(model):
         m.forward = CutileRMSNorm.forward.__get__(m)
-    n = cutile_kernels.patch(model, names=["rms_norm_gemma"]).changed["rms_norm_gemma"]
+    n = cutile_kernels.patch(model, names=["rms_norm_olmo2"]).changed["rms_norm_olmo2"]
     assert n == len(_norms(model))
-    assert all(m.forward.__func__ is norm_layer.float_norm_forward for m in _norms(model))
-    cutile_kernels.unpatch(model, names=["rms_norm_gemma"])
+    assert all(m.forward.__func__ is norm_layer.olmo2_norm_forward for m in _norms(model))
+    cutile_kernels.unpatch(model, names=["rms_norm_olmo2"])
     assert all("forward" not in m.__dict__ for m in _norms(model))
 
 
-def test_kernel_config_includes_it_by_name():
-    cfg = cutile_kernels.kernel_config(include=["rms_norm_gemma"])
-    assert cfg is not None
+def test_patch_survives_kernelize_rebinding_the_hub_layer_after_it_on_olmo2():
+    # from_pretrained applies the patches, then kernelize binds our hub layer to every decorated norm
+    # (a CUDA model; emulated here): the marked modules still run the rms_norm_gemma op (the H200
+    # bench of 2026-12-01 saw no launch of it on OLMo 2 before the mark existed).
+    from cutile_kernels.layers.norm import CutileRMSNorm
+
+    model = families.model("olmo2")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids).logits
+    n = cutile_kernels.patch(model, names=["rms_norm_olmo2"]).changed["rms_norm_olmo2"]
+    for m in _norms(model):
+        m.forward = CutileRMSNorm.forward.__get__(m)  # what kernels' kernelize does
+    dispatch.reset_stats()
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    assert dispatch.stats()["reference_calls"]["rms_norm_gemma"] == n == len(_norms(model))
+    assert not dispatch.stats()["fallbacks"]
+    assert cutile_kernels.unpatch(model, names=["rms_norm_olmo2"]).changed["rms_norm_olmo2"] == n
+    dispatch.reset_stats()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    assert "rms_norm_gemma" not in dispatch.stats()["reference_calls"]
+    assert sum(dispatch.stats()["fallbacks"].values()) == n  # the hub layer's stock fallback again
+
+
+def test_kernel_config_takes_the_opt_in_one_by_name():
+    assert cutile_kernels.kernel_config(include=["rms_norm_olmo2"]).include_patches == ("rms_norm_olmo2",)
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
 def test_patched_model_compiles_fullgraph_with_the_op_in_the_graph(model_type):
     model = families.model(model_type, layers=2)
-    cutile_kernels.patch(model, names=["rms_norm_gemma"])
+    cutile_kernels.patch(model, names=[FLOAT_NORMS[model_type][0]])
     frames, targets, got, want = families.compile_fullgraph(model, seed=6)
     assert frames == 1
     assert any("rms_norm_gemma" in t for t in targets)
@@ -210,6 +245,26 @@ def test_patched_model_compiles_fullgraph_with_the_op_in_the_graph(model_type):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2", "qwen3_5_text"])
 def test_gpu_patched_model_is_as_close_to_float32_as_stock(model_type, strict):
-    ours_rel, stock_rel, report = families.relative_errors_vs_float32(model_type, ["rms_norm_gemma"])
-    assert report.changed["rms_norm_gemma"] > 0
+    name = FLOAT_NORMS[model_type][0]
+    ours_rel, stock_rel, report = families.relative_errors_vs_float32(model_type, [name])
+    assert report.changed[name] > 0
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
+
+
+@pytest.mark.gpu
+def test_gpu_from_pretrained_runs_the_kernel_on_olmo2s_hub_decorated_norms(tmp_path):  # not strict: its RoPE falls back
+    # The real order: from_pretrained applies the patch, then kernelize binds our hub layer to
+    # Olmo2RMSNorm (decorated "RMSNorm"); the marked norms still launch the kernel, none falls back.
+    from transformers import AutoModelForCausalLM
+
+    families.model("olmo2", dtype=torch.bfloat16, layers=2).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
+        kernel_config=cutile_kernels.kernel_config(include=["rms_norm_olmo2"])).eval()
+    assert all(m.__dict__.get(norm_layer.FLOAT_NORM_MARK) == 0.0 for m in _norms(model))  # offset 0: present, falsy
+    dispatch.reset_stats()
+    with torch.no_grad():
+        model(torch.randint(0, 256, (1, 9), device="cuda"))
+    launches = dispatch.stats()["launches"]
+    assert sum(n for k, n in launches.items() if k.startswith("rms_norm_gemma")) == len(_norms(model))
+    assert not any(k.startswith("rms_norm:") for k in dispatch.stats()["fallbacks"])

@@ -4,7 +4,7 @@ What differs from the Llama code: the decoder normalises after attention and aft
 (``post_attention_layernorm`` / ``post_feedforward_layernorm`` on the block outputs, before the
 residual add), the q/k norms run over the whole projection before the head split, and
 ``Olmo2RMSNorm`` computes in float32 and rounds once. The ``RMSNorm`` hub layer leaves that norm
-stock (Llama's order only); the opt-in patch ``rms_norm_gemma`` (``layers/norm.py``) runs it, and
+stock (Llama's order only); the opt-in patch ``rms_norm_olmo2`` (``layers/norm.py``) runs it, and
 every class with its code (Olmo3, GptOss, DeepseekV4, ...), on the ``rms_norm_gemma`` kernel with
 offset 0. The MLP is Llama's code, so ``fused_gate_up`` applies by default.
 """
@@ -17,9 +17,9 @@ from . import Family
 FAMILY = Family(
     name="olmo2",
     model_types=("olmo2",),
-    pins=(Pin("olmo2", "Olmo2RMSNorm.forward", "192b385f090ad22f", "patch rms_norm_gemma (rms_norm_gemma kernel, offset 0)"),),
+    pins=(Pin("olmo2", "Olmo2RMSNorm.forward", "192b385f090ad22f", "patch rms_norm_olmo2 (rms_norm_gemma kernel, offset 0)"),),
     presets=("olmo-2-1b",),
-    covered="SwiGLU on fused gate/up; opt-in (include=['rms_norm_gemma']): every RMSNorm, q/k norms included",
+    covered="SwiGLU on fused gate/up; opt-in (include=['rms_norm_olmo2']): every RMSNorm, q/k norms included",
     not_covered="GEMMs (cuBLAS), RoPE, the post-norm residual adds, attention (sdpa)",
     default=False,
 )

@@ -3,7 +3,7 @@
 A hybrid: three gated-DeltaNet (linear attention) layers to one gated full-attention layer. What is
 ours so far comes by code identity with other families: the MLP is Llama's code (``fused_gate_up``
 by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s code (``(1 + weight)``, float32, one
-rounding: the opt-in ``rms_norm_gemma`` patch takes it, q/k norms of the full-attention layers
+rounding: the ``rms_norm_gemma`` patch takes it, q/k norms of the full-attention layers
 included). Not ours yet: the gated delta rule (chunked prefill, recurrent decode), its causal
 depthwise convolution and gated RMSNorm (``RMSNormGated``), the gated attention's output gate, and
 its partial RoPE; flash-linear-attention is the anchor to beat there. No function of Qwen3.5's own
@@ -17,7 +17,7 @@ from . import Family
 FAMILY = Family(
     name="qwen3_5",
     model_types=("qwen3_5_text",),
-    covered="SwiGLU on fused gate/up; opt-in (include=['rms_norm_gemma']): the (1 + weight) RMSNorms",
+    covered="SwiGLU on fused gate/up, the (1 + weight) RMSNorms",
     not_covered="gated DeltaNet (delta rule, conv1d, gated RMSNorm), gated attention, RoPE, GEMMs",
     default=False,
 )
