@@ -46,16 +46,27 @@ def _flag(name: str) -> bool:
 
 
 #: ``os.environ`` keeps its variables in ``_data`` under encoded keys (CPython's ``os._Environ``):
-#: a lookup there costs 0.06 us against 1.2 us through the Mapping API, and this runs per launch.
-_DISABLE_KEY = os.environ.encodekey(ENV_DISABLE) if hasattr(os.environ, "encodekey") else None
+#: a lookup there costs 0.06 us against 1.2 us through the Mapping API, and these run per launch
+#: (the disable switch) and per fallback (the strict one: a declined class falls back on every call).
+_KEYS = {name: os.environ.encodekey(name) for name in (ENV_DISABLE, ENV_STRICT)} if hasattr(os.environ, "encodekey") \
+    else {}
+_DISABLE_KEY = _KEYS.get(ENV_DISABLE)
+
+
+def _set_flag(name: str) -> bool:
+    """``_flag(name)`` with the unset case (the common one) answered without decoding anything."""
+    data, key = getattr(os.environ, "_data", None), _KEYS.get(name)
+    if data is not None and key is not None and data.get(key) is None:
+        return False
+    return _flag(name)
 
 
 def disabled() -> bool:
     """True when ``CUTILE_KERNELS_DISABLE`` is set: every op takes its PyTorch path. Read on every
     call, so setting it at run time takes effect at once."""
-    data = getattr(os.environ, "_data", None)
+    data = getattr(os.environ, "_data", None)  # _set_flag inlined: this runs per launch
     if data is not None and _DISABLE_KEY is not None and data.get(_DISABLE_KEY) is None:
-        return False  # unset: the common case, without decoding anything
+        return False
     return _flag(ENV_DISABLE)
 
 
@@ -106,7 +117,7 @@ def fallback(kernel: str, reason: str) -> bool:
     Raises:
         FallbackError: when ``CUTILE_KERNELS_STRICT=1``.
     """
-    if _flag(ENV_STRICT):
+    if _set_flag(ENV_STRICT):
         raise FallbackError(f"cutile_kernels: {kernel} has no cuTile path here: {reason}")
     STATS.fallbacks[(kernel, reason)] += 1
     _warn_once((kernel, reason), f"cutile_kernels: {kernel} falls back to PyTorch: {reason}")
