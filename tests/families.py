@@ -2,8 +2,8 @@
 
 Each row is the family's real architecture (transformers' config class for its ``model_type``) at a
 size the CPU runs in milliseconds: hidden 64, 4 query heads over 2 KV heads (GQA), head_dim 16,
-vocabulary 256. :data:`CLAIMED` are the families whose layers our kernels and patches cover (the
-Llama code); the others are there to check that what we do not cover is left alone.
+vocabulary 256. :data:`CLAIMED` are the families whose layers our default kernels and patches cover;
+the others are there for their opt-in patches and to check that what we do not cover is left alone.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ FAMILIES = {
     # Qwen3.5's text decoder: gated DeltaNet layers, every second layer full attention.
     "qwen3_5_text": {"full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                      "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
-    # Opt-in patches for its fused-in-the-checkpoint gate/up and partial RoPE; its norms by default.
+    # Its partial RoPE (phi3_rope) and Llama-code norms by default; the fused-in-the-checkpoint gate/up opt-in.
     "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "partial_rotary_factor": 0.5},
-    # Families whose own kernels are opt-in patches (Family.default False; what they share with the
-    # Llama code still runs by default): float32-order norms (Olmo2), (1 + weight) norms and GeGLU
-    # (Gemma), Gemma 3's q/k norms and sliding-window layers.
+    # OLMo 2's own kernel is an opt-in patch (float32-order norms; its Llama-code MLP runs by default);
+    # Gemma's (1 + weight) norms by default, its GeGLU opt-in; Gemma 3's q/k norms, sliding windows.
     "olmo2": {},
     "gemma": {},
     "gemma3_text": {"sliding_window": 4, "sliding_window_pattern": 2},

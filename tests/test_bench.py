@@ -30,10 +30,29 @@ def test_presets_are_real_configs():
     assert (q.hidden_size, q.head_dim, q.num_hidden_layers) == (1024, 128, 28)
     assert presets.make_config("mistral-7b-v0.3").intermediate_size == 14336
     assert presets.make_config("qwen2.5-1.5b").num_key_value_heads == 2
+    q35 = presets.make_config("qwen3.5-0.8b")
+    assert type(q35).__name__ == "Qwen3_5TextConfig" and q35.layer_types.count("full_attention") == 6
+    assert (q35.hidden_size, q35.linear_num_value_heads, q35.linear_key_head_dim) == (1024, 16, 128)
     with pytest.raises(KeyError):
         presets.materialize("nope")
     with pytest.raises(FileNotFoundError):
         presets.resolve("/nonexistent/dir")
+
+
+@pytest.mark.parametrize("model_type,base", [("llama", 1.0), ("gemma3_text", 0.0), ("qwen3_5_text", 0.0)])
+def test_seeded_norms_scale_by_one_plus_noise_whatever_the_formula(model_type, base):
+    # (1 + weight) norms get their weight around 0, the others around 1: every norm scales by ~1.
+    import families
+
+    model = families.model(model_type)
+    n = presets.seed_norm_weights(model, torch.Generator().manual_seed(0))
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert n >= len(norms) > 0
+    weights = torch.cat([m.weight.detach().float() for m in norms])
+    assert abs(weights.mean().item() - base) < 0.05 and 0.05 < weights.std().item() < 0.15
+    if model_type == "qwen3_5_text":  # its gated norm multiplies by the weight itself: around 1
+        gated = [m for m in model.modules() if type(m).__name__ == "Qwen3_5RMSNormGated"]
+        assert gated and all(abs(m.weight.float().mean().item() - 1) < 0.1 for m in gated)
 
 
 def test_materialize_writes_safetensors_once(preset_cache):

@@ -24,6 +24,10 @@ logger = logging.getLogger("cutile_kernels")
 
 ENV_CACHE = "CUTILE_KERNELS_PRESET_DIR"
 
+#: Version of how :func:`materialize` draws the weights; a cached preset of another one is rebuilt
+#: (2: the ``(1 + weight)`` norms drawn around 0, see :func:`seed_norm_weights`).
+WEIGHTS_RECIPE = 2
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -112,6 +116,22 @@ PRESETS = {
             "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 32064,
             "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
         }),
+        # Qwen/Qwen3.5-0.8B's text_config (the checkpoint is multimodal; users load the text decoder
+        # through AutoModelForCausalLM): three public copies of that config.json agree value for
+        # value (found with the search tool, 2026-12-01). 24 layers, three gated-DeltaNet to one gated
+        # full-attention; MRoPE reduces to 1-D RoPE for text-only positions.
+        Preset("qwen3.5-0.8b", "Qwen/Qwen3.5-0.8B", {
+            "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "attn_output_gate": True, "full_attention_interval": 4, "head_dim": 256,
+            "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3584,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+            "linear_value_head_dim": 128, "max_position_embeddings": 262144, "num_attention_heads": 8,
+            "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+            "use_cache": True, "vocab_size": 248320,
+        }),
     ]
 }
 
@@ -152,7 +172,7 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     out = Path(out_dir) if out_dir is not None else preset_dir() / f"{name}-seed{seed}"
     marker = out / "cutile_preset.json"
-    identity = {"preset": name, "source": PRESETS[name].source, "seed": seed,
+    identity = {"preset": name, "source": PRESETS[name].source, "seed": seed, "weights": WEIGHTS_RECIPE,
                 "config_sha256": hashlib.sha256(json.dumps(PRESETS[name].config, sort_keys=True).encode()).hexdigest()}
     if marker.is_file():
         held = json.loads(marker.read_text())
@@ -174,11 +194,7 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(make_config(name), dtype=torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname and p.dim() == 1:  # RMSNorm weights: 1 + N(0, 0.1), not all ones
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32))
+    seed_norm_weights(model, torch.Generator(device=device).manual_seed(seed + 1))
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(identity) + "\n")
     del model
@@ -187,6 +203,27 @@ def materialize(name: str, out_dir: str | os.PathLike | None = None, seed: int =
         logger.warning("cutile-kernels: wrote preset %s (%s) to %s; later runs reuse it. Remove it with "
                        "`rm -r %s`; set %s to keep presets elsewhere", name, _human(size), out, out, ENV_CACHE)
     return out
+
+
+def seed_norm_weights(model, gen) -> int:
+    """Draw every RMSNorm weight of ``model`` so that the scale it applies is 1 + N(0, 0.1), not all
+    ones (a wrong weight multiply shows): the weight itself for ``weight * x`` norms, the offset from
+    1 for the ``(1 + weight) * x`` ones (Gemma, Qwen3.5), whose scale would otherwise be ~2 per norm
+    and blow the seeded model's activations up. In place, in ``named_parameters`` order. Returns the
+    number of weights drawn."""
+    import torch
+
+    from cutile_kernels.layers.norm import computes_gemma_rms_norm
+
+    n = 0
+    with torch.no_grad():
+        for mname, m in model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                if "norm" in f"{mname}.{pname}" and p.dim() == 1:
+                    base = 0.0 if computes_gemma_rms_norm(type(m)) else 1.0
+                    p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32))
+                    n += 1
+    return n
 
 
 def _human(n: int) -> str:

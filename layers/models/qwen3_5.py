@@ -17,6 +17,7 @@ from . import Family
 FAMILY = Family(
     name="qwen3_5",
     model_types=("qwen3_5_text",),
+    presets=("qwen3.5-0.8b",),
     covered="SwiGLU on fused gate/up, the (1 + weight) RMSNorms",
     not_covered="gated DeltaNet (delta rule, conv1d, gated RMSNorm), gated attention, RoPE, GEMMs",
     default=False,
