@@ -27,15 +27,18 @@ PATCH_MODULES = (decoder, mlp, rope_cos_sin,
 
 #: transformers hub layer name -> class name in this package, gathered from the family modules.
 MAPPING: dict[str, str] = {}
+#: class name -> the layer class (``layers`` exports them: kernels finds a layer by name there).
+LAYERS: dict[str, type] = {}
 for _mod in MAPPING_MODULES:
     for _hub_name, _cls_name in _mod.MAPPING.items():
         if _hub_name in MAPPING:
             raise RuntimeError(f"hub layer {_hub_name!r} is mapped twice")
         MAPPING[_hub_name] = _cls_name
+        LAYERS[_cls_name] = getattr(_mod, _cls_name)
 
 for _mod in PATCH_MODULES:
     for _row in _mod.PATCH_ROWS:
         if _row.name not in PATCHES:  # the registry outlives a reload of this module
             register(_row)
 
-__all__ = ["MAPPING", "MAPPING_LEFT_OUT", "MAPPING_MODULES", "PATCH_MODULES"]
+__all__ = ["LAYERS", "MAPPING", "MAPPING_LEFT_OUT", "MAPPING_MODULES", "PATCH_MODULES"]

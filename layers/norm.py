@@ -8,7 +8,9 @@ transformers decorates ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ``M
 The hub name covers classes that round differently (in transformers 5.22, 12 of 137: Olmo2/3,
 GptOss, NemotronH, DeepseekV4... multiply by the weight before casting back). Our kernel computes
 ``LlamaRMSNorm``'s formula, so the layer runs it only for classes whose ``forward`` is
-``LlamaRMSNorm.forward``'s code; any other keeps its own forward and says so once.
+``LlamaRMSNorm.forward``'s code; any other keeps its own forward and says so once. Qwen3.5's
+``(1 + weight)`` norm carries another hub name, ``RMSNormZeroCentered``: :class:`CutileZeroCenteredRMSNorm`
+runs it on the ``rms_norm_gemma`` kernel.
 
 The other order transformers uses, float32 throughout and one rounding at the end, is two patches
 here on the ``rms_norm_gemma`` kernel: ``rms_norm_gemma`` (default) takes every module whose class
@@ -88,8 +90,35 @@ class CutileRMSNorm(nn.Module):
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+class CutileZeroCenteredRMSNorm(nn.Module):
+    """``GemmaRMSNorm.forward``'s formula (float32, ``1 + weight``, one rounding) on the
+    ``rms_norm_gemma`` kernel with offset 1, for the classes transformers decorates
+    ``@use_kernel_forward_from_hub("RMSNormZeroCentered")`` (``Qwen3_5RMSNorm`` and its copies):
+    ``kernelize`` binds this forward to them after the patches ran, so the ``rms_norm_gemma``
+    patch cannot reach them (inference only).
+
+    Borrows ``weight`` (``(N,)``) and ``eps`` from the module it replaces; input ``(..., N)``, output
+    of the same shape and dtype. A class whose code is not ``GemmaRMSNorm``'s keeps its own forward.
+    """
+
+    weight: torch.Tensor
+    eps: float
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cls = type(self)
+        if not computes_gemma_rms_norm(cls):  # cached per class; a constant under torch.compile
+            if not torch.compiler.is_compiling():
+                dispatch.fallback("rms_norm_gemma", f"{cls.__name__} is not GemmaRMSNorm's formula; it keeps its own "
+                                  "forward")
+            return cls.forward(self, x)
+        return rms_norm_gemma(x, self.weight, _float_norm_eps(self), 1.0)
+
+
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
-MAPPING = {"RMSNorm": "CutileRMSNorm"}
+MAPPING = {"RMSNorm": "CutileRMSNorm", "RMSNormZeroCentered": "CutileZeroCenteredRMSNorm"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +190,9 @@ def _float_norm_verdict(computes, pins, formula):
 
 
 def _our_hub_forward(fwd) -> bool:
-    # kernelize binds CutileRMSNorm.forward (the build's copy: by name), which runs the stock code here.
-    return getattr(getattr(fwd, "__func__", None), "__qualname__", "") == "CutileRMSNorm.forward"
+    # kernelize binds our hub layers (the build's copy: by name): the stock code or this same kernel.
+    name = getattr(getattr(fwd, "__func__", None), "__qualname__", "")
+    return name in ("CutileRMSNorm.forward", "CutileZeroCenteredRMSNorm.forward")
 
 
 def _swap_float_norms(model: nn.Module, name: str, forward, verdict, offset: float) -> int:

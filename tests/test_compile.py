@@ -16,6 +16,7 @@ with inductor, and ``generate``'s own compile (CUDA graphs), against the eager k
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections import Counter
 
@@ -297,3 +298,29 @@ def test_gpu_static_generate_compiles_and_replays_cuda_graphs(model_type, attn, 
     for run in got:
         for g, w in zip(run.logits, want.logits):
             assert _error(g, w) < 2e-2, _error(g, w)
+
+
+def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(variant, monkeypatch, no_breaks):
+    # Qwen3_5RMSNorm is decorated "RMSNormZeroCentered": kernelize rebinds it after the patches ran
+    # (so rms_norm_gemma cannot keep it); our hub layer for that name runs the same kernel (on the
+    # CPU its reference, counted), with stock numbers, and traces with the op in the graph.
+    stock = tiny_model("qwen3_5_text")
+    model = tiny_model("qwen3_5_text")
+    cutile_kernels.patch(model)  # from_pretrained's order: the patches first, then kernelize
+    model = _kernelize_on_cpu(model, variant, monkeypatch, patches=[])
+    norms = [m for m in model.modules() if type(m).__name__ == "Qwen3_5RMSNorm"]
+    assert norms and all(m.forward.__func__.__qualname__ == "CutileZeroCenteredRMSNorm.forward" for m in norms)
+    # The bound layer is the build's copy of the package, with its own counters.
+    build_pkg = norms[0].forward.__func__.__module__.rpartition(".layers")[0]
+    build_dispatch = importlib.import_module(f"{build_pkg}.dispatch")
+    ids = torch.randint(0, 256, (2, 11))
+    build_dispatch.reset_stats()
+    with torch.no_grad():
+        want, got = stock(ids).logits, model(ids).logits
+    assert torch.equal(got, want)
+    assert build_dispatch.stats()["reference_calls"]["rms_norm_gemma"] == len(norms)
+    rec = Recorder()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
+    assert "rms_norm_gemma" in rec.ops
+    torch.testing.assert_close(compiled, want)

@@ -156,10 +156,14 @@ def test_validator_is_real():
 
 
 def test_mapping_names_are_transformers_hub_names():
-    assert layers.MAPPING == {"RMSNorm": "CutileRMSNorm", "rotary_pos_emb": "CutileRotaryPosEmb"}
+    assert layers.MAPPING == {"RMSNorm": "CutileRMSNorm", "RMSNormZeroCentered": "CutileZeroCenteredRMSNorm",
+                              "rotary_pos_emb": "CutileRotaryPosEmb"}
     assert getattr(layers, layers.MAPPING["RMSNorm"]) is CutileRMSNorm
     for norm_cls in (LlamaRMSNorm, Qwen3RMSNorm):
         assert norm_cls.kernel_layer_name == "RMSNorm"
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    assert Qwen3_5RMSNorm.kernel_layer_name == "RMSNormZeroCentered"
 
 
 def test_layer_forward_is_the_reference_on_cpu():
@@ -223,6 +227,7 @@ def test_from_pretrained_with_kernel_config_on_cpu(ckpt, variant):
     cfg = cutile_kernels.kernel_config(build_dir=variant.parent)
     assert isinstance(cfg, CutileKernelConfig) and cfg.use_local_kernel
     assert cfg.kernel_mapping == {"RMSNorm": f"{variant}:CutileRMSNorm",
+                                  "RMSNormZeroCentered": f"{variant}:CutileZeroCenteredRMSNorm",
                                   "rotary_pos_emb": f"{variant}:CutileRotaryPosEmb"}
     model = ckpt.load(use_kernels=True, kernel_config=cfg)
     assert model.kernel_config is cfg
@@ -367,8 +372,9 @@ def test_kernel_config_without_build_warns(tmp_path, caplog, monkeypatch, ckpt):
 def test_kernel_config_default_build_dir_from_env(tmp_path, monkeypatch, variant):
     monkeypatch.delenv("CUTILE_KERNELS_DISABLE", raising=False)
     monkeypatch.setenv("CUTILE_KERNELS_BUILD_DIR", str(variant.parent))
-    assert cutile_kernels.kernel_config().kernel_mapping == {"RMSNorm": f"{variant}:CutileRMSNorm",
-                                                             "rotary_pos_emb": f"{variant}:CutileRotaryPosEmb"}
+    assert cutile_kernels.kernel_config().kernel_mapping == {
+        "RMSNorm": f"{variant}:CutileRMSNorm", "RMSNormZeroCentered": f"{variant}:CutileZeroCenteredRMSNorm",
+        "rotary_pos_emb": f"{variant}:CutileRotaryPosEmb"}
     monkeypatch.setenv("CUTILE_KERNELS_BUILD_DIR", str(tmp_path))
     assert cutile_kernels.kernel_config().kernel_mapping == {}
 

@@ -112,3 +112,14 @@ def test_every_module_with_rows_is_gathered():
         if isinstance(rows, dict) and rows and rows is not _registry.MAPPING:  # its own, non-empty rows
             assert mod.__name__ in gathered_maps, f"{f.name} declares MAPPING rows that nothing gathers"
     assert {m.__name__ for m in models.modules() if hasattr(m, "PATCH_ROWS")} <= gathered_patches
+
+
+def test_every_mapped_layer_is_exported_by_layers():
+    # kernels finds a mapped layer by class name on the build's `layers` module: one mapped but not
+    # exported fails only when a model with that hub name is kernelized on a GPU.
+    from cutile_kernels import layers
+    from cutile_kernels.layers import _registry
+
+    assert set(_registry.LAYERS) == set(_registry.MAPPING.values())
+    for name, cls in _registry.LAYERS.items():
+        assert getattr(layers, name, None) is cls and name in layers.__all__, name
