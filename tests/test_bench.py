@@ -303,6 +303,10 @@ def test_path_specs_and_the_without_form(capsys):
                 "cutile~RMSNorm~nope", "cutile+phi3_mlp+fused_gate_up", "warp-drive"):
         with pytest.raises(KeyError):
             paths.spec(bad)
+    with pytest.raises(KeyError, match="not both"):
+        paths.spec("cutile~fused_gate_up+rms_norm_olmo2")
+    with pytest.raises(KeyError, match="twice"):
+        paths.spec("cutile~RMSNorm~RMSNorm")
     with pytest.raises(SystemExit):
         cli.main(["bench", "--paths", "stock", "cutile~nope"])
     assert "no patch or hub layer of ours" in capsys.readouterr().err

@@ -215,6 +215,9 @@ def test_default_arch_help_is_the_build_matrix_default():
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
 
     assert cli.DEFAULT_ARCHS_HELP == " ".join(DEFAULT_ARCHS)
+    from cutile_kernels_tools import presets
+
+    assert cli.PRESETS_HELP == ", ".join(presets.PRESETS)
 
 
 def test_bench_table_fits_100_columns():
@@ -249,6 +252,14 @@ def test_a_run_without_stock_says_nothing_was_gated(tmp_path):
     said = " ".join(r.stdout.split())  # rich wraps long lines
     assert "nothing was gated: the gates compare each path with stock eager (add stock to --paths)" in said
     assert json.loads((tmp_path / "bench.json").read_text())["ungated"].startswith("nothing was gated")
+
+
+def test_a_run_where_no_path_can_run_exits_3(tmp_path):
+    # On a CPU the compiled paths are skipped: nothing is measured, which is no success.
+    r = _run("bench", "--paths", "stock-compile", "cutile-compile~RMSNorm", "--quiet", "--no-coverage",
+             "--out", str(tmp_path))
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "no path ran" in r.stderr and "skipped stock-compile" in " ".join(r.stdout.split())
 
 
 def test_bad_out_dir_fails_before_the_run():

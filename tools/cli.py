@@ -51,6 +51,9 @@ def _bench(args) -> int:
         print(f"wrote {', '.join(written)} in {args.out}")
     if any(not g["passed"] for g in report.get("gate", {}).values()):
         return 1
+    if not any(p.get("ok") for p in report["paths"].values()):
+        print("no path ran (see skipped and failed above): nothing was measured", file=sys.stderr)
+        return 3
     if device.startswith("cuda") and not report.get("cutile_kernels_ran", False):
         return 4  # on a GPU the point of the run is our kernels: none ran (see the report's fallbacks)
     return 0
@@ -69,6 +72,9 @@ def _writable_dir(path: str) -> None:
 #: ``kernel_src._spec.DEFAULT_ARCHS`` for the help text, which must not import the package (and so
 #: torch and transformers): ``--help`` answers in well under a second (a test keeps the two equal).
 DEFAULT_ARCHS_HELP = "sm_80 sm_90 sm_100 sm_120"
+#: ``presets.PRESETS``' names for the help text, for the same reason (a test keeps the two equal).
+PRESETS_HELP = ("tiny, llama-3.2-1b, qwen3-0.6b, qwen2.5-1.5b, mistral-7b-v0.3, gemma-3-1b, olmo-2-1b, phi-3-mini-4k, "
+                "qwen3.5-0.8b")
 
 
 def _build(args) -> int:
@@ -194,7 +200,8 @@ def main(argv=None) -> int:
     b.add_argument("--rounds", type=positive, help="alternating timing rounds over the paths (default 3; CPU: 2)")
     b.add_argument("--paths", nargs="+", type=_bench_path, metavar="PATH",
                    help=f"paths to run, of {{{','.join(bench_paths.PATHS)}}}, cutile~NAME (ours without the default "
-                        "patch or hub layer NAME) or cutile+NAME (ours with the opt-in patch NAME) (default: all "
+                        "patch or hub layer NAME) or cutile+NAME (ours with the opt-in patch NAME), the same after "
+                        "cutile-compile, several names with one separator (cutile-compile~A~B) (default: all "
                         "that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -211,7 +218,7 @@ def main(argv=None) -> int:
     c.set_defaults(func=_build)
 
     r = sub.add_parser("preset", help="write a preset checkpoint (real config, seeded weights)")
-    r.add_argument("name", help="one of tiny, llama-3.2-1b, qwen3-0.6b, qwen2.5-1.5b, mistral-7b-v0.3")
+    r.add_argument("name", help=f"one of {PRESETS_HELP}")
     r.add_argument("--out", help="directory to write it to (default: $CUTILE_KERNELS_PRESET_DIR/<name>-seed<seed>)")
     r.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     r.add_argument("--device", type=device, default="cpu", help="where to create the weights (cpu, cuda, cuda:N)")

@@ -178,7 +178,7 @@ def unpatch_phi3_rope(model: nn.Module) -> int:
 
 
 #: This module's patch rows (gathered by ``layers/_registry.py``), judged by the H200 bench
-#: (``cutile-kernels bench phi-3-mini-4k --paths stock cutile cutile+phi3_mlp cutile+phi3_rope``, docs/results.md).
+#: (``cutile-kernels bench phi-3-mini-4k --paths stock cutile cutile+phi3_mlp cutile~phi3_rope``, docs/results.md).
 PATCH_ROWS = [
     Patch("phi3_mlp", apply=patch_phi3_mlp, undo=unpatch_phi3_mlp, default=False,
           description="Phi-3 MLP's up * silu(gate) on the fused gate/up output, one cuTile launch"),

@@ -89,7 +89,12 @@ def spec(name: str) -> PathSpec:
     else:
         raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, cutile[-compile]{WITHOUT}<default "
                        f"patch or hub layer>, cutile[-compile]{WITH}<opt-in patch>")
+    other = WITH if sep == WITHOUT else WITHOUT
+    if other in part:
+        raise KeyError(f"path {name!r}: one path takes names with {WITHOUT!r} (without) or {WITH!r} (with), not both")
     parts = tuple(part.split(sep))
+    if len(set(parts)) != len(parts):
+        raise KeyError(f"path {name!r}: a name is given twice")
     from cutile_kernels import layers
     from cutile_kernels.layers import patch
 
