@@ -74,3 +74,18 @@ def test_patch_alone_keeps_stock_logits_and_checkpoint_and_undoes(name, model_ty
     assert cutile_kernels.unpatch(model, names=[name]).changed.get(name, 0) == changed
     assert _ours(model) == []
     assert torch.equal(_logits(model, ids), want)
+
+
+@pytest.mark.parametrize("model_type", sorted(families.FAMILIES))
+def test_no_patch_is_lost_to_kernelize(model_type):
+    # from_pretrained applies the patches, then kernelize rebinds the forward of every hub-decorated
+    # module: to our layer where the hub name is ours, else to the class forward. A patched forward
+    # on a decorated module survives only through our layer (the float-norm mark, or a hub layer of
+    # the same kernel): its hub name must be ours.
+    from cutile_kernels import layers
+
+    model = families.model(model_type)
+    cutile_kernels.patch(model, names=list(PATCHES))
+    at_risk = {type(m).kernel_layer_name for m in model.modules()
+               if "forward" in m.__dict__ and hasattr(type(m), "kernel_layer_name")}
+    assert at_risk <= set(layers.MAPPING), at_risk - set(layers.MAPPING)
