@@ -218,7 +218,8 @@ def patch_rms_norm_gemma(model: nn.Module) -> int:
 
 
 def unpatch_rms_norm_gemma(model: nn.Module) -> int:
-    """Undo :func:`patch_rms_norm_gemma`: the class forward again. Returns the modules restored."""
+    """Undo :func:`patch_rms_norm_gemma`: the class forward again (where kernelize bound a hub layer
+    of ours since, that layer's forward). Returns the modules restored."""
     return _restore_float_norms(model, "rms_norm_gemma", gemma_norm_forward, 1.0)
 
 

@@ -220,6 +220,9 @@ def test_patch_survives_kernelize_rebinding_the_hub_layer_after_it_on_olmo2():
     assert torch.equal(got, want)
     assert dispatch.stats()["reference_calls"]["rms_norm_gemma"] == n == len(_norms(model))
     assert not dispatch.stats()["fallbacks"]
+    frames, targets, compiled, eager = families.compile_fullgraph(model, seed=6)  # the mark: a constant
+    assert frames == 1 and any("rms_norm_gemma" in t for t in targets)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
     assert cutile_kernels.unpatch(model, names=["rms_norm_olmo2"]).changed["rms_norm_olmo2"] == n
     dispatch.reset_stats()
     with torch.no_grad():
