@@ -254,20 +254,45 @@ def test_gpu_patched_model_is_as_close_to_float32_as_stock(model_type, strict):
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
 
 
+def _load_tiny(model_type, tmp_path, include=()):
+    from transformers import AutoModelForCausalLM
+
+    families.model(model_type, dtype=torch.bfloat16, layers=4).save_pretrained(tmp_path)
+    return AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
+        kernel_config=cutile_kernels.kernel_config(include=list(include))).eval()
+
+
+def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
+    """rms_norm_gemma launches of one forward, summed over this package and the build copy that
+    kernelize bound (each keeps its own counters), and the fallbacks."""
+    from cutile_kernels_tools.bench.worker import merged_stats, runtime_copies
+
+    for d in runtime_copies():
+        d.reset_stats()
+    with torch.no_grad():
+        model(ids)
+    stats = merged_stats()
+    return sum(n for k, n in stats["launches"].items() if k.startswith("rms_norm_gemma")), stats["fallbacks"]
+
+
 @pytest.mark.gpu
 def test_gpu_from_pretrained_runs_the_kernel_on_olmo2s_hub_decorated_norms(tmp_path):  # not strict: its RoPE falls back
     # The real order: from_pretrained applies the patch, then kernelize binds our hub layer to
     # Olmo2RMSNorm (decorated "RMSNorm"); the marked norms still launch the kernel, none falls back.
-    from transformers import AutoModelForCausalLM
-
-    families.model("olmo2", dtype=torch.bfloat16, layers=2).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
-        kernel_config=cutile_kernels.kernel_config(include=["rms_norm_olmo2"])).eval()
+    model = _load_tiny("olmo2", tmp_path, include=["rms_norm_olmo2"])
     assert all(m.__dict__.get(norm_layer.FLOAT_NORM_MARK) == 0.0 for m in _norms(model))  # offset 0: present, falsy
-    dispatch.reset_stats()
-    with torch.no_grad():
-        model(torch.randint(0, 256, (1, 9), device="cuda"))
-    launches = dispatch.stats()["launches"]
-    assert sum(n for k, n in launches.items() if k.startswith("rms_norm_gemma")) == len(_norms(model))
-    assert not any(k.startswith("rms_norm:") for k in dispatch.stats()["fallbacks"])
+    n, fallbacks = _launches_over_every_copy(model, torch.randint(0, 256, (1, 9), device="cuda"))
+    assert n == len(_norms(model))
+    assert not any(k.startswith("rms_norm:") for k in fallbacks)
+
+
+@pytest.mark.gpu
+def test_gpu_from_pretrained_runs_the_kernel_on_qwen3_5s_zero_centered_norms(tmp_path):
+    # Qwen3_5RMSNorm is decorated "RMSNormZeroCentered": our hub layer for that name runs it.
+    model = _load_tiny("qwen3_5_text", tmp_path)
+    norms = [m for m in model.modules() if type(m).__name__ == "Qwen3_5RMSNorm"]
+    assert norms and all(m.forward.__func__.__qualname__ == "CutileZeroCenteredRMSNorm.forward" for m in norms)
+    n, fallbacks = _launches_over_every_copy(model, torch.randint(0, 256, (1, 9), device="cuda"))
+    assert n == len(norms)
+    assert not any(k.startswith("rms_norm_gemma:") for k in fallbacks)
