@@ -84,10 +84,17 @@ class CutileRMSNorm(nn.Module):
             offset = getattr(self, FLOAT_NORM_MARK, None)  # taken by a float-order patch before kernelize
             if offset is not None:
                 return rms_norm_gemma(hidden_states, self.weight, _float_norm_eps(self), offset)
-            if not torch.compiler.is_compiling():  # counted and announced in eager; traced, the stock code
-                dispatch.fallback("rms_norm", f"{cls.__name__} is not LlamaRMSNorm's formula; it keeps its own forward")
-            return cls.forward(self, hidden_states)
+            return _own_forward(self, hidden_states, "rms_norm", "LlamaRMSNorm")
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _own_forward(module: nn.Module, x: torch.Tensor, kernel: str, formula: str) -> torch.Tensor:
+    """A hub layer's way out for a class it declines: its own forward, counted and announced in eager
+    (traced, just the stock code)."""
+    cls = type(module)
+    if not torch.compiler.is_compiling():
+        dispatch.fallback(kernel, f"{cls.__name__} is not {formula}'s formula; it keeps its own forward")
+    return cls.forward(module, x)
 
 
 class CutileZeroCenteredRMSNorm(nn.Module):
@@ -108,12 +115,8 @@ class CutileZeroCenteredRMSNorm(nn.Module):
     has_backward = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cls = type(self)
-        if not computes_gemma_rms_norm(cls):  # cached per class; a constant under torch.compile
-            if not torch.compiler.is_compiling():
-                dispatch.fallback("rms_norm_gemma", f"{cls.__name__} is not GemmaRMSNorm's formula; it keeps its own "
-                                  "forward")
-            return cls.forward(self, x)
+        if not computes_gemma_rms_norm(type(self)):  # cached per class; a constant under torch.compile
+            return _own_forward(self, x, "rms_norm_gemma", "GemmaRMSNorm")
         return rms_norm_gemma(x, self.weight, _float_norm_eps(self), 1.0)
 
 
