@@ -322,3 +322,25 @@ def test_round_ratios_pair_rounds_and_refuse_mixed_runs():
     assert bench.round_ratios(path([0.0, 1.0], [5.0, 8.0]), stock) == {"decode-b1": [2.0, 1.0]}  # no zero times
     with pytest.raises(ValueError):
         bench.round_ratios(ours, path([15.0, 22.0, 30.0], [10.0, 8.0, 9.0]))  # rounds of different runs
+
+
+def test_an_opt_in_patch_that_changes_nothing_is_said(capsys):
+    # cutile+rms_norm_olmo2 on a Llama model measures the cutile model again: the report says so.
+    import families
+    from cutile_kernels_tools.bench import paths
+    from cutile_kernels_tools.bench.worker import inert_patches
+
+    import cutile_kernels
+
+    spec = paths.spec("cutile+rms_norm_olmo2")
+    llama, olmo2 = families.model("llama"), families.model("olmo2")
+    for m in (llama, olmo2):
+        cutile_kernels.patch(m, names=["rms_norm_olmo2"])
+    assert inert_patches(llama, spec, "cuda") == ["rms_norm_olmo2"]
+    assert inert_patches(olmo2, spec, "cuda") == [] and inert_patches(llama, spec, "cpu") == []
+    assert inert_patches(llama, paths.spec("cutile"), "cuda") == []
+    report = json.loads((ROOT / "benchmarks/results/h200-2026-12-01/call4/bench-llama-3.2-1b/bench.json").read_text())
+    report["paths"]["cutile+rms_norm_olmo2"] = dict(report["paths"]["cutile"], inert_patches=["rms_norm_olmo2"])
+    bench.print_report(report)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "cutile+rms_norm_olmo2: rms_norm_olmo2 changed nothing in this model" in said

@@ -388,6 +388,9 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
     for name, p in report["paths"].items():
         if not p.get("ok"):
             console.print(escape(f"{name} failed: {p.get('error', '')}"))
+        elif p.get("inert_patches"):
+            console.print(escape(f"{name}: {', '.join(p['inert_patches'])} changed nothing in this model: the row "
+                                 "measures the same model as without it"))
     lim = report["limits"]
     console.print(f"limits on {lim['device']}: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
                   f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s")

@@ -83,6 +83,8 @@ class PathResult(_Model):
     description: Optional[str] = None
     correctness: Optional[Correctness] = None
     kernelized_layers: Optional[dict[str, int]] = None
+    inert_patches: Optional[list[str]] = Field(default=None, description="opt-in patches the path names that "
+                                               "changed nothing in this model (on CUDA): its row is the base path's")
     weight_bytes: Optional[int] = None
     n_params: Optional[int] = None
     prefill_ms: Optional[Spread] = None

@@ -196,6 +196,17 @@ def merged_stats() -> dict:
     return total
 
 
+def inert_patches(model, spec, device: str) -> list[str]:
+    """The opt-in patches ``spec`` includes that changed no module of ``model`` (CUDA only: on a CPU
+    no patch is applied at all, which the report already says)."""
+    if not (spec.include and device.startswith("cuda")):
+        return []
+    from cutile_kernels.layers import patch as patcher
+
+    applied = patcher.applied(model)
+    return [n for n in spec.include if not applied.get(n)]
+
+
 def kernelized_layers(model) -> dict:
     """Count of modules whose forward was replaced by one of our layers, by layer class."""
     counts = {}
@@ -231,6 +242,7 @@ class PathSession:
 
         out = {"path": self.name, "description": self.spec.description,
                "correctness": logit_metrics(logits, ref["logits"]), "kernelized_layers": kernelized_layers(model),
+               "inert_patches": inert_patches(model, self.spec, s["device"]),
                "weight_bytes": limits.weight_bytes(model), "n_params": sum(p.numel() for p in model.parameters())}
         torch.save(logits.topk(5, dim=-1).indices, job["top5"])
         del logits, ref
