@@ -55,3 +55,24 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and "forward" not in m.__dict__ and direct_ok(m):
         return F.linear(x, m.weight, m.bias)
     return m(x)
+
+
+def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor, key_states: torch.Tensor,
+           value_states: torch.Tensor, attention_mask, past_key_values, kwargs: dict, window: dict):
+    """The tail of transformers' Llama-style attention forward after RoPE, as the reproduced forwards
+    (``qkv``, ``qwen3``, ``phi3``) run it: the KV cache update, the attention function the config
+    names (``glob``: the class's modeling module, read as its forward reads it), then ``o_proj``
+    through :func:`linear`. ``window`` is the ``sliding_window`` keyword as the stock forward passes
+    it (``{}`` where it passes none). Returns ``(attn_output (B, S, hidden), attn_weights)``."""
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
+        self.config._attn_implementation, glob["eager_attention_forward"]
+    )
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **window, **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return linear(self.o_proj, attn_output), attn_weights

@@ -38,7 +38,7 @@ from collections import Counter
 
 from torch import nn
 
-from ._direct import call, linear
+from ._direct import attend, call, linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
 from ._patching import Patch
@@ -224,24 +224,11 @@ def _attend(self, glob, window, input_shape, query_states, key_states, value_sta
     query_states, key_states = (call(rope, query_states, key_states, cos, sin) if isinstance(rope, nn.Module)
                                 else rope(query_states, key_states, cos, sin))
 
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
-        self.config._attn_implementation, glob["eager_attention_forward"]
-    )
-
     # Passed as the stock forward passes it (a second sliding_window in kwargs raises, as there).
     extra = {} if window == _NO_WINDOW else {"sliding_window": getattr(self.config, "sliding_window", None)
                                              if window == _CONFIG_WINDOW else self.sliding_window}
-    attn_output, attn_weights = attention_interface(
-        self, query_states, key_states, value_states, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs,
-    )
-
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = linear(self.o_proj, attn_output)
-    return attn_output, attn_weights
+    return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
+                  kwargs, extra)
 
 
 @functools.lru_cache(maxsize=None)

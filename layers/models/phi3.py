@@ -28,7 +28,7 @@ from torch import nn
 
 from ...ops.activation import silu_and_mul
 from ...ops.rope import apply_rope
-from .._direct import linear
+from .._direct import attend, linear
 from .._match import same_code
 from .._patching import Patch, restore_forwards, swap_forwards
 from .._pins import TRANSFORMERS, Pin, holds
@@ -140,27 +140,8 @@ def rope_attention_forward(self, hidden_states, position_embeddings, attention_m
     cos, sin = position_embeddings
     query_states, key_states = apply_rope(query_states, key_states, cos, sin)
 
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
-        self.config._attn_implementation, glob["eager_attention_forward"]
-    )
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        sliding_window=getattr(self.config, "sliding_window", None),
-        **kwargs,
-    )
-
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = linear(self.o_proj, attn_output)
-    return attn_output, attn_weights
+    return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
+                  kwargs, {"sliding_window": getattr(self.config, "sliding_window", None)})
 
 
 def patch_phi3_rope(model: nn.Module) -> int:
