@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._registry import MAPPING
 from .attention import cutile_attention_forward, register_attention
+from .decode_graphs import CacheFullError, disable_decode_graphs, enable_decode_graphs
 # kernels looks a mapped layer up by class name on this module (tests/test_structure.py checks all are).
 from .norm import CutileRMSNorm, CutileZeroCenteredRMSNorm
 from .rope import CutileRotaryPosEmb
@@ -18,13 +19,14 @@ from .rope import CutileRotaryPosEmb
 register_attention()
 
 
-def kernel_config(build_dir=None, exclude=(), include=()):
+def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = False):
     """A transformers ``KernelConfig`` that maps our layers from the local build and applies our
     default patches, without the hub layers and patches named in ``exclude`` and with the opt-in
-    patches named in ``include`` (see ``hub.kernel_config``)."""
+    patches named in ``include``; ``decode_graphs`` switches on the CUDA-graph decode fast path
+    (see ``hub.kernel_config``)."""
     from .hub import kernel_config as _kernel_config
 
-    return _kernel_config(build_dir, exclude=exclude, include=include)
+    return _kernel_config(build_dir, exclude=exclude, include=include, decode_graphs=decode_graphs)
 
 
 def kernelize(model, mode=None, build_dir=None):
@@ -34,5 +36,5 @@ def kernelize(model, mode=None, build_dir=None):
     return _kernelize(model, mode=mode, build_dir=build_dir)
 
 
-__all__ = ["CutileRMSNorm", "CutileRotaryPosEmb", "CutileZeroCenteredRMSNorm", "MAPPING", "kernel_config",
-           "kernelize"]
+__all__ = ["CacheFullError", "CutileRMSNorm", "CutileRotaryPosEmb", "CutileZeroCenteredRMSNorm", "MAPPING", "disable_decode_graphs",
+           "enable_decode_graphs", "kernel_config", "kernelize"]

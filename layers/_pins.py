@@ -28,8 +28,9 @@ class Pin:
 
     Attributes:
         module: the modeling module's short name (``"llama"`` for
-            ``transformers.models.llama.modeling_llama``), or a dotted module path under
-            ``transformers`` (``"integrations.sdpa_attention"``).
+            ``transformers.models.llama.modeling_llama``), or a module path under
+            ``transformers`` that is dotted (``"integrations.sdpa_attention"``) or ends in
+            ``_utils`` (``"cache_utils"``).
         qualname: the function in it (``"LlamaRMSNorm.forward"``, ``"rotate_half"``); a function
             the hub decorator turned into a ``kernels`` module (``apply_rotary_pos_emb``) is the
             function it wraps, a decorated method the undecorated one (as ``inspect`` unwraps it).
@@ -51,7 +52,7 @@ class Pin:
 
     def function(self):
         """The installed transformers' function (None when it is gone)."""
-        path = (f"transformers.{self.module}" if "." in self.module
+        path = (f"transformers.{self.module}" if "." in self.module or self.module.endswith("_utils")
                 else f"transformers.models.{self.module}.modeling_{self.module}")
         try:
             obj = importlib.import_module(path)

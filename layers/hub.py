@@ -82,13 +82,16 @@ class CutileKernelConfig(KernelConfig):
 
     With ``patch_model=True`` (what :func:`kernel_config` sets when a build is found), a CUDA model
     also gets the fallback patcher's patches (``layers.patch.patch``) when transformers prepares
-    the mapping, i.e. after its weights are loaded and before the hub layers are swapped.
+    the mapping, i.e. after its weights are loaded and before the hub layers are swapped. With
+    ``decode_graphs=True`` a CUDA model gets ``layers.decode_graphs.enable_decode_graphs`` then too
+    (with or without a build: the decode graphs replay whatever the model runs).
     """
 
     def __init__(self, kernel_mapping=None, use_local_kernel=False, inherit_mapping=True, patch_model=False,
-                 exclude_patches=(), include_patches=(), inactive: str | None = None):
+                 exclude_patches=(), include_patches=(), inactive: str | None = None, decode_graphs: bool = False):
         super().__init__(kernel_mapping, use_local_kernel=use_local_kernel, inherit_mapping=inherit_mapping)
         self.patch_model = patch_model
+        self.decode_graphs = decode_graphs
         #: Why this config maps nothing anywhere (disabled, no build), said when a model loads with it.
         self.inactive = inactive
         self.exclude_patches = tuple(exclude_patches)
@@ -114,6 +117,10 @@ class CutileKernelConfig(KernelConfig):
             logger.info("cutile_kernels: nothing kernelized: the model is on %s and our kernels run on CUDA GPUs; "
                         "its layers keep their own forwards", device)
             return
+        if self.decode_graphs and not dispatch.disabled():
+            from .decode_graphs import enable_decode_graphs
+
+            enable_decode_graphs(model)
         if self.inactive is not None:  # said here, once the model is known to be on CUDA
             self.kernel_mapping = {}
             log = logger.warning if self.inactive.startswith("no build") else logger.info
@@ -193,7 +200,7 @@ def _names(arg, what: str, known: set) -> tuple:
     return names
 
 
-def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
+def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = False) -> KernelConfig:
     """The ``kernel_config`` to pass to ``from_pretrained(..., use_kernels=True)``.
 
     Args:
@@ -206,6 +213,9 @@ def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
         include: patches to apply too: the opt-in ones (``Patch.default`` False, e.g.
             ``"rope_cos_sin"``; the bench's ``cutile+NAME`` path); a default patch named here is
             applied anyway, so naming it changes nothing (``qk_norm_rope`` was opt-in before).
+        decode_graphs: also switch on the decode fast path (``layers.decode_graphs``): ``generate``
+            uses a static KV cache and replays each decode step as a captured CUDA graph, no
+            ``torch.compile``. Not under ``CUTILE_KERNELS_DISABLE``.
 
     Raises:
         ValueError: a name in ``exclude`` that is neither a hub layer of ours nor a patch, or in
@@ -231,11 +241,11 @@ def kernel_config(build_dir=None, exclude=(), include=()) -> KernelConfig:
         return CutileKernelConfig({}, use_local_kernel=True, inactive=f"disabled by {dispatch.ENV_DISABLE}")
     variant = variant_dir(build_dir)
     if variant is None:  # said when a CUDA model loads with it: on a CPU a build would change nothing
-        return CutileKernelConfig({}, use_local_kernel=True, inactive=(
+        return CutileKernelConfig({}, use_local_kernel=True, decode_graphs=decode_graphs, inactive=(
             f"no build under {build_dir or registry.default_build_dir()} (run `cutile-kernels build`)"))
     mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items() if hub not in exclude}
     return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True, exclude_patches=exclude,
-                              include_patches=include)
+                              include_patches=include, decode_graphs=decode_graphs)
 
 
 def kernelize(model, mode=None, build_dir=None):

@@ -103,7 +103,8 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     BenchReport.model_validate(report)
     assert report["schema"] == bench.SCHEMA
     assert set(report["paths"]) == {"stock", "cutile"}
-    assert report["skipped"]["stock-compile"].startswith("compiled paths")
+    for name in ("stock-compile", "cutile-compile", "cutile-graphs", "stock-graphs"):
+        assert report["skipped"][name].startswith("compiled and decode-graph paths use CUDA graphs")
     assert "needs CUDA" in report["skipped"]["cutile-attn"]
     assert report["limits"]["copy_bandwidth_Bps"] > 0 and report["limits"]["matmul_flops"] > 0
     for p in report["paths"].values():
@@ -120,6 +121,8 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
         assert all(d["tokens_per_s"] > 0 and d["ttft_ms"] > 0 for d in p["decode"])
         assert 0 < p["roofline"]["prefill_fraction"] and all(0 < d["fraction"] for d in p["roofline"]["decode"])
         assert 0.5 < p["correctness"]["top5_agreement"] <= 1
+        t = p["load_to_token"]
+        assert 0 < t["load_s"] < t["first_token_s"] < t["decode_ready_s"] and t["batch"] == 1
         cov = p["coverage"]
         assert cov["launches"] > 50 and cov["ours_time_share"] == 0  # CPU: aten ops, none ours
         assert cov["by_class"].get("gemm", 0) > 0  # aten::mm's own time (it is not a leaf op)
@@ -142,6 +145,8 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     reg = registry.registry()
     b = report["environment"]["cutile_build"]
     assert (b is None) == (reg.pkg_dir is None) and "Build measured:" in md
+    t = report["paths"]["cutile"]["load_to_token"]
+    assert "## Load to token" in md and f"| cutile | {t['load_s']:.2f} | {t['first_token_s']:.2f} |" in md
     if b is not None:
         assert b["kernels"] == sorted({v.kernel for v in reg.variants()}) and b["id"] in md
     host = ", ".join(f"{x:.2f}" for x in report["paths"]["stock"]["prefill_host_ms"]["round_medians"])
@@ -299,6 +304,10 @@ def test_path_specs_and_the_without_form(capsys):
     assert paths.spec("cutile-compile+rms_norm_olmo2").compile and not paths.spec("cutile+rms_norm_olmo2").compile
     assert paths.spec("cutile-compile~rotary_pos_emb~fused_gate_up").exclude == ("rotary_pos_emb", "fused_gate_up")
     assert paths.spec("cutile+phi3_mlp+rms_norm_olmo2").include == ("phi3_mlp", "rms_norm_olmo2")
+    g = paths.spec("cutile-graphs~fused_gate_up")  # the decode fast path keeps its attention and graphs
+    assert g.graphs and g.attn == "cutile" and g.ours and not g.compile and g.exclude == ("fused_gate_up",)
+    assert paths.spec("stock-graphs").graphs and not paths.spec("stock-graphs").ours
+    assert not paths.spec("cutile~fused_gate_up").graphs and paths.spec("cutile~fused_gate_up").attn is None
     for bad in ("cutile~nope", "stock~fused_gate_up", "stock-compile~RMSNorm", "cutile~", "cutile+", "cutile~RMSNorm~",
                 "cutile~RMSNorm~nope", "cutile+phi3_mlp+fused_gate_up", "warp-drive"):
         with pytest.raises(KeyError):

@@ -11,10 +11,16 @@
                    (attention stays transformers' sdpa)
 ``cutile-attn``    ours with our attention kernel too: ``attn_implementation="cutile"``
 ``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
+``cutile-graphs``  ours with the decode fast path (``kernel_config(decode_graphs=True)``: StaticCache,
+                   each decode step a replayed CUDA graph, no torch.compile) and our attention
+``cutile-graphs-sdpa``  the same with transformers' sdpa attention
+``stock-graphs``   transformers with the same decode graphs (``enable_decode_graphs``), no kernels
+                   of ours: what capturing alone gives
 ``cutile~NAME``    ours without one default patch or hub layer ``NAME``, and ``cutile+NAME`` ours
                    with the opt-in patch ``NAME`` (not among the defaults): what
                    ``autokernelize --score`` times a candidate against / with;
-                   ``cutile-compile~NAME`` and ``cutile-compile+NAME`` the same, compiled
+                   ``cutile-compile~NAME``, ``cutile-graphs+NAME``... the same, compiled or
+                   in decode graphs
 =================  ==============================================================================
 """
 
@@ -31,6 +37,8 @@ class PathSpec:
     name: str
     description: str
     compile: bool = False
+    #: Decode steps replayed as CUDA graphs by ``layers.decode_graphs`` (StaticCache, no compile).
+    graphs: bool = False
     ours: bool = False
     #: ``attn_implementation`` to load with (None: transformers' default, sdpa).
     attn: str | None = None
@@ -40,8 +48,8 @@ class PathSpec:
 
     def unavailable(self, device: str) -> str | None:
         """Why this path cannot run here, or None."""
-        if self.compile and not device.startswith("cuda"):
-            return "compiled paths use CUDA graphs: CUDA only"
+        if (self.compile or self.graphs) and not device.startswith("cuda"):
+            return "compiled and decode-graph paths use CUDA graphs: CUDA only"
         if self.attn == "cutile" and not device.startswith("cuda"):
             return "our attention kernel needs CUDA (on a CPU it would time the eager fallback)"
         if self.name == "liger" and importlib.util.find_spec("liger_kernel") is None:
@@ -63,7 +71,16 @@ PATHS = {p.name: p for p in [
              attn="cutile"),
     PathSpec("cutile-compile", "cutile-kernels + StaticCache + torch.compile(reduce-overhead) decode",
              compile=True, ours=True),
+    PathSpec("cutile-graphs", "cutile-kernels decode fast path: StaticCache, CUDA-graph decode steps (no compile), "
+             "our attention", graphs=True, ours=True, attn="cutile"),
+    PathSpec("cutile-graphs-sdpa", "cutile-kernels decode fast path with transformers' sdpa attention", graphs=True,
+             ours=True),
+    PathSpec("stock-graphs", "transformers with cutile-kernels' decode graphs only (StaticCache, CUDA-graph decode "
+             "steps)", graphs=True),
 ]}
+
+#: The paths the ``~NAME`` / ``+NAME`` forms extend.
+VARIED = ("cutile", "cutile-compile", "cutile-graphs", "cutile-graphs-sdpa")
 
 
 #: Separators of the ``cutile~NAME`` (without) and ``cutile+NAME`` (with) path forms.
@@ -84,11 +101,11 @@ def spec(name: str) -> PathSpec:
         return PATHS[name]
     for sep in (WITHOUT, WITH):
         base, found, part = name.partition(sep)
-        if found and base in ("cutile", "cutile-compile") and part:
+        if found and base in VARIED and part:
             break
     else:
-        raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, cutile[-compile]{WITHOUT}<default "
-                       f"patch or hub layer>, cutile[-compile]{WITH}<opt-in patch>")
+        raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, cutile[-compile|-graphs]{WITHOUT}"
+                       f"<default patch or hub layer>, cutile[-compile|-graphs]{WITH}<opt-in patch>")
     other = WITH if sep == WITHOUT else WITHOUT
     if other in part:
         raise KeyError(f"path {name!r}: one path takes names with {WITHOUT!r} (without) or {WITH!r} (with), not both")
@@ -111,7 +128,8 @@ def spec(name: str) -> PathSpec:
             raise KeyError(f"path {name!r}: {one!r} is no patch or hub layer of ours; known: {sorted(known)}")
     what = "with the opt-in patch" if sep == WITH else "without"
     return PathSpec(name, f"{PATHS[base].description}, {what} {', '.join(map(repr, parts))}",
-                    compile=PATHS[base].compile, ours=True, include=parts if sep == WITH else (),
+                    compile=PATHS[base].compile, graphs=PATHS[base].graphs, attn=PATHS[base].attn, ours=True,
+                    include=parts if sep == WITH else (),
                     exclude=parts if sep == WITHOUT else ())
 
 
@@ -125,7 +143,8 @@ def load(path: str, checkpoint: Path, dtype, device: str):
         import cutile_kernels
 
         kw = {"use_kernels": True,
-              "kernel_config": cutile_kernels.kernel_config(exclude=path_spec.exclude, include=path_spec.include)}
+              "kernel_config": cutile_kernels.kernel_config(exclude=path_spec.exclude, include=path_spec.include,
+                                                            decode_graphs=path_spec.graphs)}
     if path_spec is not None and path_spec.attn:
         kw["attn_implementation"] = path_spec.attn
     if path == "tilegym":
@@ -138,6 +157,10 @@ def load(path: str, checkpoint: Path, dtype, device: str):
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, device_map=device, **kw)
     finally:
         kernels_logger.setLevel(level)
+    if path_spec is not None and path_spec.graphs and not path_spec.ours:
+        import cutile_kernels
+
+        cutile_kernels.enable_decode_graphs(model)
     if path == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 

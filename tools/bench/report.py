@@ -61,6 +61,7 @@ def markdown(report: dict, plots: list[str]) -> str:
             + ", ".join(f"{d['fraction']:.1%}" for d in r["decode"]) + f" | {p['peak_memory_bytes'] / 1e9:.2f} |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
+    lines += _load_table(report)
     lines += _round_table(report)
     lines += _speedup_table(report)
     for name, p in _ok(report).items():
@@ -84,6 +85,22 @@ def markdown(report: dict, plots: list[str]) -> str:
         if key in report:
             lines += ["", report[key]]
     return "\n".join(lines) + "\n"
+
+
+def _load_table(report: dict) -> list[str]:
+    """From ``from_pretrained`` to tokens: what a user waits for before a path is fast."""
+    ok = {n: p["load_to_token"] for n, p in _ok(report).items() if p.get("load_to_token")}
+    if not ok:
+        return []
+    lines = ["", "## Load to token", "",
+             "Seconds from the start of `from_pretrained` (each path in a fresh process; the checkpoint may be in the "
+             "page cache for all but the first) to the prefill's token, and to the token of the third decode step "
+             "(compiling, CUDA-graph recording or capture included), batch "
+             f"{next(iter(ok.values()))['batch']}.", "",
+             "| path | load s | first token s | third decode token s |", "|---|---|---|---|"]
+    for name, t in ok.items():
+        lines.append(f"| {name} | {t['load_s']:.2f} | {t['first_token_s']:.2f} | {t['decode_ready_s']:.2f} |")
+    return lines
 
 
 def _speedup_table(report: dict) -> list[str]:

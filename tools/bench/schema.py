@@ -76,6 +76,15 @@ class Runtime(_Model):
     reference_calls: dict[str, int]
 
 
+class LoadToToken(_Model):
+    load_s: float = Field(description="seconds from the start of from_pretrained (and any patching) until it returned")
+    first_token_s: float = Field(description="seconds from the start of loading to the prefill's token (a fresh "
+                                             "decode prompt, the first decode batch size)")
+    decode_ready_s: float = Field(description="seconds from the start of loading to the token of the third decode "
+                                              "step: compilation, CUDA-graph recording or capture included")
+    batch: int
+
+
 class PathResult(_Model):
     ok: bool
     error: Optional[str] = None
@@ -87,6 +96,7 @@ class PathResult(_Model):
                                                "changed nothing in this model (on CUDA): its row is the base path's")
     weight_bytes: Optional[int] = None
     n_params: Optional[int] = None
+    load_to_token: Optional[LoadToToken] = None
     prefill_ms: Optional[Spread] = None
     prefill_host_ms: Optional[Spread] = Field(default=None, description="host time of each timed prefill call: until "
                                               "the forward returned, before waiting for the GPU")

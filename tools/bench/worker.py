@@ -94,16 +94,22 @@ class Decoder:
 
     Eager paths use a DynamicCache. Compiled paths use transformers' recipe: a StaticCache and the
     decode step under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs); the
-    prefill stays eager, as ``generate`` runs it.
+    prefill stays eager, as ``generate`` runs it. Decode-graph paths (``graphs``) use a StaticCache
+    and the step ``generate`` would use, ``model.get_compiled_call``: our decode graphs.
     """
 
-    def __init__(self, model, batch: int, prompt_len: int, max_new: int, device: str, compiled: bool, seed: int):
+    def __init__(self, model, batch: int, prompt_len: int, max_new: int, device: str, compiled: bool, seed: int,
+                 graphs: bool = False):
         from transformers import DynamicCache, StaticCache
 
-        self.model, self.compiled, self.timer = model, compiled, Timer(device)
+        self.model, self.graphs, self.timer = model, graphs, Timer(device)
+        self.compiled = compiled or graphs  # both decode over a StaticCache
         gen = torch.Generator().manual_seed(seed + 11)
         self.ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
-        if compiled:
+        if graphs:
+            self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_new + 1)
+            self.step_fn = model.get_compiled_call(None)
+        elif compiled:
             self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_new + 1)
             self.step_fn = _compiled_forward(model)
         else:
@@ -119,6 +125,8 @@ class Decoder:
 
         if self.compiled:
             self.cache.reset()
+            if self.graphs:  # a decode-graph session counts the cache's length from its first step
+                self.step_fn = self.model.get_compiled_call(None)
         else:
             self.cache = DynamicCache(config=self.model.config)
         self.pos = self.prompt_len
@@ -144,6 +152,9 @@ class Decoder:
 
 
 _COMPILED = {}
+#: Decode steps timed into ``load_to_token.decode_ready_s``: by the third, compiled paths have
+#: compiled and recorded their CUDA graphs and decode-graph paths have warmed up and captured.
+LOAD_STEPS = 3
 
 
 def _compiled_forward(model):
@@ -232,9 +243,29 @@ class PathSession:
         self.spec = paths.spec(self.name)
         self.timer = Timer(self.s["device"])
 
+    def _decoder(self, batch: int, max_new: int) -> Decoder:
+        s = self.s
+        return Decoder(self.model, batch, s["decode_prompt_len"], max_new, s["device"], self.spec.compile, s["seed"],
+                       graphs=self.spec.graphs)
+
     def setup(self) -> dict:
         s, job = self.s, self.job
+        t0 = time.perf_counter()
         model = self.model = paths.load(self.name, Path(job["checkpoint"]), getattr(torch, s["dtype"]), s["device"])
+        load_s = time.perf_counter() - t0
+        first = self._decoder(s["decode_batches"][0], LOAD_STEPS + 1)
+        with torch.inference_mode():
+            first.prefill()
+            if s["device"].startswith("cuda"):
+                torch.cuda.synchronize()
+            first_token_s = time.perf_counter() - t0
+            for _ in range(LOAD_STEPS):
+                first.step()
+            if s["device"].startswith("cuda"):
+                torch.cuda.synchronize()
+        load = {"load_s": load_s, "first_token_s": first_token_s, "decode_ready_s": time.perf_counter() - t0,
+                "batch": s["decode_batches"][0]}
+        del first
         ref = torch.load(job["reference"])
         with torch.inference_mode():
             logits = model(ref["prompt"].to(s["device"]), use_cache=False).logits.float().cpu()
@@ -243,14 +274,14 @@ class PathSession:
         out = {"path": self.name, "description": self.spec.description,
                "correctness": logit_metrics(logits, ref["logits"]), "kernelized_layers": kernelized_layers(model),
                "inert_patches": inert_patches(model, self.spec, s["device"]),
-               "weight_bytes": limits.weight_bytes(model), "n_params": sum(p.numel() for p in model.parameters())}
+               "weight_bytes": limits.weight_bytes(model), "n_params": sum(p.numel() for p in model.parameters()),
+               "load_to_token": load}
         torch.save(logits.topk(5, dim=-1).indices, job["top5"])
         del logits, ref
         if job.get("coverage"):
-            out["coverage"] = run_coverage(model, s, self.spec.compile)
+            out["coverage"] = run_coverage(model, s, self.spec.compile, self.spec.graphs)
         self.ids = prefill_ids(model, s)
-        self.decoders = {b: Decoder(model, b, s["decode_prompt_len"], s["warmup"] + s["decode_steps"], s["device"],
-                                    self.spec.compile, s["seed"]) for b in s["decode_batches"]}
+        self.decoders = {b: self._decoder(b, s["warmup"] + s["decode_steps"]) for b in s["decode_batches"]}
         with torch.inference_mode():  # the rehearsal: nothing timed is the first of its kind
             for _ in range(s["warmup"]):
                 model(self.ids, use_cache=False)
@@ -301,15 +332,15 @@ def combine_rounds(setup: dict, rounds: list[dict], s: dict) -> dict:
     return out
 
 
-def run_coverage(model, s: dict, compiled: bool) -> dict:
+def run_coverage(model, s: dict, compiled: bool, graphs: bool = False) -> dict:
     """Kernel coverage over one prefill and ``coverage_steps`` decode steps (batch 1)."""
     n = s["coverage_steps"]
-    dec = Decoder(model, 1, min(s["prefill_len"], 512), n + 1, s["device"], compiled, s["seed"])
-    if compiled:  # compile and capture outside the profiled window
-        warm = Decoder(model, 1, min(s["prefill_len"], 512), n + 1, s["device"], compiled, s["seed"])
-        warm.prefill()
+    dec = Decoder(model, 1, min(s["prefill_len"], 512), n + 1, s["device"], compiled, s["seed"], graphs=graphs)
+    if compiled or graphs:  # compile and capture outside the profiled window, over the same cache
+        dec.prefill()
         for _ in range(n):
-            warm.step()
+            dec.step()
+        dec.reset()
 
     def steps():
         dec.prefill()

@@ -15,7 +15,7 @@ Layout of the package (the same in a source checkout and in a build variant):
 
 from . import dispatch, layers, registry
 from .dispatch import FallbackError, reset_stats, stats
-from .layers import kernel_config, kernelize
+from .layers import CacheFullError, disable_decode_graphs, enable_decode_graphs, kernel_config, kernelize
 from .ops import attention, attention_reference, gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference
 from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
 from .ops import qk_norm_rope, qk_norm_rope_reference
@@ -28,6 +28,7 @@ from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_gemma
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheFullError",
     "FallbackError",
     "UnsupportedDtypeError",
     "add_rms_norm",
@@ -36,7 +37,9 @@ __all__ = [
     "attention",
     "attention_reference",
     "add_rms_norm_reference",
+    "disable_decode_graphs",
     "dispatch",
+    "enable_decode_graphs",
     "gelu_tanh_and_mul_fused",
     "gelu_tanh_and_mul_fused_reference",
     "kernel_config",

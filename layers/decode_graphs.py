@@ -1,0 +1,563 @@
+"""The compile-free decode fast path: ``generate()``'s decode steps replayed as CUDA graphs.
+
+:func:`enable_decode_graphs` (or ``kernel_config(decode_graphs=True)`` at load) hooks three places
+of transformers' ``generate`` (``generation/utils.py``, v5.22.2; the hooks are pinned):
+
+* ``get_compiled_call``, which ``generate`` calls when the cache is static and the device a GPU,
+  returns a session (:meth:`DecodeGraphs.session`) instead of ``torch.compile(model.__call__)``.
+  The session runs a decode step (one new token per row) eagerly the first ``warmup`` times it
+  meets a new shape, then captures it in a ``torch.cuda.CUDAGraph`` and replays that graph from then
+  on: our kernels, cuBLAS, attention, the final norm and ``lm_head`` in one launch, no dynamo, no
+  JIT. Prefill chunks (more than one token) run eagerly.
+* ``_prepare_static_cache`` hands out one ``StaticCache`` per batch size, cache-length bucket
+  (``length_bucket``), dtype, device and inference mode, reset for the next call, so that a graph
+  is captured once per bucket, not per call. A call that returns its cache to the caller
+  (``return_dict_in_generate``) gets a fresh one that is never reused.
+* ``generate`` itself defaults to ``cache_implementation="static"`` where a static cache serves
+  (one beam, no assistant, no other cache asked for).
+
+What a graph is captured for (its key): the cache (its ``id`` and the addresses of its key and
+value tensors, which beam search's ``reorder_cache`` replaces), every tensor argument's shape,
+dtype, device and strides, every other argument's value, whether inference mode is on, and for
+each sliding-window cache layer whether it is full (``StaticSlidingWindowLayer.update`` takes
+another branch then). Arguments are copied into the graph's input buffers before each replay. A
+decode step also advances plain Python integers of the cache (the sliding layers'
+``cumulative_length_int``), which a replay does not run: the capture records how each changed and
+every replay applies the same change. A cache's graphs are dropped when the cache is freed.
+
+What runs eagerly, said once per reason through ``dispatch.fallback``: ``inputs_embeds``, a cache
+that is not a ``StaticCache`` of ``StaticLayer``/``StaticSlidingWindowLayer`` (e.g. a hybrid cache
+with linear-attention states), autograd recording, more than ``MAX_SHAPES_PER_CACHE`` shapes over
+one cache, or a capture that failed or changed Python state other than integers. The sampling
+step, logits processors and stopping criteria stay in ``generate``'s loop (outside the graph).
+
+Errors instead of wrong numbers: a prompt of more than one token that does not fit the static
+cache's full-attention layers raises ``ValueError`` before the prefill writes it; a session's
+decode step into a full cache raises :class:`CacheFullError` (``generate`` sizes its cache so that
+this does not happen; a cache passed by the user can fill). Sliding-window layers never fill: they
+keep the last window, as in transformers. The session counts the cache's length on the host from
+one read at its first step: it serves one generation (``generate`` asks for a new one per call),
+and tokens written into the cache by other calls meanwhile are not counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import weakref
+
+import torch
+
+from .. import dispatch
+from ._pins import Pin, holds, register
+
+#: The transformers code the decode graphs reproduce (gating) or follow.
+PINS = (
+    Pin("cache_utils", "StaticSlidingWindowLayer.update", "ac666cc2c7f97556",
+        "decode graphs: its full-window one-token step, reproduced without the host-to-device copy a CUDA graph "
+        "cannot capture (_capturable_sliding_update)"),
+    # Followed, not reproduced: the hooks generate calls.
+    Pin("generation.utils", "GenerationMixin._prepare_static_cache", "d48d96b8ecc7e8b3",
+        "decode graphs: DecodeGraphs.prepare_static_cache takes its arguments and returns its cache", gates=False),
+    Pin("modeling_utils", "PreTrainedModel.get_compiled_call", "c072e65d6dc2b97a",
+        "decode graphs: generate calls it for the decode step; ours returns a DecodeGraphs session", gates=False),
+    Pin("generation.utils", "GenerationMixin._valid_auto_compile_criteria", "53be41e4043d610e",
+        "decode graphs: when it holds, generate asks get_compiled_call for the decode step", gates=False),
+)
+register(*PINS)
+
+logger = logging.getLogger(__name__)
+
+#: ``model`` attribute holding the :class:`DecodeGraphs` of an enabled model.
+ATTR = "_cutile_decode_graphs"
+#: Cache-length bucket (tokens) of the static caches handed to ``generate``.
+LENGTH_BUCKET = 256
+#: Static caches kept per model (least recently used dropped first, with their graphs).
+MAX_CACHES = 4
+#: Graphs kept over one cache; a step of yet another shape runs eagerly and says so.
+MAX_SHAPES_PER_CACHE = 8
+
+
+class CacheFullError(RuntimeError):
+    """A decode step would write past the end of a static KV cache."""
+
+
+def _layer_classes():
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    return StaticLayer, StaticSlidingWindowLayer
+
+
+def _graphable_cache(cache, filled: bool = True) -> str | None:
+    """Why ``cache`` cannot back a captured decode step (``filled``: after its prefill), or None."""
+    from transformers.cache_utils import StaticCache
+
+    if not isinstance(cache, StaticCache):
+        return f"the cache is a {type(cache).__name__}, not a StaticCache"
+    allowed = _layer_classes()
+    for layer in cache.layers:
+        if type(layer) not in allowed:
+            return f"the static cache has a {type(layer).__name__} layer (only StaticLayer and StaticSlidingWindowLayer)"
+        if filled and not layer.is_initialized:
+            return "the static cache is empty (a decode step comes after a prefill)"
+    return None
+
+
+def _sliding(layer) -> bool:
+    return hasattr(layer, "cumulative_length_int")
+
+
+def _capturable_sliding_update(layer, key_states, value_states, *args, **kwargs):
+    """``StaticSlidingWindowLayer.update`` (pinned) with its full-window one-token step done without
+    ``torch.tensor([-1], device=...)``, a host-to-device copy that CUDA graph capture refuses: the
+    window is shifted left by one and the new token written last, as ``roll`` + index assignment
+    do. Every other step is the class's own."""
+    if layer.is_initialized and layer.cumulative_length_int >= layer.max_cache_len and key_states.shape[-2] == 1:
+        layer.cumulative_length_int += 1
+        layer.keys.copy_(torch.cat((layer.keys[:, :, 1:], key_states), dim=-2))
+        layer.values.copy_(torch.cat((layer.values[:, :, 1:], value_states), dim=-2))
+        return layer.keys, layer.values
+    return type(layer).update(layer, key_states, value_states, *args, **kwargs)
+
+
+def _make_capturable(cache) -> None:
+    """Give the sliding layers of ``cache`` :func:`_capturable_sliding_update` (once; only while
+    the pin holds: otherwise their steps stay transformers' own and a failed capture says so)."""
+    if getattr(cache, "_cutile_capturable", False):
+        return
+    cache._cutile_capturable = True
+    if not holds("cache_utils.StaticSlidingWindowLayer.update"):
+        logger.warning("cutile_kernels: transformers' StaticSlidingWindowLayer.update is not the pinned one; "
+                       "decode graphs leave it alone")
+        return
+    for layer in cache.layers:
+        if _sliding(layer):
+            layer.update = functools.partial(_capturable_sliding_update, layer)
+
+
+def _python_state(cache) -> dict:
+    """The plain Python values of the cache and its layers a step may change, by (object, name)."""
+    state = {}
+    for obj in (cache, *cache.layers):
+        for name, value in vars(obj).items():
+            if isinstance(value, (bool, int, float, str, type(None))):
+                state[(id(obj), name)] = value
+    return state
+
+
+def _flatten(kwargs: dict, prefix=()) -> tuple[list, list]:
+    """Split keyword arguments into (tensor paths and tensors, the rest as a hashable signature)."""
+    tensors, sig = [], []
+    for name in sorted(kwargs):
+        value, path = kwargs[name], (*prefix, name)
+        if isinstance(value, torch.Tensor):
+            tensors.append((path, value))
+            sig.append((path, "T", tuple(value.shape), value.dtype, value.device, value.stride()))
+        elif isinstance(value, dict):
+            sub_t, sub_s = _flatten(value, path)
+            tensors += sub_t
+            sig += sub_s
+        elif isinstance(value, (bool, int, float, str, type(None))):
+            sig.append((path, "V", value))
+        else:  # a cache or another object: the same object
+            sig.append((path, "O", id(value)))
+    return tensors, sig
+
+
+def _with(kwargs: dict, tensors: dict, prefix=()) -> dict:
+    """``kwargs`` with the tensors at ``tensors``' paths replaced."""
+    out = {}
+    for name, value in kwargs.items():
+        path = (*prefix, name)
+        if path in tensors:
+            out[name] = tensors[path]
+        elif isinstance(value, dict):
+            out[name] = _with(value, tensors, path)
+        else:
+            out[name] = value
+    return out
+
+
+def _copy_out(out, cache):
+    """A model output with its tensors cloned (the graph's outputs are overwritten by the next
+    replay) and ``past_key_values`` the live cache (the kept output does not hold it: see
+    :func:`_kept`)."""
+    def clone(v):
+        if isinstance(v, torch.Tensor):
+            return v.clone()
+        if isinstance(v, (tuple, list)):
+            return type(v)(clone(x) for x in v)
+        return v
+    if isinstance(out, dict):  # ModelOutput
+        fields = {k: clone(v) for k, v in out.items()}
+        if "past_key_values" in fields:
+            fields["past_key_values"] = cache
+        return type(out)(**fields)
+    return clone(out)
+
+
+def _kept(out):
+    """The captured output without its cache reference (which would keep the cache alive)."""
+    if isinstance(out, dict) and "past_key_values" in out:
+        return type(out)(**{k: (True if k == "past_key_values" else v) for k, v in out.items()})
+    return out
+
+
+@dataclasses.dataclass
+class _Entry:
+    seen: int = 0
+    graph: object = None
+    inputs: dict = dataclasses.field(default_factory=dict)
+    output: object = None
+    #: (object, attribute, change per step) for the Python integers a step advances.
+    deltas: list = dataclasses.field(default_factory=list)
+    eager: str | None = None
+
+
+class DecodeGraphs:
+    """Captures and replays ``model``'s decode steps (see the module docstring).
+
+    Args:
+        model: a transformers causal LM on a CUDA device (kernelized or not).
+        warmup: eager steps of a new shape before it is captured (kernels and cuBLAS load then).
+        length_bucket: static caches for ``generate`` are ``max_cache_len`` rounded up to this.
+        max_caches: static caches kept (and the graphs over them).
+        graph_factory: makes an object with ``capture(fn)`` returning fn's output and ``replay()``;
+            default :class:`CudaGraph`. Tests on a CPU pass an emulation.
+    """
+
+    def __init__(self, model, warmup: int = 1, length_bucket: int = LENGTH_BUCKET, max_caches: int = MAX_CACHES,
+                 graph_factory=None):
+        self.model = model
+        self.warmup = warmup
+        self.length_bucket = length_bucket
+        self.max_caches = max_caches
+        self.graph_factory = graph_factory or CudaGraph
+        self.entries: dict = {}
+        self.caches: collections.OrderedDict = collections.OrderedDict()
+        self.captures = 0
+        self.replays = 0
+        self.pool = None
+        self._watched: set = set()
+        #: Set by ``generate`` (ours) while the call returns its cache to the caller.
+        self.returns_cache = False
+
+    # -- the decode step ---------------------------------------------------------------------------
+
+    def session(self) -> _Session:
+        """A decode-step callable for one generation (what ``get_compiled_call`` returns): it checks
+        each step against the cache's capacity, counting on the host from one read of the cache's
+        length at its first step (see the module docstring for what that does not see)."""
+        return _Session(self)
+
+    def _key(self, cache, sig) -> tuple:
+        full = tuple(layer.cumulative_length_int >= layer.max_cache_len for layer in cache.layers if _sliding(layer))
+        # The storage a graph reads: beam search's reorder_cache puts new tensors in the layers.
+        storage = tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values))
+        return (id(cache), tuple(sig), full, storage, torch.is_inference_mode_enabled())
+
+    def step(self, kwargs: dict):
+        """Run one decode step: eagerly, by capture, or by replay. Returns the model output."""
+        cache = kwargs.get("past_key_values")
+        why = self._why_eager(kwargs, cache)
+        if why is not None:
+            dispatch.fallback("decode_graphs", why)
+            return self.model(**kwargs)
+        _make_capturable(cache)
+        self._watch(cache)
+        tensors, sig = _flatten(kwargs)
+        key = self._key(cache, sig)
+        entry = self.entries.get(key)
+        if entry is None:
+            if sum(k[0] == key[0] for k in self.entries) >= MAX_SHAPES_PER_CACHE:
+                dispatch.fallback("decode_graphs", f"the decode steps over one cache took more than "
+                                  f"{MAX_SHAPES_PER_CACHE} shapes (an argument that changes every step?)")
+                return self.model(**kwargs)
+            entry = self.entries[key] = _Entry()
+        if entry.eager is not None:
+            dispatch.fallback("decode_graphs", entry.eager)
+            return self.model(**kwargs)
+        if entry.seen < self.warmup:
+            entry.seen += 1
+            return self.graph_factory.warm(lambda: self.model(**kwargs))
+        if entry.graph is None:
+            return self._capture(entry, kwargs, tensors, cache)
+        for path, t in tensors:
+            entry.inputs[path].copy_(t)
+        entry.graph.replay()
+        for obj, name, delta in entry.deltas:
+            setattr(obj, name, getattr(obj, name) + delta)
+        self.replays += 1
+        return _copy_out(entry.output, cache)
+
+    def _watch(self, cache) -> None:
+        """Drop a cache's graphs when the cache is freed: a graph holds its tensors' addresses, and
+        a later cache may get the same ``id``."""
+        cid = id(cache)
+        if cid not in self._watched:
+            self._watched.add(cid)
+            weakref.finalize(cache, _forget, weakref.ref(self), cid)
+
+    def forget(self, cid: int) -> None:
+        """Drop the graphs captured over the cache whose ``id`` is ``cid``."""
+        self._watched.discard(cid)
+        for key in [k for k in self.entries if k[0] == cid]:
+            del self.entries[key]
+
+    def _why_eager(self, kwargs: dict, cache) -> str | None:
+        if kwargs.get("inputs_embeds") is not None:
+            return "inputs_embeds (decode graphs take input_ids)"
+        ids = kwargs.get("input_ids")
+        if ids is None or ids.dim() != 2 or ids.shape[1] != 1:
+            return "not a decode step (input_ids of one token per row)"
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
+            return "autograd is recording (decode graphs are for inference)"
+        return _graphable_cache(cache)
+
+    def _capture(self, entry: _Entry, kwargs: dict, tensors: list, cache):
+        entry.inputs = {path: t.clone() for path, t in tensors}
+        static_kwargs = _with(kwargs, entry.inputs)
+        objs = {id(o): o for o in (cache, *cache.layers)}
+        before = _python_state(cache)
+        graph = self.graph_factory()
+        try:
+            output = graph.capture(lambda: self.model(**static_kwargs), self)
+        except Exception as exc:  # noqa: BLE001 - e.g. a host sync in the step; nothing ran on the device
+            for (oid, name), value in before.items():
+                setattr(objs[oid], name, value)
+            entry.eager = f"the decode step cannot be captured ({type(exc).__name__}: {exc})"
+            logger.warning("cutile_kernels: %s; this shape runs eagerly", entry.eager)
+            dispatch.fallback("decode_graphs", entry.eager)
+            return self.model(**kwargs)
+        after = _python_state(cache)
+        deltas, other = [], []
+        for k in set(before) | set(after):
+            b, a = before.get(k), after.get(k)
+            if a == b:
+                continue
+            if type(a) is int and type(b) is int:
+                deltas.append((objs[k[0]], k[1], a - b))
+            else:
+                other.append(k[1])
+        if other:  # the step changed state a replay cannot reproduce: this shape stays eager
+            entry.eager = f"a decode step changes the cache's {sorted(other)} (not replayable)"
+            logger.warning("cutile_kernels: %s; this shape runs eagerly", entry.eager)
+            graph.replay()  # the captured step is this step: its tensor work still has to run
+            return _copy_out(output, cache)
+        entry.graph, entry.output, entry.deltas = graph, _kept(output), deltas
+        self.captures += 1
+        graph.replay()  # capture records without running: this step's work runs now
+        return _copy_out(output, cache)
+
+    # -- static caches for generate ----------------------------------------------------------------
+
+    def prepare_static_cache(self, cache_implementation: str, batch_size: int, max_cache_len: int,
+                             prefill_chunk_size, model_kwargs):
+        """``generate``'s ``_prepare_static_cache`` with reuse: one ``StaticCache`` per
+        (batch size, ``max_cache_len`` rounded up to ``length_bucket``), reset for each call."""
+        from transformers.cache_utils import StaticCache
+
+        model = self.model
+        if "offloaded" in cache_implementation or model.config.is_encoder_decoder or self.returns_cache:
+            # A cache generate hands back to the caller is theirs: a fresh one, never reused.
+            return type(model)._prepare_static_cache(model, cache_implementation, batch_size, max_cache_len,
+                                                     prefill_chunk_size, model_kwargs)
+        length = -(-max_cache_len // self.length_bucket) * self.length_bucket
+        key = (batch_size, length, model.dtype, model.device, torch.is_inference_mode_enabled())
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+            self.caches[key] = cache
+            while len(self.caches) > self.max_caches:
+                _, old = self.caches.popitem(last=False)
+                self.forget(id(old))
+        else:
+            self.caches.move_to_end(key)
+            cache.reset()
+        return cache
+
+
+def _forget(graphs_ref, cid: int) -> None:
+    graphs = graphs_ref()
+    if graphs is not None:
+        graphs.forget(cid)
+
+
+class _Session:
+    """One generation's decode-step callable (see :meth:`DecodeGraphs.session`)."""
+
+    def __init__(self, graphs: DecodeGraphs):
+        self.graphs = graphs
+        self.lengths: dict = {}
+
+    def __call__(self, input_ids=None, **kwargs):
+        kwargs["input_ids"] = input_ids
+        if input_ids is not None and input_ids.shape[-1] > 1:  # a prefill chunk: not a decode step
+            return self.graphs.model(**kwargs)
+        cache = kwargs.get("past_key_values")
+        if _graphable_cache(cache) is None and input_ids is not None:
+            self._check_room(cache, input_ids.shape[1])
+            # With sliding layers, positions and masks come from the cache's length as a Python
+            # integer: computed inside a graph, they would stay what they were at capture; a 2-D
+            # mask changes shape every step. Then they are made here, as ``generate`` makes them
+            # before a compiled step, when the caller did not. A cache of full layers keeps its
+            # length on the device: with no mask, the graph computes both.
+            mask = kwargs.get("attention_mask")
+            grows = isinstance(mask, torch.Tensor) and mask.dim() == 2  # one more column a step
+            if (grows or any(_sliding(layer) for layer in cache.layers)) and kwargs.get("position_ids") is None:
+                past = cache.get_seq_length()
+                kwargs["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device)
+                                          + past).unsqueeze(0)
+            if kwargs.get("position_ids") is not None and (
+                    mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)):
+                kwargs["attention_mask"] = self._masks(input_ids, mask, cache, kwargs.get("position_ids"))
+        return self.graphs.step(kwargs)
+
+    def _masks(self, input_ids, mask, cache, position_ids):
+        """The masks ``prepare_inputs_for_generation`` builds before a compiled decode step."""
+        from transformers.masking_utils import create_masks_for_generate
+
+        model = self.graphs.model
+        make = getattr(model, "create_masks_for_generate", create_masks_for_generate)
+        b, s = input_ids.shape
+        return make(config=model.config, inputs_embeds=torch.empty((b, s, 0), dtype=model.dtype, device=input_ids.device),
+                    attention_mask=mask, past_key_values=cache, position_ids=position_ids)
+
+    def _check_room(self, cache, new: int) -> None:
+        full_layers = [layer for layer in cache.layers if not _sliding(layer)]
+        if not full_layers:
+            return
+        if id(cache) not in self.lengths:  # one device read per generation
+            self.lengths[id(cache)] = int(full_layers[0].cumulative_length)
+        length = self.lengths[id(cache)] + new
+        room = full_layers[0].max_cache_len
+        if length > room:
+            raise CacheFullError(f"cutile_kernels: the static KV cache is full ({room} tokens); pass a larger "
+                                 f"max_cache_len (or max_new_tokens to generate) to decode further")
+        self.lengths[id(cache)] = length
+
+
+class CudaGraph:
+    """``torch.cuda.CUDAGraph`` behind the small interface :class:`DecodeGraphs` uses."""
+
+    def __init__(self):
+        self.graph = torch.cuda.CUDAGraph()
+
+    @staticmethod
+    def warm(fn):
+        """Run ``fn`` eagerly on a side stream (how PyTorch asks for warm-up before a capture)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def capture(self, fn, owner: DecodeGraphs):
+        if owner.pool is None:
+            owner.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=owner.pool):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+# -- switching it on and off ---------------------------------------------------------------------
+
+def _check_prefill_fits(module, args, kwargs):
+    """Forward pre-hook: a prompt longer than the room left in a static cache raises ``ValueError``
+    before it is written (transformers would index past the cache, a device-side assert on CUDA)."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return None  # no device read inside a trace or someone's graph capture
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    new = ids.shape[1] if ids is not None else embeds.shape[1] if embeds is not None else 0
+    cache = kwargs.get("past_key_values")
+    if new <= 1 or cache is None or _graphable_cache(cache, filled=False) is not None:
+        return None
+    full_layers = [layer for layer in cache.layers if not _sliding(layer)]
+    if not full_layers:
+        return None
+    layer = full_layers[0]
+    used = int(layer.cumulative_length) if layer.is_initialized else 0
+    if used + new > layer.max_cache_len:
+        raise ValueError(f"cutile_kernels: {new} new tokens do not fit the static KV cache ({used} of "
+                         f"{layer.max_cache_len} slots used); use a larger max_cache_len")
+    return None
+
+
+def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUCKET, max_caches: int = MAX_CACHES,
+                         graph_factory=None) -> DecodeGraphs | None:
+    """Run ``model.generate()``'s decode steps as replayed CUDA graphs over a static KV cache.
+
+    After this, ``model.generate(ids, ...)`` uses a ``StaticCache`` (``cache_implementation=
+    "static"`` unless the call or the model's generation config names a cache or passes one) and,
+    where transformers would compile the decode step, replays captured CUDA graphs instead (see the
+    module docstring). Works on any
+    transformers causal LM, kernelized or not; pair it with our kernels (``kernel_config()``) and
+    ``attn_implementation="cutile"``. ``generate(..., disable_compile=True)`` runs eagerly;
+    :func:`disable_decode_graphs` switches it off.
+
+    Args:
+        model: a transformers causal LM on a CUDA device.
+        warmup, length_bucket, max_caches, graph_factory: see :class:`DecodeGraphs`.
+
+    Returns:
+        The :class:`DecodeGraphs` now installed, or None (and one log line) when the model is not
+        on CUDA and no ``graph_factory`` was given.
+    """
+    param = next(model.parameters(), None)
+    if graph_factory is None and (param is None or param.device.type != "cuda"):
+        logger.info("cutile_kernels: decode graphs need a CUDA model; this one is on %s",
+                    None if param is None else param.device.type)
+        return None
+    disable_decode_graphs(model)
+    graphs = DecodeGraphs(model, warmup=warmup, length_bucket=length_bucket, max_caches=max_caches,
+                          graph_factory=graph_factory)
+    hook = model.register_forward_pre_hook(_check_prefill_fits, with_kwargs=True)
+    model.get_compiled_call = lambda compile_config=None: graphs.session()
+    model._prepare_static_cache = graphs.prepare_static_cache
+    model.generate = functools.partial(_generate_static, model)
+    setattr(model, ATTR, graphs)
+    graphs._undo = hook
+    return graphs
+
+
+def _generate_static(model, *args, **kwargs):
+    """``model.generate`` with ``cache_implementation="static"`` where nothing else was asked for
+    and a static cache serves (greedy or sampling, one beam, no assistant: transformers refuses
+    static caches for assisted decoding). The generation config is read at call time
+    (``from_pretrained`` loads the checkpoint's after our kernel config ran)."""
+    config = kwargs.get("generation_config") or model.generation_config
+
+    def asked(name):
+        return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+    plain = (asked("num_beams") or 1) == 1 and kwargs.get("assistant_model") is None and \
+        asked("prompt_lookup_num_tokens") is None and kwargs.get("custom_generate") is None
+    if (plain and kwargs.get("cache_implementation") is None and kwargs.get("past_key_values") is None
+            and getattr(config, "cache_implementation", None) is None):
+        kwargs["cache_implementation"] = "static"
+    graphs = getattr(model, ATTR)
+    graphs.returns_cache = bool(asked("return_dict_in_generate"))
+    try:
+        return type(model).generate(model, *args, **kwargs)
+    finally:
+        graphs.returns_cache = False
+
+
+def disable_decode_graphs(model) -> bool:
+    """Undo :func:`enable_decode_graphs` (graphs and the static caches it kept are freed).
+    Returns whether it was enabled."""
+    graphs = model.__dict__.get(ATTR)
+    if graphs is None:
+        return False
+    graphs._undo.remove()
+    for name in ("get_compiled_call", "_prepare_static_cache", "generate", ATTR):
+        model.__dict__.pop(name, None)
+    graphs.entries.clear()
+    graphs.caches.clear()
+    return True

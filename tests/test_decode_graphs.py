@@ -1,0 +1,562 @@
+"""The CUDA-graph decode fast path (``layers/decode_graphs.py``): ``generate()`` replays captured
+decode steps and returns what the eager model returns.
+
+CPU: a graph emulation (:class:`ReplayEmulation`) that behaves as a CUDA graph does where it
+matters for correctness. Capturing runs the step's Python once (its side effects on Python state
+happen) while the device work is not done (the cache tensors are put back); a replay does the
+device work again on the captured input buffers with the Python state as it was at capture
+(values a graph bakes in stay frozen), writes the captured output tensors in place, and runs no
+Python side effect (the decode graphs apply the recorded integer changes). A bookkeeping error (a
+Python integer not advanced, a mask built from a frozen length, a stale key, a graph replayed over
+tensors a layer no longer holds) then gives other tokens than eager generation, which these tests
+compare on every family with a static cache: sliding-window caches crossing their window, a
+left-padded batch, rows that stop early, several batch sizes, a reordered cache, a growing 2-D
+mask, chunked prefill; the pool of static caches (a returned cache is the caller's, inference mode
+and dtype apart, graphs of freed caches dropped); and the errors (prompt longer than the cache, a
+cache that fills).
+
+GPU: the same comparisons with real CUDA graphs through ``from_pretrained(..., use_kernels=True,
+kernel_config=kernel_config(decode_graphs=True))``, our kernels and attention in the graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+
+import pytest
+import torch
+
+import cutile_kernels
+from cutile_kernels.layers import decode_graphs as dg
+
+from families import model as tiny_model
+
+transformers = pytest.importorskip("transformers")
+from transformers import StaticCache  # noqa: E402
+from transformers.generation import CompileConfig  # noqa: E402
+
+
+class ReplayEmulation:
+    """A CUDA graph's replay semantics on a CPU (see the module docstring)."""
+
+    captured = 0
+
+    @staticmethod
+    def warm(fn):
+        return fn()
+
+    def capture(self, fn, owner, cache=None):
+        static_kwargs = _static_kwargs(fn)
+        cache = static_kwargs["past_key_values"]
+        # Held weakly, as a CUDA graph holds addresses, not the cache object.
+        self.cache_ref, self.model = weakref.ref(cache), owner.model
+        self.static = {k: v for k, v in static_kwargs.items() if k != "past_key_values"}
+        tensors = _cache_tensors(cache)
+        saved = [t.clone() for t in tensors]
+        self.state0 = dg._python_state(cache)
+        # A graph reads and writes the tensors that existed at capture, whatever a layer holds later.
+        self.storage = [(layer.keys, layer.values) for layer in cache.layers]
+        out = fn()
+        for t, s in zip(tensors, saved):  # a capture does no device work
+            t.copy_(s)
+        self.output = dg._kept(out)  # its tensors are the graph's outputs, written in place by a replay
+        ReplayEmulation.captured += 1
+        return out
+
+    def replay(self):
+        cache = self.cache_ref()
+        objs = {id(o): o for o in (cache, *cache.layers)}
+        now = dg._python_state(cache)
+        for (oid, name), value in self.state0.items():
+            setattr(objs[oid], name, value)
+        held = [(layer.keys, layer.values) for layer in cache.layers]
+        for layer, (k, v) in zip(cache.layers, self.storage):
+            layer.keys, layer.values = k, v
+        fresh = self.model(**self.static, past_key_values=cache)
+        for layer, (k, v) in zip(cache.layers, held):
+            layer.keys, layer.values = k, v
+        for (oid, name), value in now.items():
+            setattr(objs[oid], name, value)
+        for key, value in self.output.items():
+            if isinstance(value, torch.Tensor):
+                value.copy_(fresh[key])
+
+
+def _static_kwargs(fn):
+    return fn.__closure__[fn.__code__.co_freevars.index("static_kwargs")].cell_contents
+
+
+def _cache_of(fn):
+    return _static_kwargs(fn)["past_key_values"]
+
+
+def _cache_tensors(cache):
+    return [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+
+def _cpu_compile_config():
+    cfg = CompileConfig()
+    cfg._compile_all_devices = True  # transformers asks for a compiled decode on a GPU only, by default
+    return cfg
+
+
+def _generate(model, ids, new=12, logits=True, **kw):
+    """Greedy ``new`` tokens; with ``logits`` a dict output with the step logits (then generate
+    returns its cache, which decode graphs never reuse), else the sequences alone."""
+    if logits:
+        kw.update(output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, **kw)
+
+
+def _same(got, want):
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def emulated():
+    def enable(model, **kw):
+        graphs = dg.enable_decode_graphs(model, graph_factory=ReplayEmulation, **kw)
+        assert graphs is not None
+        return graphs
+    return enable
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------
+
+# Sliding windows of 4 (Gemma 3's every second layer) and 6 (Mistral, every layer): 12 new tokens
+# after a 5-token prompt cross them.
+@pytest.mark.parametrize("model_type,fields", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}),
+                                               ("gemma3_text", {}), ("phi3", {})],
+                         ids=["llama", "qwen3", "mistral-window6", "gemma3-window4", "phi3"])
+def test_generate_replays_and_matches_eager(model_type, fields, emulated):
+    model = tiny_model(model_type, **fields)
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    want = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    graphs = emulated(model)
+    got = _generate(model, ids, compile_config=_cpu_compile_config())
+    _same(got, want)
+    assert graphs.captures >= 1 and graphs.replays >= 6  # 11 decode steps; a window crossing costs 2 more eager
+    assert not graphs.caches  # that call returned its cache: a fresh one, not pooled
+    # Calls that keep their cache inside reuse one pooled cache and its graphs: once every shape
+    # has been captured (a window's first state may only have been warmed up), nothing is again.
+    for _ in range(2):
+        assert torch.equal(_generate(model, ids, logits=False, compile_config=_cpu_compile_config()), want.sequences)
+    captures = graphs.captures
+    assert torch.equal(_generate(model, ids, logits=False, compile_config=_cpu_compile_config()), want.sequences)
+    assert graphs.captures == captures and len(graphs.caches) == 1
+
+
+def test_sliding_layers_are_captured_once_per_state(emulated):
+    """Mistral with a window of 6: one graph before its cache is full, one after."""
+    model = tiny_model("mistral", sliding_window=6)
+    emulated(model)
+    graphs = getattr(model, dg.ATTR)
+    _generate(model, torch.randint(1, 256, (1, 3)), new=14, logits=False, compile_config=_cpu_compile_config())
+    fulls = sorted(key[2] for key in graphs.entries)
+    assert fulls == [(False,) * 3, (True,) * 3] and graphs.captures == 2
+
+
+def test_left_padded_batch_and_rows_that_stop_early(emulated):
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0  # row 0 left-padded by 3
+    ids[1, :1], mask[1, :1] = 0, 0
+    eos = int(_generate(model, ids, new=4, attention_mask=mask, cache_implementation="static",
+                        disable_compile=True).sequences[2, -2])  # row 2 stops after its third new token
+    kw = dict(attention_mask=mask, eos_token_id=eos, new=10)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=10, do_sample=False, cache_implementation="static",
+                              disable_compile=True, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+    emulated(model)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=10, do_sample=False, attention_mask=mask, eos_token_id=eos,
+                             pad_token_id=0, compile_config=_cpu_compile_config())
+    assert torch.equal(got, want) and (want[2, 7 + 3:] == 0).all()
+    del kw
+
+
+def test_batch_sizes_get_their_own_cache_and_graph(emulated):
+    model = tiny_model("qwen3")
+    graphs = emulated(model)
+    outs = {}
+    for b in (1, 3, 1):
+        ids = torch.randint(1, 256, (b, 6), generator=torch.Generator().manual_seed(b))
+        outs.setdefault(b, []).append(_generate(model, ids, new=6, logits=False, compile_config=_cpu_compile_config()))
+        want = _generate(model, ids, new=6, logits=False, cache_implementation="static", disable_compile=True)
+        assert torch.equal(outs[b][-1], want)
+    assert sorted(k[:2] for k in graphs.caches) == [(1, dg.LENGTH_BUCKET), (3, dg.LENGTH_BUCKET)]
+    assert graphs.captures == 2
+
+
+def test_cache_pool_keeps_at_most_max_caches(emulated):
+    model = tiny_model("llama")
+    graphs = emulated(model, max_caches=2, length_bucket=8)
+    for new in (4, 12, 20):  # lengths 10, 18, 26 -> buckets 16, 24, 32
+        _generate(model, torch.randint(1, 256, (1, 6)), new=new, logits=False, compile_config=_cpu_compile_config())
+    assert [k[:2] for k in graphs.caches] == [(1, 24), (1, 32)]
+    live = {id(c) for c in graphs.caches.values()}
+    assert {k[0] for k in graphs.entries} <= live
+
+
+def test_graphs_over_a_freed_cache_are_dropped(emulated):
+    """A graph holds its cache's addresses: when the cache is freed its graphs go, so a new cache
+    that gets the same id is captured afresh instead of replaying over freed memory."""
+    import gc
+
+    model = tiny_model("llama")
+    graphs = emulated(model)
+    step = model.get_compiled_call(None)
+
+    def run(cache):
+        with torch.no_grad():
+            nxt = model(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(3):
+                nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    run(cache)
+    assert len(graphs.entries) == 1 and graphs.captures == 1
+    del cache
+    gc.collect()
+    assert not graphs.entries and not graphs._watched
+    run(StaticCache(config=model.config, max_cache_len=32))
+    assert graphs.captures == 2
+
+
+def _decode(model, step, ids, cache, n, between=None, mask=None):
+    """Prefill ``ids`` into ``cache``, then ``n`` greedy steps through ``step`` (``between(i)``
+    before step i; ``mask``: a 2-D mask grown by a column each step); returns the step logits."""
+    logits = []
+    with torch.no_grad():
+        nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(n):
+            if between is not None:
+                between(i)
+            kw = {}
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                kw["attention_mask"] = mask
+            out = step(nxt, past_key_values=cache, use_cache=True, **kw).logits
+            logits.append(out)
+            nxt = out[:, -1:].argmax(-1)
+    return logits
+
+
+def test_a_cache_whose_tensors_are_replaced_is_captured_again(emulated):
+    """Beam search's reorder_cache puts new key/value tensors in the layers: a graph over the old
+    ones must not be replayed (the key holds the storage addresses)."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (2, 4), generator=torch.Generator().manual_seed(2))
+    swap = torch.tensor([1, 0])
+
+    def between(i):
+        if i == 4:
+            cache.reorder_cache(swap)
+
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    want = _decode(model, model, ids, cache, 8, between)
+    graphs = emulated(model)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    got = _decode(model, model.get_compiled_call(None), ids, cache, 8, between)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert graphs.captures == 2
+
+
+def test_a_growing_2d_mask_is_made_outside_and_replays(emulated):
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    want = _decode(model, model, ids, StaticCache(config=model.config, max_cache_len=32), 8, mask=mask)
+    graphs = emulated(model)
+    got = _decode(model, model.get_compiled_call(None), ids, StaticCache(config=model.config, max_cache_len=32), 8,
+                  mask=mask)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert graphs.captures == 1 and graphs.replays == 6
+
+
+def test_a_returned_cache_is_the_callers(emulated):
+    model = tiny_model("llama")
+    graphs = emulated(model)
+    ids = torch.randint(1, 256, (1, 5))
+    first = _generate(model, ids, new=4, compile_config=_cpu_compile_config())
+    kept = [t.clone() for t in _cache_tensors(first.past_key_values)]
+    second = _generate(model, ids, new=4, compile_config=_cpu_compile_config())
+    _generate(model, ids, new=4, logits=False, compile_config=_cpu_compile_config())
+    assert second.past_key_values is not first.past_key_values and len(graphs.caches) == 1
+    assert all(torch.equal(t, k) for t, k in zip(_cache_tensors(first.past_key_values), kept))
+
+
+def test_pooled_caches_follow_inference_mode_and_dtype(emulated):
+    model = tiny_model("llama")
+    graphs = emulated(model)
+    ids = torch.randint(1, 256, (1, 5))
+    with torch.inference_mode():
+        a = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0, compile_config=_cpu_compile_config())
+    b = _generate(model, ids, new=5, logits=False, compile_config=_cpu_compile_config())  # no_grad: no inference tensors
+    model.double()
+    c = _generate(model, ids, new=5, logits=False, compile_config=_cpu_compile_config())
+    assert torch.equal(a, b) and len(graphs.caches) == 3
+    assert {k[2] for k in graphs.caches} == {torch.float32, torch.float64}
+    assert c.shape == (1, 10)
+
+
+def test_chunked_prefill_is_pooled_and_not_a_fallback(emulated, monkeypatch):
+    monkeypatch.setenv("CUTILE_KERNELS_STRICT", "1")  # a fallback would raise
+    model = tiny_model("llama")
+    graphs = emulated(model)
+    ids = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(8))
+    want = _generate(model, ids, new=6, logits=False, cache_implementation="static", disable_compile=True)
+    captures = []
+    for _ in range(3):  # chunks of 3, 3 and 1 tokens (the last a one-token step: warmed up, then captured)
+        got = _generate(model, ids, new=6, logits=False, prefill_chunk_size=3, compile_config=_cpu_compile_config())
+        assert torch.equal(got, want)
+        captures.append(graphs.captures)
+    assert len(graphs.caches) == 1 and captures[0] >= 1 and captures[2] == captures[1]
+
+
+def test_prompt_longer_than_the_cache_raises_before_writing(emulated):
+    model = tiny_model("llama")
+    emulated(model)
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="do not fit the static KV cache"):
+        model(torch.randint(1, 256, (1, 9)), past_key_values=cache, use_cache=True)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 8)), past_key_values=cache, use_cache=True)  # exactly fits
+
+
+def test_a_full_cache_raises_instead_of_writing_past_it(emulated):
+    model = tiny_model("llama")
+    graphs = emulated(model)
+    cache = StaticCache(config=model.config, max_cache_len=9)
+    step = model.get_compiled_call(None)
+    with torch.no_grad():
+        out = model(torch.randint(1, 256, (1, 6)), past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):  # positions 6, 7, 8: the last slots
+            nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        with pytest.raises(dg.CacheFullError, match="static KV cache is full"):
+            step(nxt, past_key_values=cache, use_cache=True)
+    assert graphs.captures == 1
+
+
+def test_direct_steps_without_a_mask_match_eager_across_a_window(emulated):
+    """The bench calls the step with no mask: the session builds it outside the graph (a mask built
+    inside would freeze the sliding layers' offset at capture)."""
+    model = tiny_model("mistral", sliding_window=4)
+    ids = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(9))
+
+    def run(step):
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        logits = []
+        with torch.no_grad():
+            nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(10):
+                out = step(nxt, past_key_values=cache, use_cache=True).logits
+                logits.append(out)
+                nxt = out[:, -1:].argmax(-1)
+        return logits
+
+    want = run(model)
+    graphs = emulated(model)
+    got = run(model.get_compiled_call(None))
+    assert graphs.replays > 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_not_overwritten_by_the_next_replay(emulated):
+    model = tiny_model("llama")
+    emulated(model)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    step = model.get_compiled_call(None)
+    with torch.no_grad():
+        nxt = model(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        outs = [step(nxt, past_key_values=cache, use_cache=True).logits for _ in range(4)]
+    kept = [o.clone() for o in outs]
+    assert all(torch.equal(o, k) for o, k in zip(outs, kept)) and not torch.equal(outs[2], outs[3])
+
+
+def test_what_cannot_be_captured_runs_eagerly_and_says_so(emulated, caplog, monkeypatch):
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    emulated(model)
+    step = model.get_compiled_call(None)
+    cache = DynamicCache(config=model.config)
+    cutile_kernels.reset_stats()
+    with torch.no_grad():
+        out = model(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True)
+        step(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    assert any(k.startswith("decode_graphs: ") and "DynamicCache" in k for k in cutile_kernels.stats()["fallbacks"])
+    monkeypatch.setenv("CUTILE_KERNELS_STRICT", "1")
+    with torch.no_grad(), pytest.raises(cutile_kernels.FallbackError, match="decode_graphs"):
+        step(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+
+
+def test_a_failing_capture_runs_eagerly_with_python_state_restored(emulated, monkeypatch, caplog):
+    class Failing(ReplayEmulation):
+        def capture(self, fn, owner, cache=None):
+            tensors = _cache_tensors(_cache_of(fn))
+            saved = [t.clone() for t in tensors]
+            fn()  # the Python side effects happen, then the capture fails (e.g. a host sync) ...
+            for t, s in zip(tensors, saved):  # ... and nothing ran on the device
+                t.copy_(s)
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = tiny_model("mistral", sliding_window=4)
+    ids = torch.randint(1, 256, (1, 3))
+    want = _generate(model, ids, new=8, cache_implementation="static", disable_compile=True)
+    graphs = dg.enable_decode_graphs(model, graph_factory=Failing)
+    with caplog.at_level(logging.WARNING):
+        got = _generate(model, ids, new=8, compile_config=_cpu_compile_config())
+    _same(got, want)
+    assert graphs.captures == 0 and "cannot be captured" in caplog.text
+
+
+def test_capturable_sliding_update_is_transformers_update():
+    """The full-window step without the host-to-device copy: the same cache and return values."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    gen = torch.Generator().manual_seed(4)
+    ours, theirs = StaticSlidingWindowLayer(16, 4), StaticSlidingWindowLayer(16, 4)
+    for step in range(9):  # fills the window of 4 at step 4, then slides
+        k, v = torch.randn(2, 3, 1, 8, generator=gen), torch.randn(2, 3, 1, 8, generator=gen)
+        got = dg._capturable_sliding_update(ours, k, v)
+        want = theirs.update(k.clone(), v.clone())
+        assert ours.cumulative_length_int == theirs.cumulative_length_int == step + 1
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), step
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_sliding_layers_keep_their_update_when_the_pin_fails(monkeypatch, caplog):
+    model = tiny_model("mistral", sliding_window=4)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    monkeypatch.setattr(dg, "holds", lambda name: False)
+    with caplog.at_level(logging.WARNING):
+        dg._make_capturable(cache)
+    assert "not the pinned one" in caplog.text and all("update" not in vars(layer) for layer in cache.layers)
+    monkeypatch.setattr(dg, "holds", lambda name: True)
+    other = StaticCache(config=model.config, max_cache_len=16)
+    dg._make_capturable(other)
+    assert all(isinstance(vars(layer)["update"], functools.partial) for layer in other.layers)
+
+
+def test_generate_defaults_to_a_static_cache_and_disable_restores_stock(emulated):
+    model = tiny_model("llama")
+    cls_call, cls_generate = type(model).get_compiled_call, type(model).generate
+    graphs = emulated(model)
+    model.generation_config.cache_implementation = None  # what from_pretrained may load after our config ran
+    ids = torch.randint(1, 256, (1, 4))
+    out = _generate(model, ids, new=5, compile_config=_cpu_compile_config())
+    assert type(out.past_key_values).__name__ == "StaticCache" and graphs.captures == 1
+    beams = _generate(model, ids, new=3, num_beams=2)  # beam search and assisted decoding keep their default
+    assert type(beams.past_key_values).__name__ == "DynamicCache"
+    looked = _generate(model, torch.randint(1, 256, (1, 8)), new=3, logits=False, prompt_lookup_num_tokens=2)
+    assert looked.shape == (1, 11)
+    dyn = _generate(model, ids, new=5, cache_implementation="dynamic", compile_config=_cpu_compile_config())
+    assert type(dyn.past_key_values).__name__ == "DynamicCache" and graphs.captures == 1  # asked for: kept
+    assert isinstance(model.get_compiled_call(None), dg._Session)
+    assert dg.disable_decode_graphs(model) and not dg.disable_decode_graphs(model)
+    assert model.get_compiled_call.__func__ is cls_call and model.generate.__func__ is cls_generate
+    assert not model._forward_pre_hooks
+    assert type(_generate(model, ids, new=2).past_key_values).__name__ == "DynamicCache"
+
+
+def test_enable_on_a_cpu_model_without_an_emulation_does_nothing(caplog):
+    model = tiny_model("llama")
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
+        assert dg.enable_decode_graphs(model) is None
+    assert dg.ATTR not in model.__dict__ and "need a CUDA model" in caplog.text
+
+
+def test_kernel_config_carries_the_switch():
+    assert cutile_kernels.kernel_config(decode_graphs=True).decode_graphs
+    assert not cutile_kernels.kernel_config().decode_graphs
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {}
+    for model_type, fields in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 24}),
+                               ("gemma3_text", {"sliding_window": 24})):
+        path = tmp_path_factory.mktemp(model_type)
+        tiny_model(model_type, dtype=torch.bfloat16, layers=4, **fields).save_pretrained(path)
+        out[model_type] = path
+    return out
+
+
+def _load(path, attn, graphs: bool):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn, use_kernels=True,
+        kernel_config=cutile_kernels.kernel_config(decode_graphs=graphs)).eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "cutile"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma3_text"])
+def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, checkpoints, strict):
+    """Real CUDA graphs of our kernels: the same tokens as the eager kernelized model with a static
+    cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache
+    lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3."""
+    eager = _load(checkpoints[model_type], attn, graphs=False)
+    model = _load(checkpoints[model_type], attn, graphs=True)
+    graphs = getattr(model, dg.ATTR)
+    gen = torch.Generator().manual_seed(11)
+    for b, s in ((1, 1), (1, 37), (3, 70)):
+        ids = torch.randint(1, 256, (b, s), generator=gen).cuda()
+        mask = torch.ones_like(ids)
+        if b > 1:
+            mask[0, :20] = 0
+            ids[0, :20] = 0
+        want = _generate(eager, ids, new=40, attention_mask=mask, cache_implementation="static",
+                         disable_compile=True)
+        got = _generate(model, ids, new=40, attention_mask=mask)
+        assert torch.equal(got.sequences, want.sequences), (b, s)
+        for g, w in zip(got.logits, want.logits):
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+    # One graph per batch size: the two batch-1 calls share a cache bucket and its graph.
+    assert graphs.captures >= 2 and graphs.replays >= 3 * 30
+
+
+@pytest.mark.gpu
+def test_gpu_full_cache_and_long_prompt_raise(checkpoints):
+    model = _load(checkpoints["llama"], "cutile", graphs=True)
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    step = model.get_compiled_call(None)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="do not fit"):
+            model(torch.randint(1, 256, (1, 41), device="cuda"), past_key_values=cache, use_cache=True)
+        nxt = model(torch.randint(1, 256, (1, 36), device="cuda"), past_key_values=cache,
+                    use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        with pytest.raises(dg.CacheFullError):
+            step(nxt, past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()  # no device-side assert happened
+
+
+@pytest.mark.gpu
+def test_gpu_switching_back_to_eager(checkpoints):
+    model = _load(checkpoints["qwen3"], "cutile", graphs=True)
+    ids = torch.randint(1, 256, (2, 9), device="cuda")
+    got = _generate(model, ids, new=16)
+    assert cutile_kernels.disable_decode_graphs(model)
+    again = _generate(model, ids, new=16, cache_implementation="static", disable_compile=True)
+    assert torch.equal(got.sequences, again.sequences)
