@@ -537,7 +537,8 @@ def _generate_static(model, *args, **kwargs):
     def asked(name):
         return kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
     plain = (asked("num_beams") or 1) == 1 and kwargs.get("assistant_model") is None and \
-        asked("prompt_lookup_num_tokens") is None and kwargs.get("custom_generate") is None
+        asked("prompt_lookup_num_tokens") is None and kwargs.get("custom_generate") is None and \
+        asked("use_cache") is not False
     if (plain and kwargs.get("cache_implementation") is None and kwargs.get("past_key_values") is None
             and getattr(config, "cache_implementation", None) is None):
         kwargs["cache_implementation"] = "static"

@@ -220,6 +220,7 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
     Raises:
         ValueError: a name in ``exclude`` that is neither a hub layer of ours nor a patch, or in
             ``include`` that is no patch.
+        TypeError: ``decode_graphs`` that is not a bool (``"no"`` would read as on).
 
     Returns:
         A :class:`CutileKernelConfig` mapping each transformers hub layer name in
@@ -235,6 +236,8 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
     """
     from ._patching import PATCHES
 
+    if not isinstance(decode_graphs, bool):
+        raise TypeError(f"kernel_config(decode_graphs=...) takes True or False, not {decode_graphs!r}")
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
     include = _names(include, "include", set(PATCHES))
     if dispatch.disabled():

@@ -464,6 +464,7 @@ def test_generate_defaults_to_a_static_cache_and_disable_restores_stock(emulated
     assert type(beams.past_key_values).__name__ == "DynamicCache"
     looked = _generate(model, torch.randint(1, 256, (1, 8)), new=3, logits=False, prompt_lookup_num_tokens=2)
     assert looked.shape == (1, 11)
+    assert _generate(model, ids, new=2, use_cache=False).past_key_values is None  # no cache asked: none
     dyn = _generate(model, ids, new=5, cache_implementation="dynamic", compile_config=_cpu_compile_config())
     assert type(dyn.past_key_values).__name__ == "DynamicCache" and graphs.captures == 1  # asked for: kept
     assert isinstance(model.get_compiled_call(None), dg._Session)
@@ -483,6 +484,8 @@ def test_enable_on_a_cpu_model_without_an_emulation_does_nothing(caplog):
 def test_kernel_config_carries_the_switch():
     assert cutile_kernels.kernel_config(decode_graphs=True).decode_graphs
     assert not cutile_kernels.kernel_config().decode_graphs
+    with pytest.raises(TypeError, match="True or False"):
+        cutile_kernels.kernel_config(decode_graphs="no")
 
 
 # ---------------------------------------------------------------------------------------------

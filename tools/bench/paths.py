@@ -104,8 +104,8 @@ def spec(name: str) -> PathSpec:
         if found and base in VARIED and part:
             break
     else:
-        raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, cutile[-compile|-graphs]{WITHOUT}"
-                       f"<default patch or hub layer>, cutile[-compile|-graphs]{WITH}<opt-in patch>")
+        raise KeyError(f"unknown bench path {name!r}; known: {list(PATHS)}, {'|'.join(VARIED)} followed by "
+                       f"{WITHOUT}<default patch or hub layer> or {WITH}<opt-in patch>")
     other = WITH if sep == WITHOUT else WITHOUT
     if other in part:
         raise KeyError(f"path {name!r}: one path takes names with {WITHOUT!r} (without) or {WITH!r} (with), not both")
