@@ -9,8 +9,10 @@
 source .device/setup.sh || return 1
 # The build travels compressed (cubins shrink ~5x; the tree's carry limit is 64 MiB):
 #   tar czf .device/build.tgz build    (after `cutile-kernels build --arch sm_90`)
-if [ ! -d build ] && [ -f .device/build.tgz ]; then tar xzf .device/build.tgz || return 1; fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . >/tmp/pip-project.log 2>&1 \
+# Always unpacked afresh: a machine still warm from the previous call keeps its old build/.
+if [ -f .device/build.tgz ]; then rm -rf build && tar xzf .device/build.tgz || return 1; fi
+# --upgrade: on a machine still warm from the previous call, --target keeps the old copy otherwise.
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target /tmp/site . >/tmp/pip-project.log 2>&1 \
   || { cat /tmp/pip-project.log; return 1; }
 export CUTILE_KERNELS_BUILD_DIR="$PWD/build"
 export PATH="/tmp/site/bin:$PATH"
