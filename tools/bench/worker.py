@@ -103,15 +103,12 @@ class Decoder:
         from transformers import DynamicCache, StaticCache
 
         self.model, self.graphs, self.timer = model, graphs, Timer(device)
-        self.compiled = compiled or graphs  # both decode over a StaticCache
+        self.static = compiled or graphs  # both decode over a StaticCache
         gen = torch.Generator().manual_seed(seed + 11)
         self.ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
-        if graphs:
+        if self.static:
             self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_new + 1)
-            self.step_fn = model.get_compiled_call(None)
-        elif compiled:
-            self.cache = StaticCache(config=model.config, max_cache_len=prompt_len + max_new + 1)
-            self.step_fn = _compiled_forward(model)
+            self.step_fn = model.get_compiled_call(None) if graphs else _compiled_forward(model)
         else:
             self.cache = DynamicCache(config=model.config)
             self.step_fn = model
@@ -123,7 +120,7 @@ class Decoder:
         a new one would have new addresses, and the compiled step would recompile and recapture."""
         from transformers import DynamicCache
 
-        if self.compiled:
+        if self.static:
             self.cache.reset()
             if self.graphs:  # a decode-graph session counts the cache's length from its first step
                 self.step_fn = self.model.get_compiled_call(None)
