@@ -33,6 +33,12 @@ def test_presets_are_real_configs():
     q35 = presets.make_config("qwen3.5-0.8b")
     assert type(q35).__name__ == "Qwen3_5TextConfig" and q35.layer_types.count("full_attention") == 6
     assert (q35.hidden_size, q35.linear_num_value_heads, q35.linear_key_head_dim) == (1024, 16, 128)
+    g = presets.make_config("granite-3.3-2b")
+    assert type(g).__name__ == "GraniteConfig" and (g.embedding_multiplier, g.logits_scaling, g.vocab_size) == (
+        12.0, 8.0, 49159)
+    s = presets.make_config("smollm3-3b")
+    assert type(s).__name__ == "SmolLM3Config" and s.no_rope_layers[:8] == [1, 1, 1, 0, 1, 1, 1, 0]
+    assert (s.num_hidden_layers, s.num_key_value_heads, s.intermediate_size) == (36, 4, 11008)
     with pytest.raises(KeyError):
         presets.materialize("nope")
     with pytest.raises(FileNotFoundError):

@@ -116,6 +116,27 @@ PRESETS = {
             "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 32064,
             "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
         }),
+        # ibm-granite/granite-3.3-2b-instruct: a trimmed copy of its config.json in a public test
+        # and granite-speech-4.1-2b's text model (built on it) agree on every value here (found with
+        # the search tool, 2026-12-02). Llama's code but for four multipliers; tied embeddings.
+        Preset("granite-3.3-2b", "ibm-granite/granite-3.3-2b-instruct", {
+            "model_type": "granite", "architectures": ["GraniteForCausalLM"], "attention_bias": False,
+            "attention_multiplier": 0.015625, "embedding_multiplier": 12.0, "hidden_act": "silu", "hidden_size": 2048,
+            "intermediate_size": 8192, "logits_scaling": 8.0, "max_position_embeddings": 131072, "mlp_bias": False,
+            "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "residual_multiplier": 0.22,
+            "rms_norm_eps": 1e-05, "rope_theta": 10000000.0, "rope_scaling": None, "tie_word_embeddings": True,
+            "vocab_size": 49159,
+        }),
+        # HuggingFaceTB/SmolLM3-3B: three public copies of its config.json agree on these values
+        # (search tool, 2026-12-02). Every fourth layer has no RoPE (NoPE: no_rope_layers 1,1,1,0).
+        Preset("smollm3-3b", "HuggingFaceTB/SmolLM3-3B", {
+            "model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "attention_bias": False,
+            "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 11008, "max_position_embeddings": 65536,
+            "no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)],
+            "num_attention_heads": 16, "num_hidden_layers": 36, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+            "rope_theta": 5000000.0, "rope_scaling": None, "tie_word_embeddings": True, "vocab_size": 128256,
+            "bos_token_id": 128000, "eos_token_id": 128012, "pad_token_id": 128004, "use_sliding_window": False,
+        }),
         # Qwen/Qwen3.5-0.8B's text_config (the checkpoint is multimodal; users load the text decoder
         # through AutoModelForCausalLM): three public copies of that config.json agree value for
         # value (found with the search tool, 2026-12-01). 24 layers, three gated-DeltaNet to one gated

@@ -16,6 +16,7 @@ from . import Family
 FAMILY = Family(
     name="granite",
     model_types=("granite",),
+    presets=("granite-3.3-2b",),
     covered="RMSNorm, RoPE, SwiGLU on fused gate/up (Llama's code); opt-in: fused q/k/v, RoPE cos/sin",
     not_covered="the scaled residual adds (left unfused), embedding and logit multipliers, attention (sdpa), GEMMs",
 )

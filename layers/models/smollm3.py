@@ -15,6 +15,7 @@ from . import Family
 FAMILY = Family(
     name="smollm3",
     model_types=("smollm3",),
+    presets=("smollm3-3b",),
     covered="RMSNorm fused with the residual adds, RoPE on the RoPE layers, SwiGLU on fused gate/up",
     not_covered="q/k/v projections (its own attention forward), attention (sdpa), GEMMs",
 )
