@@ -109,6 +109,12 @@ def _sliding(layer) -> bool:
     return hasattr(layer, "cumulative_length_int")
 
 
+def _full_layer(cache):
+    """A full-attention layer of ``cache`` (they all hold the same length and room), or None when
+    every layer slides (then nothing fills: the window keeps the last tokens)."""
+    return next((layer for layer in cache.layers if not _sliding(layer)), None)
+
+
 def _capturable_sliding_update(layer, key_states, value_states, *args, **kwargs):
     """``StaticSlidingWindowLayer.update`` (pinned) with its full-window one-token step done without
     ``torch.tensor([-1], device=...)``, a host-to-device copy that CUDA graph capture refuses: the
@@ -258,10 +264,11 @@ class DecodeGraphs:
         storage = tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values))
         return (id(cache), tuple(sig), full, storage, torch.is_inference_mode_enabled())
 
-    def step(self, kwargs: dict):
-        """Run one decode step: eagerly, by capture, or by replay. Returns the model output."""
+    def step(self, kwargs: dict, cache_why: str | None):
+        """Run one decode step: eagerly, by capture, or by replay. Returns the model output.
+        ``cache_why``: :func:`_graphable_cache`'s verdict on the step's cache (the session has it)."""
         cache = kwargs.get("past_key_values")
-        why = self._why_eager(kwargs, cache)
+        why = self._why_eager(kwargs, cache_why)
         if why is not None:
             dispatch.fallback("decode_graphs", why)
             return self.model(**kwargs)
@@ -306,7 +313,7 @@ class DecodeGraphs:
         for key in [k for k in self.entries if k[0] == cid]:
             del self.entries[key]
 
-    def _why_eager(self, kwargs: dict, cache) -> str | None:
+    def _why_eager(self, kwargs: dict, cache_why: str | None) -> str | None:
         if kwargs.get("inputs_embeds") is not None:
             return "inputs_embeds (decode graphs take input_ids)"
         ids = kwargs.get("input_ids")
@@ -314,7 +321,7 @@ class DecodeGraphs:
             return "not a decode step (input_ids of one token per row)"
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.model.parameters()):
             return "autograd is recording (decode graphs are for inference)"
-        return _graphable_cache(cache)
+        return cache_why
 
     def _capture(self, entry: _Entry, kwargs: dict, tensors: list, cache):
         entry.inputs = {path: t.clone() for path, t in tensors}
@@ -397,7 +404,8 @@ class _Session:
         if input_ids is not None and input_ids.shape[-1] > 1:  # a prefill chunk: not a decode step
             return self.graphs.model(**kwargs)
         cache = kwargs.get("past_key_values")
-        if _graphable_cache(cache) is None and input_ids is not None:
+        cache_why = _graphable_cache(cache)
+        if cache_why is None and input_ids is not None:
             self._check_room(cache, input_ids.shape[1])
             # With sliding layers, positions and masks come from the cache's length as a Python
             # integer: computed inside a graph, they would stay what they were at capture; a 2-D
@@ -410,10 +418,9 @@ class _Session:
                 past = cache.get_seq_length()
                 kwargs["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device)
                                           + past).unsqueeze(0)
-            if kwargs.get("position_ids") is not None and (
-                    mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)):
+            if kwargs.get("position_ids") is not None and (mask is None or grows):
                 kwargs["attention_mask"] = self._masks(input_ids, mask, cache, kwargs.get("position_ids"))
-        return self.graphs.step(kwargs)
+        return self.graphs.step(kwargs, cache_why)
 
     def _masks(self, input_ids, mask, cache, position_ids):
         """The masks ``prepare_inputs_for_generation`` builds before a compiled decode step."""
@@ -426,13 +433,13 @@ class _Session:
                     attention_mask=mask, past_key_values=cache, position_ids=position_ids)
 
     def _check_room(self, cache, new: int) -> None:
-        full_layers = [layer for layer in cache.layers if not _sliding(layer)]
-        if not full_layers:
+        layer = _full_layer(cache)
+        if layer is None:
             return
         if id(cache) not in self.lengths:  # one device read per generation
-            self.lengths[id(cache)] = int(full_layers[0].cumulative_length)
+            self.lengths[id(cache)] = int(layer.cumulative_length)
         length = self.lengths[id(cache)] + new
-        room = full_layers[0].max_cache_len
+        room = layer.max_cache_len
         if length > room:
             raise CacheFullError(f"cutile_kernels: the static KV cache is full ({room} tokens); pass a larger "
                                  f"max_cache_len (or max_new_tokens to generate) to decode further")
@@ -479,10 +486,9 @@ def _check_prefill_fits(module, args, kwargs):
     cache = kwargs.get("past_key_values")
     if new <= 1 or cache is None or _graphable_cache(cache, filled=False) is not None:
         return None
-    full_layers = [layer for layer in cache.layers if not _sliding(layer)]
-    if not full_layers:
+    layer = _full_layer(cache)
+    if layer is None:
         return None
-    layer = full_layers[0]
     used = int(layer.cumulative_length) if layer.is_initialized else 0
     if used + new > layer.max_cache_len:
         raise ValueError(f"cutile_kernels: {new} new tokens do not fit the static KV cache ({used} of "
