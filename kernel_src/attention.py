@@ -11,7 +11,10 @@ row ``i`` of batch ``b`` and query head ``h``, over key/value rows ``j`` of KV h
 Key ``j`` is visible to query ``i`` when every enabled condition holds (the same conditions as
 ``ops.attention.attention_reference``):
 
-* ``j < Skv``: tiles reaching past the KV length are loaded with zero padding and masked;
+* ``j < Skv``: tiles reaching past the KV length are loaded with zero padding and masked. ``Skv``
+  is k's length, or the device-side ``kv_len`` when given (a static cache's filled slots: no KV
+  tile wholly past it is read, the tail tile's rows past it count as zeros, and a replayed CUDA
+  graph sees each step's length);
 * ``causal``: ``j <= i + (Skv - Sq)``, lower-right aligned, i.e. query ``i`` sits at absolute
   position ``Skv - Sq + i`` (prefill, chunked prefill and decode over a cache alike);
 * ``window > 0``: ``j > i + (Skv - Sq) - window``, transformers' ``sliding_window_overlay``
@@ -59,16 +62,36 @@ def _kv_tile_range(qb, sq, skv, causal, window, BS: ct.Constant[int], BN: ct.Con
 
 
 @ct.function
-def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, scale, softcap, window, has_mask, causal,
+def _kv_length(k, kv_len, has_len):
+    # Skv: the keys k holds, or with has_len the first kv_len[0] of them (a static cache's filled
+    # slots, read on the device so that a captured graph sees each step's length).
+    skv = k.shape[2]
+    if has_len != 0:
+        skv = ct.minimum(ct.gather(kv_len, 0).astype(ct.int32), skv)
+    return skv
+
+
+@ct.function
+def _tail_rows_zeroed(vt, j, skv, BN: ct.Constant[int]):
+    # The tail tile: with kv_len, slots past Skv are read and may hold anything (an unfilled cache
+    # slot); p is 0 there, but 0 * NaN is not 0.
+    if (j + 1) * BN > skv:
+        vrow = ct.reshape(j * BN + ct.arange(BN, dtype=ct.int32), (BN, 1))
+        vt = ct.where(vrow < skv, vt, 0.0)
+    return vt
+
+
+@ct.function
+def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, has_len, causal,
             D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
-    """Online softmax over KV tiles [j_lo, j_hi) for one (batch, head block, query block).
+    """Online softmax over KV tiles [j_lo, j_hi) of the first ``skv`` keys, for one (batch, head
+    block, query block).
 
     Returns the unnormalised float32 accumulator (M, D), the running max (M, 1) in log2 units
     (-inf for a row that saw no visible key) and the running sum (M, 1), M = HB * BS.
     """
     M = HB * BS
     sq = q.shape[2]
-    skv = k.shape[2]
     kvh = (hb * HB) // (q.shape[1] // k.shape[1])
     qt = ct.reshape(ct.load(q, index=(b, hb, qb, 0), shape=(1, HB, BS, D), padding_mode=ZERO), (M, D))
     # Absolute position of each row: row r is head hb * HB + r // BS, query qb * BS + r % BS.
@@ -122,35 +145,59 @@ def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, scale, softcap, window, has_ma
             alpha = ct.exp2(m_i - m_use)
             l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
             vt = ct.reshape(ct.load(v, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO), (BN, D))
+            if has_len != 0:
+                vt = _tail_rows_zeroed(vt, j, skv, BN)
             acc = ct.mma(p.astype(v.dtype), vt, acc * alpha)
             m_i = m_new
     return acc, m_i, l_i
 
 
 @ct.kernel
-def attention_kernel(q, k, v, mask, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
-                     causal: int, num_splits: int,
+def attention_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
+                     has_mask: int, has_len: int, causal: int, num_splits: int,
                      D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
     """Attention forward for one (query block, batch x head block[, KV split]).
 
     q: (B, Hq, Sq, head_dim); k, v: (B, Hkv, Skv, head_dim); mask: (MB, Sq, Skv) int8 (read only
-    when has_mask); o: (B, Hq, Sq, head_dim), usually a transposed view of a (B, Sq, Hq, head_dim)
-    buffer. With num_splits > 1: part (num_splits, B * Hq, Sq, D) and lse (num_splits, B * Hq, Sq)
-    float32 receive each split's normalised output and log2-sum-exp instead of o.
+    when has_mask); kv_len: (1,) int64, with has_len the number of keys k holds (Skv is then
+    min(kv_len[0], k's length): k, v and mask are read as if cut there); o: (B, Hq, Sq,
+    head_dim), usually a transposed view of a (B, Sq, Hq, head_dim) buffer. With num_splits > 1:
+    part (num_splits, B * Hq, Sq, D) and lse (num_splits, B * Hq, Sq) float32 receive each split's
+    normalised output and log2-sum-exp instead of o; the splits share the KV tiles of the first
+    Skv keys evenly (a split with none writes zeros and -inf).
     Grid: (cdiv(Sq, BS) * num_splits, B * Hq // HB).
     """
+    _attention_block(q, k, v, mask, o, part, lse, _kv_length(k, kv_len, has_len), scale, softcap, window, has_mask,
+                     has_len, causal, num_splits, D, HB, BS, BN)
+
+
+@ct.kernel
+def _attention_full_length(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
+                           has_mask: int, has_len: int, causal: int, num_splits: int,
+                           D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
+    """attention_kernel over all of k (kv_len and has_len are not read): the prefill tiles, whose
+    code then is what it was before kv_len existed (the host passes kv_len to decode tiles only)."""
+    _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
+                     num_splits, D, HB, BS, BN)
+
+
+@ct.function
+def _attention_block(q, k, v, mask, o, part, lse, skv, scale, softcap, window, has_mask, has_len, causal,
+                     num_splits, D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int],
+                     BN: ct.Constant[int]):
+    # One (query block, batch x head block[, KV split]) of attention_kernel over the first skv keys.
     qb = ct.bid(0) // num_splits
     split = ct.bid(0) % num_splits
     nhb = q.shape[1] // HB
     b = ct.bid(1) // nhb
     hb = ct.bid(1) % nhb
-    j_lo, j_hi = _kv_tile_range(qb, q.shape[2], k.shape[2], causal, window, BS, BN)
+    j_lo, j_hi = _kv_tile_range(qb, q.shape[2], skv, causal, window, BS, BN)
     if num_splits > 1:
         per = ct.cdiv(j_hi - j_lo, num_splits)
         j_lo = ct.minimum(j_lo + split * per, j_hi)
         j_hi = ct.minimum(j_lo + per, j_hi)
-    acc, m_i, l_i = _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, scale, softcap, window, has_mask, causal,
-                            D, HB, BS, BN)
+    acc, m_i, l_i = _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, has_len,
+                            causal, D, HB, BS, BN)
     out = acc / ct.where(l_i == 0.0, 1.0, l_i)
     if num_splits > 1:
         lse_rows = ct.where(l_i == 0.0, NEG_INF, m_i + ct.log2(ct.where(l_i == 0.0, 1.0, l_i)))
@@ -163,7 +210,7 @@ def attention_kernel(q, k, v, mask, o, part, lse, scale: float, softcap: float, 
 
 #: The prefill tiles (128 query rows) on sm_90 take two warpgroups, one per 64-row wgmma; with one,
 #: head_dim 256 does not compile (tileiras 13.4). Elsewhere the default (4 warps) compiles them all.
-attention_prefill_kernel = attention_kernel.replace_hints(num_worker_warps=ct.ByTarget(sm_90=8, default=4))
+attention_prefill_kernel = _attention_full_length.replace_hints(num_worker_warps=ct.ByTarget(sm_90=8, default=4))
 
 
 @ct.kernel
@@ -216,11 +263,13 @@ def _attention_params(dtype: str, consts: dict) -> tuple:
     qkv = [array(n, dtype, 4, "aligned") for n in ("q", "k", "v")]
     return tuple(qkv + [
         ArrayParam("mask", "int8", 3),                # any strides and length
+        ArrayParam("kv_len", "int64", 1),             # a static cache layer's cumulative_length, viewed (1,)
         array("o", dtype, 4, "aligned"),
         array("part", "float32", 4, "aligned"),
         ArrayParam("lse", "float32", 3),              # its last dim is Sq: any length
         ScalarParam("scale", "float32"), ScalarParam("softcap", "float32"), ScalarParam("window", "int32"),
-        ScalarParam("has_mask", "int32"), ScalarParam("causal", "int32"), ScalarParam("num_splits", "int32"),
+        ScalarParam("has_mask", "int32"), ScalarParam("has_len", "int32"), ScalarParam("causal", "int32"),
+        ScalarParam("num_splits", "int32"),
     ] + [ConstParam(n, val) for n, val in consts.items()])
 
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from .attention import static_kv_length
+
 # The registries torch mutates in place (register_module_forward_hook & co.).
 _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks,
                  _module._global_backward_hooks, _module._global_backward_pre_hooks)
@@ -63,9 +65,13 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     (``qkv``, ``qwen3``, ``phi3``) run it: the KV cache update, the attention function the config
     names (``glob``: the class's modeling module, read as its forward reads it), then ``o_proj``
     through :func:`linear`. ``window`` is the ``sliding_window`` keyword as the stock forward passes
-    it (``{}`` where it passes none). Returns ``(attn_output (B, S, hidden), attn_weights)``."""
+    it (``{}`` where it passes none). With our attention over a static cache layer, the layer's
+    filled length goes along (:func:`.attention.static_kv_length`). Returns ``(attn_output (B, S,
+    hidden), attn_weights)``."""
+    length = {}
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        length = static_kv_length(self, past_key_values)
 
     attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
         self.config._attn_implementation, glob["eager_attention_forward"]
@@ -73,6 +79,7 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **window, **kwargs,
+        **length,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return linear(self.o_proj, attn_output), attn_weights

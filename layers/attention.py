@@ -19,6 +19,10 @@ How transformers' arguments map onto the kernel (``ops.attention``), mirroring
 * a boolean ``(B or 1, 1, Sq, Skv)`` mask (padding, sliding window, static-cache slots not yet
   filled, packed sequences): the mask alone decides, as in sdpa; the kernel skips KV tiles the
   mask hides entirely (so a causal mask still skips the upper triangle).
+* ``cutile_kv_len`` (passed by our reproduced attention forwards, ``_direct.attend``, for a
+  ``StaticLayer`` of a static cache: its ``cumulative_length`` after the update): the kernel reads
+  only the filled slots, the count read on the device (so a replayed CUDA graph follows it), and
+  the empty slots of the static cache cost nothing.
 * anything else (an additive float mask, per-head masks, dropout while training, attention sinks,
   ``position_bias``): the model's own ``eager_attention_forward`` with an additive mask, and one
   warning per reason (an error under ``CUTILE_KERNELS_STRICT=1``).
@@ -26,12 +30,39 @@ How transformers' arguments map onto the kernel (``ops.attention``), mirroring
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
 
 from .. import dispatch
-from ..ops.attention import attention, visible_mask
+from ..ops.attention import DECODE_MAX_SQ, attention, visible_mask
+from ._pins import Pin, holds, register
+
+#: ``cutile_kv_len`` relies on a StaticLayer counting its filled slots in ``cumulative_length``
+#: (updated before ``update`` returns) and writing them from slot 0 on.
+PIN = Pin("cache_utils", "StaticLayer.update", "3f3c0040cf17c086",
+          "attention: a StaticLayer's cumulative_length after update is the filled slots the kernel reads (kv_len); "
+          "decode graphs: _kernel_static_update reproduces its writes with kv_append")
+register(PIN)
+
+
+def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
+    """``{"cutile_kv_len": length}`` for the attention call of ``module`` (after its cache update)
+    when the model attends with ``"cutile"`` and the module's cache layer is a ``StaticLayer``
+    (the pinned one): its ``cumulative_length``, a device tensor. Else ``{}``."""
+    if _STATIC_LAYER is None or getattr(module.config, "_attn_implementation", None) != NAME:
+        return {}
+    layers = getattr(past_key_values, "layers", None)
+    idx = getattr(module, "layer_idx", None)
+    if layers is None or idx is None or idx >= len(layers) or type(layers[idx]) is not _STATIC_LAYER:
+        return {}
+    return {"cutile_kv_len": layers[idx].cumulative_length}
+
+
+#: transformers' StaticLayer while :data:`PIN` holds (set by :func:`register_attention`, so that no
+#: check runs inside a forward), else None.
+_STATIC_LAYER = None
 
 #: The name to pass as ``attn_implementation``.
 NAME = "cutile"
@@ -70,7 +101,8 @@ def _bool_mask_fits(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) 
 def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              sliding_window: int | None = None, softcap: float | None = None,
-                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                             is_causal: bool | None = None, cutile_kv_len: torch.Tensor | None = None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
     """Attention for transformers' ``AttentionInterface`` (the signature of ``sdpa_attention_forward``).
 
     Args:
@@ -82,6 +114,8 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         sliding_window: the layer's window (Mistral, Qwen2/3 sliding layers), or None.
         softcap: logit soft-cap (Gemma 2 style), or None.
         is_causal: overrides ``module.is_causal``.
+        cutile_kv_len: a static cache layer's filled length (one int64 on the device), from
+            :func:`static_kv_length`: the keys past it are not read.
 
     Returns:
         ``(attn_output, None)``, ``attn_output`` the contiguous ``(B, Sq, Hq, D)`` tensor.
@@ -108,9 +142,13 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         sq, skv = query.shape[2], key.shape[2]
         if causal and sq > 1 and skv > sq:  # sdpa's upper-left is_causal on an empty static cache
             key, value = key[:, :, :sq], value[:, :, :sq]
+            cutile_kv_len = None
     else:
         causal, window = False, None  # the mask holds the causal and window patterns
-    out = attention(query, key, value, attention_mask, scale=scaling, causal=causal, window=window, softcap=softcap)
+        if query.shape[2] > DECODE_MAX_SQ:
+            cutile_kv_len = None  # sdpa_mask already hides a static cache's unfilled slots from a prefill
+    out = attention(query, key, value, attention_mask, scale=scaling, causal=causal, window=window, softcap=softcap,
+                    kv_len=cutile_kv_len)
     return out.transpose(1, 2), None
 
 
@@ -122,6 +160,14 @@ def register_attention() -> None:
 
     AttentionInterface.register(NAME, cutile_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    global _STATIC_LAYER
+    from transformers.cache_utils import StaticLayer
+
+    _STATIC_LAYER = StaticLayer if holds(PIN.name) else None
+    if _STATIC_LAYER is None:
+        logging.getLogger("cutile_kernels").info(
+            "cutile_kernels: transformers' StaticLayer.update is not the pinned one; our attention reads every "
+            "static cache slot (no filled length)")
 
 
 #: transformers hub layer name -> layer class in this module: none, attention is an interface.

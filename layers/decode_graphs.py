@@ -25,6 +25,11 @@ decode step also advances plain Python integers of the cache (the sliding layers
 ``cumulative_length_int``), which a replay does not run: the capture records how each changed and
 every replay applies the same change. A cache's graphs are dropped when the cache is freed.
 
+What the step runs of ours besides the model's kernels: each full-attention cache layer writes its
+new keys and values with one ``kv_append`` launch (:func:`_kernel_static_update`; transformers'
+``StaticLayer.update`` makes four), and our attention reads only the layer's filled slots, the
+count read on the device (``layers/attention.py``, ``cutile_kv_len``).
+
 What runs eagerly, said once per reason through ``dispatch.fallback``: ``inputs_embeds``, a cache
 that is not a ``StaticCache`` of ``StaticLayer``/``StaticSlidingWindowLayer`` (e.g. a hybrid cache
 with linear-attention states), autograd recording, more than ``MAX_SHAPES_PER_CACHE`` shapes over
@@ -49,9 +54,12 @@ import logging
 import weakref
 
 import torch
+from transformers.utils import ModelOutput
 
 from .. import dispatch
+from ..ops.kv_cache import kv_append
 from ._pins import Pin, holds, register
+from .attention import PIN as STATIC_UPDATE_PIN
 
 #: The transformers code the decode graphs reproduce (gating) or follow.
 PINS = (
@@ -109,6 +117,14 @@ def _sliding(layer) -> bool:
     return hasattr(layer, "cumulative_length_int")
 
 
+def _sliding_layers(cache) -> list:
+    """The sliding-window layers of ``cache`` (found once per cache: the step asks every time)."""
+    found = cache.__dict__.get("_cutile_sliding")
+    if found is None:
+        found = cache._cutile_sliding = [layer for layer in cache.layers if _sliding(layer)]
+    return found
+
+
 def _full_layer(cache):
     """A full-attention layer of ``cache`` (they all hold the same length and room), or None when
     every layer slides (then nothing fills: the window keeps the last tokens)."""
@@ -128,19 +144,48 @@ def _capturable_sliding_update(layer, key_states, value_states, *args, **kwargs)
     return type(layer).update(layer, key_states, value_states, *args, **kwargs)
 
 
-def _make_capturable(cache) -> None:
-    """Give the sliding layers of ``cache`` :func:`_capturable_sliding_update` (once; only while
-    the pin holds: otherwise their steps stay transformers' own and a failed capture says so)."""
+def _kernel_static_update(layer, key_states, value_states, *args, **kwargs):
+    """``StaticLayer.update`` (pinned) with its writes as one ``kv_append`` launch (the slot read on
+    the device) instead of ``arange``, an add and two ``index_copy_``; then ``cumulative_length``
+    advances as there. The first call (lazy initialization) is the class's own."""
+    if not layer.is_initialized:
+        return type(layer).update(layer, key_states, value_states, *args, **kwargs)
+    kv_append(layer.keys, layer.values, key_states, value_states, layer.cumulative_length)
+    layer.cumulative_length.add_(key_states.shape[-2])
+    return layer.keys, layer.values
+
+
+def _make_capturable(cache, cache_kernel: bool = True) -> bool:
+    """Give the sliding layers of ``cache`` :func:`_capturable_sliding_update` and, with
+    ``cache_kernel``, the full ones whose keys and values have one shape (not MLA's two head dims)
+    :func:`_kernel_static_update` (once per cache; each only while its pin holds: otherwise the
+    steps stay transformers' own, said once, and a failed capture says why). Returns whether this
+    call changed the cache (:func:`_restore_updates` undoes it)."""
     if getattr(cache, "_cutile_capturable", False):
-        return
+        return False
     cache._cutile_capturable = True
-    if not holds("cache_utils.StaticSlidingWindowLayer.update"):
+    sliding_ok = holds("cache_utils.StaticSlidingWindowLayer.update")
+    if not sliding_ok and any(_sliding(layer) for layer in cache.layers):
         logger.warning("cutile_kernels: transformers' StaticSlidingWindowLayer.update is not the pinned one; "
                        "decode graphs leave it alone")
-        return
+    full_ok = cache_kernel and holds(STATIC_UPDATE_PIN.name)
+    if cache_kernel and not full_ok:
+        logger.warning("cutile_kernels: transformers' StaticLayer.update is not the pinned one; decode graphs "
+                       "keep its cache writes (no kv_append)")
     for layer in cache.layers:
         if _sliding(layer):
-            layer.update = functools.partial(_capturable_sliding_update, layer)
+            if sliding_ok:
+                layer.update = functools.partial(_capturable_sliding_update, layer)
+        elif full_ok and layer.is_initialized and layer.keys.shape == layer.values.shape:
+            layer.update = functools.partial(_kernel_static_update, layer)
+    return True
+
+
+def _restore_updates(cache) -> None:
+    """Undo :func:`_make_capturable`: the layers' own ``update`` again."""
+    for layer in cache.layers:
+        layer.__dict__.pop("update", None)
+    cache._cutile_capturable = False
 
 
 def _python_state(cache) -> dict:
@@ -186,22 +231,29 @@ def _with(kwargs: dict, tensors: dict, prefix=()) -> dict:
     return out
 
 
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_clone(x) for x in v)
+    return v
+
+
 def _copy_out(out, cache):
     """A model output with its tensors cloned (the graph's outputs are overwritten by the next
     replay) and ``past_key_values`` the live cache (the kept output does not hold it: see
-    :func:`_kept`)."""
-    def clone(v):
-        if isinstance(v, torch.Tensor):
-            return v.clone()
-        if isinstance(v, (tuple, list)):
-            return type(v)(clone(x) for x in v)
-        return v
-    if isinstance(out, dict):  # ModelOutput
-        fields = {k: clone(v) for k, v in out.items()}
-        if "past_key_values" in fields:
-            fields["past_key_values"] = cache
-        return type(out)(**fields)
-    return clone(out)
+    :func:`_kept`). A ``ModelOutput`` is filled field by field as its own ``__setitem__`` does
+    (the mapping entry and the attribute), without its ``__init__`` (~15 us of host time a step)."""
+    if isinstance(out, ModelOutput):
+        new = type(out).__new__(type(out))
+        for k, v in out.items():
+            v = cache if k == "past_key_values" else _clone(v)
+            collections.OrderedDict.__setitem__(new, k, v)
+            object.__setattr__(new, k, v)
+        return new
+    if isinstance(out, dict):
+        return type(out)((k, cache if k == "past_key_values" else _clone(v)) for k, v in out.items())
+    return _clone(out)
 
 
 def _kept(out):
@@ -232,21 +284,26 @@ class DecodeGraphs:
         max_caches: static caches kept (and the graphs over them).
         graph_factory: makes an object with ``capture(fn)`` returning fn's output and ``replay()``;
             default :class:`CudaGraph`. Tests on a CPU pass an emulation.
+        cache_kernel: write each step's keys and values with the ``kv_append`` kernel (one launch a
+            layer instead of four); read when a cache is first met.
     """
 
     def __init__(self, model, warmup: int = 1, length_bucket: int = LENGTH_BUCKET, max_caches: int = MAX_CACHES,
-                 graph_factory=None):
+                 graph_factory=None, cache_kernel: bool = True):
         self.model = model
         self.warmup = warmup
         self.length_bucket = length_bucket
         self.max_caches = max_caches
         self.graph_factory = graph_factory or CudaGraph
+        self.cache_kernel = cache_kernel
         self.entries: dict = {}
         self.caches: collections.OrderedDict = collections.OrderedDict()
         self.captures = 0
         self.replays = 0
         self.pool = None
         self._watched: set = set()
+        #: Caches whose layers' ``update`` the graphs replaced (restored by disable_decode_graphs).
+        self._changed: weakref.WeakSet = weakref.WeakSet()
         #: Set by ``generate`` (ours) while the call returns its cache to the caller.
         self.returns_cache = False
 
@@ -259,9 +316,10 @@ class DecodeGraphs:
         return _Session(self)
 
     def _key(self, cache, sig) -> tuple:
-        full = tuple(layer.cumulative_length_int >= layer.max_cache_len for layer in cache.layers if _sliding(layer))
+        full = tuple([layer.cumulative_length_int >= layer.max_cache_len for layer in _sliding_layers(cache)])
         # The storage a graph reads: beam search's reorder_cache puts new tensors in the layers.
-        storage = tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values))
+        layers = cache.layers
+        storage = tuple([layer.keys.data_ptr() for layer in layers] + [layer.values.data_ptr() for layer in layers])
         return (id(cache), tuple(sig), full, storage, torch.is_inference_mode_enabled())
 
     def step(self, kwargs: dict, cache_why: str | None):
@@ -272,7 +330,8 @@ class DecodeGraphs:
         if why is not None:
             dispatch.fallback("decode_graphs", why)
             return self.model(**kwargs)
-        _make_capturable(cache)
+        if _make_capturable(cache, self.cache_kernel):
+            self._changed.add(cache)
         self._watch(cache)
         tensors, sig = _flatten(kwargs)
         key = self._key(cache, sig)
@@ -414,7 +473,7 @@ class _Session:
             # length on the device: with no mask, the graph computes both.
             mask = kwargs.get("attention_mask")
             grows = isinstance(mask, torch.Tensor) and mask.dim() == 2  # one more column a step
-            if (grows or any(_sliding(layer) for layer in cache.layers)) and kwargs.get("position_ids") is None:
+            if (grows or _sliding_layers(cache)) and kwargs.get("position_ids") is None:
                 past = cache.get_seq_length()
                 kwargs["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device)
                                           + past).unsqueeze(0)
@@ -497,7 +556,7 @@ def _check_prefill_fits(module, args, kwargs):
 
 
 def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUCKET, max_caches: int = MAX_CACHES,
-                         graph_factory=None) -> DecodeGraphs | None:
+                         graph_factory=None, cache_kernel: bool = True) -> DecodeGraphs | None:
     """Run ``model.generate()``'s decode steps as replayed CUDA graphs over a static KV cache.
 
     After this, ``model.generate(ids, ...)`` uses a ``StaticCache`` (``cache_implementation=
@@ -510,7 +569,7 @@ def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUC
 
     Args:
         model: a transformers causal LM on a CUDA device.
-        warmup, length_bucket, max_caches, graph_factory: see :class:`DecodeGraphs`.
+        warmup, length_bucket, max_caches, graph_factory, cache_kernel: see :class:`DecodeGraphs`.
 
     Returns:
         The :class:`DecodeGraphs` now installed, or None (and one log line) when the model is not
@@ -523,7 +582,7 @@ def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUC
         return None
     disable_decode_graphs(model)
     graphs = DecodeGraphs(model, warmup=warmup, length_bucket=length_bucket, max_caches=max_caches,
-                          graph_factory=graph_factory)
+                          graph_factory=graph_factory, cache_kernel=cache_kernel)
     hook = model.register_forward_pre_hook(_check_prefill_fits, with_kwargs=True)
     model.get_compiled_call = lambda compile_config=None: graphs.session()
     model._prepare_static_cache = graphs.prepare_static_cache
@@ -557,14 +616,16 @@ def _generate_static(model, *args, **kwargs):
 
 
 def disable_decode_graphs(model) -> bool:
-    """Undo :func:`enable_decode_graphs` (graphs and the static caches it kept are freed).
-    Returns whether it was enabled."""
+    """Undo :func:`enable_decode_graphs` (graphs and the static caches it kept are freed; caches the
+    caller still holds get their layers' own ``update`` back). Returns whether it was enabled."""
     graphs = model.__dict__.get(ATTR)
     if graphs is None:
         return False
     graphs._undo.remove()
     for name in ("get_compiled_call", "_prepare_static_cache", "generate", ATTR):
         model.__dict__.pop(name, None)
+    for cache in list(graphs._changed):  # a cache the caller keeps writes as transformers does again
+        _restore_updates(cache)
     graphs.entries.clear()
     graphs.caches.clear()
     return True

@@ -200,6 +200,12 @@ def _names(arg, what: str, known: set) -> tuple:
     return names
 
 
+#: Opt-in patches that ``decode_graphs=True`` applies too (unless excluded): measured on the decode
+#: fast path by the end-to-end bench (stacked q/k/v: Llama-3.2-1B and Qwen3-0.6B decode +10 % and
+#: +19 % at batch 1, H200, 2026-12-02; docs/results.md). Its cost: Qwen3's eager prefill 15 % slower.
+DECODE_GRAPH_PATCHES = ("fused_qkv",)
+
+
 def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = False) -> KernelConfig:
     """The ``kernel_config`` to pass to ``from_pretrained(..., use_kernels=True)``.
 
@@ -215,7 +221,8 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
             applied anyway, so naming it changes nothing (``qk_norm_rope`` was opt-in before).
         decode_graphs: also switch on the decode fast path (``layers.decode_graphs``): ``generate``
             uses a static KV cache and replays each decode step as a captured CUDA graph, no
-            ``torch.compile``. Not under ``CUTILE_KERNELS_DISABLE``.
+            ``torch.compile``; the opt-in patches of :data:`DECODE_GRAPH_PATCHES` are applied too
+            unless ``exclude`` names them. Not under ``CUTILE_KERNELS_DISABLE``.
 
     Raises:
         ValueError: a name in ``exclude`` that is neither a hub layer of ours nor a patch, or in
@@ -240,6 +247,8 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
         raise TypeError(f"kernel_config(decode_graphs=...) takes True or False, not {decode_graphs!r}")
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
     include = _names(include, "include", set(PATCHES))
+    if decode_graphs:
+        include += tuple(p for p in DECODE_GRAPH_PATCHES if p not in exclude and p not in include)
     if dispatch.disabled():
         return CutileKernelConfig({}, use_local_kernel=True, inactive=f"disabled by {dispatch.ENV_DISABLE}")
     variant = variant_dir(build_dir)

@@ -18,8 +18,13 @@ argument), ``MistralAttention.forward`` (``sliding_window`` from the config) or
 the pinned statements (:data:`REFERENCES`); nobody replaced the forward on the instance
 (accelerate hooks, another patch); q/k/v are plain ``nn.Linear`` layers without hooks, with dense
 weights of one dtype and device, all three with a bias or none, of shapes ``(Hq * D, H)``,
-``(Hkv * D, H)``, ``(Hkv * D, H)`` for ``D = self.head_dim``. ``Qwen3Attention`` (q_norm / k_norm
-between projection and RoPE) is out of scope: the ``qk_norm_rope`` patch owns that forward.
+``(Hkv * D, H)``, ``(Hkv * D, H)`` for ``D = self.head_dim``.
+
+A family patch that reproduces another attention forward can make it stackable too
+(:func:`register_stackable`): ``models/qwen3.py`` does for ``Qwen3Attention`` (q_norm / k_norm
+between projection and RoPE), whose forward its ``qk_norm_rope`` patch owns. Such a module is
+stacked only while that patch's forward is bound to it; its stacked class's forward is the
+patch's forward, which projects through :func:`stacked_projections`.
 
 Weights, as in ``layers/mlp.py``: the stacked weight (and bias) is the only copy (the originals
 are freed); ``state_dict()`` still has the stock keys ``q_proj.weight``, ``k_proj.weight``,
@@ -32,10 +37,13 @@ reasons given in ``layers/mlp.py``'s docstring.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections import Counter
+from typing import Callable
 
+import torch
 from torch import nn
 
 from ._direct import attend, call, linear
@@ -55,6 +63,7 @@ _ATTRS = (*_STOCK, "o_proj")
 _NO_WINDOW = 0  # LlamaAttention: not at all
 _CONFIG_WINDOW = 1  # MistralAttention: getattr(self.config, "sliding_window", None)
 _MODULE_WINDOW = 2  # Qwen2Attention: self.sliding_window
+_OWNED = 3  # a Stackable's forward: the family patch's forward handles the window itself
 
 #: (modeling module, class) of the transformers forwards :func:`fused_qkv_forward` reproduces ->
 #: how each passes ``sliding_window``. Each is pinned (``layers/_pins.py``): if transformers
@@ -64,6 +73,49 @@ REFERENCES = {
     ("mistral", "MistralAttention"): _CONFIG_WINDOW,
     ("qwen2", "Qwen2Attention"): _MODULE_WINDOW,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Stackable:
+    """An attention forward owned by a family patch that reads stacked projections.
+
+    Attributes:
+        reference: returns the transformers forward (e.g. ``Qwen3Attention.forward``) whose code a
+            class's forward must have.
+        forward: the patch's forward; bound to the module (the patch applied), it is what lets
+            the module stack, and it becomes the stacked class's forward. It must project through
+            :func:`stacked_projections` when the module has ``qkv_proj``.
+        verdict: ``verdict(module)``: why the patch's forward cannot serve ``module``, or None.
+        patch: the patch's name (for the log lines).
+    """
+
+    reference: Callable[[], Callable]
+    forward: Callable
+    verdict: Callable[[nn.Module], str | None]
+    patch: str
+
+
+#: Stackable forwards registered by family modules (:func:`register_stackable`).
+STACKABLE: list[Stackable] = []
+
+
+def register_stackable(entry: Stackable) -> None:
+    """Let modules whose class forward has ``entry.reference()``'s code stack their q/k/v when
+    ``entry.forward`` is bound to them (see the module docstring). Idempotent per forward."""
+    if all(e.forward is not entry.forward for e in STACKABLE):
+        STACKABLE.append(entry)
+        _forward_verdict.cache_clear()
+
+
+def _stackable_for(fwd) -> Stackable | None:
+    return next((e for e in STACKABLE if same_code(fwd, e.reference())), None)
+
+
+def stacked_projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v)`` of a stacked module: one GEMM through ``qkv_proj`` and views of its output,
+    each ``(..., N)`` with the stock projections' widths (``module._cutile_qkv_split``)."""
+    q_out, kv_out = module._cutile_qkv_split
+    return linear(module.qkv_proj, hidden_states).split((q_out, kv_out, kv_out), dim=-1)
 
 
 def _reference_class(module_name: str, class_name: str) -> type:
@@ -87,13 +139,10 @@ def _forward_verdict(fwd) -> tuple[str | None, int | None]:
                 return (f"this transformers' {class_name}.forward is not the one the fused forward "
                         f"reproduces ({TRANSFORMERS})"), None
             return None, window
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
-
-    if same_code(fwd, Qwen3Attention.forward):
-        return ("its forward is Qwen3Attention.forward's code (q_norm / k_norm before RoPE; the "
-                "qk_norm_rope patch owns that forward)"), None
-    return ("its forward is not LlamaAttention, MistralAttention or Qwen2Attention.forward's code "
-            f"(transformers {TRANSFORMERS})"), None
+    if _stackable_for(fwd) is not None:
+        return None, _OWNED
+    return ("its forward is not LlamaAttention, MistralAttention or Qwen2Attention.forward's code, nor "
+            f"one a family patch stacks (transformers {TRANSFORMERS})"), None
 
 
 def attention_verdict(cls: type) -> str | None:
@@ -108,10 +157,17 @@ def why_not_fusable_qkv(module: nn.Module) -> str | None:
     :func:`is_fusable_qkv`)."""
     if getattr(type(module), "_cutile_qkv_unfused_class", None) is not None:
         return "already fused"
-    why = attention_verdict(type(module))
+    why, window = _class_verdict(type(module))
     if why is not None:
         return why
-    if "forward" in module.__dict__:
+    if window == _OWNED:
+        entry = _stackable_for(type(module).forward)
+        if getattr(module.__dict__.get("forward"), "__func__", None) is not entry.forward:
+            return f"its forward is {type(module).__name__}'s own: stacking it needs the {entry.patch} patch"
+        why = entry.verdict(module)
+        if why is not None:
+            return why
+    elif "forward" in module.__dict__:
         return "its forward is replaced on the instance (e.g. an accelerate hook or another patch)"
     for name in _STOCK:
         problem = linear_problem(getattr(module, name, None), bias_ok=True)
@@ -173,9 +229,7 @@ def fused_qkv_forward(self, hidden_states, position_embeddings=None, attention_m
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    q_out, kv_out = self._cutile_qkv_split
-    query_states, key_states, value_states = linear(self.qkv_proj, hidden_states).split(
-        (q_out, kv_out, kv_out), dim=-1)
+    query_states, key_states, value_states = stacked_projections(self, hidden_states)
     # v stays a view of the qkv buffer (no copy launch): transformers 5.22.2's caches copy what
     # they are given (DynamicLayer concatenates, StaticLayer copies into its own storage), so no
     # cache keeps the buffer alive. A cache that kept its inputs as they are would hold the
@@ -213,7 +267,7 @@ def stock_forward_parts(cls: type, forward) -> tuple[dict, int] | None:
     if getattr(cls, "_cutile_qkv_unfused_class", None) is not None:
         return None
     why, window = _forward_verdict(forward)
-    return None if why is not None else (forward.__globals__, window)
+    return None if why is not None or window == _OWNED else (forward.__globals__, window)
 
 
 def _attend(self, glob, window, input_shape, query_states, key_states, value_states, position_embeddings,
@@ -243,8 +297,9 @@ def fused_class(cls: type) -> type:
     why, window = _class_verdict(cls)
     if why is not None:
         raise ValueError(f"{cls.__name__}: {why}")
+    forward = _stackable_for(cls.forward).forward if window == _OWNED else fused_qkv_forward
     return type(f"CutileQKV{cls.__name__}", (cls,), {
-        "forward": fused_qkv_forward,
+        "forward": forward,
         "_cutile_qkv_unfused_class": cls,
         "_cutile_qkv_globals": cls.forward.__globals__,
         "_cutile_qkv_window": window,
@@ -320,7 +375,8 @@ def unfuse_qkv(model: nn.Module) -> int:
     return len(targets)
 
 
-__all__ = ["FUSED_NAME", "REFERENCES", "attention_verdict", "fuse_qkv", "fused_class", "fused_qkv_forward",
+__all__ = ["FUSED_NAME", "REFERENCES", "STACKABLE", "Stackable", "attention_verdict", "register_stackable",
+           "stacked_projections", "fuse_qkv", "fused_class", "fused_qkv_forward",
            "reproduced_forward", "stock_forward_parts",
            "is_fusable_qkv", "unfuse_qkv", "why_not_fusable_qkv"]
 
@@ -328,5 +384,5 @@ __all__ = ["FUSED_NAME", "REFERENCES", "attention_verdict", "fuse_qkv", "fused_c
 #: This module's patch row (gathered by ``layers/_registry.py``). Opt-in until the end-to-end bench
 #: on the H200 accepts it (cutile+fused_qkv against cutile).
 PATCH_ROWS = [Patch("fused_qkv", apply=fuse_qkv, undo=unfuse_qkv,
-                    description="q_proj, k_proj and v_proj of each Llama/Mistral/Qwen2 attention as one GEMM",
+                    description="q_proj, k_proj and v_proj of each Llama/Mistral/Qwen2 attention (and Qwen3 under qk_norm_rope) as one GEMM",
                     default=False)]

@@ -92,6 +92,41 @@ def load(arr, index, shape, order="C", padding_mode=PaddingMode.UNDETERMINED, **
     return out
 
 
+def _element_indices(arr, indices, check_bounds, mask):
+    # (broadcast index arrays, which elements are in bounds and unmasked) for gather / scatter.
+    idx = np.broadcast_arrays(*(np.asarray(i) for i in (indices if isinstance(indices, tuple) else (indices,))))
+    if len(idx) != arr.ndim:
+        raise UndefinedBehaviour(f"{len(idx)} index arrays for an array of rank {arr.ndim}")
+    valid = np.ones(idx[0].shape, dtype=bool)
+    for i, n in zip(idx, arr.shape):
+        valid &= (i >= 0) & (i < n)
+    if not check_bounds and not valid.all():
+        raise UndefinedBehaviour("an unchecked gather or scatter outside its array")
+    if mask is not None:
+        valid &= np.broadcast_to(np.asarray(mask), valid.shape)
+    return idx, valid
+
+
+def gather(arr, indices, mask=None, padding_value=0, check_bounds=True, **_hints):
+    """Element indices (a scalar or a tuple of one index array per dimension, broadcast together);
+    out-of-bounds or masked elements get the padding value, as cuTile's gather."""
+    idx, valid = _element_indices(arr, indices, check_bounds, mask)
+    if arr.size == 0:
+        return np.full(valid.shape, padding_value, dtype=arr.dtype)
+    got = arr[tuple(np.where(valid, i, 0) for i in idx)]
+    return np.where(valid, got, np.asarray(padding_value).astype(arr.dtype))
+
+
+def scatter(arr, indices, value, mask=None, check_bounds=True, **_hints):
+    """Store ``value`` (broadcast to the indices' shape) at element indices; out-of-bounds or
+    masked elements are not stored, as cuTile's scatter. A value of another dtype is an error."""
+    idx, valid = _element_indices(arr, indices, check_bounds, mask)
+    value = np.broadcast_to(np.asarray(value), valid.shape)
+    if value.dtype != arr.dtype:
+        raise UndefinedBehaviour(f"scatter of {value.dtype} into {arr.dtype}")
+    arr[tuple(i[valid] for i in idx)] = value[valid]
+
+
 def store(arr, index, tile, order="C", **_hints):
     a = _view(arr, order)
     tile = np.asarray(tile)

@@ -39,6 +39,8 @@ FAMILIES = {
     "olmo2": {},
     "gemma": {},
     "gemma3_text": {"sliding_window": 4, "sliding_window_pattern": 2},
+    # Gemma 2: its norms are GemmaRMSNorm's code; attention and final logit softcaps, sliding layers.
+    "gemma2": {"sliding_window": 4},
 }
 
 

@@ -66,13 +66,14 @@ def sdpa_gqa(q, k, v, mask=None, scale=None, is_causal=False):
                                           attn_mask=mask, scale=scale, is_causal=is_causal)
 
 
-def emulated_attention(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None, splits=None, sms=132):
+def emulated_attention(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None, splits=None, sms=132,
+                       kv_len=None):
     """The kernel launches the op would make, executed by the NumPy cuTile interpreter.
     Returns (output (B, Hq, Sq, D), the launched kernel names)."""
     B, Hq, Sq, D = q.shape
     scale = 1 / math.sqrt(D) if scale is None else scale
     out = torch.full((B, Sq, Hq, D), float("nan"), dtype=q.dtype)
-    plan = attn_ops.launches(q, k, v, mask, out, scale, causal, window, softcap, splits, sms=sms)
+    plan = attn_ops.launches(q, k, v, mask, out, scale, causal, window, softcap, splits, sms=sms, kv_len=kv_len)
     assert not isinstance(plan, str), plan
     for kernel, want, args, _n, grid in plan:
         (spec,) = {s.function: s for s in kattn.VARIANTS  # the bf16 and fp16 variants run the same code
@@ -204,6 +205,42 @@ def test_emulated_kernel_with_transformers_masks(kind):
     assert len(kernels) == (2 if splits > 1 else 1)
 
 
+#: (B, Hq, Hkv, Sq, Skv, kv_len, D, extra): a static cache of Skv slots holding kv_len keys.
+KV_LEN_CASES = [
+    (1, 8, 2, 1, 600, 1, 64, {}),                       # one key filled
+    (2, 8, 2, 1, 600, 129, 64, {}),                     # one past a tile
+    (1, 4, 2, 1, 300, 300, 128, {}),                    # full
+    (1, 8, 1, 1, 1000, 257, 64, {}),                    # split-KV by the heuristic over the whole cache
+    (1, 8, 2, 1, 600, 130, 64, {"splits": 5}),          # more splits than filled tiles: some get none
+    (2, 4, 2, 4, 500, 77, 64, {}),                      # a chunk of 4 queries, causal from kv_len
+    (1, 4, 4, 3, 200, 90, 96, {"window": 20}),          # window counted from kv_len
+    (2, 4, 2, 1, 300, 40, 64, {"mask": True}),          # with a padding mask over every slot
+]
+
+
+@pytest.mark.parametrize("case", KV_LEN_CASES, ids=lambda c: "-".join(map(str, c[:7])) + "".join(f"-{k}{v}" for k, v in c[7].items()))
+def test_emulated_kernel_reads_only_the_filled_keys(case):
+    """With kv_len the kernel equals attention over the first kv_len keys: the slots after them
+    hold NaN here, so reading one shows."""
+    B, Hq, Hkv, Sq, Skv, n, D, extra = case
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    k[:, :, n:], v[:, :, n:] = float("nan"), float("nan")
+    mask = None
+    if extra.get("mask"):
+        mask = hf_mask(B, Sq, Skv, n - Sq, left_padding(B, n, [0, 7][:B]))
+    kw = {"causal": mask is None, "window": extra.get("window")}
+    kv_len = torch.tensor(n)
+    got, kernels = emulated_attention(q, k, v, mask, 0.2, splits=extra.get("splits"), sms=extra.get("sms", 132),
+                                      kv_len=kv_len, **kw)
+    want = cutile_kernels.attention_reference(q[..., :, :], k[:, :, :n], v[:, :, :n],
+                                              None if mask is None else mask[..., :n], 0.2, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ref = cutile_kernels.attention_reference(q, k, v, mask, 0.2, kv_len=kv_len, **kw)
+    torch.testing.assert_close(ref, want, rtol=1e-6, atol=1e-6)  # the reference's own kv_len path
+    if "splits" in extra:
+        assert kernels == ["attention", "attention_combine"]
+
+
 def test_emulator_flags_undefined_behaviour():
     from cutile_numpy import UndefinedBehaviour, load
 
@@ -250,10 +287,15 @@ def test_launch_plan_layout_and_decode_split():
     plan = attn_ops.launches(q, k, v, None, out, 0.125, sms=132)
     assert [p[0] for p in plan] == ["attention", "attention_combine"]
     kernel, want, args, n_inputs, grid = plan[0]
-    assert dict(want) == {"D": 64, "HB": 4, "BS": 4, "BN": 128} and n_inputs == 4
+    assert dict(want) == {"D": 64, "HB": 4, "BS": 4, "BN": 128} and n_inputs == 5
     splits = args[-1]
     assert grid({}) == (splits, B * Hq // 4, 1) and splits > 1
-    assert args[4].shape == (B, Hq, 1, D) and args[4].data_ptr() == out.data_ptr()  # o is a view of out
+    assert args[5].shape == (B, Hq, 1, D) and args[5].data_ptr() == out.data_ptr()  # o is a view of out
+    assert args[-3] == 0  # has_len
+    length = torch.tensor(100)
+    with_len = attn_ops.launches(q, k, v, None, out, 0.125, sms=132, kv_len=length)[0][2]
+    assert with_len[4].shape == (1,) and with_len[4].data_ptr() == length.data_ptr() and with_len[-3] == 1
+    assert with_len[-1] == splits  # chosen for the whole cache: a graph replays them at every length
     prefill = attn_ops.launches(*make_qkv(B, Hq, Hkv, 2048, 2048, D, torch.float32), None,
                                 torch.empty(B, 2048, Hq, D), 0.125, sms=132)
     assert len(prefill) == 1 and prefill[0][2][-1] == 1  # prefill never splits
@@ -267,8 +309,10 @@ def test_custom_op_passes_opcheck():
     q, k, v = make_qkv(2, 4, 2, 5, 7, 16, torch.float32)
     m = hf_mask(2, 5, 7, 2, left_padding(2, 7, [0, 3]))
     utils = ("test_schema", "test_faketensor", "test_autograd_registration")
-    torch.library.opcheck(attn_ops._attention.op, (q, k, v, m, 0.25, False, 0, 0.0), test_utils=utils)
-    torch.library.opcheck(attn_ops._attention.op, (q, k, v, None, 0.25, True, 3, 5.0), test_utils=utils)
+    torch.library.opcheck(attn_ops._attention.op, (q, k, v, m, 0.25, False, 0, 0.0, None), test_utils=utils)
+    torch.library.opcheck(attn_ops._attention.op, (q, k, v, None, 0.25, True, 3, 5.0, None), test_utils=utils)
+    torch.library.opcheck(attn_ops._attention.op, (q, k, v, m, 0.25, False, 0, 0.0, torch.tensor(4)),
+                          test_utils=utils)
 
 
 def test_fake_gives_the_output_layout():
@@ -277,7 +321,7 @@ def test_fake_gives_the_output_layout():
     with FakeTensorMode():
         q = torch.empty(2, 7, 8, 64, dtype=torch.bfloat16).transpose(1, 2)
         k = torch.empty(2, 2, 30, 64, dtype=torch.bfloat16)
-        out = attn_ops._attention.op(q, k, k, None, 0.1, True, 0, 0.0)
+        out = attn_ops._attention.op(q, k, k, None, 0.1, True, 0, 0.0, None)
     assert out.shape == (2, 8, 7, 64) and out.dtype == torch.bfloat16 and out.transpose(1, 2).is_contiguous()
 
 
@@ -455,9 +499,9 @@ def cpu_path(request, monkeypatch):
     interpreter of the cuTile kernel instead, so the model tests exercise the kernel's logic."""
     calls = []
     if request.param == "emulated kernel":
-        def via_kernel(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None):
-            calls.append((tuple(q.shape), tuple(k.shape), mask is not None, window))
-            return emulated_attention(q, k, v, mask, scale, causal, window, softcap)[0]
+        def via_kernel(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None, kv_len=None):
+            calls.append((tuple(q.shape), tuple(k.shape), mask is not None, window, kv_len is not None))
+            return emulated_attention(q, k, v, mask, scale, causal, window, softcap, kv_len=kv_len)[0]
 
         monkeypatch.setattr(attn_ops, "attention_reference", via_kernel)
     yield request.param
@@ -487,6 +531,37 @@ def test_cpu_model_matches_stock(family, cpu_path):
         seq_o, sc_o = generate_scores(ours, ids, mask, cache)
         assert torch.equal(seq_o, seq_s), cache
         torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_patched_model_passes_the_static_cache_length(family, monkeypatch):
+    """Our reproduced attention forwards (the default patches) pass a StaticLayer's filled length
+    to the kernel: the emulated kernel then reads no unfilled slot, and generate() gives stock's
+    tokens and scores over a StaticCache (and no length over a DynamicCache)."""
+    cfg = small_configs()[family]
+    stock, ours = build_models(cfg, torch.float32, "cpu")
+    cutile_kernels.patch(ours)
+    calls = []
+
+    def via_kernel(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None, kv_len=None):
+        calls.append(None if kv_len is None else (int(kv_len), k.shape[2]))
+        return emulated_attention(q, k, v, mask, scale, causal, window, softcap, kv_len=kv_len)[0]
+
+    monkeypatch.setattr(attn_ops, "attention_reference", via_kernel)
+    ids, mask = padded_batch(cfg.vocab_size, [11, 7, 3], "cpu")
+    for cache in ("dynamic", "static"):
+        calls.clear()
+        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
+        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
+        assert torch.equal(seq_o, seq_s), cache
+        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+        lengths = [c for c in calls if c is not None]
+        if cache == "dynamic":
+            assert not lengths
+        else:  # every layer, every step: the prompt (11), then one more a step, in a cache of 16
+            assert len(lengths) == len(calls) == 6 * cfg.num_hidden_layers
+            assert sorted({n for n, _ in lengths}) == list(range(11, 17)), lengths
+            assert {s for _, s in lengths} == {16}
 
 
 def test_tiny_preset_loads_with_cutile_attention(tmp_path):
@@ -639,6 +714,54 @@ def test_kernel_masks_window_softcap(kind, strict):
         full = attn_ops.visible_mask(B, Sq, Skv, mask, causal, window, device="cuda")
         stock = lambda: sdpa_gqa(q, k, v, full, scale)  # noqa: E731
     _check_against_float64(q, k, v, mask, scale, causal, window, softcap, splits, stock_fn=stock)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", FAMILY_HEADS, ids=str)
+@pytest.mark.parametrize("B,Sq,filled,splits", [(1, 1, 1, None), (3, 1, 129, None), (16, 1, 1000, None),
+                                                (2, 1, 300, 9), (2, 5, 777, None), (1, 1, 4096, None),
+                                                (2, 40, 700, None)])
+def test_kernel_reads_only_the_filled_static_slots(heads, B, Sq, filled, splits, strict):
+    """A static cache of 4096 slots holding ``filled`` keys (the rest NaN, as no cache would hold
+    them: reading one shows), a left-padded mask over every slot as transformers builds it, and
+    kv_len on the device: the output (NaN-poisoned first) is float64 attention over the filled keys.
+    A prefill chunk (40 queries: the prefill tiles, which take kv_len into the mask and read every
+    slot) gets large finite values there instead: hidden, they must not count."""
+    Hq, Hkv, D = heads
+    Skv = 4096
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, torch.bfloat16, "cuda")
+    poison = float("nan") if Sq <= attn_ops.DECODE_MAX_SQ else 1000.0
+    k[:, :, filled:], v[:, :, filled:] = poison, poison
+    pads = [0, 5, filled // 2][:B] + [1] * max(0, B - 3)
+    mask = hf_mask(B, Sq, Skv, filled - Sq, left_padding(B, filled, pads, "cuda"), device="cuda")
+    kv_len = torch.tensor(filled, device="cuda")
+    out = torch.full((B, Sq, Hq, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert attn_ops.attention_into(q, k, v, mask, out, 1 / math.sqrt(D), False, splits=splits, kv_len=kv_len)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "an output element was not written, or an unfilled slot was read"
+    cut = (slice(None), slice(None), slice(0, filled))
+    ref = cutile_kernels.attention_reference(q.double(), k[cut].double(), v[cut].double(), mask[..., :filled],
+                                             1 / math.sqrt(D), False).transpose(1, 2)
+    assert _rel(out, ref) <= 4e-3
+
+
+@pytest.mark.gpu
+def test_kv_len_is_read_at_replay(strict):
+    """A CUDA graph captured with kv_len replays the length the tensor holds at replay time."""
+    B, Hq, Hkv, D, Skv = 2, 16, 8, 128, 1024
+    q, k, v = make_qkv(B, Hq, Hkv, 1, Skv, D, torch.bfloat16, "cuda")
+    kv_len = torch.tensor(100, device="cuda")
+    mask = torch.ones(B, 1, 1, Skv, dtype=torch.bool, device="cuda")
+    cutile_kernels.attention(q, k, v, mask, causal=False, kv_len=kv_len)  # load the kernels
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cutile_kernels.attention(q, k, v, mask, causal=False, kv_len=kv_len)
+    for n in (1, 100, 129, 700, 1024):
+        kv_len.fill_(n)
+        g.replay()
+        torch.cuda.synchronize()
+        want = cutile_kernels.attention(q, k[:, :, :n], v[:, :, :n], mask[..., :n], causal=False)
+        assert (out.float() - want.float()).abs().max().item() < 2e-2, n
 
 
 @pytest.mark.gpu

@@ -39,6 +39,15 @@ def test_presets_are_real_configs():
     s = presets.make_config("smollm3-3b")
     assert type(s).__name__ == "SmolLM3Config" and s.no_rope_layers[:8] == [1, 1, 1, 0, 1, 1, 1, 0]
     assert (s.num_hidden_layers, s.num_key_value_heads, s.intermediate_size) == (36, 4, 11008)
+    g2 = presets.make_config("gemma-2-2b")
+    assert type(g2).__name__ == "Gemma2Config" and (g2.hidden_size, g2.head_dim, g2.num_hidden_layers) == (2304, 256, 26)
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.layer_types[:2]) == (
+        50.0, 30.0, ["sliding_attention", "full_attention"])
+    p4 = presets.make_config("phi-4-mini")
+    assert type(p4).__name__ == "Phi3Config" and (p4.hidden_size, p4.num_key_value_heads, p4.vocab_size) == (
+        3072, 8, 200064)
+    assert p4.rope_parameters["rope_type"] == "longrope" and len(p4.rope_parameters["long_factor"]) == 48
+    assert p4.rope_parameters["long_factor"][-1] == 47.77 and p4.partial_rotary_factor == 0.75
     with pytest.raises(KeyError):
         presets.materialize("nope")
     with pytest.raises(FileNotFoundError):

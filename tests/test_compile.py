@@ -47,6 +47,7 @@ FAMILY_OPS = {
     "smollm3": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
     "gemma": {"rms_norm_gemma", "rope"},  # (1 + weight) norms; GeGLU is opt-in
     "gemma3_text": {"rms_norm_gemma", "rope"},
+    "gemma2": {"rms_norm_gemma", "rope"},
     "phi3": {"rms_norm", "rope"},  # Llama-code norms; partial RoPE in phi3_rope; its MLP opt-in
 }
 

@@ -133,8 +133,8 @@ def emulated():
 # Sliding windows of 4 (Gemma 3's every second layer) and 6 (Mistral, every layer): 12 new tokens
 # after a 5-token prompt cross them.
 @pytest.mark.parametrize("model_type,fields", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}),
-                                               ("gemma3_text", {}), ("phi3", {})],
-                         ids=["llama", "qwen3", "mistral-window6", "gemma3-window4", "phi3"])
+                                               ("gemma3_text", {}), ("gemma2", {"sliding_window": 6}), ("phi3", {})],
+                         ids=["llama", "qwen3", "mistral-window6", "gemma3-window4", "gemma2-window6", "phi3"])
 def test_generate_replays_and_matches_eager(model_type, fields, emulated):
     model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(3))
@@ -439,6 +439,63 @@ def test_capturable_sliding_update_is_transformers_update():
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
+def test_kernel_static_update_is_transformers_update():
+    """One kv_append launch and the length's add: the same cache, length and return values as
+    StaticLayer.update, over a prefill, single steps and a chunk."""
+    from transformers.cache_utils import StaticLayer
+
+    gen = torch.Generator().manual_seed(5)
+    ours, theirs = StaticLayer(16), StaticLayer(16)
+    total = 0
+    for new in (5, 1, 1, 3, 1, 5):  # fills the 16 slots exactly
+        k, v = torch.randn(2, 3, new, 8, generator=gen), torch.randn(2, 3, new, 8, generator=gen)
+        got = dg._kernel_static_update(ours, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # a strided k
+        want = theirs.update(k.clone(), v.clone())
+        total += new
+        assert int(ours.cumulative_length) == int(theirs.cumulative_length) == total
+        assert got[0] is ours.keys and all(torch.equal(g, w) for g, w in zip(got, want)), new
+    assert torch.equal(ours.keys[:, :, 15], k[:, :, -1])
+
+
+def test_full_layers_write_through_kv_append_and_can_opt_out(emulated, monkeypatch):
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(6))
+    want = _generate(model, ids, logits=False, cache_implementation="static", disable_compile=True)
+    writes = []
+    real = dg.kv_append
+    monkeypatch.setattr(dg, "kv_append", lambda *a: (writes.append(tuple(a[2].shape)), real(*a))[1])
+    graphs = emulated(model)
+    assert torch.equal(_generate(model, ids, logits=False, compile_config=_cpu_compile_config()), want)
+    (cache,) = graphs.caches.values()
+    assert all(vars(layer)["update"].func is dg._kernel_static_update for layer in cache.layers)
+    assert writes and set(writes) == {(2, model.config.num_key_value_heads, 1, model.config.head_dim)}
+    writes.clear()
+    graphs = emulated(model, cache_kernel=False)
+    assert torch.equal(_generate(model, ids, logits=False, compile_config=_cpu_compile_config()), want)
+    (cache,) = graphs.caches.values()
+    assert not writes and all("update" not in vars(layer) for layer in cache.layers)
+
+
+def test_cache_writes_are_restored_on_disable_and_left_alone_for_two_head_dims(emulated):
+    """A cache the caller passed keeps our update only while decode graphs are on; a layer whose
+    keys and values differ in shape (MLA: two head dims) keeps transformers' update."""
+    from transformers.cache_utils import StaticLayer
+
+    model = tiny_model("llama")
+    emulated(model)
+    ids = torch.randint(1, 256, (1, 5))
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    _generate(model, ids, new=4, logits=False, past_key_values=cache, compile_config=_cpu_compile_config())
+    assert all(vars(layer)["update"].func is dg._kernel_static_update for layer in cache.layers)
+    dg.disable_decode_graphs(model)
+    assert all("update" not in vars(layer) for layer in cache.layers) and not cache._cutile_capturable
+    mla = StaticCache(config=model.config, max_cache_len=8)
+    for layer in mla.layers:
+        layer.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 8))  # value head dim 8, key 16
+    assert dg._make_capturable(mla)
+    assert all(type(layer) is StaticLayer and "update" not in vars(layer) for layer in mla.layers)
+
+
 def test_sliding_layers_keep_their_update_when_the_pin_fails(monkeypatch, caplog):
     model = tiny_model("mistral", sliding_window=4)
     cache = StaticCache(config=model.config, max_cache_len=16)
@@ -481,9 +538,12 @@ def test_enable_on_a_cpu_model_without_an_emulation_does_nothing(caplog):
     assert dg.ATTR not in model.__dict__ and "need a CUDA model" in caplog.text
 
 
-def test_kernel_config_carries_the_switch():
-    assert cutile_kernels.kernel_config(decode_graphs=True).decode_graphs
+def test_kernel_config_carries_the_switch(built_package_dir):
+    on = cutile_kernels.kernel_config(decode_graphs=True)
+    assert on.decode_graphs and "fused_qkv" in on.include_patches  # the fast path stacks q/k/v
+    assert "fused_qkv" not in cutile_kernels.kernel_config(decode_graphs=True, exclude=["fused_qkv"]).include_patches
     assert not cutile_kernels.kernel_config().decode_graphs
+    assert "fused_qkv" not in cutile_kernels.kernel_config().include_patches
     with pytest.raises(TypeError, match="True or False"):
         cutile_kernels.kernel_config(decode_graphs="no")
 

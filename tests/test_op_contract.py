@@ -121,9 +121,12 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
     if name == "rope_cos_sin":
         return 1.0 / 10000 ** (torch.arange(0, d, 2).to(device, torch.float32) / d), \
             torch.arange(9, device=device).view(1, 9), 1.0, dtype
+    if name == "kv_append":  # a step of 3 rows, strided (a view of a projection), into slots 4..6 of 9
+        new = f(1, 3, 2, 3 * d)[..., :d].transpose(1, 2)
+        return f(1, 2, 9, d), f(1, 2, 9, d), new, f(1, 2, 3, d), torch.tensor(4, device=device)
     if name == "attention":
         mask = torch.ones(1, 1, 5, 9, dtype=torch.bool, device=device).tril(4)
-        return f(1, 4, 5, d), f(1, 2, 9, d), f(1, 2, 9, d), mask, d ** -0.5, False, 0, 0.0
+        return f(1, 4, 5, d), f(1, 2, 9, d), f(1, 2, 9, d), mask, d ** -0.5, False, 0, 0.0, None
     raise KeyError(f"no contract sample for op {name!r}: add one to tests/test_op_contract.py")
 
 
@@ -144,6 +147,17 @@ def _outs(out):
     return out if isinstance(out, tuple) else (out,)
 
 
+def _results(name, fn, args):
+    """What ``fn`` (the op, its reference, a compiled call...) gives on ``args``: its outputs, or for
+    an op that writes in place, the written arguments (``fn`` runs on copies of them)."""
+    mutated = OPS[name].mutated
+    if not mutated:
+        return _outs(fn(*args))
+    args = [a.clone() if i in mutated else a for i, a in enumerate(args)]
+    assert fn(*args) is None
+    return tuple(args[i] for i in mutated)
+
+
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_op_passes_opcheck(name):
     args = _sample(name)
@@ -156,9 +170,9 @@ def test_fake_matches_the_real_output(name):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     args = _sample(name, torch.float32)
-    real = _outs(OPS[name].op(*args))
+    real = _results(name, OPS[name].op, args)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = _outs(OPS[name].op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)))
+        fake = _results(name, OPS[name].op, [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
     assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
 
 
@@ -166,8 +180,8 @@ def test_fake_matches_the_real_output(name):
 def test_cpu_path_is_the_reference_and_counts_itself(name):
     args = _sample(name)
     dispatch.reset_stats()
-    got = _outs(OPS[name](*args))
-    want = _outs(OPS[name].reference(*args))
+    got = _results(name, OPS[name], args)
+    want = _results(name, OPS[name].reference, args)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert dispatch.stats()["reference_calls"] == {name: 1}
 
@@ -198,12 +212,12 @@ def test_op_compiles_fullgraph_into_one_graph(name):
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     fn = torch.compile(lambda *a: OPS[name](*a), backend=counter, fullgraph=True)
-    got = _outs(fn(*args))
+    got = _results(name, fn, args)
     assert counter.frame_count == 1
     ops_in_graph = [n.target for gm in counter.graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert OPS[name].op._opoverload in ops_in_graph or any(getattr(t, "_name", "").endswith(f"::{name}")
                                                             for t in ops_in_graph)
-    assert all(torch.equal(g, w) for g, w in zip(got, _outs(OPS[name].run(*args))))
+    assert all(torch.equal(g, w) for g, w in zip(got, _results(name, OPS[name].run, args)))
 
 
 @pytest.mark.gpu
@@ -211,7 +225,9 @@ def test_op_compiles_fullgraph_into_one_graph(name):
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_gpu_op_replays_in_a_cuda_graph_and_disable_announces_the_fallback(name, dtype, monkeypatch):
     args = _sample(name, dtype, "cuda", d=64)
-    eager = _outs(OPS[name](*args))
+    eager = _results(name, OPS[name], args)
+    mutated = OPS[name].mutated
+    before = [args[i].clone() for i in mutated]
     dispatch.reset_stats()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -220,16 +236,19 @@ def test_gpu_op_replays_in_a_cuda_graph_and_disable_announces_the_fallback(name,
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static = _outs(OPS[name](*args))
-    for o in static:
-        o.fill_(float("nan"))  # poisoned: the replay must write every element
+        out = OPS[name](*args)
+    static = tuple(args[i] for i in mutated) if mutated else _outs(out)
+    for o, b in zip(static, before if mutated else static):
+        o.copy_(b) if mutated else o.fill_(float("nan"))  # poisoned (or the state before): the replay writes
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(g, w) for g, w in zip(static, eager))
     assert sum(dispatch.stats()["launches"].values()) > 0 and not dispatch.stats()["fallbacks"]
     monkeypatch.setenv(dispatch.ENV_DISABLE, "1")
     dispatch.reset_stats()
-    ref = _outs(OPS[name](*args))
+    for i, b in zip(mutated, before):
+        args[i].copy_(b)
+    ref = _results(name, OPS[name], args)
     assert any("disabled by" in k for k in dispatch.stats()["fallbacks"])
     for g, w in zip(ref, eager):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)

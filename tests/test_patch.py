@@ -194,7 +194,7 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     report = cutile_kernels.patch(model, names=list(patcher.PATCHES))  # the opt-in rope_cos_sin too
     n = len(_decoder_layers(model))
     qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # Qwen3 attention only
-    qkv = {} if model_type == "qwen3" else {"fused_qkv": n}  # Llama-code attention only
+    qkv = {"fused_qkv": n}  # Llama-code attention, and Qwen3's under qk_norm_rope's forward
     assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 0, "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0, "phi3_rope": 0,
                               "fused_gate_up_geglu": 0,

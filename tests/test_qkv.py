@@ -89,14 +89,94 @@ def test_family_attentions_are_fusable(name):
     assert not any(is_fusable_qkv(m) for m in model.modules() if not hasattr(m, "q_proj"))
 
 
-def test_qwen3_attention_is_left_alone_with_its_reason(caplog):
+def test_qwen3_attention_stacks_only_under_its_fused_forward(caplog):
+    """Qwen3Attention's forward belongs to the qk_norm_rope patch: without it the module keeps its
+    three projections and says why; with it the module stacks and its class forward is that patch's."""
+    from cutile_kernels.layers.models import qwen3
+
     model = _model("qwen3")
     why = why_not_fusable_qkv(model.model.layers[0].self_attn)
-    assert why.startswith("its forward is Qwen3Attention.forward's code") and "qk_norm_rope" in why
+    assert why == "its forward is Qwen3Attention's own: stacking it needs the qk_norm_rope patch"
     with caplog.at_level("INFO", logger="cutile_kernels"):
         assert fuse_qkv(model) == 0
     assert f"left 2 Qwen3Attention with separate q/k/v projections: {why}" in caplog.text
     assert all(hasattr(m, "q_proj") and not hasattr(m, FUSED_NAME) for m in _attns(model))
+    assert qwen3.patch_qk_norm_rope(model) == 2
+    assert fuse_qkv(model) == 2
+    for m in _attns(model):
+        assert type(m).__name__ == "CutileQKVQwen3Attention" and type(m).forward is qwen3.fused_attention_forward
+        assert list(m._modules)[:2] == [FUSED_NAME, "o_proj"] and m._cutile_qkv_split == (64, 32)
+
+
+def _qwen3_pair(attn="sdpa"):
+    from cutile_kernels.layers.models import qwen3
+
+    stock = _model("qwen3", attn=attn)
+    model = copy.deepcopy(stock)
+    qwen3.patch_qk_norm_rope(model)
+    assert fuse_qkv(model) == 2
+    return stock, model
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_stacked_qwen3_logits_equal_stock_on_a_padded_batch(attn):
+    stock, model = _qwen3_pair(attn)
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = stock(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_stacked_qwen3_generate_equals_stock(cache):
+    _same_generation(*_qwen3_pair(), cache)
+
+
+def test_stacked_qwen3_with_hooked_norms_runs_the_stock_lines():
+    """A hook on q_norm must run (the fused op would skip it): the stacked forward then applies the
+    module's own norms and RoPE to the stacked projections."""
+    stock, model = _qwen3_pair()
+    calls = []
+    for m in (*_attns(stock), *_attns(model)):
+        m.q_norm.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    ids, mask = _batch()
+    with torch.no_grad():
+        want = stock(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert len(calls) == 4 and calls[0] == calls[2] == (2, SEQ, 4, 16)
+
+
+def test_stacked_qwen3_keeps_stock_keys_and_unstacks():
+    from cutile_kernels import dispatch
+    from cutile_kernels.layers.models import qwen3
+
+    stock, model = _qwen3_pair()
+    want = stock.state_dict()
+    got = model.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    ids, mask = _batch()
+
+    def qk_norm_rope_calls():
+        dispatch.reset_stats()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits,
+                                       stock(ids, attention_mask=mask).logits, rtol=1e-6, atol=1e-6)
+        return dispatch.stats()["reference_calls"].get("qk_norm_rope", 0)
+
+    assert qk_norm_rope_calls() == 2
+    # Undoing qk_norm_rope alone: the stacked class forward runs the stock norm and RoPE lines.
+    assert qwen3.unpatch_qk_norm_rope(model) == 2
+    assert qk_norm_rope_calls() == 0
+    assert qwen3.patch_qk_norm_rope(model) == 2  # and it can be applied again to stacked modules
+    assert qk_norm_rope_calls() == 2
+    assert qwen3.unpatch_qk_norm_rope(model) == 2
+    assert unfuse_qkv(model) == 2
+    assert all(type(m).__name__ == "Qwen3Attention" and hasattr(m, "q_proj") for m in _attns(model))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, stock(ids, attention_mask=mask).logits,
+                                   rtol=0, atol=0)
 
 
 def test_modules_whose_projections_cannot_stack_are_left_alone(caplog):
@@ -248,12 +328,8 @@ def test_rope_is_the_modeling_modules_current_function(monkeypatch):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fused_generate_equals_stock(name, cache):
-    stock = _model(name)
-    model = copy.deepcopy(stock)
-    fuse_qkv(model)
+def _same_generation(stock, model, cache):
+    """Greedy generate of both models on the padded batch over ``cache``: same tokens and logits."""
     ids, mask = _batch()
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
               return_dict_in_generate=True, pad_token_id=0)
@@ -266,6 +342,15 @@ def test_fused_generate_equals_stock(name, cache):
     assert got.sequences.shape[1] == SEQ + 6
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fused_generate_equals_stock(name, cache):
+    stock = _model(name)
+    model = copy.deepcopy(stock)
+    fuse_qkv(model)
+    _same_generation(stock, model, cache)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -534,6 +619,7 @@ GPU_CONFIGS = {
     "mistral": lambda: MistralConfig(**GPU_SIZES, sliding_window=16),
     "qwen2": lambda: Qwen2Config(**{**GPU_SIZES, "head_dim": 32}, use_sliding_window=True, sliding_window=16,
                                  max_window_layers=1),
+    "qwen3": lambda: Qwen3Config(**GPU_SIZES),  # stacked under qk_norm_rope's forward
 }
 
 
@@ -598,7 +684,8 @@ def test_fused_qkv_on_gpu_is_as_close_to_float32_as_stock(name, attn, strict):
         got = err(ours(ids, attention_mask=mask).logits)
     assert got <= 1.1 * base + 1e-6, (got, base)
     launched = {s for d in runtime_copies() for s, n in d.stats()["launches"].items() if n}
-    assert any(s.startswith("rope_kernel") for s in launched), launched  # on the stacked q/k views
+    rope = "qk_norm_rope_kernel" if name == "qwen3" else "rope_kernel"
+    assert any(s.startswith(rope) for s in launched), launched  # on the stacked q/k views
     for cache, stock_err in base_gen.items():
         ours_err = _generate_error(ours, ref, ids, mask, cache)
         assert ours_err <= 1.25 * stock_err + 2e-3, (cache, ours_err, stock_err)

@@ -116,6 +116,36 @@ PRESETS = {
             "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False, "vocab_size": 32064,
             "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
         }),
+        # google/gemma-2-2b-it: a public copy of its config.json (transformers 4.42.4 wrote it) and
+        # three public tests of Gemma 2 2B agree on every value here (search tool, 2026-12-02).
+        # Four norms a layer, sliding and global layers alternating, attention and final softcaps.
+        Preset("gemma-2-2b", "google/gemma-2-2b-it", {
+            "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": [1, 107],
+            "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192,
+            "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0,
+            "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+            "use_cache": True, "vocab_size": 256000,
+        }),
+        # microsoft/Phi-4-mini-instruct: four public copies of its config.json agree on these values,
+        # the LongRoPE factors included (search tool, 2026-12-02). q/k/v and gate/up fused in the
+        # checkpoint, 96 of 128 head dims rotated, tied embeddings.
+        Preset("phi-4-mini", "microsoft/Phi-4-mini-instruct", {
+            "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": 199999, "eos_token_id": 199999, "pad_token_id": 199999,
+            "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096, "num_attention_heads": 24, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "partial_rotary_factor": 0.75, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [
+                1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+                2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
+                5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158,
+                11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105,
+                25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
+                32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]},
+            "sliding_window": 262144, "tie_word_embeddings": True, "vocab_size": 200064,
+        }),
         # ibm-granite/granite-3.3-2b-instruct: a trimmed copy of its config.json in a public test
         # and granite-speech-4.1-2b's text model (built on it) agree on every value here (found with
         # the search tool, 2026-12-02). Llama's code but for four multipliers; tied embeddings.

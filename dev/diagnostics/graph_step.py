@@ -4,9 +4,12 @@ For a preset and a bench path with decode graphs (``cutile-graphs``, ``stock-gra
 prompt of ``--prompt`` tokens: the step as the bench times it (session call + greedy pick, CUDA
 events), its host time, the captured graph's replay alone (CUDA events over back-to-back
 replays: the GPU's time), and the kernels of a few replays by device time (torch.profiler).
-A step much slower than its replay is host-bound. On the GPU machine::
+A step much slower than its replay is host-bound. ``--ab-cache-kernel`` also captures the same step
+with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and times the two graphs'
+replays in alternating rounds, in one process: the whole model's step with and without
+``kv_append``. On the GPU machine::
 
-    python3 dev/diagnostics/graph_step.py llama-3.2-1b --path cutile-graphs --batch 1 16
+    python3 dev/diagnostics/graph_step.py llama-3.2-1b --path cutile-graphs --batch 1 16 --ab-cache-kernel
 """
 
 from __future__ import annotations
@@ -19,6 +22,55 @@ import time
 import torch
 
 
+def _captured(model, graphs, batch: int, args, cache_kernel: bool):
+    """A fresh static cache filled by a prompt, its step captured; returns (entry, cache, step ms
+    as the bench times it, host ms of those steps). Replays advance the cache's length: rewind with
+    :func:`_rewind` to the length it has on return (``cache._lengths``) before each timing."""
+    from transformers import StaticCache
+
+    graphs.cache_kernel = cache_kernel  # read when the session meets a cache first
+    ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), device="cuda")
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + 4 * args.steps + 64)
+    step = model.get_compiled_call(None)
+    with torch.inference_mode():
+        nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(3):  # warm-up, capture, one replay
+            nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        ev_ms, host_ms = [], []
+        for _ in range(args.steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = time.perf_counter()
+            nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            host_ms.append((time.perf_counter() - t0) * 1e3)
+            b.record()
+            b.synchronize()
+            ev_ms.append(a.elapsed_time(b))
+    entry = next(e for k, e in graphs.entries.items() if k[0] == id(cache) and e.graph is not None)
+    cache._lengths = [int(layer.cumulative_length) for layer in cache.layers]
+    return entry, cache, statistics.median(ev_ms), statistics.median(host_ms)
+
+
+def _rewind(cache) -> None:
+    # Back to the length after the timed steps, so that replays never write past the cache (a
+    # replay of transformers' writes would index past it: a device-side assert).
+    with torch.inference_mode():  # the lengths are inference tensors (the steps ran in inference mode)
+        for layer, n in zip(cache.layers, cache._lengths):
+            layer.cumulative_length.fill_(n)
+
+
+def _replay_ms(entry, cache, n: int) -> float:
+    _rewind(cache)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        entry.graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="preset name or checkpoint directory")
@@ -27,9 +79,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--top", type=int, default=25, help="kernels listed from the profile")
+    ap.add_argument("--ab-cache-kernel", action="store_true",
+                    help="also time the step with transformers' cache writes, alternating with ours")
     args = ap.parse_args(argv)
-
-    from transformers import StaticCache
 
     from cutile_kernels.layers import decode_graphs as dg
     from cutile_kernels_tools import presets
@@ -39,44 +91,30 @@ def main(argv=None) -> None:
     model = paths.load(args.path, ckpt, torch.bfloat16, "cuda")
     graphs = getattr(model, dg.ATTR)
     for batch in args.batch:
-        ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), device="cuda")
-        cache = StaticCache(config=model.config, max_cache_len=args.prompt + 4 * args.steps + 64)
-        step = model.get_compiled_call(None)
-        with torch.inference_mode():
-            nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            for _ in range(3):  # warm-up, capture, one replay
-                nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
-            ev_ms, host_ms = [], []
-            for _ in range(args.steps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                t0 = time.perf_counter()
-                nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                host_ms.append((time.perf_counter() - t0) * 1e3)
-                b.record()
-                b.synchronize()
-                ev_ms.append(a.elapsed_time(b))
-            entry = next(e for k, e in graphs.entries.items() if k[0] == id(cache) and e.graph is not None)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(args.steps):
-                entry.graph.replay()
-            b.record()
-            b.synchronize()
-            replay_ms = a.elapsed_time(b) / args.steps
-            from torch.profiler import ProfilerActivity, profile
+        entry, cache, step_ms, host_ms = _captured(model, graphs, batch, args, cache_kernel=True)
+        replay_ms = _replay_ms(entry, cache, args.steps)
+        row = {"model": args.model, "path": args.path, "batch": batch, "step_ms": step_ms, "step_host_ms": host_ms,
+               "replay_ms": replay_ms}
+        if args.ab_cache_kernel:
+            stock_entry, stock_cache, stock_step, _ = _captured(model, graphs, batch, args, cache_kernel=False)
+            ours, theirs = [], []
+            for _ in range(10):  # alternating rounds: a drifting clock slows both alike
+                ours.append(_replay_ms(entry, cache, args.steps))
+                theirs.append(_replay_ms(stock_entry, stock_cache, args.steps))
+            row.update(ab_replay_ms_kv_append=statistics.median(ours), ab_replay_ms_stock_writes=statistics.median(theirs),
+                       ab_step_ms_stock_writes=stock_step)
+        from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    entry.graph.replay()
-                torch.cuda.synchronize()
+        _rewind(cache)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                entry.graph.replay()
+            torch.cuda.synchronize()
         rows = sorted(((e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()),
                       key=lambda r: -r[1])
         total = sum(r[1] for r in rows)
-        print(json.dumps({"model": args.model, "path": args.path, "batch": batch, "step_ms": statistics.median(ev_ms),
-                          "step_host_ms": statistics.median(host_ms), "replay_ms": replay_ms,
-                          "profiled_device_us_per_replay": total}))
+        row["profiled_device_us_per_replay"] = total
+        print(json.dumps(row))
         for name, us, n in rows[:args.top]:
             print(f"  {us:8.1f} us {us / total:6.1%} x{n:5.1f}  {name[:110]}")
 

@@ -12,7 +12,8 @@ tensors, output the contiguous (B, S, H, D) tensor), plus torch SDPA's best case
   repeats K/V to the query heads and runs its masked kernel);
 * ``decode-dynamic``: b = 1 and 16, one query over KV 128 .. 4096, no mask (DynamicCache);
 * ``decode-static``: the same over a 4096-slot static cache, the unfilled slots masked (what
-  ``generate(cache_implementation="static")`` passes).
+  ``generate(cache_implementation="static")`` passes); ours with the filled length on the device
+  (``cutile_kv_len``, as our reproduced attention forwards pass it) and with the mask alone.
 
 Each case is checked first (strict mode, so no fallback) against the sdpa output. Numbers are
 medians of CUDA-event measurements over back-to-back calls (``us``: host + GPU per call, as a
@@ -59,7 +60,7 @@ def _mask(B, Sq, Skv, q_offset, seen, pads):
                      attention_mask=pad, allow_is_causal_skip=False, device="cuda")
 
 
-def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes):
+def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes, filled=None):
     import torch
     import torch.nn.functional as F
     from cutile_kernels.layers.attention import cutile_attention_forward
@@ -69,10 +70,15 @@ def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes):
     q, k, v = _inputs(B, Hq, Hkv, D, Sq, Skv)
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=Hq // Hkv, training=False)
     scale = D ** -0.5
+    # A static cache: our reproduced forwards pass its filled length (cutile_kv_len); the mask alone
+    # is what transformers' own forwards give us (cutile-mask-only).
+    length = {} if filled is None else {"cutile_kv_len": torch.tensor(filled, device="cuda")}
     paths = {
-        "cutile": lambda: cutile_attention_forward(module, q, k, v, mask, scaling=scale),
+        "cutile": lambda: cutile_attention_forward(module, q, k, v, mask, scaling=scale, **length),
         "sdpa": lambda: sdpa_attention_forward(module, q, k, v, mask, scaling=scale),
     }
+    if filled is not None:
+        paths["cutile-mask-only"] = lambda: cutile_attention_forward(module, q, k, v, mask, scaling=scale)
     if mask is None and Sq == Skv:
         paths["torch-sdpa-causal-gqa"] = lambda: F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -80,7 +86,8 @@ def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes):
     rows = torch.ones(B, Sq, dtype=torch.bool, device="cuda") if mask is None else mask.any(-1)[:, 0].expand(B, Sq)
     rel = ((ours[rows] - stock[rows]).norm() / stock[rows].norm()).item()
     assert rel < 2e-2, f"{name} {shape}: cutile differs from sdpa by {rel:.3g}"
-    row = {"case": name, "shape": shape, "B": B, "Sq": Sq, "Skv": Skv, "masked": mask is not None, "rel_diff_vs_sdpa": rel}
+    row = {"case": name, "shape": shape, "B": B, "Sq": Sq, "Skv": Skv, "filled": filled, "masked": mask is not None,
+           "rel_diff_vs_sdpa": rel}
     for path, fn in paths.items():
         us = events_us(fn, reps=11, inner=10, warmup=0)
         gus = graph_us(fn, reps=11)
@@ -106,18 +113,21 @@ def run():
                                    lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2))
                 mask = _mask(B, 1, STATIC_SLOTS, kv - 1, kv, [0] * B)
                 cases.append(_case(f"decode-static-b{B}", shape, B, 1, STATIC_SLOTS, mask, B * kv,
-                                   lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2))
+                                   lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2, filled=kv))
     return cases
 
 
 def _table(cases):
-    lines = ["| case | shape | KV | cutile us (graph) | sdpa us (graph) | speedup | cutile TFLOP/s | cutile GB/s | torch causal GQA us |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | shape | KV (filled) | cutile us (graph) | sdpa us (graph) | speedup | cutile TFLOP/s | cutile GB/s | "
+             "torch causal GQA us | cutile mask only, graph us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         best = c.get("torch-sdpa-causal-gqa", {}).get("graph_us", "")
-        lines.append(f"| {c['case']} | {c['shape']} | {c['Skv']} | {c['cutile']['us']} ({c['cutile']['graph_us']}) | "
+        mask_only = c.get("cutile-mask-only", {}).get("graph_us", "")
+        lines.append(f"| {c['case']} | {c['shape']} | {c['Skv']} ({c.get('filled') or c['Skv']}) | "
+                     f"{c['cutile']['us']} ({c['cutile']['graph_us']}) | "
                      f"{c['sdpa']['us']} ({c['sdpa']['graph_us']}) | {c['speedup_graph']} | "
-                     f"{c['cutile']['TFLOPs']} | {c['cutile']['GBps']} | {best} |")
+                     f"{c['cutile']['TFLOPs']} | {c['cutile']['GBps']} | {best} | {mask_only} |")
     return "\n".join(lines)
 
 

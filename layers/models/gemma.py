@@ -20,10 +20,10 @@ _USE = "patch rms_norm_gemma (rms_norm_gemma kernel, offset 1)"
 
 FAMILY = Family(
     name="gemma",
-    model_types=("gemma", "gemma3_text"),
+    model_types=("gemma", "gemma2", "gemma3_text"),
     pins=(Pin("gemma", "GemmaRMSNorm.forward", "6fae0a5e1216d30d", _USE),
           Pin("gemma", "GemmaRMSNorm._norm", "53678ba7610507ed", _USE)),
-    presets=("gemma-3-1b",),
+    presets=("gemma-3-1b", "gemma-2-2b"),
     covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); opt-in "
             "(include=['fused_gate_up_geglu']): GeGLU on one fused gate/up GEMM",
     not_covered="embedding scale, softcaps, attention (sdpa), the residual adds, GEMMs",

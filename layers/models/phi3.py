@@ -42,7 +42,7 @@ FAMILY = Family(
     pins=(Pin("phi3", "Phi3MLP.forward", "3d1e633d3a91c93e", "patch phi3_mlp (silu_and_mul kernel)"),
           Pin("phi3", "Phi3Attention.forward", "3d29f7a1c8d3bd49", "patch phi3_rope (its reproduced forward)"),
           Pin("phi3", "apply_rotary_pos_emb", "53f4abb0b4b23f1f", "patch phi3_rope (rope kernel, partial rotary)")),
-    presets=("phi-3-mini-4k",),
+    presets=("phi-3-mini-4k", "phi-4-mini"),
     covered="RMSNorm (Llama's code), partial RoPE of q and k in one launch; opt-in (include=['phi3_mlp']): SwiGLU "
             "on the fused gate/up output",
     not_covered="GEMMs (cuBLAS), attention (sdpa), the residual adds",

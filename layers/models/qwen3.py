@@ -17,6 +17,10 @@ Qwen3's code and still the pinned statements (:data:`PIN`); the module's
 RMSNorms; nobody replaced the module's forward on the instance (e.g. accelerate hooks). At run
 time a call whose norms have hooks or different ``eps`` runs the stock forward instead.
 
+With the ``fused_qkv`` patch too, the module's q/k/v projections are stacked into one GEMM
+(``layers/qkv.py``, :func:`~..qkv.register_stackable`): the fused forward then projects through
+``qkv_proj``. Stacking needs this patch applied first (the registry's order).
+
 Applied by default (``kernel_config()``, ``cutile_kernels.patch(model)``) since the H200 validated
 and scored it (``autokernelize qwen3-0.6b --score qk_norm_rope``: kept); leave it out with
 ``kernel_config(exclude=["qk_norm_rope"])``.
@@ -32,7 +36,8 @@ from torch import nn
 from ...ops.qk_norm_rope import qk_norm_rope
 from .._direct import attend, linear
 from .._match import same_code
-from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
+from .._patching import Patch, _unhooked, restore_forwards, swap_forwards, swapped
+from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
 from .._pins import TRANSFORMERS, Pin, holds
 from ..norm import is_llama_norm
 from ..rope import computes_llama_rope, wrapped_function
@@ -96,29 +101,46 @@ def _norms_fusable(m: nn.Module) -> bool:
 def fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
                             **kwargs):
     """``Qwen3Attention.forward`` (5.22.2) with ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb``
-    as one ``qk_norm_rope`` call. Same arguments and result; runs the class's own forward when the
-    norms have hooks or different eps."""
+    as one ``qk_norm_rope`` call, and with one stacked q/k/v GEMM when the ``fused_qkv`` patch
+    stacked the module (``qkv_proj``). Same arguments and result. When the norms have hooks or
+    different eps, or the patch is undone on a stacked module (whose class forward this is), the
+    stock norm and RoPE lines run instead (the class's own forward if the module is not stacked)."""
     cls = type(self)
-    if not _norms_fusable(self):
+    stacked = FUSED_NAME in self._modules
+    fusable = swapped(self, fused_attention_forward) and _norms_fusable(self)
+    if not (fusable or stacked):
         return cls.forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-    glob = cls.forward.__globals__  # the class's modeling module: its attention registry and eager path
+    # The class's modeling module (its attention registry, eager path and RoPE); for a stacked
+    # class, the stock class's.
+    glob = getattr(cls, "_cutile_qkv_unfused_class", cls).forward.__globals__
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    query_states = linear(self.q_proj, hidden_states).view(hidden_shape).transpose(1, 2)
-    key_states = linear(self.k_proj, hidden_states).view(hidden_shape).transpose(1, 2)
-    value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    if stacked:
+        query_states, key_states, value_states = stacked_projections(self, hidden_states)
+    else:
+        query_states, key_states, value_states = (linear(p, hidden_states) for p in (self.q_proj, self.k_proj,
+                                                                                     self.v_proj))
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = key_states.view(hidden_shape).transpose(1, 2)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    query_states, key_states = qk_norm_rope(query_states, key_states, self.q_norm.weight, self.k_norm.weight,
-                                            self.q_norm.variance_epsilon, cos, sin)
+    if fusable:
+        query_states, key_states = qk_norm_rope(query_states, key_states, self.q_norm.weight, self.k_norm.weight,
+                                                self.q_norm.variance_epsilon, cos, sin)
+    else:  # the stock lines (norms on the (B, S, H, D) views, as Qwen3Attention.forward runs them)
+        query_states = self.q_norm(query_states.transpose(1, 2)).transpose(1, 2)
+        key_states = self.k_norm(key_states.transpose(1, 2)).transpose(1, 2)
+        query_states, key_states = glob["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
 
     return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
                   kwargs, {"sliding_window": self.sliding_window})
 
 
 def _attention_verdict(m: nn.Module) -> str | None:
-    why = attention_verdict(type(m))
+    # A stacked module (fused_qkv) is judged by its stock class: its class forward is ours.
+    why = attention_verdict(getattr(type(m), "_cutile_qkv_unfused_class", type(m)))
     if why is None and not (is_llama_norm(getattr(m, "q_norm", None)) and is_llama_norm(getattr(m, "k_norm", None))):
         why = "its q_norm / k_norm are not Llama-formula RMSNorms"
     return why
@@ -130,7 +152,8 @@ def patch_qk_norm_rope(model: nn.Module) -> int:
     on the CPU (the reference formula); on CUDA one launch instead of three per layer. Returns the
     number of modules newly patched."""
     new = swap_forwards(model, "qk_norm_rope", fused_attention_forward,
-                        lambda m: all(hasattr(m, a) for a in _ATTRS), _attention_verdict,
+                        lambda m: hasattr(m, "o_proj") and (all(hasattr(m, a) for a in _ATTRS) or hasattr(m, FUSED_NAME)),
+                        _attention_verdict,
                         "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch")
     return sum(new.values())
 
@@ -143,6 +166,16 @@ def unpatch_qk_norm_rope(model: nn.Module) -> int:
 __all__ = ["FAMILY", "PIN", "attention_verdict", "fused_attention_forward", "patch_qk_norm_rope",
            "unpatch_qk_norm_rope"]
 
+
+def _qwen3_forward():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    return Qwen3Attention.forward
+
+
+# The fused forward reads a stacked projection: the fused_qkv patch may stack modules running it.
+register_stackable(Stackable(reference=_qwen3_forward, forward=fused_attention_forward, verdict=_attention_verdict,
+                             patch="qk_norm_rope"))
 
 #: This module's patch row (gathered by ``layers/_registry.py``). Default since autokernelize kept it
 #: on the H200 (2026-11-30, qwen3-0.6b: prefill 18.8 -> 16.7 ms, decode b16 870 -> 952 tok/s against

@@ -1,4 +1,4 @@
-"""Inventory entries generated from code for the activation, rope, attention and qk_norm_rope families.
+"""Inventory entries generated from code for the activation, rope, attention, qk_norm_rope and kv_cache families.
 
 Each :class:`Entry` is one Definition -- its ``run`` is the source of the op's PyTorch reference
 functions (``cutile_kernels.ops.<family>``), which restate a pinned transformers source -- with its
@@ -53,8 +53,8 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every generated entry, in family order (activation, rope, attention)."""
-    return [*_activation(), _rope(), _attention(), _qk_norm_rope()]
+    """Every generated entry, in family order (activation, rope, attention, qk_norm_rope, kv_cache)."""
+    return [*_activation(), _rope(), _attention(), _qk_norm_rope(), _kv_append()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -376,6 +376,70 @@ def _qk_norm_rope() -> Entry:
                                        "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
                                  inputs=_inputs(d, eps=float(cfg["rms_norm_eps"])), uuid=f"{preset}/{phase}"))
     return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope", "qk_norm_rope")])
+
+
+# ---------------------------------------------------------------------------------------------
+# kv_cache: StaticLayer.update's writes
+# ---------------------------------------------------------------------------------------------
+
+CACHE_UTILS = "src/transformers/cache_utils.py"
+#: (tokens already in the cache, cache slots) per phase: a decode step after the bench's 128-token
+#: prompt in a cache of generate's 256-token bucket; a 2048-token prefill into an empty cache.
+KV_APPEND_CACHE = {"decode-b1": (128, 256), "decode-b16": (128, 256), "prefill-2048": (0, 2304)}
+MAX_FILLED = max(filled for filled, _ in KV_APPEND_CACHE.values())
+
+
+def _kv_append() -> Entry:
+    ops = _ops("kv_cache")
+    src = f"{CACHE_UTILS}::StaticLayer.update"
+    axes = {
+        "batch": AxisVar(description="batch size"),
+        "num_kv_heads": AxisVar(description="config.num_key_value_heads"),
+        "cache_len": AxisVar(description="the static cache's slots (max_cache_len)"),
+        "new_len": AxisVar(description="tokens written in this forward (1 when decoding)"),
+        "head_dim": AxisVar(description="head dimension"),
+    }
+
+    def spec(shape, what):
+        return TensorSpec(shape=shape, dtype="bfloat16", description=what)
+
+    cache, new = ["batch", "num_kv_heads", "cache_len", "head_dim"], ["batch", "num_kv_heads", "new_len", "head_dim"]
+    d = Definition(
+        name="kv_append", op_type="kv_cache_append", axes=axes,
+        inputs={"keys": spec(cache, "the layer's key cache before the step"),
+                "values": spec(cache, "the layer's value cache before the step"),
+                "k": spec(new, "the step's keys after RoPE"), "v": spec(new, "the step's values"),
+                "length": TensorSpec(shape=None, dtype="int64", description="slots already filled "
+                                                                            "(cumulative_length): the first written")},
+        outputs={"keys_out": spec(cache, "keys with k written at slots length .. length + new_len - 1"),
+                 "values_out": spec(cache, "values with v written likewise")},
+        reference=reference_source(
+            [ops.kv_append_reference], ["keys", "values", "k", "v", "length"],
+            "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
+            "kv_append_reference(keys, values, k, v, torch.tensor(length, device=keys.device))\n"
+            "return keys, values",
+            _header(src, "index_copy_ of the new keys and values along the sequence at cumulative_length + "
+                         "arange(new_len) (a copy: no rounding).", "cutile_kernels.ops.kv_cache")),
+        tags=_tags("kv_cache", src),
+        description=(f"A static KV cache layer's writes of one forward (transformers v{TRANSFORMERS_PIN}, {src}): "
+                     "the new keys and values copied in at the filled length, read on the device."),
+        # length + new_len <= cache_len; length (an input, not an axis) is at most MAX_FILLED in every
+        # Workload, so that evaluate's boundary Workloads (axes moved) stay inside the cache.
+        constraints=[f"new_len + {MAX_FILLED} <= cache_len"],
+    )
+    rows = []
+    for preset in WORKLOAD_PRESETS:
+        m = model_shapes(preset)
+        for phase, (batch, seq) in PHASES.items():
+            filled, slots = KV_APPEND_CACHE[phase]
+            rows.append(Workload(axes={"batch": batch, "num_kv_heads": m["kv_heads"], "cache_len": slots,
+                                       "new_len": seq, "head_dim": m["head_dim"]},
+                                 inputs=_inputs(d, length=filled), uuid=f"{preset}/{phase}"))
+    body = ("import torch\n\n"
+            "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
+            "_op(keys, values, k, v, torch.tensor(length, device=keys.device))\n"
+            "return keys, values\n")
+    return Entry("kv_cache", d, rows, [SolutionSpec("kv_append", "kv_append", body=body)])
 
 
 # ---------------------------------------------------------------------------------------------

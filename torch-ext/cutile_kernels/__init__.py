@@ -18,7 +18,7 @@ from .dispatch import FallbackError, reset_stats, stats
 from .layers import CacheFullError, disable_decode_graphs, enable_decode_graphs, kernel_config, kernelize
 from .ops import attention, attention_reference, gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference
 from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
-from .ops import qk_norm_rope, qk_norm_rope_reference
+from .ops import kv_append, kv_append_reference, qk_norm_rope, qk_norm_rope_reference
 from .ops._dtypes import UnsupportedDtypeError
 from .layers.patch import patch, unpatch
 from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_gemma, rms_norm_gemma_reference,
@@ -44,6 +44,8 @@ __all__ = [
     "gelu_tanh_and_mul_fused_reference",
     "kernel_config",
     "kernelize",
+    "kv_append",
+    "kv_append_reference",
     "layers",
     "patch",
     "qk_norm_rope",

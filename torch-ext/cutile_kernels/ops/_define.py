@@ -51,7 +51,7 @@ class Op:
 
     def __init__(self, name: str, cuda: Callable, *, reference: Callable, fake: Callable,
                  check: Callable | None = None, cpu: Callable | None = None,
-                 backward: Callable | None | str = "reference", device_arg: int = 0):
+                 backward: Callable | None | str = "reference", device_arg: int = 0, mutates_args: tuple = ()):
         self.name = name
         self.reference = reference
         self._cuda = cuda
@@ -60,6 +60,8 @@ class Op:
         self._device_arg = device_arg
         params = list(inspect.signature(cuda).parameters.values())
         self._tensor_args = tuple(i for i, p in enumerate(params) if _is_tensor_annotation(p.annotation))
+        #: Positions of the arguments the op writes in place (``mutates_args``).
+        self.mutated = tuple(i for i, p in enumerate(params) if p.name in mutates_args)
         self.differentiable = backward is not None
 
         @functools.wraps(cuda)  # the op's schema comes from the implementation's annotations
@@ -72,7 +74,7 @@ class Op:
                 check(*args)
             return fake(*args)
 
-        self.op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=())(body)
+        self.op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=mutates_args)(body)
         self.op.register_fake(checked_fake)
         if backward == "reference":
             self.op.register_autograd(self._reference_backward, setup_context=_save_inputs)
@@ -154,7 +156,7 @@ def _save_inputs(ctx, inputs, output):
 
 def define_op(name: str, cuda: Callable, *, reference: Callable, fake: Callable, check: Callable | None = None,
               cpu: Callable | None = None, backward: Callable | None | str = "reference",
-              device_arg: int = 0) -> Op:
+              device_arg: int = 0, mutates_args: tuple = ()) -> Op:
     """Define the op ``name`` and register it in :data:`OPS`.
 
     Args:
@@ -169,6 +171,8 @@ def define_op(name: str, cuda: Callable, *, reference: Callable, fake: Callable,
         backward: ``"reference"`` (differentiate ``reference``), a ``register_autograd`` backward
             (a backward kernel), or None (no gradient: the op is only used where none is wanted).
         device_arg: the argument whose device picks the CUDA or the CPU path.
+        mutates_args: the arguments the op writes in place (``torch.library``'s ``mutates_args``;
+            such an op returns None, its fake too, and has no gradient).
 
     Raises:
         ValueError: ``name`` is already defined in this process.
@@ -176,6 +180,6 @@ def define_op(name: str, cuda: Callable, *, reference: Callable, fake: Callable,
     if name in OPS:
         raise ValueError(f"op {name!r} is defined twice")
     op = Op(name, cuda, reference=reference, fake=fake, check=check, cpu=cpu, backward=backward,
-            device_arg=device_arg)
+            device_arg=device_arg, mutates_args=mutates_args)
     OPS[name] = op
     return op

@@ -10,7 +10,10 @@ Semantics (``kernel_src/attention.py`` states the kernel's math): for ``q`` ``(B
   attend, the form transformers' ``sdpa_mask`` builds);
 
 then ``o_i = softmax(scale * q_i k^T [softcap: softcap * tanh(. / softcap)], visible) v``, and a
-query that sees no key gets zeros. :func:`attention_reference` restates this in PyTorch (float32,
+query that sees no key gets zeros. With ``kv_len`` (a one-element int64 device tensor, e.g. a
+``StaticLayer``'s ``cumulative_length``) only the first ``n = kv_len`` keys exist: the result is
+that of ``k[:, :, :n]``, ``v[:, :, :n]``, ``mask[..., :n]`` (``Skv`` reads ``n`` above), computed
+without reading ``n`` on the host, so that a captured CUDA graph follows each step's length. :func:`attention_reference` restates this in PyTorch (float32,
 or float64 for float64 inputs); it is the fallback and the tests' model of the kernel.
 
 The output is ``(B, Hq, Sq, D)`` laid out as a contiguous ``(B, Sq, Hq, D)`` buffer (strides of
@@ -44,12 +47,14 @@ MAX_SPLITS = 64
 # ---------------------------------------------------------------------------------------------
 
 def visible_mask(batch: int, sq: int, skv: int, mask: torch.Tensor | None = None, causal: bool = True,
-                 window: int | None = None, device=None) -> torch.Tensor:
-    """Boolean ``(B or 1, 1, Sq, Skv)``: which keys each query sees (the module docstring's rule)."""
+                 window: int | None = None, device=None, kv_len: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean ``(B or 1, 1, Sq, Skv)``: which keys each query sees (the module docstring's rule;
+    with ``kv_len``, keys from ``kv_len`` on are hidden and positions count from it, on the device)."""
     device = mask.device if mask is not None else device
-    i = torch.arange(sq, device=device).view(sq, 1) + (skv - sq)
     j = torch.arange(skv, device=device).view(1, skv)
-    vis = torch.ones(sq, skv, dtype=torch.bool, device=device)
+    n = skv if kv_len is None else kv_len.reshape(()).clamp(max=skv)
+    i = torch.arange(sq, device=device).view(sq, 1) + (n - sq)
+    vis = torch.ones(sq, skv, dtype=torch.bool, device=device) if kv_len is None else (j < n).expand(sq, skv)
     if causal:
         vis = vis & (j <= i)
     if window is not None and window > 0:
@@ -62,19 +67,22 @@ def visible_mask(batch: int, sq: int, skv: int, mask: torch.Tensor | None = None
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                         scale: float | None = None, causal: bool = True, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """Attention by explicit softmax, with the semantics of the module docstring.
 
     Computes in float32 (float64 when ``q`` is float64), loops over query heads to bound memory,
     and returns ``(B, Hq, Sq, D)`` in ``q.dtype`` with the op's memory layout.
     """
-    _check(q, k, v, mask)
+    _check(q, k, v, mask, kv_len)
     B, Hq, Sq, D = q.shape
     Skv = k.shape[2]
     group = Hq // k.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    vis = visible_mask(B, Sq, Skv, mask, causal, window, device=q.device)
+    vis = visible_mask(B, Sq, Skv, mask, causal, window, device=q.device, kv_len=kv_len)
+    if kv_len is not None:  # the slots past kv_len may hold anything (0 * NaN is not 0)
+        filled = (torch.arange(Skv, device=k.device) < kv_len.reshape(())).view(1, 1, Skv, 1)
+        k, v = k.masked_fill(~filled, 0), v.masked_fill(~filled, 0)
     out = torch.empty(B, Sq, Hq, v.shape[3], dtype=q.dtype, device=q.device)
     for h in range(Hq):
         qh, kh, vh = q[:, h].to(cdt), k[:, h // group].to(cdt), v[:, h // group].to(cdt)
@@ -90,7 +98,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.transpose(1, 2)
 
 
-def _check(q, k, v, mask) -> None:
+def _check(q, k, v, mask, kv_len=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention: q, k, v must be 4-D (B, H, S, D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -106,6 +114,9 @@ def _check(q, k, v, mask) -> None:
                              f"({B}, 1, {Sq}, {k.shape[2]})")
         if mask.dtype != torch.bool:
             raise ValueError(f"attention: mask must be boolean (True = attend), got {mask.dtype}")
+    if kv_len is not None and (kv_len.numel() != 1 or kv_len.dtype != torch.int64 or kv_len.device != k.device):
+        raise ValueError(f"attention: kv_len must be one int64 element on k's device; got {kv_len.dtype} of shape "
+                         f"{tuple(kv_len.shape)} on {kv_len.device}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +162,7 @@ def _dummy(kind: str, device: torch.device, dp: int = 64) -> torch.Tensor:
     t = _DUMMIES.get(key)
     if t is None:
         shape, dtype = {"mask": ((1, 1, 1), torch.int8), "part": ((1, 1, 1, dp), torch.float32),
-                        "lse": ((1, 1, 1), torch.float32)}[kind]
+                        "lse": ((1, 1, 1), torch.float32), "kv_len": ((1,), torch.int64)}[kind]
         t = _DUMMIES[key] = torch.zeros(shape, dtype=dtype, device=device)
     return t
 
@@ -174,25 +185,30 @@ def kernel_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor,
              scale: float, causal: bool = True, window: int | None = None, softcap: float | None = None,
-             splits: int | None = None, sms: int | None = None) -> list[tuple] | str:
+             splits: int | None = None, sms: int | None = None, kv_len: torch.Tensor | None = None) -> list[tuple] | str:
     """The kernel launches that compute attention into ``out``, as ``dispatch.run`` arguments
     ``(kernel, want, args, n_inputs, grid)``; or the reason no kernel takes the call.
 
     One launch of ``attention``, or with ``splits > 1`` KV splits (default: chosen so that the
     grid fills ``2 * sms`` blocks, for decode-sized queries) the split launch then
-    ``attention_combine``. ``sms`` defaults to the device's multiprocessor count.
+    ``attention_combine``. ``sms`` defaults to the device's multiprocessor count. ``kv_len`` is
+    for the decode tiles (``Sq <= DECODE_MAX_SQ``) only; their splits are chosen for k's whole
+    length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles.
     """
     B, Hq, Sq, D = q.shape
     Skv = k.shape[2]
     tiles = tiles_for(D, Sq, Hq // k.shape[1])
     if tiles is None:
         return f"head_dim {D} > {HEAD_DIMS[-1]}"
+    if kv_len is not None and Sq > DECODE_MAX_SQ:
+        return "kv_len with prefill tiles (attention_into makes it part of the mask)"
     dp, hb, bs, bn = tiles
     o = out.transpose(1, 2)
     m = kernel_mask(mask)
     has_mask = int(m is not None)
     if m is None:
         m = _dummy("mask", q.device)
+    n = _dummy("kv_len", q.device) if kv_len is None else kv_len.view(1)
     q_blocks = -(-Sq // bs)
     if splits is None:
         splits = 1
@@ -200,21 +216,22 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
             sms = sms if sms is not None else _sm_count(q.device.index or 0)
             splits = num_splits(q_blocks * B * (Hq // hb), -(-Skv // bn), sms)
     want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
-    scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(bool(causal)), splits)
+    scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(kv_len is not None),
+               int(bool(causal)), splits)
     grid = (q_blocks * splits, B * (Hq // hb), 1)
     if splits == 1:
-        args = (q, k, v, m, o, _dummy("part", q.device, dp), _dummy("lse", q.device)) + scalars
-        return [("attention", want, args, 4, lambda consts: grid)]
+        args = (q, k, v, m, n, o, _dummy("part", q.device, dp), _dummy("lse", q.device)) + scalars
+        return [("attention", want, args, 5, lambda consts: grid)]
     part = torch.empty(splits, B * Hq, Sq, dp, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, B * Hq, Sq, dtype=torch.float32, device=q.device)
     cgrid = (-(-Sq // COMBINE_BS), B * Hq, 1)
-    return [("attention", want, (q, k, v, m, o, part, lse) + scalars, 4, lambda consts: grid),
+    return [("attention", want, (q, k, v, m, n, o, part, lse) + scalars, 5, lambda consts: grid),
             ("attention_combine", (("D", dp), ("BS", COMBINE_BS)), (part, lse, o, splits), 2, lambda consts: cgrid)]
 
 
 def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    out: torch.Tensor, scale: float, causal: bool = True, window: int | None = None,
-                   softcap: float | None = None, splits: int | None = None) -> bool:
+                   softcap: float | None = None, splits: int | None = None, kv_len: torch.Tensor | None = None) -> bool:
     """Launch the attention kernel(s) on CUDA tensors into ``out`` ``(B, Sq, Hq, D)`` (contiguous,
     new, of q's dtype; not checked). Arguments as :func:`attention`; ``splits`` forces the number
     of KV splits. Returns False (nothing written) when no cuTile path fits; the caller then falls
@@ -226,7 +243,12 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     """
     if q.dtype not in KERNEL_DTYPES:
         return dispatch.fallback("attention", f"dtype {q.dtype} (the kernels take bfloat16 and float16)")
-    plan = launches(q, k, v, mask, out, scale, causal, window, softcap, splits)
+    if kv_len is not None and q.shape[2] > DECODE_MAX_SQ:
+        # The prefill tiles read all of k (their code predates kv_len): the length joins the mask,
+        # computed on the device (a prefill into a static cache; not the decode steps graphs replay).
+        mask = visible_mask(q.shape[0], q.shape[2], k.shape[2], mask, causal, window, q.device, kv_len)
+        causal, window, kv_len = False, None, None
+    plan = launches(q, k, v, mask, out, scale, causal, window, softcap, splits, kv_len=kv_len)
     if isinstance(plan, str):
         return dispatch.fallback("attention", plan)
     if not dispatch.run(*plan[0]):
@@ -239,7 +261,7 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 
 def _attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                    causal: bool, window: int, softcap: float) -> torch.Tensor:
+                    causal: bool, window: int, softcap: float, kv_len: torch.Tensor | None) -> torch.Tensor:
     window, softcap = window or None, softcap or None
     B, Hq, Sq, D = q.shape
     out = torch.empty(B, Sq, Hq, D, dtype=q.dtype, device=q.device)
@@ -250,21 +272,21 @@ def _attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     elif k.shape[2] == 0:
         out.zero_()  # no key at all: every query sees nothing
         return out.transpose(1, 2)
-    elif attention_into(q, k, v, mask, out, scale, causal, window, softcap):
+    elif attention_into(q, k, v, mask, out, scale, causal, window, softcap, kv_len=kv_len):
         return out.transpose(1, 2)
-    return attention_reference(q, k, v, mask, scale, causal, window, softcap)
+    return attention_reference(q, k, v, mask, scale, causal, window, softcap, kv_len)
 
 
-def _op_reference(q, k, v, mask, scale, causal, window, softcap):
+def _op_reference(q, k, v, mask, scale, causal, window, softcap, kv_len):
     # The op's arguments say "none" as 0 (its schema has no optional int / float).
-    return attention_reference(q, k, v, mask, scale, causal, window or None, softcap or None)
+    return attention_reference(q, k, v, mask, scale, causal, window or None, softcap or None, kv_len)
 
 
-def _op_check(q, k, v, mask, scale, causal, window, softcap) -> None:
-    _check(q, k, v, mask)
+def _op_check(q, k, v, mask, scale, causal, window, softcap, kv_len) -> None:
+    _check(q, k, v, mask, kv_len)
 
 
-def _attention_fake(q, k, v, mask, scale, causal, window, softcap):
+def _attention_fake(q, k, v, mask, scale, causal, window, softcap, kv_len):
     B, Hq, Sq, D = q.shape
     return q.new_empty(B, Sq, Hq, v.shape[3]).transpose(1, 2)
 
@@ -276,7 +298,7 @@ _attention = define_op("attention", _attention_cuda, reference=_op_reference, fa
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
               scale: float | None = None, causal: bool = True, window: int | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, kv_len: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention forward with GQA, causal / sliding-window / boolean masks and
     logit soft-capping (semantics in the module docstring).
 
@@ -289,6 +311,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         causal: lower-right causal masking (query ``i`` is at position ``Skv - Sq + i``).
         window: sliding window in keys (``j > i + Skv - Sq - window``); None or 0 for none.
         softcap: ``softcap * tanh(s / softcap)`` on the scaled logits; None or 0 for none.
+        kv_len: optional one-element int64 tensor on k's device: only the first ``kv_len`` keys
+            exist (a static cache's filled slots; read on the device, never on the host). With
+            more than 16 queries the kernel folds it into the mask and still reads the slots past
+            it, which must then hold finite values (a ``StaticCache``'s are zeros until written).
 
     Returns:
         ``(B, Hq, Sq, D)`` in ``q.dtype``, memory laid out as contiguous ``(B, Sq, Hq, D)``.
@@ -301,11 +327,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
     Raises:
         TypeError: q, k or v is not bfloat16, float16, float32 or float64.
-        ValueError: shapes or mask do not match, or Hq is not a multiple of Hkv.
+        ValueError: shapes or mask do not match, Hq is not a multiple of Hkv, or kv_len is not one
+            int64 element on k's device.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("attention", "q, k, v", q, k, v, kernel_dtypes=(torch.bfloat16, torch.float16))
-    _check(q, k, v, mask)
+    _check(q, k, v, mask, kv_len)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    return _attention.call_checked(q, k, v, mask, scale, bool(causal), int(window or 0), float(softcap or 0.0))
+    return _attention.call_checked(q, k, v, mask, scale, bool(causal), int(window or 0), float(softcap or 0.0),
+                                   kv_len)
