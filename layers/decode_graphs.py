@@ -604,8 +604,10 @@ def _generate_static(model, *args, **kwargs):
     plain = (asked("num_beams") or 1) == 1 and kwargs.get("assistant_model") is None and \
         asked("prompt_lookup_num_tokens") is None and kwargs.get("custom_generate") is None and \
         asked("use_cache") is not False
+    # A checkpoint's "hybrid" (Gemma 2 and 3 ship it) is what transformers 5.22 itself reads as
+    # nothing asked for (it unsets it and picks its default cache): ours is the static one.
     if (plain and kwargs.get("cache_implementation") is None and kwargs.get("past_key_values") is None
-            and getattr(config, "cache_implementation", None) is None):
+            and getattr(config, "cache_implementation", None) in (None, "hybrid")):
         kwargs["cache_implementation"] = "static"
     graphs = getattr(model, ATTR)
     graphs.returns_cache = bool(asked("return_dict_in_generate"))

@@ -241,6 +241,14 @@ def test_emulated_kernel_reads_only_the_filled_keys(case):
         assert kernels == ["attention", "attention_combine"]
 
 
+def test_kv_len_must_be_a_device_tensor():
+    q, k, v = make_qkv(1, 4, 2, 1, 9, 16)
+    with pytest.raises(TypeError, match="kv_len must be a one-element int64 tensor"):
+        cutile_kernels.attention(q, k, v, kv_len=5)
+    with pytest.raises(ValueError, match="one int64 element"):
+        cutile_kernels.attention(q, k, v, kv_len=torch.tensor(5, dtype=torch.int32))
+
+
 def test_emulator_flags_undefined_behaviour():
     from cutile_numpy import UndefinedBehaviour, load
 

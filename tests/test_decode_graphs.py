@@ -531,6 +531,18 @@ def test_generate_defaults_to_a_static_cache_and_disable_restores_stock(emulated
     assert type(_generate(model, ids, new=2).past_key_values).__name__ == "DynamicCache"
 
 
+def test_a_checkpoints_hybrid_cache_default_gets_the_fast_path(emulated):
+    """Gemma 2 and 3 checkpoints ship generation_config.cache_implementation="hybrid", which
+    transformers treats as unset: the fast path's static cache serves them too."""
+    model = tiny_model("gemma3_text")
+    ids = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(8))
+    want = _generate(model, ids, new=6, logits=False, cache_implementation="static", disable_compile=True)
+    graphs = emulated(model)
+    model.generation_config.cache_implementation = "hybrid"
+    got = _generate(model, ids, new=6, logits=False, compile_config=_cpu_compile_config())
+    assert torch.equal(got, want) and graphs.captures >= 1 and graphs.replays >= 1
+
+
 def test_enable_on_a_cpu_model_without_an_emulation_does_nothing(caplog):
     model = tiny_model("llama")
     with caplog.at_level(logging.INFO, logger="cutile_kernels"):

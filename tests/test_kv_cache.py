@@ -56,6 +56,8 @@ def test_checks_name_what_does_not_match():
         cutile_kernels.kv_append(keys, values, k.double(), v.double(), torch.tensor(0))
     with pytest.raises(ValueError, match="one int64 element"):
         cutile_kernels.kv_append(keys, values, k, v, torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="length must be a one-element int64 tensor"):
+        cutile_kernels.kv_append(keys, values, k, v, 3)
     with pytest.raises(TypeError, match="cutile_kernels.kv_append: keys is int32"):
         cutile_kernels.kv_append(keys.int(), values, k, v, torch.tensor(0))
 

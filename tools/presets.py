@@ -121,7 +121,8 @@ PRESETS = {
         # Four norms a layer, sliding and global layers alternating, attention and final softcaps.
         Preset("gemma-2-2b", "google/gemma-2-2b-it", {
             "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "attention_bias": False,
-            "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "eos_token_id": [1, 107],
+            "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+            "eos_token_id": [1, 107],
             "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
             "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192,
             "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0,

@@ -114,6 +114,9 @@ def _check(q, k, v, mask, kv_len=None) -> None:
                              f"({B}, 1, {Sq}, {k.shape[2]})")
         if mask.dtype != torch.bool:
             raise ValueError(f"attention: mask must be boolean (True = attend), got {mask.dtype}")
+    if kv_len is not None and not isinstance(kv_len, torch.Tensor):
+        raise TypeError(f"attention: kv_len must be a one-element int64 tensor on k's device, not a "
+                        f"{type(kv_len).__name__} (a host number would freeze in a captured graph)")
     if kv_len is not None and (kv_len.numel() != 1 or kv_len.dtype != torch.int64 or kv_len.device != k.device):
         raise ValueError(f"attention: kv_len must be one int64 element on k's device; got {kv_len.dtype} of shape "
                          f"{tuple(kv_len.shape)} on {kv_len.device}")
@@ -329,6 +332,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         TypeError: q, k or v is not bfloat16, float16, float32 or float64.
         ValueError: shapes or mask do not match, Hq is not a multiple of Hkv, or kv_len is not one
             int64 element on k's device.
+        TypeError: kv_len is not a tensor.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
         CudaError: the CUDA driver failed to launch the kernel.
     """

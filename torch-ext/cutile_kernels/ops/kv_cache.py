@@ -46,6 +46,9 @@ def _check(keys, values, k, v, length) -> None:
     if len({keys.dtype, values.dtype, k.dtype, v.dtype}) != 1:
         raise ValueError(f"kv_append: keys, values, k and v must share a dtype; got {keys.dtype}, {values.dtype}, "
                          f"{k.dtype}, {v.dtype}")
+    if not isinstance(length, torch.Tensor):
+        raise TypeError(f"kv_append: length must be a one-element int64 tensor on the cache's device, not a "
+                        f"{type(length).__name__} (a host number would freeze in a captured graph)")
     if length.numel() != 1 or length.dtype != torch.int64 or length.device != keys.device:
         raise ValueError(f"kv_append: length must be one int64 element on the cache's device; got {length.dtype} "
                          f"of shape {tuple(length.shape)} on {length.device}")
@@ -90,7 +93,7 @@ def kv_append(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torc
     ``values``).
 
     Raises:
-        TypeError: a tensor is not floating point.
+        TypeError: a tensor is not floating point, or ``length`` is not a tensor.
         ValueError: shapes, dtypes or ``length`` do not match.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
     """
