@@ -165,7 +165,7 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
         return False
     cache._cutile_capturable = True
     sliding_ok = holds("cache_utils.StaticSlidingWindowLayer.update")
-    if not sliding_ok and any(_sliding(layer) for layer in cache.layers):
+    if not sliding_ok and _sliding_layers(cache):
         logger.warning("cutile_kernels: transformers' StaticSlidingWindowLayer.update is not the pinned one; "
                        "decode graphs leave it alone")
     full_ok = cache_kernel and holds(STATIC_UPDATE_PIN.name)

@@ -49,7 +49,7 @@ from torch import nn
 from ._direct import attend, call, linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
-from ._patching import Patch
+from ._patching import Patch, swapped
 from ._pins import TRANSFORMERS, holds
 
 logger = logging.getLogger("cutile_kernels")
@@ -162,7 +162,7 @@ def why_not_fusable_qkv(module: nn.Module) -> str | None:
         return why
     if window == _OWNED:
         entry = _stackable_for(type(module).forward)
-        if getattr(module.__dict__.get("forward"), "__func__", None) is not entry.forward:
+        if not swapped(module, entry.forward):
             return f"its forward is {type(module).__name__}'s own: stacking it needs the {entry.patch} patch"
         why = entry.verdict(module)
         if why is not None:
