@@ -400,6 +400,16 @@ def test_fused_attention_under_torch_compile_on_cpu():
         torch.testing.assert_close(compiled(x, pe, None)[0], attn(x, pe, None)[0], rtol=0, atol=0)
 
 
+def test_stacked_qwen3_compiles_fullgraph_with_our_op():
+    """Stacked Qwen3 (one qkv GEMM, then qk_norm_rope) traces in one graph with the op in it."""
+    from families import compile_fullgraph
+
+    _, model = _qwen3_pair()
+    frames, targets, got, want = compile_fullgraph(model)
+    assert frames == 1 and any("qk_norm_rope" in t for t in targets), targets
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights: one copy, stock keys and bytes
 # ---------------------------------------------------------------------------------------------
