@@ -20,6 +20,12 @@ runtime ``offset`` (1.0 for Gemma's ``1 + weight``, 0.0 for OLMo 2's ``weight``)
     h = h * rsqrt(mean(h ** 2, -1) + eps)        # float32
     y = (h * (offset + weight.float())).to(x.dtype)
 
+The ``rms_norm_gated`` kernel is the gated norm of gated DeltaNet's output (transformers'
+``Qwen3_5RMSNormGated``, hub name ``RMSNormGated``): Llama's order, then times SiLU of a gate in
+float32 (Yang et al. 2024, "Gated Delta Networks", arXiv:2412.06464)::
+
+    y = (rms_norm(x, weight) * silu(gate.float())).to(x.dtype)   # rms_norm as above, rounded
+
 Every tile dimension is a power of two: a row of N elements is loaded as ``BLOCK_N =
 next_power_of_2(N)`` lanes with zero padding (zeros add nothing to the sum of squares, and the
 mean divides by the true N). Rows longer than the largest single tile go through the chunked
@@ -89,6 +95,19 @@ def rms_norm_gemma_kernel(x, weight, y, eps: float, offset: float, BLOCK_N: ct.C
     w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
     inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
     ct.store(y, index=(bid, 0), tile=_scale_float(h, inv_rms, w, offset).astype(y.dtype))
+
+
+@ct.kernel(occupancy=4)
+def rms_norm_gated_kernel(x, gate, weight, y, eps: float, BLOCK_N: ct.Constant[int], ROWS: ct.Constant[int]):
+    """y = (RMSNorm(x) * weight, rounded) * silu(gate) in float32, rounded. x, gate, y: (M, N)."""
+    bid = ct.bid(0)
+    h = ct.load(x, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
+    z = ct.load(gate, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
+    w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
+    inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
+    normed = _scale(h, inv_rms, w, x.dtype).astype(y.dtype).astype(ct.float32)
+    silu = ct.truediv(z, 1.0 + ct.exp(-z), rounding_mode=RN)
+    ct.store(y, index=(bid, 0), tile=(normed * silu).astype(y.dtype))
 
 
 @ct.kernel(num_worker_warps=8)
@@ -191,6 +210,10 @@ ROWS = {
 ROWS[("rms_norm_gemma", "aligned")] = ROWS[("rms_norm", "aligned")]
 ROWS[("rms_norm_gemma", "generic")] = ROWS[("rms_norm", "generic")]
 CHUNKED_ROWS = 1
+#: Widths of the gated norm (its rows are one head's values: 128 in Qwen3.5 and Qwen3-Next).
+GATED_BLOCK_NS = (64, 128, 256)
+ROWS[("rms_norm_gated", "aligned")] = ROWS[("rms_norm", "aligned")]
+ROWS[("rms_norm_gated", "generic")] = ROWS[("rms_norm", "generic")]
 #: At most this many rows (a decode step's batch), the runtime asks for one row per block
 #: (``ROWS=1``): for every width and layout of :data:`DECODE_DTYPES` such a variant is built.
 DECODE_MAX_ROWS = 256
@@ -201,6 +224,7 @@ def _params(kind: str, dtype: str, layout: str, consts: dict):
         "rms_norm": ("x", "weight", "y"),
         "rms_norm_gemma": ("x", "weight", "y"),
         "add_rms_norm": ("x", "residual", "weight", "y", "residual_out"),
+        "rms_norm_gated": ("x", "gate", "weight", "y"),
     }[kind]
     params = [array(a, dtype, 1 if a == "weight" else 2, layout) for a in arrays]
     params.append(ScalarParam("eps", "float32"))
@@ -212,19 +236,22 @@ def _params(kind: str, dtype: str, layout: str, consts: dict):
 
 def _matrix() -> list[VariantSpec]:
     specs = []
-    for kind in ("rms_norm", "add_rms_norm", "rms_norm_gemma"):
+    for kind in ("rms_norm", "add_rms_norm", "rms_norm_gemma", "rms_norm_gated"):
         for dtype in ("bfloat16", "float16", "float32"):
             for layout in LAYOUTS:
                 d = DTYPE_TAGS[dtype]
                 rows = ROWS[(kind, layout)]
                 # Decode tiles (one row per block) where the prefill tile has more than one row.
-                tiles = [(bn, rows[bn]) for bn in BLOCK_NS]
+                widths = GATED_BLOCK_NS if kind == "rms_norm_gated" else BLOCK_NS
+                tiles = [(bn, rows[bn]) for bn in widths]
                 if dtype in DECODE_DTYPES:
-                    tiles += [(bn, 1) for bn in BLOCK_NS if rows[bn] != 1]
+                    tiles += [(bn, 1) for bn in widths if rows[bn] != 1]
                 for bn, r in tiles:
                     consts = {"BLOCK_N": bn, "ROWS": r}
                     specs.append(VariantSpec(kind, "norm", f"{kind}_kernel", f"{d}.n{bn}.r{r}.{layout}",
                                              _params(kind, dtype, layout, consts)))
+                if kind == "rms_norm_gated":
+                    continue
                 consts = {"CHUNK": CHUNK, "ROWS": CHUNKED_ROWS}
                 specs.append(VariantSpec(kind, "norm", f"{kind}_chunked_kernel",
                                          f"{d}.chunk{CHUNK}.r{CHUNKED_ROWS}.{layout}",

@@ -8,11 +8,13 @@ adding a layer or a patch edits only its own module.
 
 from __future__ import annotations
 
-from ._registry import MAPPING
+from ._registry import MAPPING, OPT_IN_LAYERS
 from .attention import cutile_attention_forward, register_attention
 from .decode_graphs import CacheFullError, disable_decode_graphs, enable_decode_graphs
 # kernels looks a mapped layer up by class name on this module (tests/test_structure.py checks all are).
-from .norm import CutileRMSNorm, CutileZeroCenteredRMSNorm
+from .gated_delta import (CutileCausalConv1dFn, CutileCausalConv1dUpdate, CutileChunkGatedDeltaRule,
+                          CutileFusedRecurrentGatedDeltaRule)
+from .norm import CutileRMSNorm, CutileRMSNormGated, CutileZeroCenteredRMSNorm
 from .rope import CutileRotaryPosEmb
 
 # attn_implementation="cutile" works as soon as the package is imported.
@@ -29,12 +31,15 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
     return _kernel_config(build_dir, exclude=exclude, include=include, decode_graphs=decode_graphs)
 
 
-def kernelize(model, mode=None, build_dir=None):
-    """Swap our layers into an already-loaded model (see ``hub.kernelize``)."""
+def kernelize(model, mode=None, build_dir=None, include=()):
+    """Swap our layers into an already-loaded model (see ``hub.kernelize``); ``include``: opt-in
+    hub layers (``OPT_IN_LAYERS``) to map too."""
     from .hub import kernelize as _kernelize
 
-    return _kernelize(model, mode=mode, build_dir=build_dir)
+    return _kernelize(model, mode=mode, build_dir=build_dir, include=include)
 
 
-__all__ = ["CacheFullError", "CutileRMSNorm", "CutileRotaryPosEmb", "CutileZeroCenteredRMSNorm", "MAPPING", "disable_decode_graphs",
+__all__ = ["CacheFullError", "CutileCausalConv1dFn", "CutileCausalConv1dUpdate", "CutileChunkGatedDeltaRule",
+           "CutileFusedRecurrentGatedDeltaRule", "CutileRMSNorm", "CutileRMSNormGated", "CutileRotaryPosEmb",
+           "CutileZeroCenteredRMSNorm", "MAPPING", "OPT_IN_LAYERS", "disable_decode_graphs",
            "enable_decode_graphs", "kernel_config", "kernelize"]

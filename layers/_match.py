@@ -45,12 +45,18 @@ def class_verdict(judge):
     return torch.compiler.assume_constant_result(verdict)
 
 
+def _code_body(code, docstring: bool):
+    # Bytecode, names and constants of a code object; nested ones (generator expressions, lambdas)
+    # by the same key, so that where they sit in their file (co_firstlineno) does not count.
+    consts = code.co_consts[1:] if docstring and code.co_consts and isinstance(code.co_consts[0], str) \
+        else code.co_consts
+    consts = tuple(_code_body(c, False) if inspect.iscode(c) else c for c in consts)
+    return (code.co_code, code.co_names, consts, code.co_varnames, code.co_argcount)
+
+
 def _code_key(fn):
-    code = fn.__code__
-    consts = code.co_consts[1:] if code.co_consts and isinstance(code.co_consts[0], str) else code.co_consts
     # Defaults too: the same code with another default (unsqueeze_dim=2) computes something else.
-    return (code.co_code, code.co_names, consts, code.co_varnames, code.co_argcount,
-            fn.__defaults__, fn.__kwdefaults__)
+    return (_code_body(fn.__code__, True), fn.__defaults__, fn.__kwdefaults__)
 
 
 def same_code(fn, ref) -> bool:

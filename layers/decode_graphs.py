@@ -30,9 +30,13 @@ new keys and values with one ``kv_append`` launch (:func:`_kernel_static_update`
 ``StaticLayer.update`` makes four), and our attention reads only the layer's filled slots, the
 count read on the device (``layers/attention.py``, ``cutile_kv_len``).
 
+A hybrid model's static cache (Qwen3.5: ``LinearAttentionLayer`` beside ``StaticLayer``) is captured
+too: the linear-attention conv and recurrent states live at fixed addresses and are updated in
+place (by transformers' cache, and by our gated DeltaNet kernels directly).
+
 What runs eagerly, said once per reason through ``dispatch.fallback``: ``inputs_embeds``, a cache
-that is not a ``StaticCache`` of ``StaticLayer``/``StaticSlidingWindowLayer`` (e.g. a hybrid cache
-with linear-attention states), autograd recording, more than ``MAX_SHAPES_PER_CACHE`` shapes over
+that is not a ``StaticCache`` of ``StaticLayer``/``StaticSlidingWindowLayer``/``LinearAttentionLayer``,
+a linear-attention layer that records its past, autograd recording, more than ``MAX_SHAPES_PER_CACHE`` shapes over
 one cache, or a capture that failed or changed Python state other than integers. The sampling
 step, logits processors and stopping criteria stay in ``generate``'s loop (outside the graph).
 
@@ -93,13 +97,22 @@ class CacheFullError(RuntimeError):
 
 
 def _layer_classes():
-    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+    from transformers.cache_utils import LinearAttentionLayer, StaticLayer, StaticSlidingWindowLayer
 
-    return StaticLayer, StaticSlidingWindowLayer
+    return StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer
+
+
+def _linear(layer) -> bool:
+    """A linear-attention layer (gated DeltaNet's conv and recurrent states; no keys or values)."""
+    return hasattr(layer, "recurrent_states")
 
 
 def _graphable_cache(cache, filled: bool = True) -> str | None:
-    """Why ``cache`` cannot back a captured decode step (``filled``: after its prefill), or None."""
+    """Why ``cache`` cannot back a captured decode step (``filled``: after its prefill), or None.
+
+    Linear-attention layers (a hybrid model's, e.g. Qwen3.5) qualify: transformers allocates their
+    states once and updates them in place (static addresses), unless they record past states for
+    a later ``crop``."""
     from transformers.cache_utils import StaticCache
 
     if not isinstance(cache, StaticCache):
@@ -107,8 +120,12 @@ def _graphable_cache(cache, filled: bool = True) -> str | None:
     allowed = _layer_classes()
     for layer in cache.layers:
         if type(layer) not in allowed:
-            return f"the static cache has a {type(layer).__name__} layer (only StaticLayer and StaticSlidingWindowLayer)"
-        if filled and not layer.is_initialized:
+            return (f"the static cache has a {type(layer).__name__} layer (only StaticLayer, "
+                    "StaticSlidingWindowLayer and LinearAttentionLayer)")
+        if _linear(layer):
+            if layer.record_past:
+                return "a linear-attention layer records past states (its conv state grows)"
+        elif filled and not layer.is_initialized:
             return "the static cache is empty (a decode step comes after a prefill)"
     return None
 
@@ -127,8 +144,9 @@ def _sliding_layers(cache) -> list:
 
 def _full_layer(cache):
     """A full-attention layer of ``cache`` (they all hold the same length and room), or None when
-    every layer slides (then nothing fills: the window keeps the last tokens)."""
-    return next((layer for layer in cache.layers if not _sliding(layer)), None)
+    every layer slides or is linear attention (then nothing fills: a window keeps the last tokens,
+    a recurrent state its size)."""
+    return next((layer for layer in cache.layers if not _sliding(layer) and not _linear(layer)), None)
 
 
 def _capturable_sliding_update(layer, key_states, value_states, *args, **kwargs):
@@ -173,6 +191,8 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
         logger.warning("cutile_kernels: transformers' StaticLayer.update is not the pinned one; decode graphs "
                        "keep its cache writes (no kv_append)")
     for layer in cache.layers:
+        if _linear(layer):
+            continue
         if _sliding(layer):
             if sliding_ok:
                 layer.update = functools.partial(_capturable_sliding_update, layer)
@@ -186,6 +206,19 @@ def _restore_updates(cache) -> None:
     for layer in cache.layers:
         layer.__dict__.pop("update", None)
     cache._cutile_capturable = False
+
+
+def _storage(cache) -> list[int]:
+    """The addresses of every tensor the cache's layers hold: keys and values, or a linear-attention
+    layer's conv and recurrent states."""
+    out = []
+    for layer in cache.layers:
+        if _linear(layer):
+            out += [t.data_ptr() for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
+                    if t is not None]
+        else:
+            out += [layer.keys.data_ptr(), layer.values.data_ptr()]
+    return out
 
 
 def _python_state(cache) -> dict:
@@ -318,8 +351,7 @@ class DecodeGraphs:
     def _key(self, cache, sig) -> tuple:
         full = tuple([layer.cumulative_length_int >= layer.max_cache_len for layer in _sliding_layers(cache)])
         # The storage a graph reads: beam search's reorder_cache puts new tensors in the layers.
-        layers = cache.layers
-        storage = tuple([layer.keys.data_ptr() for layer in layers] + [layer.values.data_ptr() for layer in layers])
+        storage = tuple(_storage(cache))
         return (id(cache), tuple(sig), full, storage, torch.is_inference_mode_enabled())
 
     def step(self, kwargs: dict, cache_why: str | None):

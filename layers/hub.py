@@ -20,7 +20,7 @@ from pathlib import Path
 from transformers import KernelConfig
 
 from .. import dispatch, registry
-from ._registry import MAPPING
+from ._registry import MAPPING, OPT_IN_LAYERS
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -216,9 +216,10 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
             out, e.g. to time a model without one kernel (the bench's ``cutile~NAME`` path). A
             hub layer left out does not turn off a patch that uses the same kernel
             (``decoder_add_rms_norm`` still fuses the decoder layers' norms).
-        include: patches to apply too: the opt-in ones (``Patch.default`` False, e.g.
-            ``"rope_cos_sin"``; the bench's ``cutile+NAME`` path); a default patch named here is
-            applied anyway, so naming it changes nothing (``qk_norm_rope`` was opt-in before).
+        include: patches to apply and hub layers to map too: the opt-in ones (``Patch.default``
+            False, e.g. ``"rope_cos_sin"``; the hub layers of ``layers.OPT_IN_LAYERS``, e.g.
+            ``"chunk_gated_delta_rule"``; the bench's ``cutile+NAME`` path); a default patch named
+            here is applied anyway, so naming it changes nothing (``qk_norm_rope`` was opt-in before).
         decode_graphs: also switch on the decode fast path (``layers.decode_graphs``): ``generate``
             uses a static KV cache and replays each decode step as a captured CUDA graph, no
             ``torch.compile``; the opt-in patches of :data:`DECODE_GRAPH_PATCHES` are applied too
@@ -226,7 +227,7 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
 
     Raises:
         ValueError: a name in ``exclude`` that is neither a hub layer of ours nor a patch, or in
-            ``include`` that is no patch.
+            ``include`` that is neither a patch nor an opt-in hub layer.
         TypeError: ``decode_graphs`` that is not a bool (``"no"`` would read as on).
 
     Returns:
@@ -246,7 +247,9 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
     if not isinstance(decode_graphs, bool):
         raise TypeError(f"kernel_config(decode_graphs=...) takes True or False, not {decode_graphs!r}")
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
-    include = _names(include, "include", set(PATCHES))
+    include = _names(include, "include", set(PATCHES) | OPT_IN_LAYERS)
+    layers_in = {n for n in include if n in OPT_IN_LAYERS}
+    include = tuple(n for n in include if n in PATCHES)
     if decode_graphs:
         include += tuple(p for p in DECODE_GRAPH_PATCHES if p not in exclude and p not in include)
     if dispatch.disabled():
@@ -255,12 +258,13 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
     if variant is None:  # said when a CUDA model loads with it: on a CPU a build would change nothing
         return CutileKernelConfig({}, use_local_kernel=True, decode_graphs=decode_graphs, inactive=(
             f"no build under {build_dir or registry.default_build_dir()} (run `cutile-kernels build`)"))
-    mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items() if hub not in exclude}
+    mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items()
+               if hub not in exclude and (hub not in OPT_IN_LAYERS or hub in layers_in)}
     return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True, exclude_patches=exclude,
                               include_patches=include, decode_graphs=decode_graphs)
 
 
-def kernelize(model, mode=None, build_dir=None):
+def kernelize(model, mode=None, build_dir=None, include=()):
     """Replace the forwards of a loaded model's hub layers with ours (in place; returns the model).
 
     Args:
@@ -268,6 +272,10 @@ def kernelize(model, mode=None, build_dir=None):
         mode: a ``kernels.Mode`` (default: INFERENCE, or TRAINING when ``model.training``; our
             layers are inference-only, so TRAINING keeps the original forwards).
         build_dir: as for :func:`kernel_config`.
+        include: opt-in hub layers to map too (``layers.OPT_IN_LAYERS``).
+
+    Raises:
+        ValueError: a name in ``include`` that is no opt-in hub layer.
 
     After the hub layers (and transformers' ``rotary_pos_emb`` function) are swapped, the fallback
     patcher's registered patches are applied too (``layers.patch.patch``: e.g. the residual add
@@ -276,6 +284,7 @@ def kernelize(model, mode=None, build_dir=None):
     from kernels import LocalLayerRepository, Mode, use_kernel_mapping
     from kernels import kernelize as kernels_kernelize
 
+    include = set(_names(include, "include", OPT_IN_LAYERS))
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda" or dispatch.disabled():
         why = ("it is disabled by CUTILE_KERNELS_DISABLE" if dispatch.disabled() else
@@ -291,7 +300,7 @@ def kernelize(model, mode=None, build_dir=None):
     mapping = {
         hub: {"cuda": {m: LocalLayerRepository(variant, layer_name=cls)
                        for m in (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE)}}
-        for hub, cls in _mapping_in_build(variant).items()
+        for hub, cls in _mapping_in_build(variant).items() if hub not in OPT_IN_LAYERS or hub in include
     }
     _log_kernelized(model, mapping, "kernelize")
     _quiet_kernels_warnings()

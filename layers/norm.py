@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .. import dispatch
-from ..ops.norm import rms_norm, rms_norm_gemma
+from ..ops.norm import rms_norm, rms_norm_gated, rms_norm_gemma
 from ._match import class_verdict, same_code
 from ._patching import Patch, restore_forwards, swap_forwards
 from ._pins import TRANSFORMERS, holds
@@ -120,8 +120,46 @@ class CutileZeroCenteredRMSNorm(nn.Module):
         return rms_norm_gemma(x, self.weight, _float_norm_eps(self), 1.0)
 
 
+#: The pin (``layers/models/qwen3_5.py``) of the gated norm's forward the kernel reproduces.
+GATED_PIN = "qwen3_5.Qwen3_5RMSNormGated.forward"
+
+
+@class_verdict
+def computes_gated_rms_norm(cls: type) -> bool:
+    """True if ``cls.forward`` is ``Qwen3_5RMSNormGated.forward``'s code (Llama's norm order, times
+    ``ACT2FN[self.activation](gate.float())``) and still the pinned statements. Once per class."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    return holds(GATED_PIN) and same_code(getattr(cls, "forward", None), Qwen3_5RMSNormGated.forward)
+
+
+class CutileRMSNormGated(nn.Module):
+    """Gated DeltaNet's output norm, ``forward(hidden_states, gate)``, on the ``rms_norm_gated``
+    kernel, for the classes transformers decorates ``@use_kernel_forward_from_hub("RMSNormGated")``
+    (``Qwen3_5RMSNormGated`` and its copies). Borrows ``weight`` ``(N,)``, ``variance_epsilon`` and
+    ``activation`` (``"silu"``); inputs ``(..., N)``, output of the input's shape and dtype. Another
+    class, or another activation, keeps its own forward (inference only)."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
+    activation: str
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        cls = type(self)
+        if not computes_gated_rms_norm(cls) or self.activation != "silu":
+            if not torch.compiler.is_compiling():
+                dispatch.fallback("rms_norm_gated", f"{cls.__name__} is not Qwen3_5RMSNormGated's formula with SiLU; "
+                                  "it keeps its own forward")
+            return cls.forward(self, hidden_states, gate)
+        return rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon)
+
+
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
-MAPPING = {"RMSNorm": "CutileRMSNorm", "RMSNormZeroCentered": "CutileZeroCenteredRMSNorm"}
+MAPPING = {"RMSNorm": "CutileRMSNorm", "RMSNormZeroCentered": "CutileZeroCenteredRMSNorm",
+           "RMSNormGated": "CutileRMSNormGated"}
 
 
 # ---------------------------------------------------------------------------------------------

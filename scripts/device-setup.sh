@@ -15,6 +15,12 @@ if [ -f .device/build.tgz ]; then rm -rf build && tar xzf .device/build.tgz || r
 python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target /tmp/site . >/tmp/pip-project.log 2>&1 \
   || { cat /tmp/pip-project.log; return 1; }
 export CUTILE_KERNELS_BUILD_DIR="$PWD/build"
+# flash-linear-attention for the bench's stock+fla path only, in a folder of its own (the other
+# paths hide it anyway): stage its wheels into .device/fla/ (flash-linear-attention, fla-core, einops).
+if ls .device/fla/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --upgrade --no-deps --no-compile --target /tmp/site-fla .device/fla/*.whl >/tmp/pip-fla.log 2>&1 \
+    && export CUTILE_BENCH_FLA_PATH=/tmp/site-fla || cat /tmp/pip-fla.log
+fi
 export PATH="/tmp/site/bin:$PATH"
 # Run from outside the checkout so that `import cutile_kernels` is the installed package.
 python3 -c "import cutile_kernels, sys; print('cutile_kernels from', cutile_kernels.__file__, 'build', cutile_kernels.registry.find_package_dir())"

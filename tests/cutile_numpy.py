@@ -26,6 +26,7 @@ Constant = _ct.Constant
 
 float16, float32, float64 = np.float16, np.float32, np.float64
 bfloat16 = np.float32  # not emulated: computed in float32
+tfloat32 = np.float32  # likewise
 int8, int16, int32, int64, bool_ = np.int8, np.int16, np.int32, np.int64, np.bool_
 
 _block = (0, 0, 0)
@@ -220,6 +221,51 @@ def sin(x, **_):
 
 def sqrt(x, **_):
     return np.sqrt(x)
+
+
+def rsqrt(x, **_):
+    return 1 / np.sqrt(x)
+
+
+def cumsum(x, axis=0, reverse=False, **_):
+    x = np.asarray(x)
+    if reverse:
+        return np.flip(np.cumsum(np.flip(x, axis), axis=axis, dtype=x.dtype), axis)
+    return np.cumsum(x, axis=axis, dtype=x.dtype)
+
+
+def matmul(x, y):
+    return np.matmul(x, y)
+
+
+def _grid_slices(index, shape, full):
+    for s, n in zip(shape, full):
+        if n % s:
+            raise UndefinedBehaviour(f"subtile {shape} does not divide the tile {full}")
+    return tuple(slice(int(i) * s, int(i) * s + s) for i, s in zip(index, shape))
+
+
+def extract(x, index, shape):
+    x = np.asarray(x)
+    return x[_grid_slices(index, shape, x.shape)].copy()
+
+
+def insert(x, index, value):
+    out = np.array(x, copy=True)
+    value = np.asarray(value)
+    out[_grid_slices(index, value.shape, out.shape)] = value
+    return out
+
+
+def cat(tiles, axis):
+    a, b = (np.asarray(t) for t in tiles)
+    if a.shape != b.shape:
+        raise UndefinedBehaviour(f"cat of {a.shape} and {b.shape} (cuTile takes one shape)")
+    return np.concatenate((a, b), axis=axis)
+
+
+def static_iter(iterable):
+    return list(iterable)
 
 
 def truediv(x, y, **_):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -368,3 +369,30 @@ def test_an_opt_in_patch_that_changes_nothing_is_said(capsys):
     bench.print_report(report)
     said = " ".join(capsys.readouterr().out.split())
     assert "cutile+rms_norm_olmo2: rms_norm_olmo2 changed nothing in this model" in said
+
+
+def test_only_the_fla_path_sees_flash_linear_attention(tmp_path, monkeypatch):
+    # A stand-in fla package in a folder of its own, found through $CUTILE_BENCH_FLA_PATH.
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text("WHO = 'fla'\n")
+    (tmp_path / "causal_conv1d").mkdir()
+    (tmp_path / "causal_conv1d" / "__init__.py").write_text("")
+    from cutile_kernels_tools.bench import paths as bench_paths
+
+    monkeypatch.setenv(bench_paths.FLA_DIR_ENV, str(tmp_path))
+    assert bench_paths.spec("stock+fla").unavailable("cpu") is None
+    probe = ("import importlib.util, sys; from cutile_kernels_tools.bench import paths as p; "
+             "p.isolate_packages(sys.argv[1]); sys.path.append(sys.argv[2]); "
+             "print([importlib.util.find_spec(m) is not None if sys.argv[1] == 'stock+fla' else "
+             "__import__('importlib').import_module(m) and 'imported' for m in ('fla',)])")
+    seen = {}
+    for path in ("stock+fla", "stock", "cutile"):
+        r = subprocess.run([sys.executable, "-c", probe, path, str(tmp_path)], capture_output=True, text=True,
+                           env={**os.environ, bench_paths.FLA_DIR_ENV: str(tmp_path)})
+        seen[path] = (r.returncode, r.stdout.strip(), r.stderr.strip().splitlines()[-1:] if r.returncode else [])
+    assert seen["stock+fla"] == (0, "[True]", [])
+    for path in ("stock", "cutile"):  # hidden even when it is on sys.path
+        assert seen[path][0] != 0 and "ModuleNotFoundError" in seen[path][2][0] and "hidden" in seen[path][2][0]
+    monkeypatch.delenv(bench_paths.FLA_DIR_ENV)
+    if importlib.util.find_spec("fla") is None:
+        assert "not installed" in bench_paths.spec("stock+fla").unavailable("cpu")

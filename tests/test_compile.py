@@ -49,6 +49,9 @@ FAMILY_OPS = {
     "gemma3_text": {"rms_norm_gemma", "rope"},
     "gemma2": {"rms_norm_gemma", "rope"},
     "phi3": {"rms_norm", "rope"},  # Llama-code norms; partial RoPE in phi3_rope; its MLP opt-in
+    # (1 + weight) norms, SwiGLU, the gated norm. A prefill runs transformers' delta rule and conv (our
+    # prefill pair is opt-in); the decode ones are ours on CUDA (test_gpu_static_generate_... traces them).
+    "qwen3_5_text": {"rms_norm_gemma", "silu_and_mul_fused", "rms_norm_gated"},
 }
 
 

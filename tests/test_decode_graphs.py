@@ -57,7 +57,7 @@ class ReplayEmulation:
         saved = [t.clone() for t in tensors]
         self.state0 = dg._python_state(cache)
         # A graph reads and writes the tensors that existed at capture, whatever a layer holds later.
-        self.storage = [(layer.keys, layer.values) for layer in cache.layers]
+        self.storage = [_held(layer) for layer in cache.layers]
         out = fn()
         for t, s in zip(tensors, saved):  # a capture does no device work
             t.copy_(s)
@@ -71,12 +71,12 @@ class ReplayEmulation:
         now = dg._python_state(cache)
         for (oid, name), value in self.state0.items():
             setattr(objs[oid], name, value)
-        held = [(layer.keys, layer.values) for layer in cache.layers]
-        for layer, (k, v) in zip(cache.layers, self.storage):
-            layer.keys, layer.values = k, v
+        held = [_held(layer) for layer in cache.layers]
+        for layer, kv in zip(cache.layers, self.storage):
+            _hold(layer, kv)
         fresh = self.model(**self.static, past_key_values=cache)
-        for layer, (k, v) in zip(cache.layers, held):
-            layer.keys, layer.values = k, v
+        for layer, kv in zip(cache.layers, held):
+            _hold(layer, kv)
         for (oid, name), value in now.items():
             setattr(objs[oid], name, value)
         for key, value in self.output.items():
@@ -92,8 +92,24 @@ def _cache_of(fn):
     return _static_kwargs(fn)["past_key_values"]
 
 
+def _held(layer):
+    # A layer's key and value tensors (a linear-attention layer's states never move: None).
+    return None if dg._linear(layer) else (layer.keys, layer.values)
+
+
+def _hold(layer, kv):
+    if kv is not None:
+        layer.keys, layer.values = kv
+
+
 def _cache_tensors(cache):
-    return [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+    out = []
+    for layer in cache.layers:
+        if dg._linear(layer):
+            out += [t for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
+        else:
+            out += [layer.keys, layer.values, layer.cumulative_length]
+    return out
 
 
 def _cpu_compile_config():
@@ -133,8 +149,10 @@ def emulated():
 # Sliding windows of 4 (Gemma 3's every second layer) and 6 (Mistral, every layer): 12 new tokens
 # after a 5-token prompt cross them.
 @pytest.mark.parametrize("model_type,fields", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}),
-                                               ("gemma3_text", {}), ("gemma2", {"sliding_window": 6}), ("phi3", {})],
-                         ids=["llama", "qwen3", "mistral-window6", "gemma3-window4", "gemma2-window6", "phi3"])
+                                               ("gemma3_text", {}), ("gemma2", {"sliding_window": 6}), ("phi3", {}),
+                                               ("qwen3_5_text", {})],
+                         ids=["llama", "qwen3", "mistral-window6", "gemma3-window4", "gemma2-window6", "phi3",
+                              "qwen3_5-linear-attention"])
 def test_generate_replays_and_matches_eager(model_type, fields, emulated):
     model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(3))
@@ -568,7 +586,7 @@ def test_kernel_config_carries_the_switch(built_package_dir):
 def checkpoints(tmp_path_factory):
     out = {}
     for model_type, fields in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 24}),
-                               ("gemma3_text", {"sliding_window": 24})):
+                               ("gemma3_text", {"sliding_window": 24}), ("qwen3_5_text", {})):
         path = tmp_path_factory.mktemp(model_type)
         tiny_model(model_type, dtype=torch.bfloat16, layers=4, **fields).save_pretrained(path)
         out[model_type] = path
@@ -585,7 +603,7 @@ def _load(path, attn, graphs: bool):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("attn", ["sdpa", "cutile"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text"])
 def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, checkpoints, strict):
     """Real CUDA graphs of our kernels: the same tokens as the eager kernelized model with a static
     cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache

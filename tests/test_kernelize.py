@@ -157,13 +157,36 @@ def test_validator_is_real():
 
 def test_mapping_names_are_transformers_hub_names():
     assert layers.MAPPING == {"RMSNorm": "CutileRMSNorm", "RMSNormZeroCentered": "CutileZeroCenteredRMSNorm",
-                              "rotary_pos_emb": "CutileRotaryPosEmb"}
+                              "RMSNormGated": "CutileRMSNormGated", "rotary_pos_emb": "CutileRotaryPosEmb",
+                              "chunk_gated_delta_rule": "CutileChunkGatedDeltaRule",
+                              "fused_recurrent_gated_delta_rule": "CutileFusedRecurrentGatedDeltaRule",
+                              "causal_conv1d_fn": "CutileCausalConv1dFn",
+                              "causal_conv1d_update": "CutileCausalConv1dUpdate"}
     assert getattr(layers, layers.MAPPING["RMSNorm"]) is CutileRMSNorm
     for norm_cls in (LlamaRMSNorm, Qwen3RMSNorm):
         assert norm_cls.kernel_layer_name == "RMSNorm"
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 
-    assert Qwen3_5RMSNorm.kernel_layer_name == "RMSNormZeroCentered"
+    assert q35.Qwen3_5RMSNorm.kernel_layer_name == "RMSNormZeroCentered"
+    assert q35.Qwen3_5RMSNormGated.kernel_layer_name == "RMSNormGated"
+    for hub, fn in (("chunk_gated_delta_rule", q35.torch_chunk_gated_delta_rule),
+                    ("fused_recurrent_gated_delta_rule", q35.torch_recurrent_gated_delta_rule),
+                    ("causal_conv1d_fn", q35.causal_conv1d_fn), ("causal_conv1d_update", q35.causal_conv1d_update)):
+        assert type(fn).kernel_layer_name == hub
+
+
+def test_gated_deltanet_layers_pass_kernels_validation():
+    """kernels checks a layer against the module it replaces (no state, the same forward
+    parameters): Qwen3.5's gated norm and the Func modules of its four hub functions."""
+    from kernels.layer.layer import _validate_layer
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+    for replaced, ours in ((q35.Qwen3_5RMSNormGated, "RMSNormGated"),
+                           (type(q35.torch_chunk_gated_delta_rule), "chunk_gated_delta_rule"),
+                           (type(q35.torch_recurrent_gated_delta_rule), "fused_recurrent_gated_delta_rule"),
+                           (type(q35.causal_conv1d_fn), "causal_conv1d_fn"),
+                           (type(q35.causal_conv1d_update), "causal_conv1d_update")):
+        _validate_layer(check_cls=replaced, cls=getattr(layers, layers.MAPPING[ours]), repo="cutile-kernels (test)")
 
 
 def test_layer_forward_is_the_reference_on_cpu():
@@ -226,9 +249,8 @@ def test_cutile_kernelize_on_cpu_changes_nothing(ckpt, variant):
 def test_from_pretrained_with_kernel_config_on_cpu(ckpt, variant):
     cfg = cutile_kernels.kernel_config(build_dir=variant.parent)
     assert isinstance(cfg, CutileKernelConfig) and cfg.use_local_kernel
-    assert cfg.kernel_mapping == {"RMSNorm": f"{variant}:CutileRMSNorm",
-                                  "RMSNormZeroCentered": f"{variant}:CutileZeroCenteredRMSNorm",
-                                  "rotary_pos_emb": f"{variant}:CutileRotaryPosEmb"}
+    assert cfg.kernel_mapping == {hub: f"{variant}:{cls}" for hub, cls in layers.MAPPING.items()
+                                  if hub not in layers.OPT_IN_LAYERS}
     model = ckpt.load(use_kernels=True, kernel_config=cfg)
     assert model.kernel_config is cfg
     assert cfg.kernel_mapping == {}  # a CPU model: nothing mapped
@@ -373,8 +395,8 @@ def test_kernel_config_default_build_dir_from_env(tmp_path, monkeypatch, variant
     monkeypatch.delenv("CUTILE_KERNELS_DISABLE", raising=False)
     monkeypatch.setenv("CUTILE_KERNELS_BUILD_DIR", str(variant.parent))
     assert cutile_kernels.kernel_config().kernel_mapping == {
-        "RMSNorm": f"{variant}:CutileRMSNorm", "RMSNormZeroCentered": f"{variant}:CutileZeroCenteredRMSNorm",
-        "rotary_pos_emb": f"{variant}:CutileRotaryPosEmb"}
+        hub: f"{variant}:{cls}" for hub, cls in layers.MAPPING.items() if hub not in layers.OPT_IN_LAYERS}
+    assert cutile_kernels.kernel_config().kernel_mapping["RMSNorm"] == f"{variant}:CutileRMSNorm"
     monkeypatch.setenv("CUTILE_KERNELS_BUILD_DIR", str(tmp_path))
     assert cutile_kernels.kernel_config().kernel_mapping == {}
 
@@ -437,3 +459,21 @@ def test_rms_norm_gate_is_pinned_to_the_transformers_formula(change_pin):
         assert not norm_layers.computes_llama_rms_norm(LlamaRMSNorm)
     finally:
         norm_layers.computes_llama_rms_norm.cache_clear()
+
+
+def test_opt_in_hub_layers_map_only_when_included(variant):
+    """The gated DeltaNet prefill pair waits for its end-to-end bench: kernel_config() leaves it out,
+    include=[...] maps it; the decode layers are mapped by default."""
+    from cutile_kernels.layers import hub
+
+    assert layers.OPT_IN_LAYERS == {"chunk_gated_delta_rule", "causal_conv1d_fn"}
+    base = set(hub.kernel_config(build_dir=variant.parent).kernel_mapping)
+    assert {"fused_recurrent_gated_delta_rule", "causal_conv1d_update", "RMSNormGated"} <= base
+    assert not base & layers.OPT_IN_LAYERS
+    cfg = hub.kernel_config(build_dir=variant.parent, include=["chunk_gated_delta_rule", "rope_cos_sin"])
+    assert set(cfg.kernel_mapping) == base | {"chunk_gated_delta_rule"}
+    assert cfg.include_patches == ("rope_cos_sin",)
+    with pytest.raises(ValueError, match="unknown name"):
+        hub.kernel_config(include=["RMSNorm"])  # a default hub layer is no opt-in one
+    with pytest.raises(ValueError, match="unknown name"):
+        hub.kernelize(torch.nn.Linear(2, 2), include=["fused_gate_up"])

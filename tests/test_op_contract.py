@@ -127,14 +127,28 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
     if name == "attention":
         mask = torch.ones(1, 1, 5, 9, dtype=torch.bool, device=device).tril(4)
         return f(1, 4, 5, d), f(1, 2, 9, d), f(1, 2, 9, d), mask, d ** -0.5, False, 0, 0.0, None
+    if name == "rms_norm_gated":
+        return f(3, 7, 64), f(3, 7, 64), 1 + 0.1 * f(64), 1e-6
+    if name == "gated_delta_rule":  # q/k/v column slices of one projection, 5 tokens, 2 heads
+        mixed = f(1, 5, 2 * (2 * d + 8))
+        q, k, v = mixed.split([2 * d, 2 * d, 16], dim=-1)
+        return (q.view(1, 5, 2, d), k.view(1, 5, 2, d), v.view(1, 5, 2, 8), -f(1, 5, 2).abs(), f(1, 5, 2).sigmoid(),
+                f(1, 2, d, 8), f(1, 5, 2, 8), d ** -0.5)
+    if name == "causal_conv1d":
+        return f(2, 40, 7).transpose(1, 2), f(40, 4)
+    if name == "causal_conv1d_update":
+        return f(2, 40), f(2, 40, 4), f(40, 4), f(2, 40)
     raise KeyError(f"no contract sample for op {name!r}: add one to tests/test_op_contract.py")
 
 
 def test_every_kernel_has_an_op_and_every_op_a_sample():
     from cutile_kernels import kernel_src
 
-    # attention_combine is the second half of the split-KV attention, launched by the attention op
-    assert {s.kernel for s in kernel_src.all_variants()} - {"attention_combine"} <= set(OPS)
+    # Kernels launched by an op of another name: attention_combine is the second half of the
+    # split-KV attention; the gated delta rule's op runs its token-by-token kernel or the chunked pair.
+    served = {"attention_combine": "attention", "gated_delta_prepare": "gated_delta_rule",
+              "gated_delta_scan": "gated_delta_rule", "gated_delta_recurrent": "gated_delta_rule"}
+    assert {served.get(s.kernel, s.kernel) for s in kernel_src.all_variants()} <= set(OPS)
     for name in OPS:
         _sample(name)
     with pytest.raises(ValueError, match="defined twice"):

@@ -4,6 +4,10 @@
 ``stock``          transformers as is: eager, sdpa attention, DynamicCache
 ``stock-compile``  transformers' recipe for speed: StaticCache and the decode step under
                    ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA only)
+``stock+fla``      transformers with flash-linear-attention importable (what a Qwen3.5 user installs
+                   today): transformers calls fla's gated delta rule by itself. Every other path
+                   runs with fla and causal-conv1d hidden, so that each times its own code; fla is
+                   found where it is installed, or in the folder ``$CUTILE_BENCH_FLA_PATH`` names
 ``liger``          Liger-Kernel's patches applied to the loaded model, when it is installed
 ``tilegym``        NVIDIA TileGym's monkey patch (cuTile backend), applied before loading, when it
                    is installed (it pins an older transformers: what fails is reported)
@@ -17,7 +21,7 @@
 ``stock-graphs``   transformers with the same decode graphs (``enable_decode_graphs``), no kernels
                    of ours: what capturing alone gives
 ``cutile~NAME``    ours without one default patch or hub layer ``NAME``, and ``cutile+NAME`` ours
-                   with the opt-in patch ``NAME`` (not among the defaults): what
+                   with the opt-in patch or hub layer ``NAME`` (not among the defaults): what
                    ``autokernelize --score`` times a candidate against / with;
                    ``cutile-compile~NAME``, ``cutile-graphs+NAME``... the same, compiled or
                    in decode graphs
@@ -26,8 +30,12 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import importlib.util
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +60,8 @@ class PathSpec:
             return "compiled and decode-graph paths use CUDA graphs: CUDA only"
         if self.attn == "cutile" and not device.startswith("cuda"):
             return "our attention kernel needs CUDA (on a CPU it would time the eager fallback)"
+        if self.name == FLA_PATH and not _fla_available():
+            return f"flash-linear-attention is not installed (nor in ${FLA_DIR_ENV})"
         if self.name == "liger" and importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed"
         if self.name == "tilegym" and importlib.util.find_spec("tilegym") is None:
@@ -64,6 +74,7 @@ class PathSpec:
 PATHS = {p.name: p for p in [
     PathSpec("stock", "transformers eager (sdpa), DynamicCache"),
     PathSpec("stock-compile", "transformers, StaticCache + torch.compile(reduce-overhead) decode", compile=True),
+    PathSpec("stock+fla", "transformers eager with flash-linear-attention's kernels (its gated delta rule)"),
     PathSpec("liger", "Liger-Kernel patches on transformers"),
     PathSpec("tilegym", "NVIDIA TileGym monkey patch (cuTile)"),
     PathSpec("cutile", "cutile-kernels: use_kernels=True with our kernel_config", ours=True),
@@ -115,22 +126,75 @@ def spec(name: str) -> PathSpec:
     from cutile_kernels import layers
     from cutile_kernels.layers import patch
 
-    opt_in = {n for n, p in patch.PATCHES.items() if not p.default}
-    known = (set(patch.PATCHES) - opt_in) | set(layers.MAPPING)
+    opt_in = {n for n, p in patch.PATCHES.items() if not p.default} | layers.OPT_IN_LAYERS
+    known = (set(patch.PATCHES) - opt_in) | (set(layers.MAPPING) - layers.OPT_IN_LAYERS)
     for one in parts:
         if sep == WITH and one not in opt_in:
-            raise KeyError(f"path {name!r}: {one!r} is no opt-in patch ({base} applies the default ones); "
-                           f"opt-in: {sorted(opt_in)}")
+            raise KeyError(f"path {name!r}: {one!r} is no opt-in patch or hub layer ({base} applies the default "
+                           f"ones); opt-in: {sorted(opt_in)}")
         if sep == WITHOUT and one in opt_in:
             raise KeyError(f"path {name!r}: {one!r} is opt-in, {base} does not apply it (time {base}{WITH}{one} "
                            f"against {base})")
         if sep == WITHOUT and one not in known:
             raise KeyError(f"path {name!r}: {one!r} is no patch or hub layer of ours; known: {sorted(known)}")
-    what = "with the opt-in patch" if sep == WITH else "without"
+    what = "with the opt-in patch or hub layer" if sep == WITH else "without"
     return PathSpec(name, f"{PATHS[base].description}, {what} {', '.join(map(repr, parts))}",
                     compile=PATHS[base].compile, graphs=PATHS[base].graphs, attn=PATHS[base].attn, ours=True,
                     include=parts if sep == WITH else (),
                     exclude=parts if sep == WITHOUT else ())
+
+
+#: The path that sees flash-linear-attention (see the module doc).
+FLA_PATH = "stock+fla"
+#: A folder holding the ``fla`` package, for a machine where it is not installed in the environment.
+FLA_DIR_ENV = "CUTILE_BENCH_FLA_PATH"
+#: Packages transformers 5.22 uses by itself when importable (``use_kernel_func_from_hub_with_fallback``
+#: in the Qwen3.5 / Qwen3-Next / OLMo-hybrid modeling code): hidden from every path but :data:`FLA_PATH`.
+FALLBACK_PACKAGES = ("fla", "causal_conv1d")
+
+
+def _fla_available() -> bool:
+    extra = os.environ.get(FLA_DIR_ENV)
+    if extra and (Path(extra) / "fla").is_dir():
+        return True
+    return importlib.util.find_spec("fla") is not None
+
+
+class _Hidden(importlib.abc.MetaPathFinder):
+    """Makes :data:`FALLBACK_PACKAGES` unimportable in this process (``find_spec`` raises
+    ``ModuleNotFoundError``, what transformers' import probe catches)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] in FALLBACK_PACKAGES:
+            raise ModuleNotFoundError(f"{fullname} is hidden from this bench path", name=fullname)
+        return None
+
+
+def isolate_packages(path: str | None) -> None:
+    """Call in a bench worker before transformers imports a modeling module: :data:`FLA_PATH` gets
+    fla (``$CUTILE_BENCH_FLA_PATH`` added to ``sys.path`` when set; the path fails if fla does not
+    import, rather than timing transformers' torch code under its name), every other path and the
+    reference job get neither fla nor causal-conv1d, installed or not (their imports raise
+    ``ModuleNotFoundError``, ``importlib.util.find_spec`` too).
+
+    Raises:
+        RuntimeError: a fallback package was imported before the call (the choice would not hold),
+            or fla does not import on :data:`FLA_PATH`.
+    """
+    loaded = [m for m in sys.modules if m.partition(".")[0] in FALLBACK_PACKAGES]
+    if loaded:
+        raise RuntimeError(f"isolate_packages must run before {loaded[0]} is imported")
+    if path == FLA_PATH:
+        extra = os.environ.get(FLA_DIR_ENV)
+        if extra and extra not in sys.path:
+            sys.path.append(extra)
+        try:
+            importlib.import_module("fla")
+        except Exception as exc:  # noqa: BLE001 - any import failure means the path would not be fla's
+            raise RuntimeError(f"stock+fla: flash-linear-attention does not import ({type(exc).__name__}: "
+                               f"{exc})") from exc
+    elif not any(isinstance(f, _Hidden) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Hidden())
 
 
 def load(path: str, checkpoint: Path, dtype, device: str):

@@ -212,7 +212,7 @@ def inert_patches(model, spec, device: str) -> list[str]:
     from cutile_kernels.layers import patch as patcher
 
     applied = patcher.applied(model)
-    return [n for n in spec.include if not applied.get(n)]
+    return [n for n in spec.include if n in patcher.PATCHES and not applied.get(n)]
 
 
 def kernelized_layers(model) -> dict:
@@ -382,13 +382,20 @@ def serve(conn, job: dict) -> None:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
-        session = PathSession(job) if job["kind"] == "path" else _OneShot(job)
+        try:
+            paths.isolate_packages(job.get("path"))
+            session = PathSession(job) if job["kind"] == "path" else _OneShot(job)
+        except Exception as exc:  # noqa: BLE001 - said in the reply to the first command
+            traceback.print_exc()
+            session, failed = None, exc
         while True:
             try:
                 cmd = conn.recv()
             except EOFError:
                 return
             try:
+                if session is None:
+                    raise failed
                 reply = getattr(session, cmd)()
                 reply["ok"] = True
             except Exception as exc:  # noqa: BLE001 - a failing path is reported, the bench goes on

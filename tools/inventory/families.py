@@ -1,4 +1,5 @@
-"""Inventory entries generated from code for the activation, rope, attention, qk_norm_rope and kv_cache families.
+"""Inventory entries generated from code for the activation, rope, attention, qk_norm_rope, kv_cache,
+gated_delta and conv1d families (and the norm family's gated norm).
 
 Each :class:`Entry` is one Definition -- its ``run`` is the source of the op's PyTorch reference
 functions (``cutile_kernels.ops.<family>``), which restate a pinned transformers source -- with its
@@ -53,8 +54,9 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every generated entry, in family order (activation, rope, attention, qk_norm_rope, kv_cache)."""
-    return [*_activation(), _rope(), _attention(), _qk_norm_rope(), _kv_append()]
+    """Every generated entry, in family order (activation, rope, attention, qk_norm_rope, kv_cache,
+    then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
+    return [*_activation(), _rope(), _attention(), _qk_norm_rope(), _kv_append(), *_gated_deltanet()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -80,9 +82,9 @@ def _ops(family: str):
     return importlib.import_module(f"cutile_kernels.ops.{family}")
 
 
-def _tags(family: str, source: str) -> list[str]:
+def _tags(family: str, source: str, presets=WORKLOAD_PRESETS) -> list[str]:
     return [f"family:{family}", f"source:transformers@v{TRANSFORMERS_PIN}:{source}",
-            *[f"model:{p}" for p in WORKLOAD_PRESETS]]
+            *[f"model:{p}" for p in presets]]
 
 
 def _header(source: str, what: str, module: str) -> str:
@@ -440,6 +442,155 @@ def _kv_append() -> Entry:
             "_op(keys, values, k, v, torch.tensor(length, device=keys.device))\n"
             "return keys, values\n")
     return Entry("kv_cache", d, rows, [SolutionSpec("kv_append", "kv_append", body=body)])
+
+
+# ---------------------------------------------------------------------------------------------
+# gated DeltaNet (Qwen3.5): the gated delta rule, the causal conv1d and its update, the gated norm
+# ---------------------------------------------------------------------------------------------
+
+QWEN3_5 = "src/transformers/models/qwen3_5/modeling_qwen3_5.py"
+#: The presets whose gated DeltaNet shapes become Workloads.
+DELTANET_PRESETS = ("qwen3.5-0.8b",)
+
+
+def deltanet_shapes(preset: str) -> dict:
+    """A hybrid preset's linear-attention sizes: heads (value heads: q and k are repeated to
+    them), key and value head dims, conv channels and kernel size."""
+    from .. import presets
+
+    cfg = presets.PRESETS[preset].config
+    h, dk, dv = cfg["linear_num_value_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    return {"heads": h, "dk": dk, "dv": dv, "kernel": cfg["linear_conv_kernel_dim"],
+            "channels": 2 * cfg["linear_num_key_heads"] * dk + h * dv}
+
+
+def _gated_deltanet() -> list[Entry]:
+    delta_ops, conv_ops, norm_ops = _ops("gated_delta"), _ops("conv1d"), _ops("norm")
+
+    def spec(shape, what, dtype="bfloat16"):
+        return TensorSpec(shape=shape, dtype=dtype, description=what)
+
+    def tagged(family, src):
+        return _tags(family, src, DELTANET_PRESETS)
+
+    # The gated delta rule. Workload inputs are standard normal, so the Definition takes the model's
+    # pre-activations and derives g and beta as Qwen3.5 does (A = 1, dt_bias = 0): a decay <= 0.
+    rule_src = f"{QWEN3_5}::torch_recurrent_gated_delta_rule"
+    qk, vv = ["batch", "seq_len", "num_heads", "head_k_dim"], ["batch", "seq_len", "num_heads", "head_v_dim"]
+    gates, state = ["batch", "seq_len", "num_heads"], ["batch", "num_heads", "head_k_dim", "head_v_dim"]
+    derive = ("g = -torch.nn.functional.softplus(a)  # Qwen3.5's -exp(A_log) * softplus(a + dt_bias), A = 1\n"
+              "beta = torch.sigmoid(b)\n"
+              "state = state.clone()  # the op updates it in place\n")
+    rule = Definition(
+        name="gated_delta_rule", op_type="gated_delta_rule",
+        axes={"batch": AxisVar(description="batch size"),
+              "seq_len": AxisVar(description="tokens per sequence (1 when decoding)"),
+              "num_heads": AxisVar(description="config.linear_num_value_heads (q and k repeated to them)"),
+              "head_k_dim": AxisVar(description="config.linear_key_head_dim"),
+              "head_v_dim": AxisVar(description="config.linear_value_head_dim")},
+        inputs={"q": spec(qk, "queries (L2-normalised inside)"), "k": spec(qk, "keys (L2-normalised inside)"),
+                "v": spec(vv, "values"), "a": spec(gates, "decay pre-activation: g = -softplus(a)", "float32"),
+                "b": spec(gates, "write-strength pre-activation: beta = sigmoid(b)"),
+                "state": spec(state, "the recurrent state before the tokens", "float32")},
+        outputs={"o": spec(vv, "the output per token"),
+                 "state_out": spec(state, "the recurrent state after the tokens", "float32")},
+        reference=reference_source(
+            [delta_ops.gated_delta_rule_reference], ["q", "k", "v", "a", "b", "state"],
+            derive + "o = torch.empty_like(v)\n"
+            "gated_delta_rule_reference(q, k, v, g, beta, state, o, q.shape[-1] ** -0.5)\n"
+            "return o, state",
+            _header(f"{QWEN3_5}::torch_recurrent_gated_delta_rule and torch_chunk_gated_delta_rule",
+                    "the gated delta rule with use_qk_l2norm_in_kernel=True, token by token in float32.",
+                    "cutile_kernels.ops.gated_delta"), imports=("import torch",)),
+        tags=tagged("gated_delta", rule_src),
+        description="Gated DeltaNet's linear attention (Yang et al. 2024, arXiv:2412.06464) over a sequence, "
+                    "with its recurrent state: the chunked kernel for prefill, the token-by-token one for decode.")
+    rule_body = derive + "return _op(q, k, v, g, beta, state), state\n"
+
+    conv_src = f"{QWEN3_5}::causal_conv1d_fn"
+    conv = Definition(
+        name="causal_conv1d", op_type="causal_conv1d",
+        axes={"batch": AxisVar(description="batch size"), "seq_len": AxisVar(description="tokens per sequence"),
+              "channels": AxisVar(description="2 x key heads x head_k_dim + value heads x head_v_dim"),
+              "kernel_size": AxisVar(description="config.linear_conv_kernel_dim")},
+        inputs={"x": spec(["batch", "seq_len", "channels"], "the q/k/v projection (channels innermost)"),
+                "weight": spec(["channels", "kernel_size"], "the depthwise filter (conv1d.weight.squeeze(1))")},
+        outputs={"y": spec(["batch", "seq_len", "channels"], "silu of the causal convolution")},
+        reference=reference_source([conv_ops.causal_conv1d_reference], ["x", "weight"],
+                                   "return causal_conv1d_reference(x, weight)",
+                                   _header(conv_src, "F.conv1d (groups = channels, left padding K - 1), then SiLU.",
+                                           "cutile_kernels.ops.conv1d"),
+                                   imports=("import torch", "import torch.nn.functional as F")),
+        tags=tagged("conv1d", conv_src),
+        description="Gated DeltaNet's causal depthwise conv1d with SiLU over a prefill.")
+    upd_src = f"{QWEN3_5}::causal_conv1d_update"
+    update = Definition(
+        name="causal_conv1d_update", op_type="causal_conv1d_update",
+        axes={"batch": AxisVar(description="batch size"), "channels": conv.axes["channels"],
+              "kernel_size": conv.axes["kernel_size"]},
+        inputs={"x": spec(["batch", "channels"], "the decode token's q/k/v projection"),
+                "state": spec(["batch", "channels", "kernel_size"], "the conv state (last K inputs)"),
+                "weight": spec(["channels", "kernel_size"], "the depthwise filter")},
+        outputs={"y": spec(["batch", "channels"], "silu of the convolution over the updated state"),
+                 "state_out": spec(["batch", "channels", "kernel_size"], "the state shifted, x appended")},
+        reference=reference_source([conv_ops.causal_conv1d_update_reference], ["x", "state", "weight"],
+                                   "state = state.clone()\ny = torch.empty_like(x)\n"
+                                   "causal_conv1d_update_reference(x, state, weight, y)\nreturn y, state",
+                                   _header(upd_src, "the conv state shifted by one token, then F.conv1d and SiLU.",
+                                           "cutile_kernels.ops.conv1d"),
+                                   imports=("import torch", "import torch.nn.functional as F")),
+        tags=tagged("conv1d", upd_src),
+        description="Gated DeltaNet's causal conv1d for one decode token, its state updated in place.")
+    norm_src = f"{QWEN3_5}::Qwen3_5RMSNormGated.forward"
+    two_d = ["num_tokens", "head_v_dim"]
+    gated = Definition(
+        name="rms_norm_gated", op_type="rms_norm_gated",
+        axes={"num_tokens": AxisVar(description="rows: batch x tokens x value heads, flattened"),
+              "head_v_dim": AxisVar(description="config.linear_value_head_dim")},
+        inputs={"x": spec(two_d, "the delta rule's output"), "gate": spec(two_d, "the z projection"),
+                "weight": spec(["head_v_dim"], "the norm's weight"),
+                "eps": TensorSpec(shape=None, dtype="float32", description="config.rms_norm_eps")},
+        outputs={"y": spec(two_d, "rms_norm(x) * weight (rounded), times silu(gate) in float32, rounded")},
+        reference=reference_source([norm_ops.rms_norm_reference, norm_ops.rms_norm_gated_reference],
+                                   ["x", "gate", "weight", "eps"], "return rms_norm_gated_reference(x, gate, weight, eps)",
+                                   _header(norm_src, "LlamaRMSNorm's order, then times silu(gate.float()).",
+                                           "cutile_kernels.ops.norm"),
+                                   imports=("import torch", "import torch.nn.functional as F")),
+        tags=tagged("norm", norm_src),
+        description="Gated DeltaNet's output norm (hub name RMSNormGated).")
+    rows = {n: [] for n in ("rule", "conv", "update", "gated")}
+    for preset in DELTANET_PRESETS:
+        m = deltanet_shapes(preset)
+        for phase, (batch, seq) in PHASES.items():
+            rows["rule"].append(Workload(axes={"batch": batch, "seq_len": seq, "num_heads": m["heads"],
+                                               "head_k_dim": m["dk"], "head_v_dim": m["dv"]},
+                                         inputs=_inputs(rule), uuid=f"{preset}/{phase}"))
+            rows["gated"].append(Workload(axes={"num_tokens": batch * seq * m["heads"], "head_v_dim": m["dv"]},
+                                          inputs=_inputs(gated, eps=1e-6), uuid=f"{preset}/{phase}"))
+            if seq == 1:
+                rows["update"].append(Workload(axes={"batch": batch, "channels": m["channels"],
+                                                     "kernel_size": m["kernel"]},
+                                               inputs=_inputs(update), uuid=f"{preset}/{phase}"))
+            else:
+                rows["conv"].append(Workload(axes={"batch": batch, "seq_len": seq, "channels": m["channels"],
+                                                   "kernel_size": m["kernel"]},
+                                             inputs=_inputs(conv), uuid=f"{preset}/{phase}"))
+    return [
+        Entry("gated_delta", rule, rows["rule"],
+              [SolutionSpec("gated_delta_prepare", "gated_delta_rule", body=rule_body,
+                            description="The chunked pair's first kernel: every chunk's state-free part, in "
+                                        "parallel (the op runs the pair above 16 tokens)."),
+               SolutionSpec("gated_delta_scan", "gated_delta_rule", body=rule_body,
+                            description="The chunked pair's second kernel: the chunks in order with the state "
+                                        "(the op runs the pair above 16 tokens)."),
+               SolutionSpec("gated_delta_recurrent", "gated_delta_rule", body=rule_body,
+                            description="The token-by-token kernel (the op runs it up to 16 tokens).")]),
+        Entry("conv1d", conv, rows["conv"], [SolutionSpec("causal_conv1d", "causal_conv1d")]),
+        Entry("conv1d", update, rows["update"],
+              [SolutionSpec("causal_conv1d_update", "causal_conv1d_update",
+                            body="state = state.clone()\nreturn _op(x, state, weight), state\n")]),
+        Entry("norm", gated, rows["gated"], [SolutionSpec("rms_norm_gated", "rms_norm_gated")]),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

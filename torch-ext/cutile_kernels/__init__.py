@@ -19,6 +19,8 @@ from .layers import CacheFullError, disable_decode_graphs, enable_decode_graphs,
 from .ops import attention, attention_reference, gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference
 from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
 from .ops import kv_append, kv_append_reference, qk_norm_rope, qk_norm_rope_reference
+from .ops import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update, causal_conv1d_update_reference,
+                  gated_delta_rule, gated_delta_rule_reference, rms_norm_gated, rms_norm_gated_reference)
 from .ops._dtypes import UnsupportedDtypeError
 from .layers.patch import patch, unpatch
 from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_gemma, rms_norm_gemma_reference,
@@ -37,9 +39,15 @@ __all__ = [
     "attention",
     "attention_reference",
     "add_rms_norm_reference",
+    "causal_conv1d",
+    "causal_conv1d_reference",
+    "causal_conv1d_update",
+    "causal_conv1d_update_reference",
     "disable_decode_graphs",
     "dispatch",
     "enable_decode_graphs",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
     "gelu_tanh_and_mul_fused",
     "gelu_tanh_and_mul_fused_reference",
     "kernel_config",
@@ -53,6 +61,8 @@ __all__ = [
     "registry",
     "reset_stats",
     "rms_norm",
+    "rms_norm_gated",
+    "rms_norm_gated_reference",
     "rms_norm_gemma",
     "rms_norm_gemma_reference",
     "rms_norm_reference",

@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from .. import dispatch
 from ._dtypes import check_float
 from ._define import contiguous, define_op
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, MAX_BLOCK_N
+from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, GATED_BLOCK_NS, MAX_BLOCK_N
 from ..registry import DECODE_TORCH_DTYPES
 
 MIN_BLOCK_N = min(BLOCK_NS)
@@ -47,6 +48,13 @@ def rms_norm_gemma_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * (offset + weight.float())).to(x.dtype)
+
+
+def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm exactly as transformers' ``Qwen3_5RMSNormGated.forward`` computes it (v5.22.2;
+    hub name ``RMSNormGated``): :func:`rms_norm_reference`, then times ``silu(gate.float())``,
+    rounded to ``x.dtype``."""
+    return (rms_norm_reference(x, weight, eps) * F.silu(gate.to(torch.float32))).to(x.dtype)
 
 
 def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
@@ -150,6 +158,31 @@ def _rms_norm_gemma_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offs
     return rms_norm_gemma_reference(x, weight, eps, offset).contiguous()
 
 
+def _check_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _check_shapes(x, weight, "rms_norm_gated")
+    if gate.shape != x.shape:
+        raise ValueError(f"rms_norm_gated: gate shape {tuple(gate.shape)} != input shape {tuple(x.shape)}")
+
+
+def _rms_norm_gated_cuda(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 1:
+        return _rms_norm_gated_cuda(x.view(1, -1), gate.view(1, -1), weight, eps).view_as(x)
+    y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    rows = y.numel() // x.shape[-1]
+    if y.numel() == 0:
+        return y
+    if x.shape[-1] > GATED_BLOCK_NS[-1]:
+        dispatch.fallback("rms_norm_gated", f"rows of {x.shape[-1]} > {GATED_BLOCK_NS[-1]}")
+    elif dispatch.run("rms_norm_gated", _want(x, rows), (x, gate, weight, y, float(eps)), 3, _grid(rows),
+                      _rows_layout):
+        return y
+    return rms_norm_gated_reference(x, gate, weight, eps).contiguous()
+
+
+def _rms_norm_gated_fake(x, gate, weight, eps):
+    return x.new_empty(x.shape)
+
+
 def _rms_norm_gemma_fake(x, weight, eps, offset):
     return x.new_empty(x.shape)
 
@@ -167,6 +200,8 @@ _rms_norm = define_op("rms_norm", _rms_norm_cuda, reference=rms_norm_reference, 
                       check=_check_rms_norm)
 _rms_norm_gemma = define_op("rms_norm_gemma", _rms_norm_gemma_cuda, reference=rms_norm_gemma_reference,
                             fake=_rms_norm_gemma_fake, check=_check_rms_norm_gemma)
+_rms_norm_gated = define_op("rms_norm_gated", _rms_norm_gated_cuda, reference=rms_norm_gated_reference,
+                            fake=_rms_norm_gated_fake, check=_check_rms_norm_gated)
 _add_rms_norm = define_op("add_rms_norm", _add_rms_norm_cuda, reference=add_rms_norm_reference,
                           fake=_add_rms_norm_fake, check=_check_add_rms_norm)
 
@@ -246,3 +281,31 @@ def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, off
     """
     check_float("rms_norm_gemma", "x, weight", x, weight)
     return _rms_norm_gemma(x, weight, float(eps), float(offset))
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Gated RMSNorm (gated DeltaNet's output norm): ``(rms_norm(x, weight) * silu(gate)).to(x.dtype)``,
+    the norm in Llama's rounding order, the gate's SiLU and the product in float32 (transformers'
+    ``Qwen3_5RMSNormGated``, hub name ``RMSNormGated``; Yang et al. 2024, arXiv:2412.06464).
+
+    Args:
+        x: ``(..., N)`` activations (N <= 256 for the kernel: one head's values); bfloat16,
+            float16 or float32.
+        gate: shaped like ``x`` (the ``z`` projection).
+        weight: ``(N,)``, same dtype as ``x`` for the kernel.
+        eps: added to the mean square.
+
+    Returns:
+        ``(..., N)`` contiguous tensor of ``x.dtype``.
+
+    On CUDA a cuTile kernel; otherwise, or for other dtypes and widths,
+    :func:`rms_norm_gated_reference`, logging the reason once. Under ``torch.compile`` the custom
+    op ``<namespace>::rms_norm_gated`` (gradients from the reference).
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        ValueError: ``weight`` is not ``(N,)`` or ``gate`` is not shaped like ``x``.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    check_float("rms_norm_gated", "x, gate, weight", x, gate, weight)
+    return _rms_norm_gated(x, gate, weight, eps)

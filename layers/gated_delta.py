@@ -1,0 +1,232 @@
+"""Gated DeltaNet's functions as hub layers: the gated delta rule (chunked and recurrent) and the
+causal conv1d (sequence and one-token update), and their mapping rows.
+
+transformers 5.22.2 decorates four functions of the Qwen3.5 modeling code (and its copies:
+Qwen3.5-MoE, Qwen3-Next, ...) with ``@use_kernel_func_from_hub_with_fallback(name, package)``:
+``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule`` (package flash-linear-attention),
+``causal_conv1d_fn`` and ``causal_conv1d_update`` (package causal-conv1d). As for
+``rotary_pos_emb`` (``layers/rope.py``), ``kernels`` makes each an ``nn.Module`` instance listed in
+the gated DeltaNet module's ``_kernel_funcs``; ``kernelize`` rebinds its ``forward`` to ours. Our
+forward runs the cuTile op when the call is one the kernels compute (CUDA tensors of the dtypes and
+sizes they are built for, q/k normalised in the kernel, no packed sequences, SiLU and no bias for
+the convolution; ``ops.*.unsupported``) and the wrapped function is Qwen3.5's code (pinned,
+``layers/models/qwen3_5.py``); any other call takes the function's own path (transformers' torch
+code, or the package's when installed), said once per reason.
+
+The swap is process-wide: each decorated function is one module instance shared by every model of
+its modeling code, so kernelizing one model changes the others (as for ``rotary_pos_emb``), and the
+opt-in pair is mapped or not by the last kernelize. Other modeling modules' copies of these
+functions are taken where they compile to the same code (transformers 5.22: the delta rules of
+Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the conv functions of about twenty Mamba-style models);
+their calls with other arguments (a bias, another activation) keep their own path.
+
+State handling follows transformers' cache: the recurrent step updates ``initial_state`` in place
+and returns it (the cache then copies it onto itself: a no-op), so that a CUDA-graph replay reads
+and writes one buffer; the chunked prefill writes a new final state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import dispatch
+from ..ops import conv1d as conv_ops
+from ..ops import gated_delta as delta_ops
+from ..ops.conv1d import causal_conv1d, causal_conv1d_update
+from ..ops.gated_delta import gated_delta_rule
+from ._match import class_verdict, same_code
+from ._pins import holds
+from .rope import wrapped_function
+
+#: hub name -> (the function's name in Qwen3.5's modeling module, its pin).
+FUNCTIONS = {
+    "chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn": "causal_conv1d_fn",
+    "causal_conv1d_update": "causal_conv1d_update",
+}
+#: The helper the two delta rules normalise q and k with (the kernels' L2 norm).
+L2NORM_PIN = "qwen3_5.l2norm"
+
+
+def _torch_function(cls: type):
+    # The torch function under a Func class: kernels' closure holds transformers' fallback wrapper,
+    # which functools.wraps the torch function.
+    fn = wrapped_function(cls)
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _computes(cls: type, name: str) -> bool:
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
+
+    fn, qwen = _torch_function(cls), _torch_function(type(getattr(ref, FUNCTIONS[name])))
+    if fn is None or qwen is None or not holds(f"qwen3_5.{FUNCTIONS[name]}") or not same_code(fn, qwen):
+        return False
+    if "delta_rule" in name:  # their q/k normalisation must be the kernels' too
+        return holds(L2NORM_PIN) and same_code(fn.__globals__.get("l2norm"), ref.l2norm)
+    return True
+
+
+@class_verdict
+def computes_chunk_gated_delta_rule(cls: type) -> bool:
+    """True if the ``Func`` class ``cls`` wraps Qwen3.5's ``torch_chunk_gated_delta_rule`` code
+    (pinned, with its ``l2norm``). Once per class; a constant under ``torch.compile``."""
+    return _computes(cls, "chunk_gated_delta_rule")
+
+
+@class_verdict
+def computes_recurrent_gated_delta_rule(cls: type) -> bool:
+    """True if ``cls`` wraps Qwen3.5's ``torch_recurrent_gated_delta_rule`` code (pinned)."""
+    return _computes(cls, "fused_recurrent_gated_delta_rule")
+
+
+@class_verdict
+def computes_causal_conv1d_fn(cls: type) -> bool:
+    """True if ``cls`` wraps Qwen3.5's ``causal_conv1d_fn`` code (pinned)."""
+    return _computes(cls, "causal_conv1d_fn")
+
+
+@class_verdict
+def computes_causal_conv1d_update(cls: type) -> bool:
+    """True if ``cls`` wraps Qwen3.5's ``causal_conv1d_update`` code (pinned)."""
+    return _computes(cls, "causal_conv1d_update")
+
+
+def _why_not(verdict: bool, cls: type, cuda: bool, why: str | None) -> str | None:
+    """Why this call keeps the wrapped function (said once per reason in eager), or None: the
+    class is not Qwen3.5's code, a CPU tensor (the stock function, bit for bit), or a call the
+    kernels do not compute (``why``)."""
+    if not verdict:
+        why = f"{_function_name(cls)} is not Qwen3.5's code; it keeps its own"
+    elif not cuda:
+        return "cpu"
+    if why is not None and not torch.compiler.is_compiling():
+        dispatch.fallback(cls.kernel_layer_name, f"{why}: transformers' function runs")
+    return why
+
+
+def _function_name(cls: type) -> str:
+    fn = _torch_function(cls)
+    return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else cls.__qualname__
+
+
+def _delta_why(query, value, g, beta, use_qk_l2norm_in_kernel, kwargs) -> str | None:
+    # What the delta-rule kernels compute: q/k normalised inside, one sequence per row, dtypes and
+    # sizes they are built for (ops/gated_delta.py's ``unsupported``).
+    if not use_qk_l2norm_in_kernel:
+        return "q and k not normalised in the kernel (use_qk_l2norm_in_kernel=False)"
+    if kwargs.get("cu_seqlens") is not None:
+        return "packed sequences (cu_seqlens)"
+    if query.dim() != 4:
+        return f"q of {query.dim()} dimensions"
+    return delta_ops.unsupported(query, value, g.float(), beta)
+
+
+class CutileChunkGatedDeltaRule(nn.Module):
+    """``chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+    output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs)`` on the chunked cuTile
+    kernel (:func:`cutile_kernels.gated_delta_rule`). Shapes: q, k ``(B, T, H, dk)`` (heads already
+    repeated to the value heads), v ``(B, T, H, dv)``, g and beta ``(B, T, H)``, state ``(B, H, dk,
+    dv)``; returns ``(o, final_state or None)``, o in v's dtype, the state float32."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):
+        cls = type(self)
+        if _why_not(computes_chunk_gated_delta_rule(cls), cls, query.is_cuda,
+                    _delta_why(query, value, g, beta, use_qk_l2norm_in_kernel, kwargs)):
+            return cls.forward(self, query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        B, _, H, dk = key.shape
+        if initial_state is None:
+            state = torch.zeros(B, H, dk, value.shape[-1], dtype=torch.float32, device=value.device)
+        else:
+            state = initial_state.to(torch.float32, copy=True)
+        out = gated_delta_rule(query, key, value, g.float(), beta, state)
+        return out, (state if output_final_state else None)
+
+
+class CutileFusedRecurrentGatedDeltaRule(nn.Module):
+    """``fused_recurrent_gated_delta_rule(...)`` (same arguments as the chunked one, no
+    ``chunk_size``) on the token-by-token cuTile kernel. A float32 ``initial_state`` is updated in
+    place and returned when ``output_final_state`` (transformers' cache passes its own buffer)."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, query, key, value, g, beta, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, **kwargs):
+        cls = type(self)
+        if _why_not(computes_recurrent_gated_delta_rule(cls), cls, query.is_cuda,
+                    _delta_why(query, value, g, beta, use_qk_l2norm_in_kernel, kwargs)):
+            return cls.forward(self, query, key, value, g=g, beta=beta, initial_state=initial_state,
+                               output_final_state=output_final_state,
+                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        B, _, H, dk = key.shape
+        if initial_state is None:
+            state = torch.zeros(B, H, dk, value.shape[-1], dtype=torch.float32, device=value.device)
+        elif output_final_state and initial_state.dtype == torch.float32:
+            state = initial_state
+        else:
+            state = initial_state.to(torch.float32, copy=True)
+        out = gated_delta_rule(query, key, value, g.float(), beta, state)
+        return out, (state if output_final_state else None)
+
+
+class CutileCausalConv1dFn(nn.Module):
+    """``causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs)`` on the
+    cuTile kernel: hidden_states ``(B, C, L)`` (a transposed view of ``(B, L, C)``), weight
+    ``(C, K)``; returns ``(B, C, L)`` in the input's dtype (a transposed view of our contiguous
+    ``(B, L, C)`` output). Only ``activation="silu"`` without bias; other calls keep the function."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
+        cls = type(self)
+        why = (f"activation {activation!r} and bias {bias is not None} (ours: SiLU, no bias)"
+               if activation != "silu" or bias is not None else
+               "packed sequences (seq_idx)" if kwargs.get("seq_idx") is not None else
+               conv_ops.unsupported(hidden_states, weight))
+        if _why_not(computes_causal_conv1d_fn(cls), cls, hidden_states.is_cuda, why):
+            return cls.forward(self, hidden_states, weight, bias, activation, **kwargs)
+        return causal_conv1d(hidden_states.transpose(1, 2), weight).transpose(1, 2)
+
+
+class CutileCausalConv1dUpdate(nn.Module):
+    """``causal_conv1d_update(hidden_states, conv_state, weight, bias=None, activation=None)`` for
+    one token on the cuTile kernel: hidden_states ``(B, C, 1)``, conv_state ``(B, C, K)`` updated in
+    place; returns ``(B, C, 1)``. Longer inputs, a bias or another activation keep the function."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states, conv_state, weight, bias=None, activation=None):
+        cls = type(self)
+        why = (f"activation {activation!r} and bias {bias is not None} (ours: SiLU, no bias)"
+               if activation != "silu" or bias is not None else
+               f"{hidden_states.shape[-1]} tokens (ours: one)" if hidden_states.shape[-1] != 1 else
+               f"conv state {conv_state.dtype} != {hidden_states.dtype}" if conv_state.dtype != hidden_states.dtype
+               else conv_ops.unsupported(hidden_states, weight))
+        if _why_not(computes_causal_conv1d_update(cls), cls, hidden_states.is_cuda, why):
+            return cls.forward(self, hidden_states, conv_state, weight, bias, activation)
+        return causal_conv1d_update(hidden_states[..., 0], conv_state, weight).unsqueeze(-1)
+
+
+#: Mapped only with ``kernel_config(include=[...])``: the prefill pair. On the H200 the chunked delta
+#: rule ran a 1x2048 Qwen3.5 layer in 0.77 ms against 5.9 ms for transformers' torch code (fla:
+#: 0.11 ms), the conv 218 against 246 us, but no end-to-end bench has timed these kernels yet (the
+#: one that did ran an earlier, 30x slower chunked kernel: prefill 3.9x slower than stock).
+OPT_IN = ("chunk_gated_delta_rule", "causal_conv1d_fn")
+
+#: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
+MAPPING = {
+    "chunk_gated_delta_rule": "CutileChunkGatedDeltaRule",
+    "fused_recurrent_gated_delta_rule": "CutileFusedRecurrentGatedDeltaRule",
+    "causal_conv1d_fn": "CutileCausalConv1dFn",
+    "causal_conv1d_update": "CutileCausalConv1dUpdate",
+}
