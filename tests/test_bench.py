@@ -34,6 +34,9 @@ def test_presets_are_real_configs():
     q35 = presets.make_config("qwen3.5-0.8b")
     assert type(q35).__name__ == "Qwen3_5TextConfig" and q35.layer_types.count("full_attention") == 6
     assert (q35.hidden_size, q35.linear_num_value_heads, q35.linear_key_head_dim) == (1024, 16, 128)
+    q27 = presets.make_config("qwen3.5-27b")
+    assert (q27.hidden_size, q27.num_hidden_layers, q27.layer_types.count("full_attention")) == (5120, 64, 16)
+    assert (q27.linear_num_key_heads, q27.linear_num_value_heads, q27.tie_word_embeddings) == (16, 48, False)
     g = presets.make_config("granite-3.3-2b")
     assert type(g).__name__ == "GraniteConfig" and (g.embedding_multiplier, g.logits_scaling, g.vocab_size) == (
         12.0, 8.0, 49159)

@@ -184,6 +184,23 @@ PRESETS = {
                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True},
             "use_cache": True, "vocab_size": 248320,
         }),
+        # Qwen/Qwen3.5-27B's text_config (the larger Qwen3.5 issue 16 asks for): public copies of its
+        # config.json and of Megatron arguments written from it agree (found with the search tool,
+        # 2026-12-02). 64 layers, three gated-DeltaNet to one gated full-attention, 16 key heads to
+        # 48 value heads in the linear layers (q and k repeated 3x), untied embeddings. About 54 GB
+        # of seeded bf16 weights when materialised: its shapes serve the inventory's Workloads.
+        Preset("qwen3.5-27b", "Qwen/Qwen3.5-27B", {
+            "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "attn_output_gate": True, "full_attention_interval": 4, "head_dim": 256,
+            "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 17408,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+            "linear_value_head_dim": 128, "max_position_embeddings": 262144, "num_attention_heads": 24,
+            "num_hidden_layers": 64, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+            "use_cache": True, "vocab_size": 248320,
+        }),
     ]
 }
 

@@ -33,7 +33,7 @@ FAMILY = Family(
           Pin("qwen3_5", "causal_conv1d_update", "2b276ec2aa0eccac", _USE),
           Pin("qwen3_5", "l2norm", "77030f67029093a9", _USE),
           Pin("qwen3_5", "Qwen3_5RMSNormGated.forward", "97e83e4eb4774929", _USE)),
-    presets=("qwen3.5-0.8b",),
+    presets=("qwen3.5-0.8b", "qwen3.5-27b"),
     covered="gated DeltaNet's decode (the recurrent delta rule, the conv1d update) and its gated RMSNorm "
             "(hub layers); SwiGLU on fused gate/up; the (1 + weight) RMSNorms (hub layer "
             "RMSNormZeroCentered); opt-in: the chunked delta rule and the conv1d of prefill",

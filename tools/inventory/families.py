@@ -450,7 +450,7 @@ def _kv_append() -> Entry:
 
 QWEN3_5 = "src/transformers/models/qwen3_5/modeling_qwen3_5.py"
 #: The presets whose gated DeltaNet shapes become Workloads.
-DELTANET_PRESETS = ("qwen3.5-0.8b",)
+DELTANET_PRESETS = ("qwen3.5-0.8b", "qwen3.5-27b")
 
 
 def deltanet_shapes(preset: str) -> dict:
