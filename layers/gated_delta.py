@@ -152,8 +152,9 @@ class CutileChunkGatedDeltaRule(nn.Module):
 
 class CutileFusedRecurrentGatedDeltaRule(nn.Module):
     """``fused_recurrent_gated_delta_rule(...)`` (same arguments as the chunked one, no
-    ``chunk_size``) on the token-by-token cuTile kernel. A float32 ``initial_state`` is updated in
-    place and returned when ``output_final_state`` (transformers' cache passes its own buffer)."""
+    ``chunk_size``) on the token-by-token cuTile kernel. A contiguous float32 ``initial_state`` is
+    updated in place and returned when ``output_final_state`` (transformers' cache passes its own
+    buffer); any other is copied first."""
 
     can_torch_compile = True
     has_backward = False
@@ -169,8 +170,8 @@ class CutileFusedRecurrentGatedDeltaRule(nn.Module):
         B, _, H, dk = key.shape
         if initial_state is None:
             state = torch.zeros(B, H, dk, value.shape[-1], dtype=torch.float32, device=value.device)
-        elif output_final_state and initial_state.dtype == torch.float32:
-            state = initial_state
+        elif output_final_state and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+            state = initial_state  # transformers' cache buffer: written in place (no overlapping rows)
         else:
             state = initial_state.to(torch.float32, copy=True)
         out = gated_delta_rule(query, key, value, g.float(), beta, state)

@@ -218,16 +218,17 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
             (``decoder_add_rms_norm`` still fuses the decoder layers' norms).
         include: patches to apply and hub layers to map too: the opt-in ones (``Patch.default``
             False, e.g. ``"rope_cos_sin"``; the hub layers of ``layers.OPT_IN_LAYERS``, e.g.
-            ``"chunk_gated_delta_rule"``; the bench's ``cutile+NAME`` path); a default patch named
-            here is applied anyway, so naming it changes nothing (``qk_norm_rope`` was opt-in before).
+            ``"chunk_gated_delta_rule"``; the bench's ``cutile+NAME`` path); a default patch or hub
+            layer named here is applied anyway, so naming it changes nothing (``qk_norm_rope`` was
+            opt-in before).
         decode_graphs: also switch on the decode fast path (``layers.decode_graphs``): ``generate``
             uses a static KV cache and replays each decode step as a captured CUDA graph, no
             ``torch.compile``; the opt-in patches of :data:`DECODE_GRAPH_PATCHES` are applied too
             unless ``exclude`` names them. Not under ``CUTILE_KERNELS_DISABLE``.
 
     Raises:
-        ValueError: a name in ``exclude`` that is neither a hub layer of ours nor a patch, or in
-            ``include`` that is neither a patch nor an opt-in hub layer.
+        ValueError: a name in ``exclude`` or ``include`` that is neither a hub layer of ours nor a
+            patch.
         TypeError: ``decode_graphs`` that is not a bool (``"no"`` would read as on).
 
     Returns:
@@ -247,7 +248,7 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
     if not isinstance(decode_graphs, bool):
         raise TypeError(f"kernel_config(decode_graphs=...) takes True or False, not {decode_graphs!r}")
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
-    include = _names(include, "include", set(PATCHES) | OPT_IN_LAYERS)
+    include = _names(include, "include", set(PATCHES) | set(MAPPING))  # a default one named: no change
     layers_in = {n for n in include if n in OPT_IN_LAYERS}
     include = tuple(n for n in include if n in PATCHES)
     if decode_graphs:
@@ -272,10 +273,11 @@ def kernelize(model, mode=None, build_dir=None, include=()):
         mode: a ``kernels.Mode`` (default: INFERENCE, or TRAINING when ``model.training``; our
             layers are inference-only, so TRAINING keeps the original forwards).
         build_dir: as for :func:`kernel_config`.
-        include: opt-in hub layers to map too (``layers.OPT_IN_LAYERS``).
+        include: opt-in hub layers to map too (``layers.OPT_IN_LAYERS``; a default one named
+            changes nothing).
 
     Raises:
-        ValueError: a name in ``include`` that is no opt-in hub layer.
+        ValueError: a name in ``include`` that is no hub layer of ours.
 
     After the hub layers (and transformers' ``rotary_pos_emb`` function) are swapped, the fallback
     patcher's registered patches are applied too (``layers.patch.patch``: e.g. the residual add
@@ -284,7 +286,7 @@ def kernelize(model, mode=None, build_dir=None, include=()):
     from kernels import LocalLayerRepository, Mode, use_kernel_mapping
     from kernels import kernelize as kernels_kernelize
 
-    include = set(_names(include, "include", OPT_IN_LAYERS))
+    include = set(_names(include, "include", set(MAPPING)))  # a default layer named: no change
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cuda" or dispatch.disabled():
         why = ("it is disabled by CUTILE_KERNELS_DISABLE" if dispatch.disabled() else

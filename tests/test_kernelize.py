@@ -352,7 +352,7 @@ def test_kernel_config_checks_its_names(variant):
     with pytest.raises(ValueError, match="unknown name"):
         cutile_kernels.kernel_config(build_dir=variant.parent, exclude=["Bogus"])
     with pytest.raises(ValueError, match="unknown name"):
-        cutile_kernels.kernel_config(build_dir=variant.parent, include=["RMSNorm"])  # a hub layer, not a patch
+        cutile_kernels.kernel_config(build_dir=variant.parent, include=["Bogus"])
     # A default patch named in include (qk_norm_rope was opt-in once) is applied as it would be anyway.
     same = cutile_kernels.kernel_config(build_dir=variant.parent, include=["qk_norm_rope"])
     assert hub._patch_names(same.exclude_patches, same.include_patches) == hub._patch_names()
@@ -473,7 +473,9 @@ def test_opt_in_hub_layers_map_only_when_included(variant):
     cfg = hub.kernel_config(build_dir=variant.parent, include=["chunk_gated_delta_rule", "rope_cos_sin"])
     assert set(cfg.kernel_mapping) == base | {"chunk_gated_delta_rule"}
     assert cfg.include_patches == ("rope_cos_sin",)
+    # A default layer named in include changes nothing (as a default patch named there).
+    assert set(hub.kernel_config(build_dir=variant.parent, include=["RMSNorm"]).kernel_mapping) == base
     with pytest.raises(ValueError, match="unknown name"):
-        hub.kernel_config(include=["RMSNorm"])  # a default hub layer is no opt-in one
+        hub.kernel_config(include=["no_such_layer"])
     with pytest.raises(ValueError, match="unknown name"):
-        hub.kernelize(torch.nn.Linear(2, 2), include=["fused_gate_up"])
+        hub.kernelize(torch.nn.Linear(2, 2), include=["fused_gate_up"])  # a patch: kernelize maps layers
