@@ -234,10 +234,6 @@ def cumsum(x, axis=0, reverse=False, **_):
     return np.cumsum(x, axis=axis, dtype=x.dtype)
 
 
-def matmul(x, y):
-    return np.matmul(x, y)
-
-
 def _grid_slices(index, shape, full):
     for s, n in zip(shape, full):
         if n % s:
@@ -255,13 +251,6 @@ def insert(x, index, value):
     value = np.asarray(value)
     out[_grid_slices(index, value.shape, out.shape)] = value
     return out
-
-
-def cat(tiles, axis):
-    a, b = (np.asarray(t) for t in tiles)
-    if a.shape != b.shape:
-        raise UndefinedBehaviour(f"cat of {a.shape} and {b.shape} (cuTile takes one shape)")
-    return np.concatenate((a, b), axis=axis)
 
 
 def static_iter(iterable):

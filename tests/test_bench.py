@@ -367,6 +367,10 @@ def test_an_opt_in_patch_that_changes_nothing_is_said(capsys):
     assert inert_patches(llama, spec, "cuda") == ["rms_norm_olmo2"]
     assert inert_patches(olmo2, spec, "cuda") == [] and inert_patches(llama, spec, "cpu") == []
     assert inert_patches(llama, paths.spec("cutile"), "cuda") == []
+    # An opt-in hub layer the model has no function of (Qwen3.5's chunked delta rule on Llama).
+    hub = paths.spec("cutile+chunk_gated_delta_rule")
+    assert inert_patches(llama, hub, "cuda") == ["chunk_gated_delta_rule"]
+    assert inert_patches(families.model("qwen3_5_text"), hub, "cuda") == []
     report = json.loads((ROOT / "benchmarks/results/h200-2026-12-01/call4/bench-llama-3.2-1b/bench.json").read_text())
     report["paths"]["cutile+rms_norm_olmo2"] = dict(report["paths"]["cutile"], inert_patches=["rms_norm_olmo2"])
     bench.print_report(report)

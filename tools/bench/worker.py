@@ -205,14 +205,18 @@ def merged_stats() -> dict:
 
 
 def inert_patches(model, spec, device: str) -> list[str]:
-    """The opt-in patches ``spec`` includes that changed no module of ``model`` (CUDA only: on a CPU
-    no patch is applied at all, which the report already says)."""
+    """The opt-in patches ``spec`` includes that changed no module of ``model``, and the opt-in hub
+    layers it includes that the model has no module or function of (CUDA only: on a CPU no patch
+    is applied at all, which the report already says)."""
     if not (spec.include and device.startswith("cuda")):
         return []
     from cutile_kernels.layers import patch as patcher
+    from cutile_kernels.layers.hub import hub_layer_names
 
     applied = patcher.applied(model)
-    return [n for n in spec.include if n in patcher.PATCHES and not applied.get(n)]
+    present = hub_layer_names(model)
+    return [n for n in spec.include
+            if (n in patcher.PATCHES and not applied.get(n)) or (n not in patcher.PATCHES and n not in present)]
 
 
 def kernelized_layers(model) -> dict:
