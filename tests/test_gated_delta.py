@@ -434,8 +434,14 @@ def test_hub_layers_give_what_the_kernels_do_not_compute_to_transformers(monkeyp
     for mod in ("qwen3_5_moe", "qwen3_next"):
         m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
         assert lgd.computes_chunk_gated_delta_rule.judge(type(m.torch_chunk_gated_delta_rule)), mod
-    # A forced CUDA call the kernels do not take returns transformers' result.
-    layer = q35.torch_chunk_gated_delta_rule
+    # The forward, its inputs taken for CUDA ones: a float32 prefill is no call of ours, so the hub
+    # layer returns transformers' result and says why.
+    why_not = lgd._why_not
+    monkeypatch.setattr(lgd, "_why_not", lambda verdict, cls, cuda, why: why_not(verdict, cls, True, why))
+    func = q35.torch_chunk_gated_delta_rule
+    kw = dict(g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     with caplog.at_level("WARNING", logger="cutile_kernels"):
-        assert lgd._why_not(True, type(layer), True, "test reason") == "test reason"
-    assert "test reason" in caplog.text
+        got = lgd.CutileChunkGatedDeltaRule.forward(func, q, k, v, **kw)
+    want = func(q, k, v, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert "float32 over 40 tokens" in caplog.text and "transformers' function runs" in caplog.text
