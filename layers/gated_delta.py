@@ -37,9 +37,9 @@ from ..ops.conv1d import causal_conv1d, causal_conv1d_update
 from ..ops.gated_delta import gated_delta_rule
 from ._match import class_verdict, same_code
 from ._pins import holds
-from .rope import wrapped_function
+from .rope import function_name, wrapped_function
 
-#: hub name -> (the function's name in Qwen3.5's modeling module, its pin).
+#: hub name -> the function's name in Qwen3.5's modeling module (its pin: ``qwen3_5.<name>``).
 FUNCTIONS = {
     "chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
     "fused_recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
@@ -98,17 +98,12 @@ def _why_not(verdict: bool, cls: type, cuda: bool, why: str | None) -> str | Non
     class is not Qwen3.5's code, a CPU tensor (the stock function, bit for bit), or a call the
     kernels do not compute (``why``)."""
     if not verdict:
-        why = f"{_function_name(cls)} is not Qwen3.5's code; it keeps its own"
+        why = f"{function_name(cls)} is not Qwen3.5's code; it keeps its own"
     elif not cuda:
         return "cpu"
     if why is not None and not torch.compiler.is_compiling():
         dispatch.fallback(cls.kernel_layer_name, f"{why}: transformers' function runs")
     return why
-
-
-def _function_name(cls: type) -> str:
-    fn = _torch_function(cls)
-    return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else cls.__qualname__
 
 
 def _delta_why(query, value, g, beta, use_qk_l2norm_in_kernel, kwargs) -> str | None:
@@ -120,7 +115,19 @@ def _delta_why(query, value, g, beta, use_qk_l2norm_in_kernel, kwargs) -> str | 
         return "packed sequences (cu_seqlens)"
     if query.dim() != 4:
         return f"q of {query.dim()} dimensions"
-    return delta_ops.unsupported(query, value, g.float(), beta)
+    return delta_ops.unsupported(query, value, g, beta)
+
+
+def _start_state(initial_state, key, value, in_place: bool) -> torch.Tensor:
+    """The float32 ``(B, H, dk, dv)`` state the op reads and overwrites: zeros without an initial
+    state; the initial state itself when ``in_place`` and it is a contiguous float32 tensor
+    (transformers' cache buffer: no overlapping rows for the blocks to race on); else a copy."""
+    if initial_state is None:
+        B, _, H, dk = key.shape
+        return torch.zeros(B, H, dk, value.shape[-1], dtype=torch.float32, device=value.device)
+    if in_place and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
+        return initial_state
+    return initial_state.to(torch.float32, copy=True)
 
 
 class CutileChunkGatedDeltaRule(nn.Module):
@@ -136,17 +143,14 @@ class CutileChunkGatedDeltaRule(nn.Module):
     def forward(self, query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
         cls = type(self)
+        g32 = g.float()
         if _why_not(computes_chunk_gated_delta_rule(cls), cls, query.is_cuda,
-                    _delta_why(query, value, g, beta, use_qk_l2norm_in_kernel, kwargs)):
+                    _delta_why(query, value, g32, beta, use_qk_l2norm_in_kernel, kwargs)):
             return cls.forward(self, query, key, value, g=g, beta=beta, chunk_size=chunk_size,
                                initial_state=initial_state, output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-        B, _, H, dk = key.shape
-        if initial_state is None:
-            state = torch.zeros(B, H, dk, value.shape[-1], dtype=torch.float32, device=value.device)
-        else:
-            state = initial_state.to(torch.float32, copy=True)
-        out = gated_delta_rule(query, key, value, g.float(), beta, state)
+        state = _start_state(initial_state, key, value, in_place=False)
+        out = gated_delta_rule(query, key, value, g32, beta, state)
         return out, (state if output_final_state else None)
 
 
@@ -162,19 +166,14 @@ class CutileFusedRecurrentGatedDeltaRule(nn.Module):
     def forward(self, query, key, value, g, beta, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
         cls = type(self)
+        g32 = g.float()
         if _why_not(computes_recurrent_gated_delta_rule(cls), cls, query.is_cuda,
-                    _delta_why(query, value, g, beta, use_qk_l2norm_in_kernel, kwargs)):
+                    _delta_why(query, value, g32, beta, use_qk_l2norm_in_kernel, kwargs)):
             return cls.forward(self, query, key, value, g=g, beta=beta, initial_state=initial_state,
                                output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-        B, _, H, dk = key.shape
-        if initial_state is None:
-            state = torch.zeros(B, H, dk, value.shape[-1], dtype=torch.float32, device=value.device)
-        elif output_final_state and initial_state.dtype == torch.float32 and initial_state.is_contiguous():
-            state = initial_state  # transformers' cache buffer: written in place (no overlapping rows)
-        else:
-            state = initial_state.to(torch.float32, copy=True)
-        out = gated_delta_rule(query, key, value, g.float(), beta, state)
+        state = _start_state(initial_state, key, value, in_place=output_final_state)
+        out = gated_delta_rule(query, key, value, g32, beta, state)
         return out, (state if output_final_state else None)
 
 
@@ -211,8 +210,7 @@ class CutileCausalConv1dUpdate(nn.Module):
         why = (f"activation {activation!r} and bias {bias is not None} (ours: SiLU, no bias)"
                if activation != "silu" or bias is not None else
                f"{hidden_states.shape[-1]} tokens (ours: one)" if hidden_states.shape[-1] != 1 else
-               f"conv state {conv_state.dtype} != {hidden_states.dtype}" if conv_state.dtype != hidden_states.dtype
-               else conv_ops.unsupported(hidden_states, weight))
+               conv_ops.unsupported(hidden_states, weight, conv_state))
         if _why_not(computes_causal_conv1d_update(cls), cls, hidden_states.is_cuda, why):
             return cls.forward(self, hidden_states, conv_state, weight, bias, activation)
         return causal_conv1d_update(hidden_states[..., 0], conv_state, weight).unsqueeze(-1)

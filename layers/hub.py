@@ -42,10 +42,11 @@ def _built_variant(build_dir) -> Path | None:
     return variant
 
 
-def _mapping_in_build(variant: Path) -> dict[str, str]:
-    """The rows of ``MAPPING`` whose layer class the build at ``variant`` ships, with a warning
-    naming the others: a build made by an older cutile-kernels lacks newer layers, and mapping
-    one of those makes ``kernels`` raise (``Layer ... not found``) even on a CPU model."""
+def _mapping_in_build(variant: Path, include=()) -> dict[str, str]:
+    """The rows of ``MAPPING`` whose layer class the build at ``variant`` ships, but the opt-in
+    layers (``OPT_IN_LAYERS``) not named in ``include``; with a warning naming the classes the
+    build lacks: a build made by an older cutile-kernels lacks newer layers, and mapping one of
+    those makes ``kernels`` raise (``Layer ... not found``) even on a CPU model."""
     from kernels import get_local_kernel
 
     built = get_local_kernel(variant).layers
@@ -53,7 +54,8 @@ def _mapping_in_build(variant: Path) -> dict[str, str]:
     if missing:
         logger.warning("cutile_kernels: the build under %s has no %s (it predates them); those layers stay "
                        "stock (run `cutile-kernels build`)", variant, ", ".join(missing))
-    return {hub: cls for hub, cls in MAPPING.items() if hasattr(built, cls)}
+    return {hub: cls for hub, cls in MAPPING.items()
+            if hasattr(built, cls) and (hub not in OPT_IN_LAYERS or hub in include)}
 
 
 def _unwrap(value):
@@ -249,7 +251,7 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
         raise TypeError(f"kernel_config(decode_graphs=...) takes True or False, not {decode_graphs!r}")
     exclude = _names(exclude, "exclude", set(MAPPING) | set(PATCHES))
     include = _names(include, "include", set(PATCHES) | set(MAPPING))  # a default one named: no change
-    layers_in = {n for n in include if n in OPT_IN_LAYERS}
+    layers_in = tuple(n for n in include if n in MAPPING)
     include = tuple(n for n in include if n in PATCHES)
     if decode_graphs:
         include += tuple(p for p in DECODE_GRAPH_PATCHES if p not in exclude and p not in include)
@@ -259,8 +261,8 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
     if variant is None:  # said when a CUDA model loads with it: on a CPU a build would change nothing
         return CutileKernelConfig({}, use_local_kernel=True, decode_graphs=decode_graphs, inactive=(
             f"no build under {build_dir or registry.default_build_dir()} (run `cutile-kernels build`)"))
-    mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant).items()
-               if hub not in exclude and (hub not in OPT_IN_LAYERS or hub in layers_in)}
+    mapping = {hub: f"{variant}:{cls}" for hub, cls in _mapping_in_build(variant, layers_in).items()
+               if hub not in exclude}
     return CutileKernelConfig(mapping, use_local_kernel=True, patch_model=True, exclude_patches=exclude,
                               include_patches=include, decode_graphs=decode_graphs)
 
@@ -302,7 +304,7 @@ def kernelize(model, mode=None, build_dir=None, include=()):
     mapping = {
         hub: {"cuda": {m: LocalLayerRepository(variant, layer_name=cls)
                        for m in (Mode.INFERENCE, Mode.INFERENCE | Mode.TORCH_COMPILE)}}
-        for hub, cls in _mapping_in_build(variant).items() if hub not in OPT_IN_LAYERS or hub in include
+        for hub, cls in _mapping_in_build(variant, include).items()
     }
     _log_kernelized(model, mapping, "kernelize")
     _quiet_kernels_warnings()

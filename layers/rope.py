@@ -66,7 +66,8 @@ def computes_llama_rope(cls: type) -> bool:
             and all(holds(p) for p in PINS) and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
 
 
-def _function_name(cls: type) -> str:
+def function_name(cls: type) -> str:
+    """``module.qualname`` of the function a ``kernels`` ``Func`` class wraps (for log lines)."""
     fn = wrapped_function(cls)
     return f"{fn.__module__}.{fn.__qualname__}" if fn is not None else cls.__qualname__
 
@@ -87,7 +88,7 @@ class CutileRotaryPosEmb(nn.Module):
         cls = type(self)
         if not computes_llama_rope(cls):  # a cached verdict; a constant under torch.compile
             if not torch.compiler.is_compiling():  # counted and announced in eager; traced, the stock code
-                dispatch.fallback("rope", f"{_function_name(cls)} is not Llama's apply_rotary_pos_emb formula; "
+                dispatch.fallback("rope", f"{function_name(cls)} is not Llama's apply_rotary_pos_emb formula; "
                                   "it keeps its own")
             return cls.forward(self, q, k, cos, sin, unsqueeze_dim)
         return apply_rope(q, k, cos, sin, unsqueeze_dim)

@@ -39,13 +39,16 @@ def causal_conv1d_update_reference(x: torch.Tensor, state: torch.Tensor, weight:
     y.copy_(F.silu(out).to(y.dtype))
 
 
-def unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why no kernel takes ``x`` and ``weight`` (None if one does): dtypes and the kernel size. The
-    hub layers ask before calling, and give such calls to transformers' own function."""
+def unsupported(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None) -> str | None:
+    """Why no kernel takes ``x``, ``weight`` (and the update's conv ``state``) (None if one does):
+    dtypes and the kernel size. The hub layers ask before calling, and give such calls to
+    transformers' own function."""
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         return f"dtypes x {x.dtype}, weight {weight.dtype} (one of bf16/fp16/fp32 for both)"
     if weight.shape[1] not in KERNEL_SIZES:
         return f"kernel size {weight.shape[1]} (built: {KERNEL_SIZES})"
+    if state is not None and state.dtype != x.dtype:
+        return f"conv state dtype {state.dtype} != {x.dtype}"
     return None
 
 
@@ -83,7 +86,7 @@ def _check_update(x, state, weight, y) -> None:
 
 def _update_cuda(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
     B, C = x.shape
-    why = unsupported(x, weight) or (None if state.dtype == x.dtype else f"state dtype {state.dtype} != {x.dtype}")
+    why = unsupported(x, weight, state)
     if x.numel() == 0:
         return
     if why is not None:
