@@ -14,8 +14,7 @@ the convolution; ``ops.*.unsupported``) and the wrapped function is Qwen3.5's co
 code, or the package's when installed), said once per reason.
 
 The swap is process-wide: each decorated function is one module instance shared by every model of
-its modeling code, so kernelizing one model changes the others (as for ``rotary_pos_emb``), and the
-opt-in pair is mapped or not by the last kernelize. Other modeling modules' copies of these
+its modeling code, so kernelizing one model changes the others (as for ``rotary_pos_emb``). Other modeling modules' copies of these
 functions are taken where they compile to the same code (transformers 5.22: the delta rules of
 Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the conv functions of about twenty Mamba-style models);
 their calls with other arguments (a bias, another activation) keep their own path.
@@ -216,11 +215,10 @@ class CutileCausalConv1dUpdate(nn.Module):
         return causal_conv1d_update(hidden_states[..., 0], conv_state, weight).unsqueeze(-1)
 
 
-#: Mapped only with ``kernel_config(include=[...])``: the prefill pair. On the H200 the chunked delta
-#: rule ran a 1x2048 Qwen3.5 layer in 0.77 ms against 5.9 ms for transformers' torch code (fla:
-#: 0.11 ms), the conv 218 against 246 us, but no end-to-end bench has timed these kernels yet (the
-#: one that did ran an earlier, 30x slower chunked kernel: prefill 3.9x slower than stock).
-OPT_IN = ("chunk_gated_delta_rule", "causal_conv1d_fn")
+#: Mapped only with ``kernel_config(include=[...])``: none. The prefill pair was until the H200 bench
+#: of 2026-12-02 (docs/results.md) timed it end to end: Qwen3.5-0.8B prefill 1x2048 5.6x faster than
+#: stock, 1.6x faster than stock with flash-linear-attention, logit gate passing.
+OPT_IN: tuple[str, ...] = ()
 
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
 MAPPING = {

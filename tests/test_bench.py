@@ -352,7 +352,7 @@ def test_round_ratios_pair_rounds_and_refuse_mixed_runs():
         bench.round_ratios(ours, path([15.0, 22.0, 30.0], [10.0, 8.0, 9.0]))  # rounds of different runs
 
 
-def test_an_opt_in_patch_that_changes_nothing_is_said(capsys):
+def test_an_opt_in_patch_that_changes_nothing_is_said(capsys, monkeypatch):
     # cutile+rms_norm_olmo2 on a Llama model measures the cutile model again: the report says so.
     import families
     from cutile_kernels_tools.bench import paths
@@ -367,7 +367,9 @@ def test_an_opt_in_patch_that_changes_nothing_is_said(capsys):
     assert inert_patches(llama, spec, "cuda") == ["rms_norm_olmo2"]
     assert inert_patches(olmo2, spec, "cuda") == [] and inert_patches(llama, spec, "cpu") == []
     assert inert_patches(llama, paths.spec("cutile"), "cuda") == []
-    # An opt-in hub layer the model has no function of (Qwen3.5's chunked delta rule on Llama).
+    # An opt-in hub layer the model has no function of (Qwen3.5's chunked delta rule on Llama, as
+    # when it was opt-in; none is today).
+    monkeypatch.setattr(cutile_kernels.layers, "OPT_IN_LAYERS", {"chunk_gated_delta_rule"})
     hub = paths.spec("cutile+chunk_gated_delta_rule")
     assert inert_patches(llama, hub, "cuda") == ["chunk_gated_delta_rule"]
     assert inert_patches(families.model("qwen3_5_text"), hub, "cuda") == []
@@ -403,3 +405,20 @@ def test_only_the_fla_path_sees_flash_linear_attention(tmp_path, monkeypatch):
     monkeypatch.delenv(bench_paths.FLA_DIR_ENV)
     if importlib.util.find_spec("fla") is None:
         assert "not installed" in bench_paths.spec("stock+fla").unavailable("cpu")
+
+
+def test_a_static_decoder_resets_a_hybrid_cache_it_filled_in_inference_mode():
+    """Qwen3.5's static cache allocates its linear-attention states in the first prefill (in the
+    bench's inference mode): resetting it for the next run must not update inference tensors
+    outside inference mode (what failed the H200 bench's `cutile-graphs` coverage pass)."""
+    from families import model as tiny_model
+
+    from cutile_kernels_tools.bench.worker import Decoder
+
+    dec = Decoder(tiny_model("qwen3_5_text", layers=2), 1, 8, 4, "cpu", False, 0, graphs=True)
+    dec.prefill()
+    states = [t for layer in dec.cache.layers for t in vars(layer).values()
+              if isinstance(t, torch.Tensor) and t.is_inference() and t.numel() > 1]
+    assert states and any(bool(t.ne(0).any()) for t in states)  # the prefill wrote them
+    dec.reset()
+    assert all(not bool(t.ne(0).any()) for t in states)

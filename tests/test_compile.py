@@ -49,10 +49,12 @@ FAMILY_OPS = {
     "gemma3_text": {"rms_norm_gemma", "rope"},
     "gemma2": {"rms_norm_gemma", "rope"},
     "phi3": {"rms_norm", "rope"},  # Llama-code norms; partial RoPE in phi3_rope; its MLP opt-in
-    # (1 + weight) norms, SwiGLU, the gated norm. A prefill runs transformers' delta rule and conv (our
-    # prefill pair is opt-in); the decode ones are ours on CUDA (test_gpu_static_generate_... traces them).
+    # (1 + weight) norms, SwiGLU, the gated norm. The delta rule and conv layers give CPU calls to
+    # transformers' functions; on CUDA they are ours (test_gpu_static_generate_... traces them).
     "qwen3_5_text": {"rms_norm_gemma", "silu_and_mul_fused", "rms_norm_gated"},
 }
+#: Ops a CUDA prefill adds: hub-function layers that give CPU calls to transformers' functions.
+CUDA_PREFILL_OPS = {"qwen3_5_text": {"gated_delta_rule", "causal_conv1d"}}
 
 
 class Recorder:
@@ -111,14 +113,15 @@ def _kernelize_on_cpu(model, variant, monkeypatch, patches=None):
 
 def _all_norms_swapped(model) -> bool:
     """Every RMSNorm runs one of ours: the hub layer (Llama's formula, or a float-order patch's mark
-    where kernelize came after the patch) or a float-order patch's forward."""
+    where kernelize came after the patch), the zero-centered norm's hub layer (Qwen3.5's) or a
+    float-order patch's forward."""
     from cutile_kernels.layers.norm import FLOAT_NORM_MARK, computes_llama_rms_norm
 
     def ours(m):
         name = getattr(m.__dict__.get("forward"), "__qualname__", "")
         if name == "CutileRMSNorm.forward":
             return computes_llama_rms_norm(type(m)) or FLOAT_NORM_MARK in m.__dict__
-        return name in ("gemma_norm_forward", "olmo2_norm_forward")
+        return name in ("CutileZeroCenteredRMSNorm.forward", "gemma_norm_forward", "olmo2_norm_forward")
 
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     return bool(norms) and all(ours(m) for m in norms)
@@ -275,7 +278,8 @@ def test_gpu_forward_under_inductor_fullgraph(model_type, attn, checkpoints, str
         want = model(ids).logits
         rec = Recorder("inductor")
         got = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
-    assert set(rec.ops) == FAMILY_OPS[model_type] | ({"attention"} if attn else set())
+    assert set(rec.ops) == FAMILY_OPS[model_type] | CUDA_PREFILL_OPS.get(model_type, set()) | (
+        {"attention"} if attn else set())
     err = _error(got, want)
     if err >= 1e-2:
         # Inductor rounds the stock parts it fuses differently from eager; tiny bf16 Gemma 3 amplifies

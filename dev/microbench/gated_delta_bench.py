@@ -7,7 +7,9 @@ rule at prefill (1 x 2048) and decode (b = 1 and 16, one token over a state), th
 and its one-token update, and the gated RMSNorm. fla is used when importable (also from the folder
 ``$CUTILE_BENCH_FLA_PATH`` names). Numbers: medians of CUDA-event timings of back-to-back calls
 (``us``: host + GPU, as eager calls them) and of CUDA-graph replays (``graph_us``: GPU time; not for
-the torch delta rule, whose prefill syncs). A microbenchmark can reject a kernel, not accept one.
+the torch delta rule, whose prefill syncs); for the chunked delta rule also each kernel's GPU time
+(``kernel_us``, torch.profiler), ours for every built chunk size and fla's. A microbenchmark can
+reject a kernel, not accept one.
 """
 
 from __future__ import annotations
@@ -46,6 +48,19 @@ def main() -> None:
     dev, dt, H, D = "cuda", torch.bfloat16, 16, 128
     rows = []
 
+    def kernel_split(case, name, fn, calls=20):
+        # GPU time per call of each kernel the call launches (torch.profiler), to see the long pole.
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        split = {e.key[:60]: round(e.device_time_total / calls, 2) for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA}
+        rows.append({"case": case, "impl": name, "kernel_us": split})
+        print({"case": case, "impl": name, "kernel_us": split}, flush=True)
+
     def row(case, name, fn, graph=True):
         r = {"case": case, "impl": name, "us": round(events_us(fn, reps=5, inner=20), 2)}
         if graph:
@@ -70,11 +85,19 @@ def main() -> None:
 
         from cutile_kernels.kernel_src.gated_delta import CHUNKS
 
+        def ours():
+            return cutile_kernels.gated_delta_rule(q, k, v, g, beta, state)
+
         for bt in (CHUNKS if T > 1 else CHUNKS[:1]):  # every chunk size built
             gd_ops.chunk_size = bt
-            row(case, "cutile" if T == 1 else f"cutile chunk {bt}",
-                lambda: cutile_kernels.gated_delta_rule(q, k, v, g, beta, state))
+            name = "cutile" if T == 1 else f"cutile chunk {bt}"
+            row(case, name, ours)
+            if T > 1:
+                kernel_split(case, name, ours)
         gd_ops.chunk_size = CHUNKS[0]
+        if T > 1 and fla_fn is not None:
+            kernel_split(case, "fla", lambda: fla_fn(q, k, v, g=g, beta=beta, initial_state=s, output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=True))
 
     C = 6144
     w = 0.3 * torch.randn(C, 4, device=dev, dtype=dt)

@@ -4,11 +4,9 @@ A hybrid: three gated-DeltaNet (linear attention) layers to one gated full-atten
 
 Ours, through transformers' own hub names (``kernelize`` binds them for ``use_kernels=True``):
 the gated DeltaNet's decode functions ``fused_recurrent_gated_delta_rule`` (the cache's state
-updated in place) and ``causal_conv1d_update``, its output norm ``RMSNormGated``, and, opt-in until
-the end-to-end bench has timed them (``kernel_config(include=["chunk_gated_delta_rule",
-"causal_conv1d_fn"])``), the prefill pair ``chunk_gated_delta_rule`` and ``causal_conv1d_fn``
-(``layers/gated_delta.py``, ``layers/norm.py``), each on a cuTile kernel, for the functions pinned
-below. Where other models' copies compile to the same code they are taken too (transformers 5.22:
+updated in place) and ``causal_conv1d_update``, its prefill functions ``chunk_gated_delta_rule`` and
+``causal_conv1d_fn``, and its output norm ``RMSNormGated`` (``layers/gated_delta.py``,
+``layers/norm.py``), each on a cuTile kernel, for the functions pinned below. Where other models' copies compile to the same code they are taken too (transformers 5.22:
 the delta rules, conv functions and gated norms of Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid, the conv
 functions of Mamba-style models; benched on Qwen3.5 only). By code identity with other families: the MLP is Llama's
 code (``fused_gate_up`` by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s (hub name
@@ -34,9 +32,9 @@ FAMILY = Family(
           Pin("qwen3_5", "l2norm", "77030f67029093a9", _USE),
           Pin("qwen3_5", "Qwen3_5RMSNormGated.forward", "97e83e4eb4774929", _USE)),
     presets=("qwen3.5-0.8b", "qwen3.5-27b"),
-    covered="gated DeltaNet's decode (the recurrent delta rule, the conv1d update) and its gated RMSNorm "
-            "(hub layers); SwiGLU on fused gate/up; the (1 + weight) RMSNorms (hub layer "
-            "RMSNormZeroCentered); opt-in: the chunked delta rule and the conv1d of prefill",
+    covered="gated DeltaNet's delta rule (chunked prefill, recurrent decode), causal conv1d and its update, "
+            "and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) RMSNorms (hub "
+            "layer RMSNormZeroCentered)",
     not_covered="the q/k/v/z/b/a projections' split and gates (g, beta), gated attention's output gate, "
                 "partial RoPE, GEMMs",
     default=True,

@@ -115,9 +115,12 @@ class Decoder:
         self.prompt_len = self.pos = prompt_len
         self.device = device
 
+    @torch.inference_mode()
     def reset(self) -> None:
         """Empty the cache for another run over the same lengths. A StaticCache is zeroed in place:
-        a new one would have new addresses, and the compiled step would recompile and recapture."""
+        a new one would have new addresses, and the compiled step would recompile and recapture.
+        In inference mode, as the prefill and the steps: a hybrid cache (Qwen3.5's) allocates its
+        linear-attention states in the first prefill, so they are inference tensors."""
         from transformers import DynamicCache
 
         if self.static:
