@@ -14,10 +14,11 @@ the convolution; ``ops.*.unsupported``) and the wrapped function is Qwen3.5's co
 code, or the package's when installed), said once per reason.
 
 The swap is process-wide: each decorated function is one module instance shared by every model of
-its modeling code, so kernelizing one model changes the others (as for ``rotary_pos_emb``). Other modeling modules' copies of these
-functions are taken where they compile to the same code (transformers 5.22: the delta rules of
-Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the conv functions of about twenty Mamba-style models);
-their calls with other arguments (a bias, another activation) keep their own path.
+its modeling code, so kernelizing one model changes the others (as for ``rotary_pos_emb``). Other
+modeling modules' copies of these functions are taken where they compile to the same code
+(transformers 5.22: the delta rules of Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid; the conv functions
+of about twenty Mamba-style models); their calls with other arguments (a bias, another activation)
+keep their own path.
 
 State handling follows transformers' cache: the recurrent step updates ``initial_state`` in place
 and returns it (the cache then copies it onto itself: a no-op), so that a CUDA-graph replay reads
@@ -25,6 +26,8 @@ and writes one buffer; the chunked prefill writes a new final state.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from torch import nn
@@ -37,6 +40,25 @@ from ..ops.gated_delta import gated_delta_rule
 from ._match import class_verdict, same_code
 from ._pins import holds
 from .rope import function_name, wrapped_function
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # hidden (the bench's other paths) or half-installed
+        return False
+
+
+#: Where the package transformers itself calls for a prefill function is installed, that call keeps
+#: it: on the H200 (2026-12-02) flash-linear-attention's chunked delta rule took 0.11 ms of GPU time
+#: (0.69 ms eager) for a 1x2048 Qwen3.5 layer against our 0.98 ms (1.0 ms eager). Our end-to-end
+#: numbers are without it. causal-conv1d's kernel has not been timed against ours: it keeps the call
+#: too. Checked once, when the layers are imported (kernelize).
+DEFER_TO_PACKAGE = {
+    "chunk_gated_delta_rule": "flash-linear-attention is installed (its chunked kernels are faster)"
+    if _installed("fla") else None,
+    "causal_conv1d_fn": "causal-conv1d is installed (its kernel keeps the call)" if _installed("causal_conv1d") else None,
+}
 
 #: hub name -> the function's name in Qwen3.5's modeling module (its pin: ``qwen3_5.<name>``).
 FUNCTIONS = {
@@ -144,7 +166,8 @@ class CutileChunkGatedDeltaRule(nn.Module):
         cls = type(self)
         g32 = g.float()
         if _why_not(computes_chunk_gated_delta_rule(cls), cls, query.is_cuda,
-                    _delta_why(query, value, g32, beta, use_qk_l2norm_in_kernel, kwargs)):
+                    DEFER_TO_PACKAGE["chunk_gated_delta_rule"]
+                    or _delta_why(query, value, g32, beta, use_qk_l2norm_in_kernel, kwargs)):
             return cls.forward(self, query, key, value, g=g, beta=beta, chunk_size=chunk_size,
                                initial_state=initial_state, output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
@@ -187,10 +210,11 @@ class CutileCausalConv1dFn(nn.Module):
 
     def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
         cls = type(self)
-        why = (f"activation {activation!r} and bias {bias is not None} (ours: SiLU, no bias)"
-               if activation != "silu" or bias is not None else
-               "packed sequences (seq_idx)" if kwargs.get("seq_idx") is not None else
-               conv_ops.unsupported(hidden_states, weight))
+        why = DEFER_TO_PACKAGE["causal_conv1d_fn"] or (
+            f"activation {activation!r} and bias {bias is not None} (ours: SiLU, no bias)"
+            if activation != "silu" or bias is not None else
+            "packed sequences (seq_idx)" if kwargs.get("seq_idx") is not None else
+            conv_ops.unsupported(hidden_states, weight))
         if _why_not(computes_causal_conv1d_fn(cls), cls, hidden_states.is_cuda, why):
             return cls.forward(self, hidden_states, weight, bias, activation, **kwargs)
         return causal_conv1d(hidden_states.transpose(1, 2), weight).transpose(1, 2)
@@ -215,9 +239,10 @@ class CutileCausalConv1dUpdate(nn.Module):
         return causal_conv1d_update(hidden_states[..., 0], conv_state, weight).unsqueeze(-1)
 
 
-#: Mapped only with ``kernel_config(include=[...])``: none. The prefill pair was until the H200 bench
-#: of 2026-12-02 (docs/results.md) timed it end to end: Qwen3.5-0.8B prefill 1x2048 5.6x faster than
-#: stock, 1.6x faster than stock with flash-linear-attention, logit gate passing.
+#: Hub layers mapped only with ``kernel_config(include=[...])``: none today. The prefill pair was
+#: opt-in until the H200 bench of 2026-12-02 (docs/results.md, call 4) timed it end to end: a
+#: Qwen3.5-0.8B prefill of 1x2048 in 29 ms against 158 ms stock and 64 ms stock with
+#: flash-linear-attention (whose kernels those calls then keep: ``DEFER_TO_PACKAGE``).
 OPT_IN: tuple[str, ...] = ()
 
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).

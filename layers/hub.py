@@ -219,8 +219,8 @@ def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = 
             hub layer left out does not turn off a patch that uses the same kernel
             (``decoder_add_rms_norm`` still fuses the decoder layers' norms).
         include: patches to apply and hub layers to map too: the opt-in ones (``Patch.default``
-            False, e.g. ``"rope_cos_sin"``; the hub layers of ``layers.OPT_IN_LAYERS``, e.g.
-            ``"chunk_gated_delta_rule"``; the bench's ``cutile+NAME`` path); a default patch or hub
+            False, e.g. ``"rope_cos_sin"``; the hub layers of ``layers.OPT_IN_LAYERS``, none
+            today; the bench's ``cutile+NAME`` path); a default patch or hub
             layer named here is applied anyway, so naming it changes nothing (``qk_norm_rope`` was
             opt-in before).
         decode_graphs: also switch on the decode fast path (``layers.decode_graphs``): ``generate``

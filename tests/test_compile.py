@@ -115,13 +115,15 @@ def _all_norms_swapped(model) -> bool:
     """Every RMSNorm runs one of ours: the hub layer (Llama's formula, or a float-order patch's mark
     where kernelize came after the patch), the zero-centered norm's hub layer (Qwen3.5's) or a
     float-order patch's forward."""
-    from cutile_kernels.layers.norm import FLOAT_NORM_MARK, computes_llama_rms_norm
+    from cutile_kernels.layers.norm import FLOAT_NORM_MARK, computes_gemma_rms_norm, computes_llama_rms_norm
 
     def ours(m):
         name = getattr(m.__dict__.get("forward"), "__qualname__", "")
         if name == "CutileRMSNorm.forward":
             return computes_llama_rms_norm(type(m)) or FLOAT_NORM_MARK in m.__dict__
-        return name in ("CutileZeroCenteredRMSNorm.forward", "gemma_norm_forward", "olmo2_norm_forward")
+        if name == "CutileZeroCenteredRMSNorm.forward":
+            return computes_gemma_rms_norm(type(m))
+        return name in ("gemma_norm_forward", "olmo2_norm_forward")
 
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     return bool(norms) and all(ours(m) for m in norms)

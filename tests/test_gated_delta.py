@@ -362,8 +362,24 @@ def test_gpu_gated_norm_matches_transformers(rows, dtype, strict):
     torch.testing.assert_close(got, want, rtol=ulp, atol=ulp)
 
 
+@pytest.fixture
+def stock_functions():
+    """kernelize rebinds the forwards of Qwen3.5's hub-function modules for the whole process (an
+    earlier test of this process may have): transformers' own functions before the test and after."""
+    funcs = [q35.torch_chunk_gated_delta_rule, q35.torch_recurrent_gated_delta_rule, q35.causal_conv1d_fn,
+             q35.causal_conv1d_update]
+
+    def restore():
+        for f in funcs:
+            f.__dict__.pop("forward", None)
+
+    restore()
+    yield
+    restore()
+
+
 @pytest.mark.gpu
-def test_gpu_qwen3_5_layer_runs_our_kernels_and_matches_stock(strict):
+def test_gpu_qwen3_5_layer_runs_our_kernels_and_matches_stock(strict, stock_functions):
     """One Qwen3.5 gated DeltaNet layer (real sizes) through the hub layers: prefill then decode
     steps with a cache, against the same layer's stock forward in float32."""
     from cutile_kernels.layers import gated_delta as lgd
@@ -415,12 +431,11 @@ def test_gpu_qwen3_5_layer_runs_our_kernels_and_matches_stock(strict):
 
 
 @pytest.mark.gpu
-def test_gpu_qwen3_5_model_left_padded_row_and_256_decode_steps(strict):
+def test_gpu_qwen3_5_model_left_padded_row_and_256_decode_steps(strict, stock_functions):
     """The tiny Qwen3.5 model (gated DeltaNet and full-attention layers, 2 key heads under 4 value
-    heads) with every layer of ours, bf16 on the GPU: 256 decode steps
-    through the recurrent path after a chunked prefill stay as close to float32 as stock bf16's,
-    and a left-padded row gives the logits of the row alone (pad tokens enter neither the conv nor
-    the recurrent state)."""
+    heads) with every layer of ours, bf16 on the GPU: 256 decode steps through the recurrent path
+    after a chunked prefill stay as close to float32 as stock bf16's, and a left-padded row gives
+    the logits of the row alone (pad tokens enter neither the conv nor the recurrent state)."""
     import copy
 
     from families import model as tiny_model
@@ -443,6 +458,7 @@ def test_gpu_qwen3_5_model_left_padded_row_and_256_decode_steps(strict):
         return torch.cat(out, 1).double()
 
     # Stock first: kernelize swaps the modeling module's hub functions for every model in the process.
+    assert not any("forward" in vars(f) for f in (q35.torch_chunk_gated_delta_rule, q35.causal_conv1d_fn))
     want = decode(base)
     stock = decode(copy.deepcopy(base).to(torch.bfloat16))
     # kernelize binds the build's copy of the package, which keeps its own counters: count over all.
@@ -466,6 +482,28 @@ def test_gpu_qwen3_5_model_left_padded_row_and_256_decode_steps(strict):
     # RoPE scores depend on relative positions only: the shift by the padding changes rounding only.
     # On the CPU, stock: 6e-7 in float32, 0.012 in bf16; pads let into the states (no mask): 0.72.
     assert float((batch[0, pad:] - alone[0]).norm() / alone[0].norm()) < 0.05
+
+
+def test_prefill_layers_leave_the_call_to_an_installed_fla_or_causal_conv1d(monkeypatch):
+    """With flash-linear-attention (causal-conv1d) installed, transformers' chunked delta rule
+    (conv1d) calls it, and its kernels beat ours: our layers give it the call. A bf16 prefill our
+    kernels would take (inputs taken for CUDA ones) returns the wrapped function's own result."""
+    from cutile_kernels.layers import gated_delta as lgd
+
+    why_not = lgd._why_not
+    monkeypatch.setattr(lgd, "_why_not", lambda verdict, cls, cuda, why: why_not(verdict, cls, True, why))
+    monkeypatch.setitem(lgd.DEFER_TO_PACKAGE, "chunk_gated_delta_rule", "flash-linear-attention is installed")
+    monkeypatch.setitem(lgd.DEFER_TO_PACKAGE, "causal_conv1d_fn", "causal-conv1d is installed")
+    q, k, v, g, beta, s0 = _delta_inputs(1, 40, 2, 128, 128)
+    q, k, v, beta = (t.bfloat16() for t in (q, k, v, beta))
+    assert lgd._delta_why(q, v, g, beta, True, {}) is None  # ours would take it
+    func = q35.torch_chunk_gated_delta_rule
+    kw = dict(g=g, beta=beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got, want = lgd.CutileChunkGatedDeltaRule.forward(func, q, k, v, **kw), func(q, k, v, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x, w = torch.randn(1, 64, 40, dtype=torch.bfloat16), torch.randn(64, 4, dtype=torch.bfloat16)
+    conv = q35.causal_conv1d_fn
+    assert torch.equal(lgd.CutileCausalConv1dFn.forward(conv, x, w, None, "silu"), conv(x, w, None, activation="silu"))
 
 
 def test_hub_layers_give_what_the_kernels_do_not_compute_to_transformers(monkeypatch, caplog):

@@ -6,9 +6,10 @@ Ours, through transformers' own hub names (``kernelize`` binds them for ``use_ke
 the gated DeltaNet's decode functions ``fused_recurrent_gated_delta_rule`` (the cache's state
 updated in place) and ``causal_conv1d_update``, its prefill functions ``chunk_gated_delta_rule`` and
 ``causal_conv1d_fn``, and its output norm ``RMSNormGated`` (``layers/gated_delta.py``,
-``layers/norm.py``), each on a cuTile kernel, for the functions pinned below. Where other models' copies compile to the same code they are taken too (transformers 5.22:
-the delta rules, conv functions and gated norms of Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid, the conv
-functions of Mamba-style models; benched on Qwen3.5 only). By code identity with other families: the MLP is Llama's
+``layers/norm.py``), each on a cuTile kernel, for the functions pinned below. Where other models'
+copies compile to the same code they are taken too (transformers 5.22: the delta rules, conv
+functions and gated norms of Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid, the conv functions of
+Mamba-style models; benched on Qwen3.5 only). By code identity with other families: the MLP is Llama's
 code (``fused_gate_up`` by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s (hub name
 ``RMSNormZeroCentered``, the ``rms_norm_gemma`` kernel, q/k norms included). Not ours yet: the
 projections' split and the gates' elementwise math (``g``, ``beta``), the gated attention's output

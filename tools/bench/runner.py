@@ -321,7 +321,8 @@ def _derive(report: dict, hits: dict, s: BenchSettings) -> None:
     report["cutile_kernels_ran"] = any(ran.values())
     if ran and not report["cutile_kernels_ran"]:
         report["note"] = ("no cuTile kernel ran: " + ("the model is not on a CUDA device, so every layer "
-                          "took its PyTorch reference path" if not s.device.startswith("cuda")
+                          "took its PyTorch reference path (read the correctness gates; the timings "
+                          "compare reference code, not kernels)" if not s.device.startswith("cuda")
                           else "see paths.cutile.runtime.fallbacks"))
 
 
