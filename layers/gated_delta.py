@@ -11,7 +11,9 @@ forward runs the cuTile op when the call is one the kernels compute (CUDA tensor
 sizes they are built for, q/k normalised in the kernel, no packed sequences, SiLU and no bias for
 the convolution; ``ops.*.unsupported``) and the wrapped function is Qwen3.5's code (pinned,
 ``layers/models/qwen3_5.py``); any other call takes the function's own path (transformers' torch
-code, or the package's when installed), said once per reason.
+code, or the package's when installed), said once per reason. Where transformers resolved a
+prefill function (the chunked delta rule, the conv1d) to flash-linear-attention or causal-conv1d,
+every call of it keeps that package (:func:`runs_its_package`): no log, nothing falls back.
 
 The swap is process-wide: each decorated function is one module instance shared by every model of
 its modeling code, so kernelizing one model changes the others (as for ``rotary_pos_emb``). Other
@@ -27,7 +29,7 @@ and writes one buffer; the chunked prefill writes a new final state.
 
 from __future__ import annotations
 
-import importlib.util
+import inspect
 
 import torch
 from torch import nn
@@ -42,23 +44,21 @@ from ._pins import holds
 from .rope import function_name, wrapped_function
 
 
-def _installed(package: str) -> bool:
+@class_verdict
+def runs_its_package(cls: type) -> bool:
+    """True if transformers resolved the hub function the ``Func`` class ``cls`` wraps to its
+    package's implementation (``use_kernel_func_from_hub_with_fallback``: flash-linear-attention or
+    causal-conv1d, imported with the modeling module) rather than to its torch code. Our prefill
+    layers then leave it the call: on the H200 (2026-12-02) fla's chunked delta rule took 0.11 ms of
+    GPU time (0.69 ms eager) for a 1x2048 Qwen3.5 layer against our 0.98 ms (1.0 ms eager);
+    causal-conv1d's kernel has not been timed against ours. Read from transformers' own choice (its
+    wrapper's ``is_new_implementation``), so that a package that is present but does not import
+    never sends a call to the torch code. Once per class."""
     try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):  # hidden (the bench's other paths) or half-installed
+        return bool(inspect.getclosurevars(wrapped_function(cls)).nonlocals.get("is_new_implementation"))
+    except TypeError:  # not a transformers wrapper
         return False
 
-
-#: Where the package transformers itself calls for a prefill function is installed, that call keeps
-#: it: on the H200 (2026-12-02) flash-linear-attention's chunked delta rule took 0.11 ms of GPU time
-#: (0.69 ms eager) for a 1x2048 Qwen3.5 layer against our 0.98 ms (1.0 ms eager). Our end-to-end
-#: numbers are without it. causal-conv1d's kernel has not been timed against ours: it keeps the call
-#: too. Checked once, when the layers are imported (kernelize).
-DEFER_TO_PACKAGE = {
-    "chunk_gated_delta_rule": "flash-linear-attention is installed (its chunked kernels are faster)"
-    if _installed("fla") else None,
-    "causal_conv1d_fn": "causal-conv1d is installed (its kernel keeps the call)" if _installed("causal_conv1d") else None,
-}
 
 #: hub name -> the function's name in Qwen3.5's modeling module (its pin: ``qwen3_5.<name>``).
 FUNCTIONS = {
@@ -165,9 +165,8 @@ class CutileChunkGatedDeltaRule(nn.Module):
                 use_qk_l2norm_in_kernel=False, **kwargs):
         cls = type(self)
         g32 = g.float()
-        if _why_not(computes_chunk_gated_delta_rule(cls), cls, query.is_cuda,
-                    DEFER_TO_PACKAGE["chunk_gated_delta_rule"]
-                    or _delta_why(query, value, g32, beta, use_qk_l2norm_in_kernel, kwargs)):
+        if runs_its_package(cls) or _why_not(computes_chunk_gated_delta_rule(cls), cls, query.is_cuda,
+                                             _delta_why(query, value, g32, beta, use_qk_l2norm_in_kernel, kwargs)):
             return cls.forward(self, query, key, value, g=g, beta=beta, chunk_size=chunk_size,
                                initial_state=initial_state, output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
@@ -210,12 +209,11 @@ class CutileCausalConv1dFn(nn.Module):
 
     def forward(self, hidden_states, weight, bias=None, activation=None, **kwargs):
         cls = type(self)
-        why = DEFER_TO_PACKAGE["causal_conv1d_fn"] or (
-            f"activation {activation!r} and bias {bias is not None} (ours: SiLU, no bias)"
-            if activation != "silu" or bias is not None else
-            "packed sequences (seq_idx)" if kwargs.get("seq_idx") is not None else
-            conv_ops.unsupported(hidden_states, weight))
-        if _why_not(computes_causal_conv1d_fn(cls), cls, hidden_states.is_cuda, why):
+        why = (f"activation {activation!r} and bias {bias is not None} (ours: SiLU, no bias)"
+               if activation != "silu" or bias is not None else
+               "packed sequences (seq_idx)" if kwargs.get("seq_idx") is not None else
+               conv_ops.unsupported(hidden_states, weight))
+        if runs_its_package(cls) or _why_not(computes_causal_conv1d_fn(cls), cls, hidden_states.is_cuda, why):
             return cls.forward(self, hidden_states, weight, bias, activation, **kwargs)
         return causal_conv1d(hidden_states.transpose(1, 2), weight).transpose(1, 2)
 
@@ -242,7 +240,8 @@ class CutileCausalConv1dUpdate(nn.Module):
 #: Hub layers mapped only with ``kernel_config(include=[...])``: none today. The prefill pair was
 #: opt-in until the H200 bench of 2026-12-02 (docs/results.md, call 4) timed it end to end: a
 #: Qwen3.5-0.8B prefill of 1x2048 in 29 ms against 158 ms stock and 64 ms stock with
-#: flash-linear-attention (whose kernels those calls then keep: ``DEFER_TO_PACKAGE``).
+#: flash-linear-attention (where transformers calls that package, it keeps the call:
+#: :func:`runs_its_package`).
 OPT_IN: tuple[str, ...] = ()
 
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).

@@ -365,9 +365,15 @@ def test_gpu_gated_norm_matches_transformers(rows, dtype, strict):
 @pytest.fixture
 def stock_functions():
     """kernelize rebinds the forwards of Qwen3.5's hub-function modules for the whole process (an
-    earlier test of this process may have): transformers' own functions before the test and after."""
+    earlier test of this process may have): transformers' own functions before the test and after.
+    Where transformers calls flash-linear-attention or causal-conv1d, our prefill layers leave it
+    the call: these tests of our kernels skip."""
+    from cutile_kernels.layers.gated_delta import runs_its_package
+
     funcs = [q35.torch_chunk_gated_delta_rule, q35.torch_recurrent_gated_delta_rule, q35.causal_conv1d_fn,
              q35.causal_conv1d_update]
+    if any(runs_its_package(type(f)) for f in funcs):
+        pytest.skip("transformers calls flash-linear-attention or causal-conv1d here: our prefill layers leave it")
 
     def restore():
         for f in funcs:
@@ -484,16 +490,41 @@ def test_gpu_qwen3_5_model_left_padded_row_and_256_decode_steps(strict, stock_fu
     assert float((batch[0, pad:] - alone[0]).norm() / alone[0].norm()) < 0.05
 
 
-def test_prefill_layers_leave_the_call_to_an_installed_fla_or_causal_conv1d(monkeypatch):
-    """With flash-linear-attention (causal-conv1d) installed, transformers' chunked delta rule
-    (conv1d) calls it, and its kernels beat ours: our layers give it the call. A bf16 prefill our
-    kernels would take (inputs taken for CUDA ones) returns the wrapped function's own result."""
+def test_prefill_layers_leave_the_call_to_the_package_transformers_resolved(monkeypatch):
+    """With flash-linear-attention (causal-conv1d) importable, transformers' hub function calls it,
+    and its kernels beat ours: our layer leaves it the call. The verdict reads transformers' own
+    choice: a package that is present but does not import leaves the torch code, and ours runs."""
+    import sys
+    import types
+
+    from transformers.integrations import use_kernel_func_from_hub_with_fallback
+
     from cutile_kernels.layers import gated_delta as lgd
 
+    def hub_function(package):
+        @use_kernel_func_from_hub_with_fallback("causal_conv1d_fn", package)
+        def causal_conv1d_fn(x):
+            return "torch"
+
+        return causal_conv1d_fn
+
+    good = types.ModuleType("stub_conv_ok")
+    good.causal_conv1d_fn = lambda x: "package"
+    monkeypatch.setitem(sys.modules, "stub_conv_ok", good)
+    broken = types.ModuleType("stub_conv_broken")  # imports, has no such function: transformers keeps torch
+    monkeypatch.setitem(sys.modules, "stub_conv_broken", broken)
+    monkeypatch.setitem(sys.modules, "stub_conv_raises", None)  # present but its import raises
+    for package, runs in (("stub_conv_ok", "package"), ("stub_conv_broken", "torch"), ("stub_conv_raises", "torch"),
+                          ("no_such_package", "torch")):
+        fn = hub_function(package)
+        assert fn(0) == runs
+        assert lgd.runs_its_package(type(fn)) == (runs == "package"), package
+    assert not lgd.runs_its_package(type(q35.torch_chunk_gated_delta_rule))  # no fla here
+
+    # A bf16 prefill our kernels would take (inputs taken for CUDA ones) returns the function's result.
     why_not = lgd._why_not
     monkeypatch.setattr(lgd, "_why_not", lambda verdict, cls, cuda, why: why_not(verdict, cls, True, why))
-    monkeypatch.setitem(lgd.DEFER_TO_PACKAGE, "chunk_gated_delta_rule", "flash-linear-attention is installed")
-    monkeypatch.setitem(lgd.DEFER_TO_PACKAGE, "causal_conv1d_fn", "causal-conv1d is installed")
+    monkeypatch.setattr(lgd, "runs_its_package", lambda cls: True)
     q, k, v, g, beta, s0 = _delta_inputs(1, 40, 2, 128, 128)
     q, k, v, beta = (t.bfloat16() for t in (q, k, v, beta))
     assert lgd._delta_why(q, v, g, beta, True, {}) is None  # ours would take it
