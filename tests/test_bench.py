@@ -390,21 +390,23 @@ def test_only_the_fla_path_sees_flash_linear_attention(tmp_path, monkeypatch):
 
     monkeypatch.setenv(bench_paths.FLA_DIR_ENV, str(tmp_path))
     assert bench_paths.spec("stock+fla").unavailable("cpu") is None
+    assert bench_paths.spec("cutile+fla").ours and bench_paths.spec("cutile+fla").unavailable("cpu") is None
     probe = ("import importlib.util, sys; from cutile_kernels_tools.bench import paths as p; "
              "p.isolate_packages(sys.argv[1]); sys.path.append(sys.argv[2]); "
-             "print([importlib.util.find_spec(m) is not None if sys.argv[1] == 'stock+fla' else "
+             "print([importlib.util.find_spec(m) is not None if sys.argv[1].endswith('+fla') else "
              "__import__('importlib').import_module(m) and 'imported' for m in ('fla',)])")
     seen = {}
-    for path in ("stock+fla", "stock", "cutile"):
+    for path in ("stock+fla", "cutile+fla", "stock", "cutile"):
         r = subprocess.run([sys.executable, "-c", probe, path, str(tmp_path)], capture_output=True, text=True,
                            env={**os.environ, bench_paths.FLA_DIR_ENV: str(tmp_path)})
         seen[path] = (r.returncode, r.stdout.strip(), r.stderr.strip().splitlines()[-1:] if r.returncode else [])
-    assert seen["stock+fla"] == (0, "[True]", [])
+    assert seen["stock+fla"] == seen["cutile+fla"] == (0, "[True]", [])
     for path in ("stock", "cutile"):  # hidden even when it is on sys.path
         assert seen[path][0] != 0 and "ModuleNotFoundError" in seen[path][2][0] and "hidden" in seen[path][2][0]
     monkeypatch.delenv(bench_paths.FLA_DIR_ENV)
     if importlib.util.find_spec("fla") is None:
         assert "not installed" in bench_paths.spec("stock+fla").unavailable("cpu")
+        assert "not installed" in bench_paths.spec("cutile+fla").unavailable("cpu")
 
 
 def test_a_static_decoder_resets_a_hybrid_cache_it_filled_in_inference_mode():

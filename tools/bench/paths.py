@@ -6,8 +6,12 @@
                    ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA only)
 ``stock+fla``      transformers with flash-linear-attention importable (what a Qwen3.5 user installs
                    today): transformers calls fla's gated delta rule by itself. Every other path
-                   runs with fla and causal-conv1d hidden, so that each times its own code; fla is
-                   found where it is installed, or in the folder ``$CUTILE_BENCH_FLA_PATH`` names
+                   but ``cutile+fla`` runs with fla and causal-conv1d hidden, so that each times
+                   its own code; fla is found where it is installed, or in the folder
+                   ``$CUTILE_BENCH_FLA_PATH`` names
+``cutile+fla``     ours where flash-linear-attention is importable, as its users get it: transformers
+                   resolves the gated delta rules to fla, our chunked (prefill) layer leaves fla
+                   the call, every other layer of ours runs
 ``liger``          Liger-Kernel's patches applied to the loaded model, when it is installed
 ``tilegym``        NVIDIA TileGym's monkey patch (cuTile backend), applied before loading, when it
                    is installed (it pins an older transformers: what fails is reported)
@@ -53,6 +57,8 @@ class PathSpec:
     #: Patch or hub layer names left out of our kernel_config, opt-in patches added (:func:`spec`).
     exclude: tuple = ()
     include: tuple = ()
+    #: flash-linear-attention importable (every other path hides it: :func:`isolate_packages`).
+    fla: bool = False
 
     def unavailable(self, device: str) -> str | None:
         """Why this path cannot run here, or None."""
@@ -60,7 +66,7 @@ class PathSpec:
             return "compiled and decode-graph paths use CUDA graphs: CUDA only"
         if self.attn == "cutile" and not device.startswith("cuda"):
             return "our attention kernel needs CUDA (on a CPU it would time the eager fallback)"
-        if self.name == FLA_PATH and not _fla_available():
+        if self.fla and not _fla_available():
             return f"flash-linear-attention is not installed (nor in ${FLA_DIR_ENV})"
         if self.name == "liger" and importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed"
@@ -74,10 +80,13 @@ class PathSpec:
 PATHS = {p.name: p for p in [
     PathSpec("stock", "transformers eager (sdpa), DynamicCache"),
     PathSpec("stock-compile", "transformers, StaticCache + torch.compile(reduce-overhead) decode", compile=True),
-    PathSpec("stock+fla", "transformers eager with flash-linear-attention's kernels (its gated delta rule)"),
+    PathSpec("stock+fla", "transformers eager with flash-linear-attention's kernels (its gated delta rule)",
+             fla=True),
     PathSpec("liger", "Liger-Kernel patches on transformers"),
     PathSpec("tilegym", "NVIDIA TileGym monkey patch (cuTile)"),
     PathSpec("cutile", "cutile-kernels: use_kernels=True with our kernel_config", ours=True),
+    PathSpec("cutile+fla", "cutile-kernels where flash-linear-attention is importable (its chunked delta rule, "
+             "which our prefill layer leaves it; the rest ours)", ours=True, fla=True),
     PathSpec("cutile-attn", "cutile-kernels with attn_implementation='cutile' (our attention kernel)", ours=True,
              attn="cutile"),
     PathSpec("cutile-compile", "cutile-kernels + StaticCache + torch.compile(reduce-overhead) decode",
@@ -144,12 +153,11 @@ def spec(name: str) -> PathSpec:
                     exclude=parts if sep == WITHOUT else ())
 
 
-#: The path that sees flash-linear-attention (see the module doc).
-FLA_PATH = "stock+fla"
 #: A folder holding the ``fla`` package, for a machine where it is not installed in the environment.
 FLA_DIR_ENV = "CUTILE_BENCH_FLA_PATH"
 #: Packages transformers 5.22 uses by itself when importable (``use_kernel_func_from_hub_with_fallback``
-#: in the Qwen3.5 / Qwen3-Next / OLMo-hybrid modeling code): hidden from every path but :data:`FLA_PATH`.
+#: in the Qwen3.5 / Qwen3-Next / OLMo-hybrid modeling code): hidden from every path but those with
+#: ``PathSpec.fla``.
 FALLBACK_PACKAGES = ("fla", "causal_conv1d")
 
 
@@ -171,27 +179,28 @@ class _Hidden(importlib.abc.MetaPathFinder):
 
 
 def isolate_packages(path: str | None) -> None:
-    """Call in a bench worker before transformers imports a modeling module: :data:`FLA_PATH` gets
-    fla (``$CUTILE_BENCH_FLA_PATH`` added to ``sys.path`` when set; the path fails if fla does not
-    import, rather than timing transformers' torch code under its name), every other path and the
+    """Call in a bench worker before transformers imports a modeling module: a path with
+    ``PathSpec.fla`` gets fla (``$CUTILE_BENCH_FLA_PATH`` added to ``sys.path`` when set; the path
+    fails if fla does not import, rather than timing transformers' torch code under its name),
+    every other path and the
     reference job get neither fla nor causal-conv1d, installed or not (their imports raise
     ``ModuleNotFoundError``, ``importlib.util.find_spec`` too).
 
     Raises:
         RuntimeError: a fallback package was imported before the call (the choice would not hold),
-            or fla does not import on :data:`FLA_PATH`.
+            or fla does not import on a path that needs it.
     """
     loaded = [m for m in sys.modules if m.partition(".")[0] in FALLBACK_PACKAGES]
     if loaded:
         raise RuntimeError(f"isolate_packages must run before {loaded[0]} is imported")
-    if path == FLA_PATH:
+    if path in PATHS and PATHS[path].fla:
         extra = os.environ.get(FLA_DIR_ENV)
         if extra and extra not in sys.path:
             sys.path.append(extra)
         try:
             importlib.import_module("fla")
         except Exception as exc:  # noqa: BLE001 - any import failure means the path would not be fla's
-            raise RuntimeError(f"stock+fla: flash-linear-attention does not import ({type(exc).__name__}: "
+            raise RuntimeError(f"{path}: flash-linear-attention does not import ({type(exc).__name__}: "
                                f"{exc})") from exc
     elif not any(isinstance(f, _Hidden) for f in sys.meta_path):
         sys.meta_path.insert(0, _Hidden())
