@@ -368,10 +368,9 @@ def stock_functions():
     earlier test of this process may have): transformers' own functions before the test and after.
     Where transformers calls flash-linear-attention or causal-conv1d, our prefill layers leave it
     the call: these tests of our kernels skip."""
-    from cutile_kernels.layers.gated_delta import runs_its_package
+    from cutile_kernels.layers.gated_delta import FUNCTIONS, runs_its_package
 
-    funcs = [q35.torch_chunk_gated_delta_rule, q35.torch_recurrent_gated_delta_rule, q35.causal_conv1d_fn,
-             q35.causal_conv1d_update]
+    funcs = [getattr(q35, name) for name in FUNCTIONS.values()]
     if any(runs_its_package(type(f)) for f in funcs):
         pytest.skip("transformers calls flash-linear-attention or causal-conv1d here: our prefill layers leave it")
 

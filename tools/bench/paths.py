@@ -182,9 +182,8 @@ def isolate_packages(path: str | None) -> None:
     """Call in a bench worker before transformers imports a modeling module: a path with
     ``PathSpec.fla`` gets fla (``$CUTILE_BENCH_FLA_PATH`` added to ``sys.path`` when set; the path
     fails if fla does not import, rather than timing transformers' torch code under its name),
-    every other path and the
-    reference job get neither fla nor causal-conv1d, installed or not (their imports raise
-    ``ModuleNotFoundError``, ``importlib.util.find_spec`` too).
+    every other path and the reference job get neither fla nor causal-conv1d, installed or not
+    (their imports raise ``ModuleNotFoundError``, ``importlib.util.find_spec`` too).
 
     Raises:
         RuntimeError: a fallback package was imported before the call (the choice would not hold),
