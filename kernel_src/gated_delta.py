@@ -29,6 +29,10 @@ A head's value columns are independent, so a block owns ``BV`` of them and the g
 head over ``dv / BV`` blocks; q and k are padded to ``DK`` lanes with zeros (zero lanes add
 nothing). Rows past the sequence load as zeros with ``beta = g = 0``: they change neither the
 state nor the decay, and are not stored.
+
+``gated_delta_gates_kernel`` computes the two gates from the model's projections in one launch,
+as Qwen3.5's ``Qwen3_5GatedDeltaNet.forward`` does in eight (``beta = b.sigmoid()``, ``g =
+-A_log.float().exp() * F.softplus(a.float() + dt_bias)``): float32 throughout, beta rounded once.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import cuda.tile as ct
 from ._spec import DTYPE_TAGS, LAYOUTS, ArrayParam, ConstParam, ScalarParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
+RN = ct.RoundingMode.RN
 #: transformers' (and flash-linear-attention's) epsilon inside the L2 norm of q and k.
 L2_EPS = 1e-6
 
@@ -194,6 +199,36 @@ def gated_delta_scan_kernel(q, k, g, w, u, attn, state, o, scale: float,
     ct.store(state, index=(b, h, 0, vb), tile=ct.reshape(s, (1, 1, DK, BV)))
 
 
+@ct.function
+def _log1p(x):
+    # log(1 + x) for x >= 0, accurate where 1 + x rounds (Goldberg 1991, "What every computer
+    # scientist should know about floating-point arithmetic", theorem 4): cuTile has no log1p.
+    u = 1.0 + x
+    d = u - 1.0
+    return ct.where(d == 0.0, x, ct.log(u) * ct.truediv(x, ct.where(d == 0.0, 1.0, d), rounding_mode=RN))
+
+
+@ct.kernel
+def gated_delta_gates_kernel(a, b, a_log, dt_bias, g, beta, ROWS: ct.Constant[int], BH: ct.Constant[int]):
+    """Gated DeltaNet's gates for ROWS tokens per block, all heads at once::
+
+        g    = -exp(a_log) * softplus(a + dt_bias)     # float32; softplus(x) = x above 20
+        beta = sigmoid(b)                              # float32, rounded to beta's dtype
+
+    a, b, beta: (M, H); g: (M, H) float32; a_log, dt_bias: (H,); H <= BH. Grid: (cdiv(M, ROWS),).
+    """
+    bid = ct.bid(0)
+    x = ct.load(a, index=(bid, 0), shape=(ROWS, BH), padding_mode=ZERO).astype(ct.float32)
+    z = ct.load(b, index=(bid, 0), shape=(ROWS, BH), padding_mode=ZERO).astype(ct.float32)
+    decay = ct.exp(ct.load(a_log, index=(0,), shape=(BH,), padding_mode=ZERO).astype(ct.float32))
+    bias = ct.load(dt_bias, index=(0,), shape=(BH,), padding_mode=ZERO).astype(ct.float32)
+    x = x + ct.reshape(bias, (1, BH))
+    # torch's softplus (beta 1, threshold 20).
+    softplus = ct.where(x > 20.0, x, _log1p(ct.exp(ct.minimum(x, 20.0))))
+    ct.store(g, index=(bid, 0), tile=(-ct.reshape(decay, (1, BH)) * softplus).astype(g.dtype))
+    ct.store(beta, index=(bid, 0), tile=ct.truediv(1.0, 1.0 + ct.exp(-z), rounding_mode=RN).astype(beta.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Build matrix
 # ---------------------------------------------------------------------------------------------
@@ -251,3 +286,23 @@ VARIANTS: list[VariantSpec] = [
     _variant("gated_delta_scan", "q k g w u attn state o", dtype, layout, {"DK": dk, "BV": BV, "BT": bt})
     for layout in LAYOUTS for dtype in CHUNK_DTYPES for dk in KEY_DIMS for bt in CHUNKS
 ]
+
+#: Heads per gates tile (the value heads, padded: Qwen3.5-0.8B has 16, -27B 48, Qwen3-Next 32) and
+#: its tokens per block (about 1024 elements: the whole kernel moves a few bytes per token).
+GATE_HEADS = (16, 32, 64, 128)
+GATE_ELEMENTS = 1024
+
+
+def _gates_variant(dtype: str, param_dtype: str, bh: int) -> VariantSpec:
+    # a, b and beta in the activations' dtype; A_log and dt_bias in theirs (the model's dtype, or
+    # float32 where a checkpoint keeps them so); g float32. Any strides (the projections' outputs).
+    rows = GATE_ELEMENTS // bh
+    return VariantSpec("gated_delta_gates", "gated_delta", "gated_delta_gates_kernel",
+                       f"{DTYPE_TAGS[dtype]}.p{DTYPE_TAGS[param_dtype]}.h{bh}.r{rows}",
+                       (ArrayParam("a", dtype, 2), ArrayParam("b", dtype, 2), ArrayParam("a_log", param_dtype, 1),
+                        ArrayParam("dt_bias", param_dtype, 1), ArrayParam("g", "float32", 2),
+                        ArrayParam("beta", dtype, 2), ConstParam("ROWS", rows), ConstParam("BH", bh)))
+
+
+VARIANTS += [_gates_variant(dtype, param, bh) for dtype in DTYPES for param in sorted({dtype, "float32"})
+             for bh in GATE_HEADS]

@@ -1,4 +1,4 @@
-"""RMSNorm and fused residual-add + RMSNorm: cuTile device code and build matrix.
+"""RMSNorm and fused residual-add + RMSNorm (both rounding orders): cuTile device code and build matrix.
 
 Math (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"), with the rounding order of
 transformers' ``LlamaRMSNorm.forward`` (models/llama/modeling_llama.py at v5.22.2), which Qwen2,
@@ -19,6 +19,9 @@ runtime ``offset`` (1.0 for Gemma's ``1 + weight``, 0.0 for OLMo 2's ``weight``)
     h = x.float()
     h = h * rsqrt(mean(h ** 2, -1) + eps)        # float32
     y = (h * (offset + weight.float())).to(x.dtype)
+
+``add_rms_norm_gemma`` is the fused add with that order (Qwen3.5's decoder layer: ``residual +
+hidden_states``, rounded, then its ``(1 + weight)`` post-attention norm).
 
 The ``rms_norm_gated`` kernel is the gated norm of gated DeltaNet's output (transformers'
 ``Qwen3_5RMSNormGated``, hub name ``RMSNormGated``): Llama's order, then times SiLU of a gate in
@@ -125,6 +128,22 @@ def add_rms_norm_kernel(x, residual, weight, y, residual_out, eps: float,
     ct.store(y, index=(bid, 0), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
 
 
+@ct.kernel(num_worker_warps=8)
+def add_rms_norm_gemma_kernel(x, residual, weight, y, residual_out, eps: float, offset: float,
+                              BLOCK_N: ct.Constant[int], ROWS: ct.Constant[int]):
+    """residual_out = x + residual (rounded); y = rms_norm_gemma(residual_out). Shapes as
+    rms_norm_kernel."""
+    bid = ct.bid(0)
+    a = ct.load(x, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
+    b = ct.load(residual, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
+    s = (a + b).astype(residual_out.dtype)
+    ct.store(residual_out, index=(bid, 0), tile=s)
+    h = s.astype(ct.float32)
+    w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
+    inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
+    ct.store(y, index=(bid, 0), tile=_scale_float(h, inv_rms, w, offset).astype(y.dtype))
+
+
 @ct.kernel
 def rms_norm_chunked_kernel(x, weight, y, eps: float, CHUNK: ct.Constant[int], ROWS: ct.Constant[int]):
     """rms_norm_kernel for rows of any length: one sweep for the sum of squares, one to write."""
@@ -187,6 +206,32 @@ def add_rms_norm_chunked_kernel(x, residual, weight, y, residual_out, eps: float
         ct.store(y, index=(bid, j), tile=_scale(h, inv_rms, w, x.dtype).astype(y.dtype))
 
 
+@ct.kernel
+def add_rms_norm_gemma_chunked_kernel(x, residual, weight, y, residual_out, eps: float, offset: float,
+                                      CHUNK: ct.Constant[int], ROWS: ct.Constant[int]):
+    """add_rms_norm_gemma_kernel for rows of any length (the sweeps of add_rms_norm_chunked_kernel)."""
+    bid = ct.bid(0)
+    n_chunks = ct.cdiv(x.shape[1], CHUNK)
+    a = ct.load(x, index=(bid, 0), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+    b = ct.load(residual, index=(bid, 0), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+    s = (a + b).astype(residual_out.dtype)
+    ct.store(residual_out, index=(bid, 0), tile=s)
+    acc = _sum_sq(s.astype(ct.float32), x.dtype)
+    for j in range(1, n_chunks):
+        a = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        b = ct.load(residual, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        s = (a + b).astype(residual_out.dtype)
+        ct.store(residual_out, index=(bid, j), tile=s)
+        acc = acc + _sum_sq(s.astype(ct.float32), x.dtype)
+    inv_rms = _inv_rms(acc, x.shape[1], eps)
+    for j in range(n_chunks):
+        a = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        b = ct.load(residual, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        h = (a + b).astype(residual_out.dtype).astype(ct.float32)
+        w = ct.reshape(ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32), (1, CHUNK))
+        ct.store(y, index=(bid, j), tile=_scale_float(h, inv_rms, w, offset).astype(y.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Build matrix
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +254,9 @@ ROWS = {
 # rms_norm_gemma moves the bytes rms_norm moves: its tiles until a sweep says otherwise.
 ROWS[("rms_norm_gemma", "aligned")] = ROWS[("rms_norm", "aligned")]
 ROWS[("rms_norm_gemma", "generic")] = ROWS[("rms_norm", "generic")]
+# The fused Gemma-order add moves add_rms_norm's bytes: its tiles.
+ROWS[("add_rms_norm_gemma", "aligned")] = ROWS[("add_rms_norm", "aligned")]
+ROWS[("add_rms_norm_gemma", "generic")] = ROWS[("add_rms_norm", "generic")]
 CHUNKED_ROWS = 1
 #: Widths of the gated norm (its rows are one head's values: 128 in Qwen3.5 and Qwen3-Next).
 GATED_BLOCK_NS = (64, 128, 256)
@@ -224,11 +272,12 @@ def _params(kind: str, dtype: str, layout: str, consts: dict):
         "rms_norm": ("x", "weight", "y"),
         "rms_norm_gemma": ("x", "weight", "y"),
         "add_rms_norm": ("x", "residual", "weight", "y", "residual_out"),
+        "add_rms_norm_gemma": ("x", "residual", "weight", "y", "residual_out"),
         "rms_norm_gated": ("x", "gate", "weight", "y"),
     }[kind]
     params = [array(a, dtype, 1 if a == "weight" else 2, layout) for a in arrays]
     params.append(ScalarParam("eps", "float32"))
-    if kind == "rms_norm_gemma":
+    if kind in ("rms_norm_gemma", "add_rms_norm_gemma"):
         params.append(ScalarParam("offset", "float32"))
     params += [ConstParam(k, v) for k, v in consts.items()]
     return tuple(params)
@@ -236,7 +285,7 @@ def _params(kind: str, dtype: str, layout: str, consts: dict):
 
 def _matrix() -> list[VariantSpec]:
     specs = []
-    for kind in ("rms_norm", "add_rms_norm", "rms_norm_gemma", "rms_norm_gated"):
+    for kind in ("rms_norm", "add_rms_norm", "rms_norm_gemma", "add_rms_norm_gemma", "rms_norm_gated"):
         for dtype in ("bfloat16", "float16", "float32"):
             for layout in LAYOUTS:
                 d = DTYPE_TAGS[dtype]

@@ -13,7 +13,7 @@ from .attention import cutile_attention_forward, register_attention
 from .decode_graphs import CacheFullError, disable_decode_graphs, enable_decode_graphs
 # kernels looks a mapped layer up by class name on this module (tests/test_structure.py checks all are).
 from .gated_delta import (CutileCausalConv1dFn, CutileCausalConv1dUpdate, CutileChunkGatedDeltaRule,
-                          CutileFusedRecurrentGatedDeltaRule)
+                          CutileFusedRecurrentGatedDeltaRule, CutileGatedDeltaNet)
 from .norm import CutileRMSNorm, CutileRMSNormGated, CutileZeroCenteredRMSNorm
 from .rope import CutileRotaryPosEmb
 
@@ -40,6 +40,6 @@ def kernelize(model, mode=None, build_dir=None, include=()):
 
 
 __all__ = ["CacheFullError", "CutileCausalConv1dFn", "CutileCausalConv1dUpdate", "CutileChunkGatedDeltaRule",
-           "CutileFusedRecurrentGatedDeltaRule", "CutileRMSNorm", "CutileRMSNormGated", "CutileRotaryPosEmb",
+           "CutileFusedRecurrentGatedDeltaRule", "CutileGatedDeltaNet", "CutileRMSNorm", "CutileRMSNormGated", "CutileRotaryPosEmb",
            "CutileZeroCenteredRMSNorm", "MAPPING", "OPT_IN_LAYERS", "disable_decode_graphs",
            "enable_decode_graphs", "kernel_config", "kernelize"]

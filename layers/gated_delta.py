@@ -1,5 +1,6 @@
 """Gated DeltaNet's functions as hub layers: the gated delta rule (chunked and recurrent) and the
-causal conv1d (sequence and one-token update), and their mapping rows.
+causal conv1d (sequence and one-token update), the block itself (its gates on one launch), and their
+mapping rows.
 
 transformers 5.22.2 decorates four functions of the Qwen3.5 modeling code (and its copies:
 Qwen3.5-MoE, Qwen3-Next, ...) with ``@use_kernel_func_from_hub_with_fallback(name, package)``:
@@ -22,6 +23,10 @@ modeling modules' copies of these functions are taken where they compile to the 
 of about twenty Mamba-style models); their calls with other arguments (a bias, another activation)
 keep their own path.
 
+The block, hub name ``Qwen3_5GatedDeltaNet`` (:class:`CutileGatedDeltaNet`), is the pinned stock
+forward with its two gate lines on one ``gated_delta_gates`` launch; it calls the functions above
+through the module's ``_kernel_funcs``.
+
 State handling follows transformers' cache: the recurrent step updates ``initial_state`` in place
 and returns it (the cache then copies it onto itself: a no-op), so that a CUDA-graph replay reads
 and writes one buffer; the chunked prefill writes a new final state.
@@ -38,7 +43,7 @@ from .. import dispatch
 from ..ops import conv1d as conv_ops
 from ..ops import gated_delta as delta_ops
 from ..ops.conv1d import causal_conv1d, causal_conv1d_update
-from ..ops.gated_delta import gated_delta_rule
+from ..ops.gated_delta import gated_delta_gates, gated_delta_rule
 from ._match import class_verdict, same_code
 from ._pins import holds
 from .rope import function_name, wrapped_function
@@ -237,6 +242,116 @@ class CutileCausalConv1dUpdate(nn.Module):
         return causal_conv1d_update(hidden_states[..., 0], conv_state, weight).unsqueeze(-1)
 
 
+#: The pin (``layers/models/qwen3_5.py``) of the forward :class:`CutileGatedDeltaNet` reproduces.
+DELTANET_PIN = "qwen3_5.Qwen3_5GatedDeltaNet.forward"
+#: The modeling module's functions that forward calls (the hub functions above among them), per
+#: class whose forward is that code: read from the class's own module when it is judged.
+_DELTANET_CALLS = ("apply_mask_to_padding_states", "causal_conv1d_update", "causal_conv1d_fn",
+                   "torch_recurrent_gated_delta_rule", "torch_chunk_gated_delta_rule")
+#: The hub names of the last four, as the module's ``_kernel_funcs`` holds them.
+_HUB_CALLS = ("causal_conv1d_update", "causal_conv1d_fn", "fused_recurrent_gated_delta_rule",
+              "chunk_gated_delta_rule")
+_CALLS: dict[type, tuple] = {}
+
+
+@class_verdict
+def computes_gated_deltanet(cls: type) -> bool:
+    """True if ``cls.forward`` is ``Qwen3_5GatedDeltaNet.forward``'s code (under accelerate's
+    ``force_accelerate_hooks`` wrapper) and still the pinned statements; keeps the functions that
+    code calls from the class's own modeling module for :class:`CutileGatedDeltaNet`. Once per class."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    fwd = getattr(cls, "forward", None)
+    if fwd is None or not holds(DELTANET_PIN) or not same_code(inspect.unwrap(fwd),
+                                                               inspect.unwrap(Qwen3_5GatedDeltaNet.forward)):
+        return False
+    calls = inspect.unwrap(fwd).__globals__
+    if not all(name in calls for name in _DELTANET_CALLS):
+        return False
+    _CALLS[cls] = tuple(calls[name] for name in _DELTANET_CALLS)
+    return True
+
+
+class CutileGatedDeltaNet(nn.Module):
+    """Qwen3.5's gated DeltaNet block, ``forward(hidden_states, cache_params=None,
+    attention_mask=None, **kwargs)``, for the classes transformers decorates
+    ``@use_kernel_forward_from_hub("Qwen3_5GatedDeltaNet")``: ``Qwen3_5GatedDeltaNet.forward``
+    (v5.22.2) with its two gate lines (``beta = b.sigmoid()``, ``g = -A_log.float().exp() *
+    F.softplus(a.float() + dt_bias)``: eight launches) as one :func:`~..ops.gated_delta.gated_delta_gates`
+    launch. Every other statement is the stock one, the projections, the cache updates and the calls
+    of the module's hub functions (the conv1d and delta-rule layers above, or the packages
+    transformers resolved them to) included. Those functions are the module's ``_kernel_funcs``,
+    where ``kernelize`` binds them: the stock forward calls the modeling module's own, which in a
+    ``copy.deepcopy`` of a model are not the ones kernelize bound. hidden_states ``(B, T, hidden)``;
+    returns ``(B, T, hidden)`` in its dtype. A class whose forward is other code, or a module whose
+    ``conv1d`` has accelerate hooks (which the stock forward fires), keeps the stock forward
+    (inference only)."""
+
+    can_torch_compile = True
+    has_backward = False
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        cls = type(self)
+        if not computes_gated_deltanet(cls) or getattr(self.conv1d, "_hf_hook", None) is not None:
+            if not torch.compiler.is_compiling():
+                dispatch.fallback("gated_delta_gates", f"{cls.__name__}'s forward is not Qwen3.5's code, or its "
+                                  "conv1d has accelerate hooks; it keeps its own forward")
+            return cls.forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+        mask_padding, conv_update, conv_fn, recurrent_rule, chunk_rule = _CALLS[cls]
+        # The hub functions kernelize bound for this module: its own ``_kernel_funcs`` (copies of
+        # the module-level ones in a deep-copied model, which the stock forward would miss).
+        funcs = getattr(self, "_kernel_funcs", None)
+        if isinstance(funcs, dict) and all(name in funcs for name in _HUB_CALLS):
+            conv_update, conv_fn, recurrent_rule, chunk_rule = (funcs[name] for name in _HUB_CALLS)
+        # From here on the stock statements (5.22.2), but for the gates.
+        hidden_states = mask_padding(hidden_states, attention_mask)
+        batch_size, seq_len, _ = hidden_states.shape
+        if cache_params is not None:
+            conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
+            recurrent_state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
+        else:
+            conv_state, recurrent_state = None, None
+
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
+        b = self.in_proj_b(hidden_states)
+        a = self.in_proj_a(hidden_states)
+
+        if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(self.layer_idx):
+            mixed_qkv = conv_update(mixed_qkv, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                    self.activation)
+        else:
+            if cache_params is not None:
+                mixed_qkv = cache_params.update_conv_state(mixed_qkv, self.layer_idx,
+                                                           conv_kernel_size=self.conv_kernel_size)
+            mixed_qkv = conv_fn(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                activation=self.activation, **kwargs)
+            if cache_params is not None:
+                mixed_qkv = mixed_qkv[:, :, -seq_len:]
+
+        mixed_qkv = mixed_qkv.transpose(1, 2)
+        query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.reshape(batch_size, seq_len, -1, self.head_k_dim)
+        key = key.reshape(batch_size, seq_len, -1, self.head_k_dim)
+        value = value.reshape(batch_size, seq_len, -1, self.head_v_dim)
+
+        g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias)
+        if self.num_v_heads // self.num_k_heads > 1:
+            query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+            key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+
+        rule = recurrent_rule if recurrent_state is not None and seq_len == 1 else chunk_rule
+        core_attn_out, last_recurrent_state = rule(query, key, value, g=g, beta=beta, initial_state=recurrent_state,
+                                                   output_final_state=cache_params is not None,
+                                                   use_qk_l2norm_in_kernel=True,
+                                                   cu_seqlens=kwargs.pop("cu_seq_lens_q", None), **kwargs)
+        if cache_params is not None:
+            cache_params.update_recurrent_state(last_recurrent_state, self.layer_idx)
+
+        core_attn_out = self.norm(core_attn_out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core_attn_out.reshape(batch_size, seq_len, -1))
+
+
 #: Hub layers mapped only with ``kernel_config(include=[...])``: none today. The prefill pair was
 #: opt-in until the H200 bench of 2026-12-02 (docs/results.md, call 4) timed it end to end: a
 #: Qwen3.5-0.8B prefill of 1x2048 in 29 ms against 158 ms stock and 64 ms stock with
@@ -250,4 +365,5 @@ MAPPING = {
     "fused_recurrent_gated_delta_rule": "CutileFusedRecurrentGatedDeltaRule",
     "causal_conv1d_fn": "CutileCausalConv1dFn",
     "causal_conv1d_update": "CutileCausalConv1dUpdate",
+    "Qwen3_5GatedDeltaNet": "CutileGatedDeltaNet",
 }

@@ -85,3 +85,27 @@ def change_pin(monkeypatch):
         monkeypatch.setitem(_pins.PINS, name, dataclasses.replace(_pins.PINS[name], digest="0" * 16))
 
     return change
+
+
+@pytest.fixture
+def stock_functions():
+    """kernelize rebinds the forwards of Qwen3.5's hub-function modules for the whole process (an
+    earlier test of this process may have): transformers' own functions before the test and after.
+    Where transformers calls flash-linear-attention or causal-conv1d, our prefill layers leave it
+    the call: these tests of our kernels skip."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+    from cutile_kernels.layers.gated_delta import FUNCTIONS, runs_its_package
+
+    funcs = [getattr(q35, name) for name in FUNCTIONS.values()]
+    if any(runs_its_package(type(f)) for f in funcs):
+        pytest.skip("transformers calls flash-linear-attention or causal-conv1d here: our prefill layers leave it")
+
+    def restore():
+        for f in funcs:
+            f.__dict__.pop("forward", None)
+
+    restore()
+    yield
+    restore()

@@ -203,6 +203,10 @@ def log2(x, **_):
     return np.log2(x)
 
 
+def log(x, **_):
+    return np.log(x)
+
+
 def tanh(x, **_):
     return np.tanh(x)
 

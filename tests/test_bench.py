@@ -216,6 +216,20 @@ def test_amdahl_and_coverage_summary():
     assert named["ours"][0]["ops"] == ["cutile_kernels::rms_norm"] and named["by_class"] == cov["by_class"]
 
 
+def test_kernels_replayed_from_a_graph_are_classed_by_name():
+    """A kernel replayed from a CUDA graph has no launching aten op: cuBLAS's GEMMs and attention
+    kernels are told by name (else a replayed step's GEMMs counted as elementwise work)."""
+    from cutile_kernels_tools.bench import coverage
+
+    records = [{"kernel": "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "us": 30.0, "op": None, "module": None},
+               {"kernel": "cudnn_generated_fort_native_sdpa_sm80_flash_fprop", "us": 5.0, "op": None, "module": None},
+               {"kernel": "void at::native::vectorized_elementwise_kernel<4>", "us": 2.0, "op": None, "module": None},
+               {"kernel": "sym_ours", "us": 3.0, "op": None, "module": None},
+               {"kernel": "gemm_named_but_launched_by_mul", "us": 1.0, "op": "aten::mul", "module": None}]
+    cov = coverage.summarize(records, {"sym_ours"}, speedup=2.0)
+    assert cov["by_class"] == {"gemm": 30.0, "attention": 5.0, "elementwise / other": 3.0, "ours": 3.0}
+
+
 def test_cli_info_and_build_help(capsys):
     assert cli.main(["info"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -49,9 +49,11 @@ FAMILY_OPS = {
     "gemma3_text": {"rms_norm_gemma", "rope"},
     "gemma2": {"rms_norm_gemma", "rope"},
     "phi3": {"rms_norm", "rope"},  # Llama-code norms; partial RoPE in phi3_rope; its MLP opt-in
-    # (1 + weight) norms, SwiGLU, the gated norm. The delta rule and conv layers give CPU calls to
+    # (1 + weight) norms (one fused with the residual add), SwiGLU, the gated norm, the gates (the
+    # block's hub layer). The delta rule and conv layers give CPU calls to
     # transformers' functions; on CUDA they are ours (test_gpu_static_generate_... traces them).
-    "qwen3_5_text": {"rms_norm_gemma", "silu_and_mul_fused", "rms_norm_gated"},
+    "qwen3_5_text": {"rms_norm_gemma", "add_rms_norm_gemma", "silu_and_mul_fused", "rms_norm_gated",
+                     "gated_delta_gates"},
 }
 #: Ops a CUDA prefill adds: hub-function layers that give CPU calls to transformers' functions.
 CUDA_PREFILL_OPS = {"qwen3_5_text": {"gated_delta_rule", "causal_conv1d"}}
@@ -193,7 +195,8 @@ def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
     # the other families' own (tests/test_rms_norm_gemma.py and tests/test_phi3.py compile those).
     model = _kernelize_on_cpu(tiny_model("llama"), variant, monkeypatch, patches=list(patcher.PATCHES))
     assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"qk_norm_rope", "rms_norm_gemma", "rms_norm_olmo2",
-                                                                  "phi3_mlp", "phi3_rope", "fused_gate_up_geglu"}
+                                                                  "phi3_mlp", "phi3_rope", "fused_gate_up_geglu",
+                                                                  "qwen3_5_add_norm"}
     ids = torch.randint(0, 256, (2, 11))
     with torch.no_grad():
         want = model(ids).logits
@@ -325,10 +328,14 @@ def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(varian
     build_dispatch = importlib.import_module(f"{build_pkg}.dispatch")
     ids = torch.randint(0, 256, (2, 11))
     build_dispatch.reset_stats()
+    cutile_kernels.dispatch.reset_stats()
     with torch.no_grad():
         want, got = stock(ids).logits, model(ids).logits
     assert torch.equal(got, want)
-    assert build_dispatch.stats()["reference_calls"]["rms_norm_gemma"] == len(norms)
+    # The post-attention norms run in the fused add + norm of the patch qwen3_5_add_norm (the
+    # source package's op: cutile_kernels.patch applied it).
+    fused = cutile_kernels.dispatch.stats()["reference_calls"]["add_rms_norm_gemma"]
+    assert build_dispatch.stats()["reference_calls"]["rms_norm_gemma"] + fused == len(norms) and fused > 0
     rec = Recorder()
     with torch.no_grad():
         compiled = torch.compile(model, backend=rec, fullgraph=True)(ids).logits

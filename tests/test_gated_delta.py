@@ -2,7 +2,8 @@
 conv1d and its update (``ops/conv1d.py``), the gated RMSNorm (``ops/norm.py``), and their hub layers
 (``layers/gated_delta.py``, ``layers/norm.py``).
 
-CPU: the references equal transformers' functions; the kernels' tile logic (chunks, the blocked
+CPU: the references equal transformers' functions (the gates: ``gated_delta_gates``, and the block's
+hub layer ``Qwen3_5GatedDeltaNet`` giving the stock forward's bits); the kernels' tile logic (chunks, the blocked
 triangular inverse, padded lanes, rows past the end) through the NumPy interpreter against a
 float64 reference; the verdicts; the hub layers leave CPU calls to the stock functions. GPU: every
 kernel against a float64 reference on Qwen3.5's shapes and the edges (prompt lengths 1, 63, 64, 65,
@@ -189,6 +190,180 @@ def test_gated_norm_reference_is_transformers_and_emulated_kernel_matches():
     torch.testing.assert_close(y, cutile_kernels.rms_norm_gated_reference(x, z, w, 1e-6), rtol=1e-6, atol=1e-6)
 
 
+def _gate_inputs(M, H, dtype, param_dtype, device="cpu", seed=0):
+    """a and b (M, H) standard normal with the softplus edges in the first row (above the threshold
+    20, where exp underflows, where 1 + exp rounds to 1), A_log and dt_bias as Qwen3.5 draws them."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b = 4 * torch.randn(M, H, generator=gen), 4 * torch.randn(M, H, generator=gen)
+    a[0, :6] = torch.tensor([25.0, 19.5, -30.0, -90.0, -16.0, 0.0])[:H]
+    a_log = torch.empty(H).uniform_(0.01, 16, generator=gen).log()
+    dt_bias = 0.5 * torch.randn(H, generator=gen)
+    return (a.to(dtype).to(device), b.to(dtype).to(device), a_log.to(param_dtype).to(device),
+            dt_bias.to(param_dtype).to(device))
+
+
+def _gates_float64(a, b, a_log, dt_bias):
+    a64, b64 = a.double(), b.double()
+    return -a_log.double().exp() * F.softplus(a64 + dt_bias.double()), torch.sigmoid(b64)
+
+
+def test_gates_reference_is_the_modules_lines_and_emulated_kernel_matches():
+    """``gated_delta_gates_reference`` gives what Qwen3_5GatedDeltaNet.forward's two lines give on
+    the module's own parameters; the kernel through the NumPy interpreter matches float64 on
+    padded heads, a partial last block, NaN-poisoned outputs and softplus's edges."""
+    from cutile_numpy import emulate
+
+    cfg = q35.Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=6,
+                                linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=1,
+                                layer_types=["linear_attention"])
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        m = q35.Qwen3_5GatedDeltaNet(cfg, 0).to(dtype)
+        a, b = torch.randn(2, 7, 6).to(dtype), torch.randn(2, 7, 6).to(dtype)
+        g, beta = cutile_kernels.gated_delta_gates_reference(a, b, m.A_log, m.dt_bias)
+        assert torch.equal(beta, b.sigmoid()) and beta.dtype == dtype
+        assert torch.equal(g, -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)) and g.dtype == torch.float32
+        assert [t.dtype for t in cutile_kernels.gated_delta_gates(a, b, m.A_log, m.dt_bias)] == [torch.float32, dtype]
+    for M, H in ((1, 16), (70, 48), (300, 6)):
+        a, b, a_log, dt_bias = (t.double() for t in _gate_inputs(M, H, torch.float32, torch.float32, seed=M))
+        bh = max(kgd.GATE_HEADS[0], 1 << (H - 1).bit_length())
+        rows = kgd.GATE_ELEMENTS // bh
+        g = torch.full((M, H), float("nan"), dtype=torch.float64)
+        beta = torch.full((M, H), float("nan"), dtype=torch.float64)
+        emulate(kgd.gated_delta_gates_kernel, kgd)((-(-M // rows),), (a, b, a_log, dt_bias, g, beta, rows, bh))
+        want_g, want_beta = _gates_float64(a, b, a_log, dt_bias)
+        # The kernel computes in float32 (exp(-90) is a float32 subnormal: fewer mantissa bits).
+        torch.testing.assert_close(g, want_g, rtol=4e-6, atol=1e-37)
+        torch.testing.assert_close(beta, want_beta, rtol=4e-6, atol=0)
+
+
+def test_gates_check_shapes_and_say_what_the_kernel_does_not_take():
+    from cutile_kernels.ops import gated_delta as ops
+
+    a, b, a_log, dt_bias = _gate_inputs(4, 16, torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="dt_bias"):
+        cutile_kernels.gated_delta_gates(a, b, a_log, dt_bias[:8])
+    with pytest.raises(ValueError, match="must be one"):
+        cutile_kernels.gated_delta_gates(a, b[:, :8], a_log, dt_bias)
+    assert ops.gates_unsupported(a, b, a_log, dt_bias) is None
+    assert ops.gates_unsupported(a, b, a_log.float(), dt_bias.float()) is None
+    assert "A_log" in ops.gates_unsupported(a, b, a_log.half(), dt_bias.half())
+    assert "A_log" in ops.gates_unsupported(a, b, a_log.float(), dt_bias)
+    assert "dtypes" in ops.gates_unsupported(a, b.half(), a_log, dt_bias)
+    wide = _gate_inputs(2, 160, torch.bfloat16, torch.bfloat16)
+    assert "heads" in ops.gates_unsupported(*wide)
+
+
+def _tiny_deltanet(num_k_heads=2, num_v_heads=4):
+    cfg = q35.Qwen3_5TextConfig(hidden_size=64, linear_num_key_heads=num_k_heads, linear_num_value_heads=num_v_heads,
+                                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                num_hidden_layers=1, layer_types=["linear_attention"])
+    torch.manual_seed(3)
+    return cfg, q35.Qwen3_5GatedDeltaNet(cfg, 0).eval()
+
+
+def _prefill_and_steps(layer, cfg, x, steps, mask=None):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=cfg)
+    outs = [layer(x, cache_params=cache, attention_mask=mask)]
+    outs += [layer(steps[:, i:i + 1], cache_params=cache) for i in range(steps.shape[1])]
+    return torch.cat(outs, 1), cache.layers[0].recurrent_states[0].clone()
+
+
+@pytest.mark.parametrize("heads", [(2, 4), (4, 4)], ids=["q-k-repeated", "one-to-one"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_deltanet_layer_is_the_stock_forward(heads, dtype):
+    """The hub layer's forward on the stock module gives the stock forward's bits (CPU: our gates
+    are the reference lines there), with a cache over a prefill and decode steps, with a padding
+    mask, and without a cache; the states it leaves in the cache are the stock ones."""
+    from cutile_kernels.layers.gated_delta import CutileGatedDeltaNet
+
+    cfg, layer = _tiny_deltanet(*heads)
+    layer = layer.to(dtype)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 9, 64, generator=gen).to(dtype)
+    steps = torch.randn(2, 3, 64, generator=gen).to(dtype)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        want = _prefill_and_steps(layer, cfg, x, steps, mask)
+        want_nocache = layer(x)
+        layer.forward = CutileGatedDeltaNet.forward.__get__(layer)
+        got = _prefill_and_steps(layer, cfg, x, steps, mask)
+        got_nocache = layer(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got_nocache, want_nocache)
+
+
+def test_gated_deltanet_layer_keeps_other_code_and_hooked_convs(caplog):
+    """A class whose forward is other code, or a module whose conv1d carries accelerate hooks (the
+    stock forward fires them), runs its own forward and says so."""
+    from cutile_kernels.layers import gated_delta as lgd
+
+    cfg, layer = _tiny_deltanet()
+    assert lgd.computes_gated_deltanet(q35.Qwen3_5GatedDeltaNet)
+    assert not lgd.computes_gated_deltanet.judge(q35.Qwen3_5Attention)
+
+    class Other(q35.Qwen3_5GatedDeltaNet):
+        def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+            return torch.zeros_like(hidden_states)
+
+    x = torch.randn(1, 5, 64)
+    other = Other(cfg, 0)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        assert torch.equal(lgd.CutileGatedDeltaNet.forward(other, x), torch.zeros_like(x))
+    assert "keeps its own forward" in caplog.text
+
+    fired = []
+
+    class Hook:
+        def pre_forward(self, module):
+            fired.append(module)
+
+        def post_forward(self, module, output):
+            return output
+
+    layer.conv1d._hf_hook = Hook()
+    with torch.no_grad():
+        lgd.CutileGatedDeltaNet.forward(layer, x)
+    assert fired == [layer.conv1d]
+
+
+def test_gated_deltanet_layer_calls_the_functions_kernelize_bound_on_a_deep_copy():
+    """``copy.deepcopy`` copies a module's ``_kernel_funcs``; kernelize binds the copies, which the
+    stock forward (calling the modeling module's functions) never reaches: the block layer calls them."""
+    import copy
+
+    from cutile_kernels.layers.gated_delta import CutileGatedDeltaNet
+
+    cfg, layer = _tiny_deltanet()
+    twin = copy.deepcopy(layer)
+    func = twin._kernel_funcs["causal_conv1d_fn"]
+    assert func is not q35.causal_conv1d_fn
+    calls = []
+    stock = type(func).forward
+
+    def recording(self, *args, **kwargs):
+        calls.append(self)
+        return stock(self, *args, **kwargs)
+
+    func.forward = recording.__get__(func)
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        twin(x)
+        assert calls == []  # the stock forward calls the module-level function
+        got = CutileGatedDeltaNet.forward(twin, x)
+    assert calls == [func] and torch.equal(got, layer(x))
+
+
+def test_changed_deltanet_pin_turns_the_block_layer_off(change_pin):
+    from cutile_kernels.layers import gated_delta as lgd
+
+    change_pin("qwen3_5.Qwen3_5GatedDeltaNet.forward")
+    assert not lgd.computes_gated_deltanet.judge(q35.Qwen3_5GatedDeltaNet)
+
+
 def test_verdicts_take_qwen3_5_code_only():
     from cutile_kernels.layers import gated_delta as lgd
     from cutile_kernels.layers.norm import computes_gated_rms_norm
@@ -215,12 +390,13 @@ def test_changed_pin_turns_the_layers_off(change_pin):
 
 def test_every_hub_name_of_the_model_is_mapped():
     names = {"RMSNormGated", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
-             "causal_conv1d_update", "RMSNormZeroCentered"}
+             "causal_conv1d_update", "RMSNormZeroCentered", "Qwen3_5GatedDeltaNet"}
     assert names <= set(cutile_kernels.layers.MAPPING)
 
 
 def test_variants_cover_qwen3_5_shapes():
-    delta = {(s.kernel, s.params[0].dtype, s.constants["DK"], s.tag.rsplit(".", 1)[1]) for s in kgd.VARIANTS}
+    delta = {(s.kernel, s.params[0].dtype, s.constants["DK"], s.tag.rsplit(".", 1)[1]) for s in kgd.VARIANTS
+             if s.kernel != "gated_delta_gates"}
     conv = {(s.kernel, s.params[0].dtype, s.constants["K"]) for s in kconv.VARIANTS}
     for layout in ("aligned", "generic"):
         for dtype in ("bfloat16", "float16"):
@@ -229,6 +405,11 @@ def test_variants_cover_qwen3_5_shapes():
             assert ("gated_delta_recurrent", dtype, 128, layout) in delta
     for dtype in ("bfloat16", "float16", "float32"):
         assert {("causal_conv1d", dtype, 4), ("causal_conv1d_update", dtype, 4)} <= conv
+    gates = {(s.params[0].dtype, s.params[2].dtype, s.constants["BH"]) for s in kgd.VARIANTS
+             if s.kernel == "gated_delta_gates"}
+    for dtype in ("bfloat16", "float16", "float32"):
+        for param in (dtype, "float32"):
+            assert {(dtype, param, 16), (dtype, param, 64)} <= gates  # 0.8B's 16 value heads, 27B's 48
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,25 +543,28 @@ def test_gpu_gated_norm_matches_transformers(rows, dtype, strict):
     torch.testing.assert_close(got, want, rtol=ulp, atol=ulp)
 
 
-@pytest.fixture
-def stock_functions():
-    """kernelize rebinds the forwards of Qwen3.5's hub-function modules for the whole process (an
-    earlier test of this process may have): transformers' own functions before the test and after.
-    Where transformers calls flash-linear-attention or causal-conv1d, our prefill layers leave it
-    the call: these tests of our kernels skip."""
-    from cutile_kernels.layers.gated_delta import FUNCTIONS, runs_its_package
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,H", [(1, 16), (16, 16), (2 * 2048 + 3, 16), (37, 48)])
+@pytest.mark.parametrize("dtype,param", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                         (torch.float16, torch.float16), (torch.float32, torch.float32)], ids=str)
+def test_gpu_gates_match_float64(M, H, dtype, param, strict, monkeypatch):
+    """The gates kernel on Qwen3.5's head counts (16, 27B's 48 padded to 64), a decode row, a
+    partial last block, strided rows and softplus's edges, outputs NaN-poisoned: g within float32
+    rounding of float64, beta within one ulp of its dtype."""
+    from cutile_kernels.ops import gated_delta as ops
 
-    funcs = [getattr(q35, name) for name in FUNCTIONS.values()]
-    if any(runs_its_package(type(f)) for f in funcs):
-        pytest.skip("transformers calls flash-linear-attention or causal-conv1d here: our prefill layers leave it")
-
-    def restore():
-        for f in funcs:
-            f.__dict__.pop("forward", None)
-
-    restore()
-    yield
-    restore()
+    allocate = ops._gates_outputs
+    monkeypatch.setattr(ops, "_gates_outputs", lambda *args: tuple(t.fill_(float("nan")) for t in allocate(*args)))
+    a, b, a_log, dt_bias = _gate_inputs(M, H, dtype, param, "cuda", seed=M + H)
+    a = torch.cat([a, b], -1)[:, :H]  # rows strided as a slice of a wider projection
+    g, beta = cutile_kernels.gated_delta_gates(a, b, a_log, dt_bias)
+    torch.cuda.synchronize()
+    want_g, want_beta = _gates_float64(a, b, a_log, dt_bias)
+    assert torch.isfinite(g).all() and torch.isfinite(beta).all()
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=1e-30)
+    ulp = {torch.float32: 2e-7, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(beta.double(), want_beta, rtol=ulp, atol=ulp)
 
 
 @pytest.mark.gpu
@@ -420,15 +604,16 @@ def test_gpu_qwen3_5_layer_runs_our_kernels_and_matches_stock(strict, stock_func
         for mod, cls in swaps:
             mod.forward = cls.forward.__get__(mod)
         layer.norm.forward = CutileRMSNormGated.forward.__get__(layer.norm)
+        layer.forward = lgd.CutileGatedDeltaNet.forward.__get__(layer)
         try:
             ours = run(layer).double()
         finally:
             for mod, _ in swaps:
                 del mod.forward
-            del layer.norm.forward
+            del layer.norm.forward, layer.forward
         launched = {k: v - before.get(k, 0) for k, v in cutile_kernels.stats()["launches"].items()}
     for kernel in ("gated_delta_prepare", "gated_delta_scan", "gated_delta_recurrent", "causal_conv1d",
-                   "causal_conv1d_update", "rms_norm_gated"):
+                   "causal_conv1d_update", "rms_norm_gated", "gated_delta_gates"):
         assert any(k.startswith(kernel + "_kernel") and n > 0 for k, n in launched.items()), (kernel, launched)
     stock_err = float((stock - want).norm() / want.norm())
     err = float((ours - want).norm() / want.norm())
@@ -472,7 +657,7 @@ def test_gpu_qwen3_5_model_left_padded_row_and_256_decode_steps(strict, stock_fu
     ours = decode(ours_model)
     launched = {k: v - before.get(k, 0) for k, v in merged_stats()["launches"].items()}
     for kernel in ("gated_delta_prepare", "gated_delta_scan", "gated_delta_recurrent", "causal_conv1d",
-                   "causal_conv1d_update"):
+                   "causal_conv1d_update", "gated_delta_gates", "add_rms_norm_gemma"):
         assert any(k.startswith(kernel + "_kernel") and n > 0 for k, n in launched.items()), (kernel, launched)
     err = [float((x - want).norm() / want.norm()) for x in (ours, stock)]
     assert err[0] <= 1.1 * err[1] + 1e-4, err

@@ -161,8 +161,16 @@ def test_mapping_names_are_transformers_hub_names():
                               "chunk_gated_delta_rule": "CutileChunkGatedDeltaRule",
                               "fused_recurrent_gated_delta_rule": "CutileFusedRecurrentGatedDeltaRule",
                               "causal_conv1d_fn": "CutileCausalConv1dFn",
-                              "causal_conv1d_update": "CutileCausalConv1dUpdate"}
+                              "causal_conv1d_update": "CutileCausalConv1dUpdate",
+                              "Qwen3_5GatedDeltaNet": "CutileGatedDeltaNet"}
     assert getattr(layers, layers.MAPPING["RMSNorm"]) is CutileRMSNorm
+
+
+def test_gated_deltanet_layer_passes_kernels_validator():
+    from kernels.layer.layer import _validate_layer
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    _validate_layer(check_cls=Qwen3_5GatedDeltaNet, cls=layers.CutileGatedDeltaNet, repo="cutile-kernels (test)")
     for norm_cls in (LlamaRMSNorm, Qwen3RMSNorm):
         assert norm_cls.kernel_layer_name == "RMSNorm"
     from transformers.models.qwen3_5 import modeling_qwen3_5 as q35

@@ -104,6 +104,8 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
         return f(3, 7, 64), 0.1 * f(64), 1e-6, 1.0
     if name == "add_rms_norm":
         return f(3, 7, 64), f(3, 7, 64), 1 + 0.1 * f(64), 1e-6
+    if name == "add_rms_norm_gemma":
+        return f(3, 7, 64), f(3, 7, 64), 0.1 * f(64), 1e-6, 1.0
     if name == "silu":
         return (f(7, 3, 40).transpose(0, 1),)
     if name == "silu_and_mul":
@@ -138,6 +140,8 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
         return f(2, 40, 7).transpose(1, 2), f(40, 4)
     if name == "causal_conv1d_update":
         return f(2, 40), f(2, 40, 4), f(40, 4), f(2, 40)
+    if name == "gated_delta_gates":  # a as a column slice of a wider projection, 5 tokens, 6 heads
+        return f(2, 5, 12)[..., :6], f(2, 5, 6), f(6), f(6)
     raise KeyError(f"no contract sample for op {name!r}: add one to tests/test_op_contract.py")
 
 

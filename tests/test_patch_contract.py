@@ -30,6 +30,7 @@ CLAIMS = {
     "phi3_mlp": {"phi3"},
     "fused_gate_up_geglu": {"gemma", "gemma2", "gemma3_text"},  # LlamaMLP's code with GELUTanh
     "phi3_rope": {"phi3"},
+    "qwen3_5_add_norm": {"qwen3_5_text"},  # Qwen3_5DecoderLayer's code
 }
 
 

@@ -178,7 +178,10 @@ def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
     with torch.no_grad():
         got = model(ids).logits
     assert torch.equal(got, want)
-    assert dispatch.stats()["reference_calls"]["rms_norm_gemma"] == n
+    # Qwen3.5's post-attention norms run in the fused add + norm (patch qwen3_5_add_norm).
+    calls = dispatch.stats()["reference_calls"]
+    assert calls["rms_norm_gemma"] + calls.get("add_rms_norm_gemma", 0) == n
+    assert calls.get("add_rms_norm_gemma", 0) == (3 if model_type == "qwen3_5_text" else 0)
 
 
 def test_patch_leaves_llama_norms_alone():
@@ -264,8 +267,9 @@ def _load_tiny(model_type, tmp_path, include=()):
 
 
 def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
-    """rms_norm_gemma launches of one forward, summed over this package and the build copy that
-    kernelize bound (each keeps its own counters), and the fallbacks."""
+    """rms_norm_gemma launches of one forward (add_rms_norm_gemma's among them: Qwen3.5's
+    post-attention norms run fused with the residual add), summed over this package and the build
+    copy that kernelize bound (each keeps its own counters), and the fallbacks."""
     from cutile_kernels_tools.bench.worker import merged_stats, runtime_copies
 
     for d in runtime_copies():
@@ -273,7 +277,8 @@ def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
     with torch.no_grad():
         model(ids)
     stats = merged_stats()
-    return sum(n for k, n in stats["launches"].items() if k.startswith("rms_norm_gemma")), stats["fallbacks"]
+    return (sum(n for k, n in stats["launches"].items() if k.startswith(("rms_norm_gemma", "add_rms_norm_gemma"))),
+            stats["fallbacks"])
 
 
 @pytest.mark.gpu
@@ -296,3 +301,146 @@ def test_gpu_from_pretrained_runs_the_kernel_on_qwen3_5s_zero_centered_norms(tmp
     n, fallbacks = _launches_over_every_copy(model, torch.randint(0, 256, (1, 9), device="cuda"))
     assert n == len(norms)
     assert not any(k.startswith("rms_norm_gemma:") for k in fallbacks)
+
+
+# ---------------------------------------------------------------------------------------------
+# add_rms_norm_gemma: the residual add fused into the (1 + weight) norm, and Qwen3.5's decoder patch
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fused_add_reference_is_qwen3_5s_residual_add_then_norm(dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    norm = Qwen3_5RMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.3)
+    h, residual = (torch.randn(3, 5, 96) * 3).to(dtype), (torch.randn(3, 5, 96) * 3).to(dtype)
+    y, s = cutile_kernels.add_rms_norm_gemma_reference(h, residual, norm.weight, norm.eps, 1.0)
+    stock_s = residual + h
+    assert torch.equal(s, stock_s) and torch.equal(y, norm(stock_s))
+    y2, s2 = cutile_kernels.add_rms_norm_gemma(h, residual, norm.weight, norm.eps)  # CPU: the reference
+    assert torch.equal(y2, y) and torch.equal(s2, s)
+    with pytest.raises(ValueError, match="add_rms_norm_gemma: residual shape"):
+        cutile_kernels.add_rms_norm_gemma(h, residual[:, :4], norm.weight)
+
+
+@pytest.mark.parametrize("rows,n,dtype", [(1, 64, torch.float32), (19, 1152, torch.float16), (300, 64, torch.float32),
+                                          (5, 1000, torch.float16), (2, 12288, torch.float32)], ids=str)
+def test_emulated_fused_add_kernel_matches_float64(rows, n, dtype):
+    x = (torch.randn(rows, 2 * n + 8) * 2)[:, :n].to(dtype)  # strided rows
+    residual = (torch.randn(rows, n) * 2).to(dtype)
+    w = (0.3 * torch.randn(n)).to(dtype)
+    y = torch.full((rows, n), float("nan"), dtype=dtype)
+    s = torch.full((rows, n), float("nan"), dtype=dtype)
+    want = dict(norm_ops._want(x, rows))
+    if "CHUNK" in want:
+        kernel, r = src.add_rms_norm_gemma_chunked_kernel, src.CHUNKED_ROWS
+        consts = (want["CHUNK"], r)
+    else:
+        r = want.get("ROWS", src.ROWS[("add_rms_norm_gemma", "generic")][want["BLOCK_N"]])
+        kernel, consts = src.add_rms_norm_gemma_kernel, (want["BLOCK_N"], r)
+    cutile_numpy.emulate(kernel, src)((-(-rows // r), 1, 1), (x, residual, w, y, s, cutile_numpy.float32(1e-6),
+                                                              cutile_numpy.float32(1.0), *consts))
+    assert torch.equal(s, x + residual), "the sum is the stock add's, rounded once"
+    ref = _exact(s, w, 1e-6, 1.0)
+    stock = cutile_kernels.rms_norm_gemma_reference(s, w, 1e-6, 1.0)
+    err = (y.double() - ref).abs().max().item()
+    stock_err = (stock.double() - ref).abs().max().item()
+    assert err <= 1.1 * stock_err + 4 * torch.finfo(dtype).eps * ref.abs().max().item(), (err, stock_err)
+
+
+def test_build_matrix_has_every_fused_add_tile_and_the_offset_scalar():
+    fused = [s for s in src.VARIANTS if s.kernel == "add_rms_norm_gemma"]
+    llama = [s for s in src.VARIANTS if s.kernel == "add_rms_norm"]
+    assert sorted(s.tag for s in fused) == sorted(s.tag for s in llama)
+    for s in fused:
+        assert [p.name for p in s.params if p.kind == "scalar"] == ["eps", "offset"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 1024, torch.bfloat16), (16, 1024, torch.bfloat16), (2048, 1024, torch.bfloat16),
+                                  (333, 5120, torch.float16), (65, 1000, torch.float32), (7, 12288, torch.bfloat16)],
+                         ids=str)
+def test_gpu_fused_add_kernel_matches_float64(case, strict):
+    """Qwen3.5-0.8B's and -27B's hidden sizes (1024, 5120), a decode row and batch, prefill rows, a
+    width off the tiles, a chunked width; both outputs NaN-poisoned first."""
+    rows, hidden, dtype = case
+    x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)
+    residual = (torch.randn(rows, hidden, device="cuda") * 2).to(dtype)
+    w = (0.3 * torch.randn(hidden, device="cuda")).to(dtype)
+    y = torch.full((rows, hidden), float("nan"), dtype=dtype, device="cuda")
+    s = torch.full_like(y, float("nan"))
+    assert norm_ops.dispatch.run("add_rms_norm_gemma", norm_ops._want(x, rows), (x, residual, w, y, s, 1e-6, 1.0), 3,
+                                 norm_ops._grid(rows), norm_ops._rows_layout)
+    torch.cuda.synchronize()
+    assert torch.equal(s, x + residual)
+    ref = _exact(s, w, 1e-6, 1.0)
+    stock = cutile_kernels.rms_norm_gemma_reference(s, w, 1e-6, 1.0)
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    stock_rel = ((stock.double() - ref).norm() / ref.norm()).item()
+    assert not y.isnan().any() and rel <= 1.1 * stock_rel + 1e-7, (rel, stock_rel)
+    before = dispatch.stats()["launches"]
+    y2, s2 = cutile_kernels.add_rms_norm_gemma(x, residual, w, 1e-6)
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["add_rms_norm_gemma"]
+    assert torch.equal(y2, y) and torch.equal(s2, s)
+
+
+def test_qwen3_5_decoder_patch_keeps_stock_logits_and_undoes():
+    """On the CPU (the reference path) the patched decoder layers give the stock logits bit for bit,
+    over a prefill and cached decode steps; unpatch restores the class forward."""
+    from transformers import DynamicCache
+
+    from cutile_kernels.layers.models import qwen3_5 as fam
+
+    model = families.model("qwen3_5_text", layers=4)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            first = model(ids, past_key_values=cache, use_cache=True).logits
+            return torch.cat([first, model(ids[:, :1], past_key_values=cache, use_cache=True).logits], 1)
+
+    want = run()
+    assert fam.patch_qwen3_5_add_norm(model) == 4
+    assert all(type(m).__name__ != "Qwen3_5DecoderLayer" or "forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(run(), want)
+    assert fam.unpatch_qwen3_5_add_norm(model) == 4
+    assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__name__ == "Qwen3_5DecoderLayer")
+
+
+def test_qwen3_5_decoder_patch_declines_other_code_and_norms(caplog, change_pin):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from cutile_kernels.layers.models import qwen3_5 as fam
+
+    assert fam.decoder_verdict(LlamaDecoderLayer) == "its forward is not Qwen3_5DecoderLayer.forward's code"
+    model = families.model("qwen3_5_text", layers=2)
+    layer = model.model.layers[0]
+    layer.post_attention_layernorm = torch.nn.LayerNorm(layer.hidden_size)
+    assert "post_attention_layernorm" in fam._decoder_verdict(layer)
+    change_pin("qwen3_5.Qwen3_5DecoderLayer.forward")
+    fam.decoder_verdict.cache_clear()
+    try:
+        assert "not the one the fused forward reproduces" in fam.decoder_verdict(type(layer))
+    finally:
+        fam.decoder_verdict.cache_clear()
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_5_decoder_patch_is_as_close_to_float32_as_stock(strict, stock_functions):
+    from cutile_kernels.layers.models import qwen3_5 as fam
+
+    base = families.model("qwen3_5_text", layers=4).cuda()
+    ids = torch.randint(1, 256, (2, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.inference_mode():
+        want = base(ids).logits.double()
+        model = base.to(torch.bfloat16)
+        stock = model(ids).logits.double()
+        assert fam.patch_qwen3_5_add_norm(model) == 4
+        before = dispatch.stats()["launches"]
+        ours = model(ids).logits.double()
+        assert "add_rms_norm_gemma" in {v.kernel for v in launched_variants(before)}
+    err = [float((x - want).norm() / want.norm()) for x in (ours, stock)]
+    assert err[0] <= 1.1 * err[1] + 1e-4, err

@@ -6,19 +6,30 @@ Ours, through transformers' own hub names (``kernelize`` binds them for ``use_ke
 the gated DeltaNet's decode functions ``fused_recurrent_gated_delta_rule`` (the cache's state
 updated in place) and ``causal_conv1d_update``, its prefill functions ``chunk_gated_delta_rule`` and
 ``causal_conv1d_fn``, and its output norm ``RMSNormGated`` (``layers/gated_delta.py``,
-``layers/norm.py``), each on a cuTile kernel, for the functions pinned below. Where other models'
+``layers/norm.py``), each on a cuTile kernel, for the functions pinned below; and the block's own
+forward (hub name ``Qwen3_5GatedDeltaNet``), the stock statements with its gates ``g`` and ``beta``
+on one kernel instead of eight launches. Where other models'
 copies compile to the same code they are taken too (transformers 5.22: the delta rules, conv
 functions and gated norms of Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid, the conv functions of
 Mamba-style models; benched on Qwen3.5 only). By code identity with other families: the MLP is Llama's
 code (``fused_gate_up`` by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s (hub name
 ``RMSNormZeroCentered``, the ``rms_norm_gemma`` kernel, q/k norms included). Not ours yet: the
-projections' split and the gates' elementwise math (``g``, ``beta``), the gated attention's output
-gate and its partial RoPE. flash-linear-attention is the anchor to beat (bench path ``stock+fla``).
+gated attention's output gate and its partial RoPE, the MLP block's residual add. Its own patch
+``qwen3_5_add_norm`` fuses the token mixer's residual add into ``post_attention_layernorm``.
+flash-linear-attention is the anchor to beat (bench path ``stock+fla``).
 """
 
 from __future__ import annotations
 
-from .._pins import Pin
+import functools
+
+from torch import nn
+
+from ...ops.norm import add_rms_norm_gemma
+from .._match import same_code
+from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
+from .._pins import TRANSFORMERS, Pin, holds
+from ..norm import _float_norm_eps, computes_gemma_rms_norm
 from . import Family
 
 _USE = "the gated DeltaNet hub layers (layers/gated_delta.py, layers/norm.py)"
@@ -31,12 +42,93 @@ FAMILY = Family(
           Pin("qwen3_5", "causal_conv1d_fn", "7ddda1f7a343e530", _USE),
           Pin("qwen3_5", "causal_conv1d_update", "2b276ec2aa0eccac", _USE),
           Pin("qwen3_5", "l2norm", "77030f67029093a9", _USE),
-          Pin("qwen3_5", "Qwen3_5RMSNormGated.forward", "97e83e4eb4774929", _USE)),
+          Pin("qwen3_5", "Qwen3_5RMSNormGated.forward", "97e83e4eb4774929", _USE),
+          Pin("qwen3_5", "Qwen3_5GatedDeltaNet.forward", "19465e347e2f257d",
+              "the gated DeltaNet hub layer (layers/gated_delta.py: its gates on one launch)"),
+          Pin("qwen3_5", "Qwen3_5DecoderLayer.forward", "3e22f5284a113a68",
+              "patch qwen3_5_add_norm (its fused decoder forward)")),
     presets=("qwen3.5-0.8b", "qwen3.5-27b"),
     covered="gated DeltaNet's delta rule (chunked prefill, recurrent decode), causal conv1d and its update, "
-            "and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) RMSNorms (hub "
-            "layer RMSNormZeroCentered)",
-    not_covered="the q/k/v/z/b/a projections' split and gates (g, beta), gated attention's output gate, "
-                "partial RoPE, GEMMs",
+            "its gates (g, beta) and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) "
+            "RMSNorms (hub layer RMSNormZeroCentered), the first of them fused with the residual add",
+    not_covered="gated attention's output gate, partial RoPE, the MLP block's residual add, GEMMs",
     default=True,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch qwen3_5_add_norm: the token mixer's residual add fused into post_attention_layernorm
+# ---------------------------------------------------------------------------------------------
+
+#: The pin (in :data:`FAMILY`) of the decoder forward :func:`fused_decoder_forward` reproduces.
+DECODER_PIN = "qwen3_5.Qwen3_5DecoderLayer.forward"
+
+
+@functools.lru_cache(maxsize=None)
+def decoder_verdict(cls: type) -> str | None:
+    """Why ``cls`` (a decoder layer class) does not take :func:`fused_decoder_forward`, or None if
+    it does: its forward must be ``Qwen3_5DecoderLayer.forward``'s code, still the pinned one."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    if not holds(DECODER_PIN):
+        return (f"this transformers' Qwen3_5DecoderLayer.forward is not the one the fused forward reproduces "
+                f"({TRANSFORMERS})")
+    if not same_code(getattr(cls, "forward", None), Qwen3_5DecoderLayer.forward):
+        return "its forward is not Qwen3_5DecoderLayer.forward's code"
+    return None
+
+
+def _decoder_verdict(m: nn.Module) -> str | None:
+    why = decoder_verdict(type(m))
+    if why is None and not computes_gemma_rms_norm(type(m.post_attention_layernorm)):
+        why = "its post_attention_layernorm is not the (1 + weight) RMSNorm (GemmaRMSNorm's code)"
+    return why
+
+
+def fused_decoder_forward(self, hidden_states, position_embeddings, attention_mask=None, position_ids=None,
+                          past_key_values=None, **kwargs):
+    """``Qwen3_5DecoderLayer.forward`` (5.22.2) with the token mixer's residual add fused into
+    ``post_attention_layernorm``: one ``add_rms_norm_gemma`` launch (the sum rounded to the
+    activations' dtype, as the stock add rounds it, then the stock norm's formula) instead of an add
+    and a norm. Same arguments and result. A post norm with hooks takes the stock lines."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    if self.block_type == "linear_attention":
+        hidden_states = self.linear_attn(hidden_states=hidden_states, cache_params=past_key_values,
+                                         attention_mask=attention_mask, **kwargs)
+    elif self.block_type == "full_attention":
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                          position_ids=position_ids, past_key_values=past_key_values,
+                                          position_embeddings=position_embeddings, **kwargs)
+    post = self.post_attention_layernorm
+    if _unhooked(post):
+        hidden_states, residual = add_rms_norm_gemma(hidden_states, residual, post.weight, _float_norm_eps(post), 1.0)
+    else:
+        residual = residual + hidden_states
+        hidden_states = post(residual)
+    hidden_states = self.mlp(hidden_states)
+    return residual + hidden_states
+
+
+def patch_qwen3_5_add_norm(model: nn.Module) -> int:
+    """Patch ``qwen3_5_add_norm``: bind :func:`fused_decoder_forward` to every decoder layer whose
+    class's forward is Qwen3.5's (pinned) and whose ``post_attention_layernorm`` computes the
+    ``(1 + weight)`` norm; others are left alone with a log line per class. The MLP block's add stays
+    a plain add (no hand-off to the next layer's norm, unlike Llama's ``decoder_add_rms_norm``).
+    Returns the layers newly patched."""
+    new = swap_forwards(model, "qwen3_5_add_norm", fused_decoder_forward,
+                        lambda m: all(hasattr(m, a) for a in ("block_type", "input_layernorm",
+                                                              "post_attention_layernorm", "mlp")),
+                        _decoder_verdict, "residual add fused into post_attention_layernorm in {n} {cls}")
+    return sum(new.values())
+
+
+def unpatch_qwen3_5_add_norm(model: nn.Module) -> int:
+    """Undo :func:`patch_qwen3_5_add_norm`: the class forward again. Returns the layers restored."""
+    return restore_forwards(model, "qwen3_5_add_norm", fused_decoder_forward, noun="layers")
+
+
+#: This module's patch row (gathered by ``layers/_registry.py``).
+PATCH_ROWS = [Patch("qwen3_5_add_norm", apply=patch_qwen3_5_add_norm, undo=unpatch_qwen3_5_add_norm,
+                    description="Qwen3.5 decoder layers' residual add fused into their (1 + weight) "
+                                "post_attention_layernorm")]

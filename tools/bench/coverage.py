@@ -37,10 +37,23 @@ def amdahl(f: float, s: float) -> float:
     return 1.0 / (1.0 - f + f / s)
 
 
+#: Kernel-name marks, for kernels whose launching op is unknown: a kernel replayed from a CUDA graph
+#: was launched by the graph, not by an aten op (cuBLAS's nvjet / cutlass GEMMs, attention kernels).
+_CLASS_BY_NAME = (
+    ("gemm", ("nvjet", "gemm", "cutlass", "cublas", "xmma")),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+)
+
+
 def kernel_class(name: str, op: str | None, ours: set[str]) -> str:
+    """The breakdown class of kernel ``name`` launched by aten op ``op`` (None when unknown: then
+    the kernel's name decides, as for kernels replayed from a CUDA graph)."""
     if name in ours:
         return "ours"
-    text = (op or "").lower()
+    if not op:
+        low = name.lower()
+        return next((cls for cls, keys in _CLASS_BY_NAME if any(k in low for k in keys)), "elementwise / other")
+    text = op.lower()
     for cls, keys in _CLASS_BY_OP:
         if any(k.lower() in text for k in keys):
             return cls

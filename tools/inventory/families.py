@@ -445,7 +445,7 @@ def _kv_append() -> Entry:
 
 
 # ---------------------------------------------------------------------------------------------
-# gated DeltaNet (Qwen3.5): the gated delta rule, the causal conv1d and its update, the gated norm
+# gated DeltaNet (Qwen3.5): the gated delta rule, its gates, the causal conv1d and its update, the gated norm
 # ---------------------------------------------------------------------------------------------
 
 QWEN3_5 = "src/transformers/models/qwen3_5/modeling_qwen3_5.py"
@@ -558,7 +558,27 @@ def _gated_deltanet() -> list[Entry]:
                                    imports=("import torch", "import torch.nn.functional as F")),
         tags=tagged("norm", norm_src),
         description="Gated DeltaNet's output norm (hub name RMSNormGated).")
-    rows = {n: [] for n in ("rule", "conv", "update", "gated")}
+    gates_src = f"{QWEN3_5}::Qwen3_5GatedDeltaNet.forward"
+    per_head = ["num_tokens", "num_heads"]
+    gate_defn = Definition(
+        name="gated_delta_gates", op_type="gated_delta_gates",
+        axes={"num_tokens": AxisVar(description="batch x tokens, flattened"),
+              "num_heads": AxisVar(description="config.linear_num_value_heads")},
+        inputs={"a": spec(per_head, "the in_proj_a output (decay pre-activation)"),
+                "b": spec(per_head, "the in_proj_b output (write-strength pre-activation)"),
+                "a_log": spec(["num_heads"], "the module's A_log"),
+                "dt_bias": spec(["num_heads"], "the module's dt_bias")},
+        outputs={"g": spec(per_head, "-exp(A_log) * softplus(a + dt_bias)", "float32"),
+                 "beta": spec(per_head, "sigmoid(b)")},
+        reference=reference_source([delta_ops.gated_delta_gates_reference], ["a", "b", "a_log", "dt_bias"],
+                                   "return gated_delta_gates_reference(a, b, a_log, dt_bias)",
+                                   _header(gates_src, "its two gate lines: beta = b.sigmoid(), "
+                                           "g = -A_log.float().exp() * F.softplus(a.float() + dt_bias).",
+                                           "cutile_kernels.ops.gated_delta"),
+                                   imports=("import torch", "import torch.nn.functional as F")),
+        tags=tagged("gated_delta", gates_src),
+        description="Gated DeltaNet's gates g and beta from its a and b projections, in one launch.")
+    rows = {n: [] for n in ("rule", "conv", "update", "gated", "gates")}
     for preset in DELTANET_PRESETS:
         m = deltanet_shapes(preset)
         for phase, (batch, seq) in PHASES.items():
@@ -567,6 +587,8 @@ def _gated_deltanet() -> list[Entry]:
                                          inputs=_inputs(rule), uuid=f"{preset}/{phase}"))
             rows["gated"].append(Workload(axes={"num_tokens": batch * seq * m["heads"], "head_v_dim": m["dv"]},
                                           inputs=_inputs(gated, eps=1e-6), uuid=f"{preset}/{phase}"))
+            rows["gates"].append(Workload(axes={"num_tokens": batch * seq, "num_heads": m["heads"]},
+                                          inputs=_inputs(gate_defn), uuid=f"{preset}/{phase}"))
             if seq == 1:
                 rows["update"].append(Workload(axes={"batch": batch, "channels": m["channels"],
                                                      "kernel_size": m["kernel"]},
@@ -590,6 +612,7 @@ def _gated_deltanet() -> list[Entry]:
               [SolutionSpec("causal_conv1d_update", "causal_conv1d_update",
                             body="state = state.clone()\nreturn _op(x, state, weight), state\n")]),
         Entry("norm", gated, rows["gated"], [SolutionSpec("rms_norm_gated", "rms_norm_gated")]),
+        Entry("gated_delta", gate_defn, rows["gates"], [SolutionSpec("gated_delta_gates", "gated_delta_gates")]),
     ]
 
 

@@ -20,10 +20,12 @@ from .ops import attention, attention_reference, gelu_tanh_and_mul_fused, gelu_t
 from .ops import apply_rope, apply_rope_reference, rope_cos_sin, rope_cos_sin_reference
 from .ops import kv_append, kv_append_reference, qk_norm_rope, qk_norm_rope_reference
 from .ops import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update, causal_conv1d_update_reference,
-                  gated_delta_rule, gated_delta_rule_reference, rms_norm_gated, rms_norm_gated_reference)
+                  gated_delta_gates, gated_delta_gates_reference, gated_delta_rule, gated_delta_rule_reference,
+                  rms_norm_gated, rms_norm_gated_reference)
 from .ops._dtypes import UnsupportedDtypeError
 from .layers.patch import patch, unpatch
-from .ops import (add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_gemma, rms_norm_gemma_reference,
+from .ops import (add_rms_norm, add_rms_norm_gemma, add_rms_norm_gemma_reference, add_rms_norm_reference, rms_norm,
+                  rms_norm_gemma, rms_norm_gemma_reference,
                   rms_norm_reference, silu, silu_and_mul,
                   silu_and_mul_fused, silu_and_mul_fused_reference, silu_and_mul_reference, silu_reference)
 
@@ -34,6 +36,8 @@ __all__ = [
     "FallbackError",
     "UnsupportedDtypeError",
     "add_rms_norm",
+    "add_rms_norm_gemma",
+    "add_rms_norm_gemma_reference",
     "apply_rope",
     "apply_rope_reference",
     "attention",
@@ -46,6 +50,8 @@ __all__ = [
     "disable_decode_graphs",
     "dispatch",
     "enable_decode_graphs",
+    "gated_delta_gates",
+    "gated_delta_gates_reference",
     "gated_delta_rule",
     "gated_delta_rule_reference",
     "gelu_tanh_and_mul_fused",

@@ -11,17 +11,21 @@ sequences the chunked pair (prefill): ``gated_delta_prepare`` computes every chu
 in parallel into float32 work buffers, ``gated_delta_scan`` walks the chunks with the state. Both
 paths read the recurrent state from ``state`` and leave the final state in it (in place: a decode
 step updates the cache's state, and a CUDA graph replays on the same memory).
+
+:func:`gated_delta_gates` computes the rule's two gates, ``g`` and ``beta``, from the model's ``a``
+and ``b`` projections in one launch (Qwen3.5's forward computes them in eight).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import dispatch
 from ._dtypes import check_float
 from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.gated_delta import CHUNK, CHUNK_DTYPES, KEY_DIMS
+from ..kernel_src.gated_delta import CHUNK, CHUNK_DTYPES, GATE_HEADS, KEY_DIMS
 
 #: Sequences up to this many tokens take the token-by-token kernel, longer ones the chunked pair.
 RECURRENT_MAX_LEN = 16
@@ -165,3 +169,105 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     _check(q, k, v, g, beta, state, o, scale)
     _gated_delta.call_checked(q, k, v, g, beta, state, o, scale)
     return o
+
+
+# ---------------------------------------------------------------------------------------------
+# The gates: g and beta from the a and b projections
+# ---------------------------------------------------------------------------------------------
+
+def gated_delta_gates_reference(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two gate lines of ``Qwen3_5GatedDeltaNet.forward`` (transformers v5.22.2), as written
+    there: ``beta = b.sigmoid()`` and ``g = -A_log.float().exp() * F.softplus(a.float() +
+    dt_bias)`` (Mamba-2's discretised decay, Dao & Gu 2024, arXiv:2405.21060). Shapes as
+    :func:`gated_delta_gates`; returns ``(g, beta)``."""
+    beta = b.sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
+
+
+def gates_unsupported(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> str | None:
+    """Why the gates kernel does not take these inputs (None if it does): dtypes, heads, devices."""
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        return f"dtypes a {a.dtype}, b {b.dtype} (one of bf16/fp16/fp32 for both)"
+    if a_log.dtype != dt_bias.dtype or a_log.dtype not in (a.dtype, torch.float32):
+        return f"A_log {a_log.dtype} and dt_bias {dt_bias.dtype} (both {a.dtype} or both float32)"
+    if a.shape[-1] > GATE_HEADS[-1]:
+        return f"{a.shape[-1]} heads > {GATE_HEADS[-1]}"
+    if len({t.device for t in (a, b, a_log, dt_bias)}) != 1:
+        return "operands on several devices"
+    return None
+
+
+def _check_gates(a, b, a_log, dt_bias) -> None:
+    if a.dim() < 1 or b.shape != a.shape or a_log.shape != (a.shape[-1],) or dt_bias.shape != a_log.shape:
+        raise ValueError(f"gated_delta_gates: a {tuple(a.shape)} and b {tuple(b.shape)} must be one (..., H), "
+                         f"A_log {tuple(a_log.shape)} and dt_bias {tuple(dt_bias.shape)} (H,)")
+
+
+def _gates_outputs(a, b, a_log, dt_bias):
+    # The reference's dtypes: g in float32 (float64 with float64 parameters), beta in b's.
+    g = torch.empty(a.shape, dtype=torch.promote_types(torch.float32, dt_bias.dtype), device=a.device)
+    return g, torch.empty(b.shape, dtype=b.dtype, device=b.device)
+
+
+def _gates_rows(args: tuple) -> tuple:
+    # (..., H) activations and gates seen as (M, H) rows; the per-head parameters as they are.
+    a, b, a_log, dt_bias, g, beta = args
+    h = a.shape[-1]
+    return a.reshape(-1, h), b.reshape(-1, h), a_log, dt_bias, g.view(-1, h), beta.view(-1, h)
+
+
+def _gates_cuda(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g, beta = _gates_outputs(a, b, a_log, dt_bias)
+    if g.numel() == 0:
+        return g, beta
+    why = gates_unsupported(a, b, a_log, dt_bias)
+    if why is not None:
+        dispatch.fallback("gated_delta_gates", why)
+    else:
+        rows = g.numel() // g.shape[-1]
+        bh = max(GATE_HEADS[0], next_power_of_2(a.shape[-1]))
+        if dispatch.run("gated_delta_gates", (("BH", bh),), (a, b, a_log, dt_bias, g, beta), 4,
+                        lambda consts: (-(-rows // consts["ROWS"]), 1, 1), _gates_rows):
+            return g, beta
+    g_ref, beta_ref = gated_delta_gates_reference(a, b, a_log, dt_bias)
+    return g.copy_(g_ref), beta.copy_(beta_ref)
+
+
+def _gates_fake(a, b, a_log, dt_bias):
+    return _gates_outputs(a, b, a_log, dt_bias)
+
+
+_gates = define_op("gated_delta_gates", _gates_cuda, reference=gated_delta_gates_reference, fake=_gates_fake,
+                   check=_check_gates, backward=None)
+
+
+def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                      dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gates from its projections, in one launch (Qwen3.5's formula).
+
+    Args:
+        a: ``(..., H)`` the ``in_proj_a`` output (decay pre-activation), one value per value head;
+            bfloat16, float16 or float32, any strides.
+        b: ``(..., H)`` the ``in_proj_b`` output (write-strength pre-activation), a's dtype.
+        a_log: ``(H,)`` the module's ``A_log`` (log of the decay rate A).
+        dt_bias: ``(H,)`` the module's ``dt_bias``, A_log's dtype.
+
+    Returns:
+        ``(g, beta)``: ``g`` ``(..., H)`` float32, ``-exp(A_log) * softplus(a + dt_bias)`` (the log
+        decay, <= 0); ``beta`` ``(..., H)`` in b's dtype, ``sigmoid(b)``. New contiguous tensors.
+
+    On CUDA one cuTile launch when a and b share a dtype of the three, A_log and dt_bias are both
+    that dtype or both float32, and H <= 128; otherwise :func:`gated_delta_gates_reference` (the
+    model's own lines), logging why once. On other devices the reference. No gradient.
+
+    Raises:
+        TypeError: a tensor is not floating point.
+        ValueError: the shapes do not match.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    check_float("gated_delta_gates", "a, b, a_log, dt_bias", a, b, a_log, dt_bias)
+    _check_gates(a, b, a_log, dt_bias)
+    return _gates.call_checked(a, b, a_log, dt_bias)

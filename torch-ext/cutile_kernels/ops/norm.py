@@ -50,6 +50,14 @@ def rms_norm_gemma_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     return (h * (offset + weight.float())).to(x.dtype)
 
 
+def add_rms_norm_gemma_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (the decoder layer's residual add), then ``(rms_norm_gemma(s), s)``:
+    Qwen3.5's ``residual + hidden_states`` and ``post_attention_layernorm`` (v5.22.2)."""
+    s = x + residual
+    return rms_norm_gemma_reference(s, weight, eps, offset), s
+
+
 def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm exactly as transformers' ``Qwen3_5RMSNormGated.forward`` computes it (v5.22.2;
     hub name ``RMSNormGated``): :func:`rms_norm_reference`, then times ``silu(gate.float())``,
@@ -158,6 +166,28 @@ def _rms_norm_gemma_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offs
     return rms_norm_gemma_reference(x, weight, eps, offset).contiguous()
 
 
+def _check_add_rms_norm_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              offset: float) -> None:
+    _check_shapes(x, weight, "add_rms_norm_gemma")
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm_gemma: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+
+
+def _add_rms_norm_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 1:
+        y, s = _add_rms_norm_gemma_cuda(x.view(1, -1), residual.view(1, -1), weight, eps, offset)
+        return y.view_as(x), s.view_as(x)
+    y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    rows = y.numel() // x.shape[-1]
+    if y.numel() == 0 or dispatch.run("add_rms_norm_gemma", _want(x, rows),
+                                      (x, residual, weight, y, s, float(eps), float(offset)), 3, _grid(rows),
+                                      _rows_layout):
+        return y, s
+    return contiguous(add_rms_norm_gemma_reference(x, residual, weight, eps, offset))
+
+
 def _check_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     _check_shapes(x, weight, "rms_norm_gated")
     if gate.shape != x.shape:
@@ -196,6 +226,11 @@ def _add_rms_norm_fake(x, residual, weight, eps):
     return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, s_dtype)), x.new_empty(x.shape, dtype=s_dtype)
 
 
+def _add_rms_norm_gemma_fake(x, residual, weight, eps, offset):
+    s_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return x.new_empty(x.shape, dtype=s_dtype), x.new_empty(x.shape, dtype=s_dtype)
+
+
 _rms_norm = define_op("rms_norm", _rms_norm_cuda, reference=rms_norm_reference, fake=_rms_norm_fake,
                       check=_check_rms_norm)
 _rms_norm_gemma = define_op("rms_norm_gemma", _rms_norm_gemma_cuda, reference=rms_norm_gemma_reference,
@@ -204,6 +239,8 @@ _rms_norm_gated = define_op("rms_norm_gated", _rms_norm_gated_cuda, reference=rm
                             fake=_rms_norm_gated_fake, check=_check_rms_norm_gated)
 _add_rms_norm = define_op("add_rms_norm", _add_rms_norm_cuda, reference=add_rms_norm_reference,
                           fake=_add_rms_norm_fake, check=_check_add_rms_norm)
+_add_rms_norm_gemma = define_op("add_rms_norm_gemma", _add_rms_norm_gemma_cuda, reference=add_rms_norm_gemma_reference,
+                                fake=_add_rms_norm_gemma_fake, check=_check_add_rms_norm_gemma)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -281,6 +318,26 @@ def rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, off
     """
     check_float("rms_norm_gemma", "x, weight", x, weight)
     return _rms_norm_gemma(x, weight, float(eps), float(offset))
+
+
+def add_rms_norm_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       offset: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm in Gemma's rounding order: ``s = x + residual``; returns
+    ``(rms_norm_gemma(s, weight, eps, offset), s)``.
+
+    ``s`` is rounded to the input dtype before it is normalised, as the decoder layer's separate
+    add does (Qwen3.5's ``hidden_states = residual + hidden_states`` then its ``(1 + weight)``
+    ``post_attention_layernorm``). Shapes, dtypes and ``offset`` as :func:`rms_norm_gemma`, with
+    ``residual`` shaped like ``x``; both outputs are new contiguous tensors of x's dtype.
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        ValueError: mismatched shapes.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("add_rms_norm_gemma", "x, residual, weight", x, residual, weight)
+    return _add_rms_norm_gemma(x, residual, weight, float(eps), float(offset))
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
