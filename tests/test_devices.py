@@ -10,6 +10,7 @@ import contextlib
 import pytest
 import torch
 
+import cutile_kernels
 from cutile_kernels import dispatch, launcher
 from cutile_kernels.cubin import ArgPacker, param_info
 
@@ -74,6 +75,48 @@ def test_operands_on_two_devices_never_reach_a_kernel(two_fake_gpus):
     with pytest.raises(dispatch.FallbackError, match="operands on several devices"):
         _run_rms_norm((x, w, out, eps))
     assert not [e for e in two_fake_gpus if e[0] == "launch"]
+
+
+@pytest.fixture
+def dtensors():
+    """An RMSNorm's x ``(4, 1024)`` and weight as plain tensors and as DTensors replicated over a
+    one-process CPU device mesh (gloo), as tensor parallelism makes them (issue 19, item 2). Made
+    before ``two_fake_gpus`` pretends every tensor is on a GPU (list this fixture first)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    x, w = torch.randn(4, 1024, dtype=torch.bfloat16), torch.randn(1024, dtype=torch.bfloat16)
+    try:
+        yield x, w, distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(w, mesh, [Replicate()])
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def test_a_dtensor_operand_never_reaches_a_kernel(dtensors, two_fake_gpus, monkeypatch, caplog):
+    """A DTensor's shape is the global one and its data a shard: the op refuses it with one log line
+    (an error under strict mode), launches nothing, and its reference computes on the DTensors
+    (their own dispatch: the stock result); a plain call after it still launches."""
+    x, w, dx, dw = dtensors
+    out = torch.empty_like(x)
+    with pytest.raises(dispatch.FallbackError, match="DTensor operand"):
+        _run_rms_norm((dx, w, out, 1e-6))
+    monkeypatch.delenv(dispatch.ENV_STRICT)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        got = cutile_kernels.rms_norm(dx, dw, 1e-6)
+        again = cutile_kernels.rms_norm(dx, dw, 1e-6)
+    assert caplog.text.count("DTensor operand") == 1
+    assert type(got).__name__ == "DTensor" and torch.equal(again.full_tensor(), got.full_tensor())
+    assert torch.equal(got.full_tensor(), cutile_kernels.rms_norm_reference(x, w, 1e-6))
+    assert not [e for e in two_fake_gpus if e[0] == "launch"]
+    assert _run_rms_norm(_rms_args(0)) and [e[0] for e in two_fake_gpus if e[0] == "launch"] == ["launch"]
 
 
 class _FakeDriver:

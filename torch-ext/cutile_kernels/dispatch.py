@@ -181,17 +181,34 @@ _PLANS: dict = {}
 _MAX_PLANS = 4096
 
 
+#: The tensor classes a kernel takes: plain tensors and parameters. A subclass (tensor parallelism's
+#: ``DTensor``, whose shape is the global one and whose data is a shard) must never reach a launch.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class _SubclassOperand(Exception):
+    """An operand of :func:`run` is a tensor subclass (its class is the argument)."""
+
+
 def _signature(kernel: str, want: tuple, layout, args) -> tuple:
     """The plan cache key of a call: kernel, wanted constants, layout function, then per tensor
     argument its dtype, shape, strides, base address mod 16 and device index, per scalar its type
     (flat: one tuple is cheaper to build than one per tensor; a dtype never equals a type, so the
-    fields cannot shift). The device index of ``args[0]`` (always a tensor) is ``key[7]``."""
+    fields cannot shift). The device index of ``args[0]`` (always a tensor) is ``key[7]``.
+
+    Raises:
+        _SubclassOperand: a tensor argument is a subclass (e.g. a ``DTensor``), before its data
+            pointer is read.
+    """
     key = [kernel, want, layout]
     for a in args:
-        if isinstance(a, torch.Tensor):
+        cls = a.__class__
+        if cls is _PLAIN_TENSORS[0] or cls is _PLAIN_TENSORS[1]:
             key += (a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device())
+        elif isinstance(a, torch.Tensor):
+            raise _SubclassOperand(cls)
         else:
-            key.append(type(a))
+            key.append(cls)
     return tuple(key)
 
 
@@ -262,7 +279,9 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
             kernel would write and the caller never see) makes the call fall back.
 
     Returns:
-        True if a cuTile kernel (prebuilt or JIT) was launched.
+        True if a cuTile kernel (prebuilt or JIT) was launched; False (with the reason logged once)
+        for no fitting variant, operands on several devices, or an operand that is a tensor
+        subclass (tensor parallelism's ``DTensor``: its data pointer is a shard's).
 
     Raises:
         FallbackError: no cuTile path and ``CUTILE_KERNELS_STRICT=1``.
@@ -270,7 +289,11 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
     """
     if disabled():
         return fallback(kernel, f"disabled by {ENV_DISABLE}")
-    key = _signature(kernel, want, layout, args)
+    try:
+        key = _signature(kernel, want, layout, args)
+    except _SubclassOperand as exc:
+        return fallback(kernel, f"a {exc.args[0].__name__} operand (e.g. tensor parallelism's DTensor, whose data is "
+                                "a shard of a global shape): the kernels take plain tensors")
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_for(kernel, want, args, n_inputs, grid, layout, key[7])
