@@ -60,14 +60,16 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor, key_states: torch.Tensor,
-           value_states: torch.Tensor, attention_mask, past_key_values, kwargs: dict, window: dict):
+           value_states: torch.Tensor, attention_mask, past_key_values, kwargs: dict, window: dict,
+           gate: torch.Tensor | None = None):
     """The tail of transformers' Llama-style attention forward after RoPE, as the reproduced forwards
-    (``qkv``, ``qwen3``, ``phi3``) run it: the KV cache update, the attention function the config
-    names (``glob``: the class's modeling module, read as its forward reads it), then ``o_proj``
-    through :func:`linear`. ``window`` is the ``sliding_window`` keyword as the stock forward passes
-    it (``{}`` where it passes none). With our attention over a static cache layer, the layer's
-    filled length goes along (:func:`.attention.static_kv_length`). Returns ``(attn_output (B, S,
-    hidden), attn_weights)``."""
+    (``qkv``, ``qwen3``, ``phi3``, ``qwen3_5``) run it: the KV cache update, the attention function
+    the config names (``glob``: the class's modeling module, read as its forward reads it), then
+    ``o_proj`` through :func:`linear`. ``window`` is the ``sliding_window`` keyword as the stock
+    forward passes it (``{}`` where it passes none). ``gate`` ``(B, S, heads * head_dim)``: the
+    output gate of gated attention (Qwen3.5's ``attn_output * torch.sigmoid(gate)`` before
+    ``o_proj``). With our attention over a static cache layer, the layer's filled length goes along
+    (:func:`.attention.static_kv_length`). Returns ``(attn_output (B, S, hidden), attn_weights)``."""
     length = {}
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
@@ -82,4 +84,6 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
         **length,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)
     return linear(self.o_proj, attn_output), attn_weights

@@ -31,6 +31,7 @@ CLAIMS = {
     "fused_gate_up_geglu": {"gemma", "gemma2", "gemma3_text"},  # LlamaMLP's code with GELUTanh
     "phi3_rope": {"phi3"},
     "qwen3_5_add_norm": {"qwen3_5_text"},  # Qwen3_5DecoderLayer's code
+    "qwen3_5_rope": {"qwen3_5_text"},  # Qwen3_5Attention's code
 }
 
 

@@ -13,9 +13,10 @@ copies compile to the same code they are taken too (transformers 5.22: the delta
 functions and gated norms of Qwen3.5-MoE, Qwen3-Next and OLMo-hybrid, the conv functions of
 Mamba-style models; benched on Qwen3.5 only). By code identity with other families: the MLP is Llama's
 code (``fused_gate_up`` by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s (hub name
-``RMSNormZeroCentered``, the ``rms_norm_gemma`` kernel, q/k norms included). Not ours yet: the
-gated attention's output gate and its partial RoPE, the MLP block's residual add. Its own patch
-``qwen3_5_add_norm`` fuses the token mixer's residual add into ``post_attention_layernorm``.
+``RMSNormZeroCentered``, the ``rms_norm_gemma`` kernel, q/k norms included). Its own patches:
+``qwen3_5_add_norm`` fuses the token mixer's residual add into ``post_attention_layernorm``; the
+opt-in ``qwen3_5_rope`` runs the gated attention's partial RoPE of q and k on one ``rope`` launch
+(not benched yet). Not ours yet: the attention's output gate, the MLP block's residual add.
 flash-linear-attention is the anchor to beat (bench path ``stock+fla``).
 """
 
@@ -23,9 +24,12 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
 from ...ops.norm import add_rms_norm_gemma
+from ...ops.rope import apply_rope
+from .._direct import attend, linear
 from .._match import same_code
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
 from .._pins import TRANSFORMERS, Pin, holds
@@ -46,12 +50,15 @@ FAMILY = Family(
           Pin("qwen3_5", "Qwen3_5GatedDeltaNet.forward", "19465e347e2f257d",
               "the gated DeltaNet hub layer (layers/gated_delta.py: its gates on one launch)"),
           Pin("qwen3_5", "Qwen3_5DecoderLayer.forward", "3e22f5284a113a68",
-              "patch qwen3_5_add_norm (its fused decoder forward)")),
+              "patch qwen3_5_add_norm (its fused decoder forward)"),
+          Pin("qwen3_5", "Qwen3_5Attention.forward", "475c60b3e5e177fb", "patch qwen3_5_rope (its attention forward)"),
+          Pin("qwen3_5", "apply_rotary_pos_emb", "f01c1a539cf87fe4", "patch qwen3_5_rope (rope kernel, partial rotary)")),
     presets=("qwen3.5-0.8b", "qwen3.5-27b"),
     covered="gated DeltaNet's delta rule (chunked prefill, recurrent decode), causal conv1d and its update, "
             "its gates (g, beta) and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) "
             "RMSNorms (hub layer RMSNormZeroCentered), the first of them fused with the residual add",
-    not_covered="gated attention's output gate, partial RoPE, the MLP block's residual add, GEMMs",
+    not_covered="gated attention's output gate, partial RoPE (opt-in patch qwen3_5_rope), the MLP block's "
+                "residual add, GEMMs",
     default=True,
 )
 
@@ -128,7 +135,81 @@ def unpatch_qwen3_5_add_norm(model: nn.Module) -> int:
     return restore_forwards(model, "qwen3_5_add_norm", fused_decoder_forward, noun="layers")
 
 
-#: This module's patch row (gathered by ``layers/_registry.py``).
+# ---------------------------------------------------------------------------------------------
+# Patch qwen3_5_rope (opt-in): gated attention's partial RoPE of q and k on one launch
+# ---------------------------------------------------------------------------------------------
+
+#: The pins (in :data:`FAMILY`) of the attention forward and the RoPE :func:`rope_attention_forward`
+#: reproduces.
+ATTN_PIN = "qwen3_5.Qwen3_5Attention.forward"
+ROPE_PIN = "qwen3_5.apply_rotary_pos_emb"
+
+
+@functools.lru_cache(maxsize=None)
+def attention_verdict(cls: type) -> str | None:
+    """Why attention class ``cls`` does not take :func:`rope_attention_forward`, or None if it does:
+    its forward must be ``Qwen3_5Attention.forward``'s code calling Qwen3.5's partial-rotary
+    ``apply_rotary_pos_emb`` (with Llama's ``rotate_half``), both still the pinned statements."""
+    from transformers.models.llama.modeling_llama import rotate_half
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    if not (holds(ATTN_PIN) and holds(ROPE_PIN)):
+        return (f"this transformers' Qwen3_5Attention / apply_rotary_pos_emb is not the one reproduced "
+                f"({TRANSFORMERS})")
+    fwd = getattr(cls, "forward", None)
+    if not same_code(fwd, modeling_qwen3_5.Qwen3_5Attention.forward):
+        return "its forward is not Qwen3_5Attention.forward's code"
+    rope = fwd.__globals__.get("apply_rotary_pos_emb")
+    if not (same_code(rope, modeling_qwen3_5.apply_rotary_pos_emb)
+            and same_code(getattr(rope, "__globals__", {}).get("rotate_half"), rotate_half)):
+        return "the apply_rotary_pos_emb it calls is not Qwen3.5's partial-rotary formula"
+    return None
+
+
+def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                           **kwargs):
+    """``Qwen3_5Attention.forward`` (5.22.2) with ``apply_rotary_pos_emb`` as one ``apply_rope``
+    launch for q and k (partial rotary: the first ``cos.shape[-1]`` elements of each head rotate,
+    the rest pass through), instead of about twelve. The q/k norms (their modules: our hub layer
+    ``RMSNormZeroCentered`` where kernelized), the output gate and the rest are the stock lines.
+    Same arguments and result."""
+    glob = type(self).forward.__globals__  # the class's modeling module: its attention registry and eager path
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states, gate = torch.chunk(linear(self.q_proj, hidden_states).view(*input_shape, -1, self.head_dim * 2),
+                                     2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+    key_states = self.k_norm(linear(self.k_proj, hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rope(query_states, key_states, cos, sin)
+    return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
+                  kwargs, {}, gate=gate)
+
+
+def patch_qwen3_5_rope(model: nn.Module) -> int:
+    """Patch ``qwen3_5_rope``: bind :func:`rope_attention_forward` to every attention module whose
+    class passes :func:`attention_verdict`. Returns the modules newly patched."""
+    new = swap_forwards(model, "qwen3_5_rope", rope_attention_forward,
+                        lambda m: all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm")),
+                        lambda m: attention_verdict(type(m)),
+                        "partial RoPE of q and k of {n} {cls} on one cuTile launch")
+    return sum(new.values())
+
+
+def unpatch_qwen3_5_rope(model: nn.Module) -> int:
+    """Undo :func:`patch_qwen3_5_rope`. Returns the modules restored."""
+    return restore_forwards(model, "qwen3_5_rope", rope_attention_forward)
+
+
+#: This module's patch rows (gathered by ``layers/_registry.py``). ``qwen3_5_add_norm`` is a default
+#: since the H200 bench of 2026-12-02 (docs/results.md, fifth session); ``qwen3_5_rope`` is opt-in
+#: until a bench times it (its kernel is the ``rope`` kernel that Phi-3's partial RoPE runs by default).
 PATCH_ROWS = [Patch("qwen3_5_add_norm", apply=patch_qwen3_5_add_norm, undo=unpatch_qwen3_5_add_norm,
                     description="Qwen3.5 decoder layers' residual add fused into their (1 + weight) "
-                                "post_attention_layernorm")]
+                                "post_attention_layernorm"),
+              Patch("qwen3_5_rope", apply=patch_qwen3_5_rope, undo=unpatch_qwen3_5_rope, default=False,
+                    description="Qwen3.5 gated attention's partial RoPE of q and k in one cuTile launch")]

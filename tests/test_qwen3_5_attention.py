@@ -1,0 +1,82 @@
+"""The Qwen3.5 family's opt-in patch ``qwen3_5_rope`` (layers/models/qwen3_5.py): gated attention's
+partial RoPE of q and k on one ``rope`` launch. CPU: stock logits exactly over a prefill and cached
+decode steps (the reference path), the op in a fullgraph compile, what is left alone, undo; GPU: as
+close to float32 as stock bf16, the kernel launched."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import cutile_kernels
+import families
+from cutile_kernels import dispatch
+from cutile_kernels.layers.models import qwen3_5 as fam
+
+pytest.importorskip("transformers")
+
+
+def _attention(model):
+    return [m for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"]
+
+
+def _prefill_and_step(model, ids):
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        first = model(ids, past_key_values=cache, use_cache=True).logits
+        return torch.cat([first, model(ids[:, :1], past_key_values=cache, use_cache=True).logits], 1)
+
+
+@pytest.mark.parametrize("partial", [0.25, 0.5, 1.0])
+def test_patch_keeps_stock_logits_runs_the_rope_op_and_undoes(partial):
+    model = families.model("qwen3_5_text", layers=4, partial_rotary_factor=partial)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+    want = _prefill_and_step(model, ids)
+    assert "qwen3_5_rope" not in cutile_kernels.patch(model).changed  # opt-in
+    n = len(_attention(model))
+    assert n and cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": n}
+    dispatch.reset_stats()
+    assert torch.equal(_prefill_and_step(model, ids), want)
+    assert dispatch.stats()["reference_calls"]["rope"] == 2 * n  # the prefill and the step
+    assert fam.unpatch_qwen3_5_rope(model) == n
+    assert not any("forward" in vars(m) for m in _attention(model))
+
+
+def test_other_attention_code_and_rope_are_left_alone(caplog, change_pin):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    assert fam.attention_verdict(Qwen3Attention) == "its forward is not Qwen3_5Attention.forward's code"
+    model = families.model("qwen3", layers=2)
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
+        assert cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": 0}
+    change_pin("qwen3_5.apply_rotary_pos_emb")
+    fam.attention_verdict.cache_clear()
+    try:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
+
+        assert "is not the one reproduced" in fam.attention_verdict(Qwen3_5Attention)
+    finally:
+        fam.attention_verdict.cache_clear()
+
+
+def test_patched_model_compiles_fullgraph_with_the_op():
+    model = families.model("qwen3_5_text", layers=4)
+    cutile_kernels.patch(model, names=["qwen3_5_rope"])
+    frames, targets, got, want = families.compile_fullgraph(model, seed=9)
+    assert frames == 1
+    assert any(t.endswith("rope.default") for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_patched_model_is_as_close_to_float32_as_stock(strict, stock_functions):
+    before = dispatch.stats()["launches"]
+    ours_rel, stock_rel, report = families.relative_errors_vs_float32("qwen3_5_text", ["qwen3_5_rope"], seq=41,
+                                                                      layers=4)
+    assert report.changed == {"qwen3_5_rope": 2}  # the tiny config alternates linear and full attention
+    assert any(k.startswith("rope_kernel") and n > before.get(k, 0) for k, n in dispatch.stats()["launches"].items())
+    assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
