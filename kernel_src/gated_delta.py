@@ -223,8 +223,9 @@ def gated_delta_gates_kernel(a, b, a_log, dt_bias, g, beta, ROWS: ct.Constant[in
     decay = ct.exp(ct.load(a_log, index=(0,), shape=(BH,), padding_mode=ZERO).astype(ct.float32))
     bias = ct.load(dt_bias, index=(0,), shape=(BH,), padding_mode=ZERO).astype(ct.float32)
     x = x + ct.reshape(bias, (1, BH))
-    # torch's softplus (beta 1, threshold 20).
-    softplus = ct.where(x > 20.0, x, _log1p(ct.exp(ct.minimum(x, 20.0))))
+    # torch's softplus (beta 1, threshold 20); the clamp keeps exp finite in the unselected lanes
+    # and a NaN a NaN (ct.minimum would drop it).
+    softplus = ct.where(x > 20.0, x, _log1p(ct.exp(ct.where(x > 20.0, 20.0, x))))
     ct.store(g, index=(bid, 0), tile=(-ct.reshape(decay, (1, BH)) * softplus).astype(g.dtype))
     ct.store(beta, index=(bid, 0), tile=ct.truediv(1.0, 1.0 + ct.exp(-z), rounding_mode=RN).astype(beta.dtype))
 
@@ -287,9 +288,10 @@ VARIANTS: list[VariantSpec] = [
     for layout in LAYOUTS for dtype in CHUNK_DTYPES for dk in KEY_DIMS for bt in CHUNKS
 ]
 
-#: Heads per gates tile (the value heads, padded: Qwen3.5-0.8B has 16, -27B 48, Qwen3-Next 32) and
-#: its tokens per block (about 1024 elements: the whole kernel moves a few bytes per token).
-GATE_HEADS = (16, 32, 64, 128)
+#: Heads per gates tile (the value heads, padded: Qwen3.5-0.8B has 16, -27B 48; a model's heads
+#: take the smallest that holds them, up to 128) and its tokens per block (about 1024 elements:
+#: the whole kernel moves a few bytes per token).
+GATE_HEADS = (16, 64, 128)
 GATE_ELEMENTS = 1024
 
 

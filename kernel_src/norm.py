@@ -255,6 +255,8 @@ ROWS = {
 ROWS[("rms_norm_gemma", "aligned")] = ROWS[("rms_norm", "aligned")]
 ROWS[("rms_norm_gemma", "generic")] = ROWS[("rms_norm", "generic")]
 # The fused Gemma-order add moves add_rms_norm's bytes: its tiles.
+#: Its single-tile widths: hidden sizes only (512 and up; Gemma's and Qwen3.5's residual streams).
+HIDDEN_BLOCK_NS = tuple(n for n in BLOCK_NS if n >= 512)
 ROWS[("add_rms_norm_gemma", "aligned")] = ROWS[("add_rms_norm", "aligned")]
 ROWS[("add_rms_norm_gemma", "generic")] = ROWS[("add_rms_norm", "generic")]
 CHUNKED_ROWS = 1
@@ -291,7 +293,7 @@ def _matrix() -> list[VariantSpec]:
                 d = DTYPE_TAGS[dtype]
                 rows = ROWS[(kind, layout)]
                 # Decode tiles (one row per block) where the prefill tile has more than one row.
-                widths = GATED_BLOCK_NS if kind == "rms_norm_gated" else BLOCK_NS
+                widths = {"rms_norm_gated": GATED_BLOCK_NS, "add_rms_norm_gemma": HIDDEN_BLOCK_NS}.get(kind, BLOCK_NS)
                 tiles = [(bn, rows[bn]) for bn in widths]
                 if dtype in DECODE_DTYPES:
                     tiles += [(bn, 1) for bn in widths if rows[bn] != 1]

@@ -179,12 +179,13 @@ def where(cond, x, y):
     return out
 
 
-def maximum(x, y, **_):
-    return np.maximum(x, y)
+def maximum(x, y, propagate_nan=False, **_):
+    # cuTile's default ignores a NaN operand (propagate_nan=False), as np.fmax does.
+    return np.maximum(x, y) if propagate_nan else np.fmax(x, y)
 
 
-def minimum(x, y, **_):
-    return np.minimum(x, y)
+def minimum(x, y, propagate_nan=False, **_):
+    return np.minimum(x, y) if propagate_nan else np.fmin(x, y)
 
 
 def max(x, axis=None, keepdims=False, **_):  # noqa: A001 - the cuTile name

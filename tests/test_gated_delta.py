@@ -191,11 +191,13 @@ def test_gated_norm_reference_is_transformers_and_emulated_kernel_matches():
 
 
 def _gate_inputs(M, H, dtype, param_dtype, device="cpu", seed=0):
-    """a and b (M, H) standard normal with the softplus edges in the first row (above the threshold
-    20, where exp underflows, where 1 + exp rounds to 1), A_log and dt_bias as Qwen3.5 draws them."""
+    """a and b (M, H), 4 x standard normal, with the softplus edges in the first row (above the
+    threshold 20, where exp underflows, where 1 + exp rounds to 1, a NaN), A_log and dt_bias as
+    Qwen3.5 draws them."""
     gen = torch.Generator().manual_seed(seed)
     a, b = 4 * torch.randn(M, H, generator=gen), 4 * torch.randn(M, H, generator=gen)
-    a[0, :6] = torch.tensor([25.0, 19.5, -30.0, -90.0, -16.0, 0.0])[:H]
+    a[0, :7] = torch.tensor([25.0, 19.5, -30.0, -90.0, -16.0, 0.0, float("nan")])[:H]
+    b[0, 6:7] = float("nan")  # a NaN stays a NaN in both gates, as in torch
     a_log = torch.empty(H).uniform_(0.01, 16, generator=gen).log()
     dt_bias = 0.5 * torch.randn(H, generator=gen)
     return (a.to(dtype).to(device), b.to(dtype).to(device), a_log.to(param_dtype).to(device),
@@ -226,15 +228,17 @@ def test_gates_reference_is_the_modules_lines_and_emulated_kernel_matches():
         assert [t.dtype for t in cutile_kernels.gated_delta_gates(a, b, m.A_log, m.dt_bias)] == [torch.float32, dtype]
     for M, H in ((1, 16), (70, 48), (300, 6)):
         a, b, a_log, dt_bias = (t.double() for t in _gate_inputs(M, H, torch.float32, torch.float32, seed=M))
-        bh = max(kgd.GATE_HEADS[0], 1 << (H - 1).bit_length())
+        bh = next(h for h in kgd.GATE_HEADS if h >= H)
         rows = kgd.GATE_ELEMENTS // bh
-        g = torch.full((M, H), float("nan"), dtype=torch.float64)
-        beta = torch.full((M, H), float("nan"), dtype=torch.float64)
+        # Poisoned with 7 (no g, which is <= 0, nor beta, in [0, 1], can be 7): unwritten fails.
+        g = torch.full((M, H), 7.0, dtype=torch.float64)
+        beta = torch.full((M, H), 7.0, dtype=torch.float64)
         emulate(kgd.gated_delta_gates_kernel, kgd)((-(-M // rows),), (a, b, a_log, dt_bias, g, beta, rows, bh))
         want_g, want_beta = _gates_float64(a, b, a_log, dt_bias)
         # The kernel computes in float32 (exp(-90) is a float32 subnormal: fewer mantissa bits).
-        torch.testing.assert_close(g, want_g, rtol=4e-6, atol=1e-37)
-        torch.testing.assert_close(beta, want_beta, rtol=4e-6, atol=0)
+        torch.testing.assert_close(g, want_g, rtol=4e-6, atol=1e-37, equal_nan=True)
+        torch.testing.assert_close(beta, want_beta, rtol=4e-6, atol=0, equal_nan=True)
+        assert (g.isnan() == want_g.isnan()).all() and g.isnan().sum() == (H > 6)
 
 
 def test_gates_check_shapes_and_say_what_the_kernel_does_not_take():
@@ -549,22 +553,23 @@ def test_gpu_gated_norm_matches_transformers(rows, dtype, strict):
                                          (torch.float16, torch.float16), (torch.float32, torch.float32)], ids=str)
 def test_gpu_gates_match_float64(M, H, dtype, param, strict, monkeypatch):
     """The gates kernel on Qwen3.5's head counts (16, 27B's 48 padded to 64), a decode row, a
-    partial last block, strided rows and softplus's edges, outputs NaN-poisoned: g within float32
-    rounding of float64, beta within one ulp of its dtype."""
+    partial last block, strided rows and softplus's edges (a NaN stays a NaN), outputs poisoned
+    with 7 (no gate can be 7): g within float32 rounding of float64, beta within one ulp of its
+    dtype."""
     from cutile_kernels.ops import gated_delta as ops
 
     allocate = ops._gates_outputs
-    monkeypatch.setattr(ops, "_gates_outputs", lambda *args: tuple(t.fill_(float("nan")) for t in allocate(*args)))
+    monkeypatch.setattr(ops, "_gates_outputs", lambda *args: tuple(t.fill_(7.0) for t in allocate(*args)))
     a, b, a_log, dt_bias = _gate_inputs(M, H, dtype, param, "cuda", seed=M + H)
     a = torch.cat([a, b], -1)[:, :H]  # rows strided as a slice of a wider projection
     g, beta = cutile_kernels.gated_delta_gates(a, b, a_log, dt_bias)
     torch.cuda.synchronize()
     want_g, want_beta = _gates_float64(a, b, a_log, dt_bias)
-    assert torch.isfinite(g).all() and torch.isfinite(beta).all()
     assert g.dtype == torch.float32 and beta.dtype == dtype
-    torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=1e-30)
+    assert (g.isnan() == want_g.isnan()).all() and (beta.isnan() == want_beta.isnan()).all()
+    torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=1e-30, equal_nan=True)
     ulp = {torch.float32: 2e-7, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-    torch.testing.assert_close(beta.double(), want_beta, rtol=ulp, atol=ulp)
+    torch.testing.assert_close(beta.double(), want_beta, rtol=ulp, atol=ulp, equal_nan=True)
 
 
 @pytest.mark.gpu

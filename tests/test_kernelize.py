@@ -164,13 +164,6 @@ def test_mapping_names_are_transformers_hub_names():
                               "causal_conv1d_update": "CutileCausalConv1dUpdate",
                               "Qwen3_5GatedDeltaNet": "CutileGatedDeltaNet"}
     assert getattr(layers, layers.MAPPING["RMSNorm"]) is CutileRMSNorm
-
-
-def test_gated_deltanet_layer_passes_kernels_validator():
-    from kernels.layer.layer import _validate_layer
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-
-    _validate_layer(check_cls=Qwen3_5GatedDeltaNet, cls=layers.CutileGatedDeltaNet, repo="cutile-kernels (test)")
     for norm_cls in (LlamaRMSNorm, Qwen3RMSNorm):
         assert norm_cls.kernel_layer_name == "RMSNorm"
     from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
@@ -181,11 +174,12 @@ def test_gated_deltanet_layer_passes_kernels_validator():
                     ("fused_recurrent_gated_delta_rule", q35.torch_recurrent_gated_delta_rule),
                     ("causal_conv1d_fn", q35.causal_conv1d_fn), ("causal_conv1d_update", q35.causal_conv1d_update)):
         assert type(fn).kernel_layer_name == hub
+    assert q35.Qwen3_5GatedDeltaNet.kernel_layer_name == "Qwen3_5GatedDeltaNet"
 
 
 def test_gated_deltanet_layers_pass_kernels_validation():
     """kernels checks a layer against the module it replaces (no state, the same forward
-    parameters): Qwen3.5's gated norm and the Func modules of its four hub functions."""
+    parameters): Qwen3.5's gated norm, the Func modules of its four hub functions and the block."""
     from kernels.layer.layer import _validate_layer
     from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 
@@ -193,7 +187,8 @@ def test_gated_deltanet_layers_pass_kernels_validation():
                            (type(q35.torch_chunk_gated_delta_rule), "chunk_gated_delta_rule"),
                            (type(q35.torch_recurrent_gated_delta_rule), "fused_recurrent_gated_delta_rule"),
                            (type(q35.causal_conv1d_fn), "causal_conv1d_fn"),
-                           (type(q35.causal_conv1d_update), "causal_conv1d_update")):
+                           (type(q35.causal_conv1d_update), "causal_conv1d_update"),
+                           (q35.Qwen3_5GatedDeltaNet, "Qwen3_5GatedDeltaNet")):
         _validate_layer(check_cls=replaced, cls=getattr(layers, layers.MAPPING[ours]), repo="cutile-kernels (test)")
 
 

@@ -324,7 +324,7 @@ def test_fused_add_reference_is_qwen3_5s_residual_add_then_norm(dtype):
         cutile_kernels.add_rms_norm_gemma(h, residual[:, :4], norm.weight)
 
 
-@pytest.mark.parametrize("rows,n,dtype", [(1, 64, torch.float32), (19, 1152, torch.float16), (300, 64, torch.float32),
+@pytest.mark.parametrize("rows,n,dtype", [(1, 512, torch.float32), (19, 1152, torch.float16), (300, 640, torch.float32),
                                           (5, 1000, torch.float16), (2, 12288, torch.float32)], ids=str)
 def test_emulated_fused_add_kernel_matches_float64(rows, n, dtype):
     x = (torch.randn(rows, 2 * n + 8) * 2)[:, :n].to(dtype)  # strided rows
@@ -350,8 +350,9 @@ def test_emulated_fused_add_kernel_matches_float64(rows, n, dtype):
 
 
 def test_build_matrix_has_every_fused_add_tile_and_the_offset_scalar():
+    # add_rms_norm's tiles for hidden sizes (512 and up) and its chunked rows.
     fused = [s for s in src.VARIANTS if s.kernel == "add_rms_norm_gemma"]
-    llama = [s for s in src.VARIANTS if s.kernel == "add_rms_norm"]
+    llama = [s for s in src.VARIANTS if s.kernel == "add_rms_norm" and s.constants.get("BLOCK_N", 512) >= 512]
     assert sorted(s.tag for s in fused) == sorted(s.tag for s in llama)
     for s in fused:
         assert [p.name for p in s.params if p.kind == "scalar"] == ["eps", "offset"]
@@ -359,19 +360,22 @@ def test_build_matrix_has_every_fused_add_tile_and_the_offset_scalar():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 1024, torch.bfloat16), (16, 1024, torch.bfloat16), (2048, 1024, torch.bfloat16),
-                                  (333, 5120, torch.float16), (65, 1000, torch.float32), (7, 12288, torch.bfloat16)],
+                                  (333, 5120, torch.float16), (65, 1000, torch.float32), (7, 12288, torch.bfloat16),
+                                  (5, 64, torch.bfloat16)],
                          ids=str)
 def test_gpu_fused_add_kernel_matches_float64(case, strict):
     """Qwen3.5-0.8B's and -27B's hidden sizes (1024, 5120), a decode row and batch, prefill rows, a
-    width off the tiles, a chunked width; both outputs NaN-poisoned first."""
+    width off the tiles, a chunked width, a tiny model's 64 in the narrowest tile; both outputs
+    NaN-poisoned first."""
     rows, hidden, dtype = case
     x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)
     residual = (torch.randn(rows, hidden, device="cuda") * 2).to(dtype)
     w = (0.3 * torch.randn(hidden, device="cuda")).to(dtype)
     y = torch.full((rows, hidden), float("nan"), dtype=dtype, device="cuda")
     s = torch.full_like(y, float("nan"))
-    assert norm_ops.dispatch.run("add_rms_norm_gemma", norm_ops._want(x, rows), (x, residual, w, y, s, 1e-6, 1.0), 3,
-                                 norm_ops._grid(rows), norm_ops._rows_layout)
+    args = (x, residual, w, y, s, 1e-6, 1.0)
+    assert norm_ops.dispatch.run("add_rms_norm_gemma", norm_ops._want_hidden(x, rows), args, 3, norm_ops._grid(rows),
+                                 norm_ops._rows_layout)
     torch.cuda.synchronize()
     assert torch.equal(s, x + residual)
     ref = _exact(s, w, 1e-6, 1.0)
@@ -444,3 +448,63 @@ def test_gpu_qwen3_5_decoder_patch_is_as_close_to_float32_as_stock(strict, stock
         assert "add_rms_norm_gemma" in {v.kernel for v in launched_variants(before)}
     err = [float((x - want).norm() / want.norm()) for x in (ours, stock)]
     assert err[0] <= 1.1 * err[1] + 1e-4, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_gemma_decoder_patch_keeps_stock_logits_and_undoes(model_type, dtype):
+    """The opt-in ``gemma_add_norm`` (CPU: the reference path) gives the stock logits bit for bit
+    over a prefill and a cached step, in float16 too (where Gemma's activations may overflow, NaN
+    exactly where stock has them); unpatch restores the class forward."""
+    from transformers import DynamicCache
+
+    from cutile_kernels.layers.models import gemma as fam
+
+    model = families.model(model_type, dtype=dtype)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            first = model(ids, past_key_values=cache, use_cache=True).logits
+            return torch.cat([first, model(ids[:, :1], past_key_values=cache, use_cache=True).logits], 1)
+
+    want = run()
+    layers = model.config.num_hidden_layers
+    assert "gemma_add_norm" not in cutile_kernels.patch(model).changed  # opt-in
+    assert cutile_kernels.patch(model, names=["gemma_add_norm"]).changed == {"gemma_add_norm": layers}
+    dispatch.reset_stats()
+    torch.testing.assert_close(run(), want, rtol=0, atol=0, equal_nan=True)
+    assert dispatch.stats()["reference_calls"]["add_rms_norm_gemma"] == 2 * layers
+    assert fam.unpatch_gemma_add_norm(model) == layers
+
+
+def test_gemma_decoder_patch_leaves_gemma1_and_other_norms_alone():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from cutile_kernels.layers.models import gemma as fam
+
+    assert fam.decoder_verdict(LlamaDecoderLayer) == "its forward is not Gemma3DecoderLayer.forward's code"
+    assert cutile_kernels.patch(families.model("gemma"), names=["gemma_add_norm"]).changed == {"gemma_add_norm": 0}
+    model = families.model("gemma3_text", layers=2)
+    layer = model.model.layers[0]
+    layer.pre_feedforward_layernorm = torch.nn.LayerNorm(layer.hidden_size)
+    assert "pre_feedforward_layernorm" in fam._decoder_verdict(layer)
+
+
+@pytest.mark.gpu
+def test_gpu_gemma_decoder_patch_is_as_close_to_float32_as_stock(strict):
+    before = dispatch.stats()["launches"]
+    ours, stock, report = families.relative_errors_vs_float32("gemma3_text", ["gemma_add_norm", "rms_norm_gemma"],
+                                                              seq=41)
+    assert report.changed["gemma_add_norm"] == 3
+    assert "add_rms_norm_gemma" in {v.kernel for v in launched_variants(before)}
+    assert ours <= 1.1 * stock + 1e-4, (ours, stock)
+
+
+def test_gemma_decoder_patch_compiles_fullgraph_with_the_fused_op():
+    model = families.model("gemma3_text", layers=2)
+    cutile_kernels.patch(model, names=["gemma_add_norm", "rms_norm_gemma"])
+    frames, targets, got, want = families.compile_fullgraph(model, seed=10)
+    assert frames == 1 and any(t.endswith("add_rms_norm_gemma.default") for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -228,7 +228,7 @@ def _gates_cuda(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
         dispatch.fallback("gated_delta_gates", why)
     else:
         rows = g.numel() // g.shape[-1]
-        bh = max(GATE_HEADS[0], next_power_of_2(a.shape[-1]))
+        bh = next(h for h in GATE_HEADS if h >= a.shape[-1])  # the smallest tile built that holds the heads
         if dispatch.run("gated_delta_gates", (("BH", bh),), (a, b, a_log, dt_bias, g, beta), 4,
                         lambda consts: (-(-rows // consts["ROWS"]), 1, 1), _gates_rows):
             return g, beta
@@ -241,7 +241,7 @@ def _gates_fake(a, b, a_log, dt_bias):
 
 
 _gates = define_op("gated_delta_gates", _gates_cuda, reference=gated_delta_gates_reference, fake=_gates_fake,
-                   check=_check_gates, backward=None)
+                   check=_check_gates)
 
 
 def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
@@ -261,7 +261,8 @@ def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
 
     On CUDA one cuTile launch when a and b share a dtype of the three, A_log and dt_bias are both
     that dtype or both float32, and H <= 128; otherwise :func:`gated_delta_gates_reference` (the
-    model's own lines), logging why once. On other devices the reference. No gradient.
+    model's own lines), logging why once. On other devices the reference. When an input requires
+    grad, the custom op ``<namespace>::gated_delta_gates`` with gradients from the reference.
 
     Raises:
         TypeError: a tensor is not floating point.

@@ -17,7 +17,7 @@ from .. import dispatch
 from ._dtypes import check_float
 from ._define import contiguous, define_op
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, GATED_BLOCK_NS, MAX_BLOCK_N
+from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, GATED_BLOCK_NS, HIDDEN_BLOCK_NS, MAX_BLOCK_N
 from ..registry import DECODE_TORCH_DTYPES
 
 MIN_BLOCK_N = min(BLOCK_NS)
@@ -85,6 +85,12 @@ def _want(x: torch.Tensor, rows: int) -> tuple:
     """The constants to ask for: the row width's tile; one row per block for a decode step's few
     rows (``DECODE_MAX_ROWS``) of a 16-bit dtype, whose prefill tile would be mostly padding."""
     return _tile(x.shape[-1], rows <= DECODE_MAX_ROWS and x.dtype in DECODE_TORCH_DTYPES)
+
+
+def _want_hidden(x: torch.Tensor, rows: int) -> tuple:
+    """:func:`_want` for ``add_rms_norm_gemma``, whose tiles start at 512 lanes (hidden sizes): a
+    narrower row (a tiny test model's) runs padded in the narrowest."""
+    return tuple(("BLOCK_N", max(v, HIDDEN_BLOCK_NS[0])) if k == "BLOCK_N" else (k, v) for k, v in _want(x, rows))
 
 
 def _grid(rows: int):
@@ -181,7 +187,7 @@ def _add_rms_norm_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: to
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     rows = y.numel() // x.shape[-1]
-    if y.numel() == 0 or dispatch.run("add_rms_norm_gemma", _want(x, rows),
+    if y.numel() == 0 or dispatch.run("add_rms_norm_gemma", _want_hidden(x, rows),
                                       (x, residual, weight, y, s, float(eps), float(offset)), 3, _grid(rows),
                                       _rows_layout):
         return y, s
@@ -328,7 +334,9 @@ def add_rms_norm_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     ``s`` is rounded to the input dtype before it is normalised, as the decoder layer's separate
     add does (Qwen3.5's ``hidden_states = residual + hidden_states`` then its ``(1 + weight)``
     ``post_attention_layernorm``). Shapes, dtypes and ``offset`` as :func:`rms_norm_gemma`, with
-    ``residual`` shaped like ``x``; both outputs are new contiguous tensors of x's dtype.
+    ``residual`` shaped like ``x`` (the kernel: of x's dtype; rows narrower than 512 run padded
+    in its narrowest tile); both outputs are new contiguous tensors of the dtype ``x + residual``
+    has.
 
     Raises:
         TypeError: a tensor is not bfloat16, float16, float32 or float64.
