@@ -37,7 +37,8 @@ FAMILY = Family(
     presets=("gemma-3-1b", "gemma-2-2b"),
     covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); opt-in "
             "(include=['fused_gate_up_geglu']): GeGLU on one fused gate/up GEMM",
-    not_covered="embedding scale, softcaps, attention (sdpa), the residual adds, GEMMs",
+    not_covered="embedding scale, softcaps, attention (sdpa), the residual adds (opt-in patch gemma_add_norm fuses "
+                "one per layer), GEMMs",
     default=True,
 )
 
