@@ -68,6 +68,17 @@ def model(model_type: str, dtype=torch.float32, layers: int = 3, attn: str | Non
     return m.to(dtype).eval()
 
 
+def prefill_and_step(model, ids):
+    """Logits of a prefill of ``ids`` (B, S) over a DynamicCache and of one cached decode step (the
+    first token again), concatenated along the sequence: (B, S + 1, vocab)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        first = model(ids, past_key_values=cache, use_cache=True).logits
+        return torch.cat([first, model(ids[:, :1], past_key_values=cache, use_cache=True).logits], 1)
+
+
 def compile_fullgraph(model, seed: int = 6):
     """Compile ``model`` with ``fullgraph=True`` (aot_eager) on a seeded (1, 7) prompt. Returns
     (frames dynamo compiled, the call targets of the graphs as strings, compiled logits, eager logits)."""

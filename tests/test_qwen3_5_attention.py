@@ -22,25 +22,16 @@ def _attention(model):
     return [m for m in model.modules() if type(m).__name__ == "Qwen3_5Attention"]
 
 
-def _prefill_and_step(model, ids):
-    from transformers import DynamicCache
-
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        first = model(ids, past_key_values=cache, use_cache=True).logits
-        return torch.cat([first, model(ids[:, :1], past_key_values=cache, use_cache=True).logits], 1)
-
-
 @pytest.mark.parametrize("partial", [0.25, 0.5, 1.0])
 def test_patch_keeps_stock_logits_runs_the_rope_op_and_undoes(partial):
     model = families.model("qwen3_5_text", layers=4, partial_rotary_factor=partial)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
-    want = _prefill_and_step(model, ids)
+    want = families.prefill_and_step(model, ids)
     assert "qwen3_5_rope" not in cutile_kernels.patch(model).changed  # opt-in
     n = len(_attention(model))
     assert n and cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": n}
     dispatch.reset_stats()
-    assert torch.equal(_prefill_and_step(model, ids), want)
+    assert torch.equal(families.prefill_and_step(model, ids), want)
     assert dispatch.stats()["reference_calls"]["rope"] == 2 * n  # the prefill and the step
     assert fam.unpatch_qwen3_5_rope(model) == n
     assert not any("forward" in vars(m) for m in _attention(model))

@@ -393,23 +393,14 @@ def test_gpu_fused_add_kernel_matches_float64(case, strict):
 def test_qwen3_5_decoder_patch_keeps_stock_logits_and_undoes():
     """On the CPU (the reference path) the patched decoder layers give the stock logits bit for bit,
     over a prefill and cached decode steps; unpatch restores the class forward."""
-    from transformers import DynamicCache
-
     from cutile_kernels.layers.models import qwen3_5 as fam
 
     model = families.model("qwen3_5_text", layers=4)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
-
-    def run():
-        with torch.no_grad():
-            cache = DynamicCache(config=model.config)
-            first = model(ids, past_key_values=cache, use_cache=True).logits
-            return torch.cat([first, model(ids[:, :1], past_key_values=cache, use_cache=True).logits], 1)
-
-    want = run()
+    want = families.prefill_and_step(model, ids)
     assert fam.patch_qwen3_5_add_norm(model) == 4
     assert all(type(m).__name__ != "Qwen3_5DecoderLayer" or "forward" in m.__dict__ for m in model.modules())
-    assert torch.equal(run(), want)
+    assert torch.equal(families.prefill_and_step(model, ids), want)
     assert fam.unpatch_qwen3_5_add_norm(model) == 4
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__name__ == "Qwen3_5DecoderLayer")
 
@@ -456,25 +447,16 @@ def test_gemma_decoder_patch_keeps_stock_logits_and_undoes(model_type, dtype):
     """The opt-in ``gemma_add_norm`` (CPU: the reference path) gives the stock logits bit for bit
     over a prefill and a cached step, in float16 too (where Gemma's activations may overflow, NaN
     exactly where stock has them); unpatch restores the class forward."""
-    from transformers import DynamicCache
-
     from cutile_kernels.layers.models import gemma as fam
 
     model = families.model(model_type, dtype=dtype)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
-
-    def run():
-        with torch.no_grad():
-            cache = DynamicCache(config=model.config)
-            first = model(ids, past_key_values=cache, use_cache=True).logits
-            return torch.cat([first, model(ids[:, :1], past_key_values=cache, use_cache=True).logits], 1)
-
-    want = run()
+    want = families.prefill_and_step(model, ids)
     layers = model.config.num_hidden_layers
     assert "gemma_add_norm" not in cutile_kernels.patch(model).changed  # opt-in
     assert cutile_kernels.patch(model, names=["gemma_add_norm"]).changed == {"gemma_add_norm": layers}
     dispatch.reset_stats()
-    torch.testing.assert_close(run(), want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(families.prefill_and_step(model, ids), want, rtol=0, atol=0, equal_nan=True)
     assert dispatch.stats()["reference_calls"]["add_rms_norm_gemma"] == 2 * layers
     assert fam.unpatch_gemma_add_norm(model) == layers
 
