@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import dispatch
@@ -44,6 +45,7 @@ from ..ops import conv1d as conv_ops
 from ..ops import gated_delta as delta_ops
 from ..ops.conv1d import causal_conv1d, causal_conv1d_update
 from ..ops.gated_delta import gated_delta_gates, gated_delta_rule
+from ._direct import linear
 from ._match import class_verdict, same_code
 from ._pins import holds
 from .rope import function_name, wrapped_function
@@ -252,16 +254,20 @@ _DELTANET_CALLS = ("apply_mask_to_padding_states", "causal_conv1d_update", "caus
 _HUB_CALLS = ("causal_conv1d_update", "causal_conv1d_fn", "fused_recurrent_gated_delta_rule",
               "chunk_gated_delta_rule")
 _CALLS: dict[type, tuple] = {}
+#: The stacked projection of the opt-in patch ``qwen3_5_stacked_proj`` (``layers/models/qwen3_5.py``):
+#: ``in_proj_qkv``, ``in_proj_b`` and ``in_proj_a`` as one ``nn.Linear``, rows in that order.
+STACKED_NAME = "in_proj_qkvba"
 
 
 @class_verdict
 def computes_gated_deltanet(cls: type) -> bool:
     """True if ``cls.forward`` is ``Qwen3_5GatedDeltaNet.forward``'s code (under accelerate's
     ``force_accelerate_hooks`` wrapper) and still the pinned statements; keeps the functions that
-    code calls from the class's own modeling module for :class:`CutileGatedDeltaNet`. Once per class."""
+    code calls from the class's own modeling module for :class:`CutileGatedDeltaNet`. A class made
+    by the stacking patch is judged by its stock class. Once per class."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    fwd = getattr(cls, "forward", None)
+    fwd = getattr(getattr(cls, "_cutile_unfused_class", cls), "forward", None)
     if fwd is None or not holds(DELTANET_PIN) or not same_code(inspect.unwrap(fwd),
                                                                inspect.unwrap(Qwen3_5GatedDeltaNet.forward)):
         return False
@@ -285,14 +291,19 @@ class CutileGatedDeltaNet(nn.Module):
     ``copy.deepcopy`` of a model are not the ones kernelize bound. hidden_states ``(B, T, hidden)``;
     returns ``(B, T, hidden)`` in its dtype. A class whose forward is other code, or a module whose
     ``conv1d`` has accelerate hooks (which the stock forward fires), keeps the stock forward
-    (inference only)."""
+    (inference only). A module the opt-in patch ``qwen3_5_stacked_proj`` stacked (its
+    ``in_proj_qkv``, ``in_proj_b`` and ``in_proj_a`` as one GEMM, :data:`STACKED_NAME`) always runs
+    this forward, which is its class's."""
 
     can_torch_compile = True
     has_backward = False
 
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         cls = type(self)
-        if not computes_gated_deltanet(cls) or getattr(self.conv1d, "_hf_hook", None) is not None:
+        # A stacked module's class forward is this one (the patch stacks only Qwen3.5's code): no
+        # stock forward to fall back to, and its verdict holds.
+        stacked = STACKED_NAME in self._modules
+        if not computes_gated_deltanet(cls) or (not stacked and getattr(self.conv1d, "_hf_hook", None) is not None):
             if not torch.compiler.is_compiling():
                 dispatch.fallback("gated_delta_gates", f"{cls.__name__}'s forward is not Qwen3.5's code, or its "
                                   "conv1d has accelerate hooks; it keeps its own forward")
@@ -312,10 +323,21 @@ class CutileGatedDeltaNet(nn.Module):
         else:
             conv_state, recurrent_state = None, None
 
-        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        if stacked and hidden_states.is_cuda:  # one GEMM for q/k/v, b and a; the three are views of its output
+            projected = linear(self._modules[STACKED_NAME], hidden_states)
+            b = projected[..., self.conv_dim:self.conv_dim + self.num_v_heads]
+            a = projected[..., self.conv_dim + self.num_v_heads:]
+            mixed_qkv = projected[..., :self.conv_dim].transpose(1, 2)
+        elif stacked:  # elsewhere the stock's three GEMMs on the stacked rows: the reference, stock's bits
+            w = self._modules[STACKED_NAME].weight
+            n, h = self.conv_dim, self.num_v_heads
+            mixed_qkv = F.linear(hidden_states, w[:n]).transpose(1, 2)
+            b, a = F.linear(hidden_states, w[n:n + h]), F.linear(hidden_states, w[n + h:])
+        else:
+            mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+            b = self.in_proj_b(hidden_states)
+            a = self.in_proj_a(hidden_states)
         z = self.in_proj_z(hidden_states).reshape(batch_size, seq_len, -1, self.head_v_dim)
-        b = self.in_proj_b(hidden_states)
-        a = self.in_proj_a(hidden_states)
 
         if conv_state is not None and seq_len == 1 and not cache_params.is_recording_past(self.layer_idx):
             mixed_qkv = conv_update(mixed_qkv, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias,

@@ -361,6 +361,61 @@ def test_gated_deltanet_layer_calls_the_functions_kernelize_bound_on_a_deep_copy
     assert calls == [func] and torch.equal(got, layer(x))
 
 
+def test_stacked_projections_keep_the_stock_bits_keys_and_refuse_what_they_cannot_stack(caplog):
+    """The opt-in ``qwen3_5_stacked_proj``: in_proj_qkv, in_proj_b and in_proj_a become one
+    ``nn.Linear`` whose class forward is the block layer's (CPU: the three stock GEMMs on its rows,
+    the stock logits bit for bit; a deep copy too), the stock state_dict keys and values remain,
+    and modules it cannot stack say why."""
+    import copy
+    import logging
+
+    import families
+    from cutile_kernels.layers.gated_delta import STACKED_NAME, CutileGatedDeltaNet
+    from cutile_kernels.layers.models import qwen3_5 as fam
+
+    model = families.model("qwen3_5_text", layers=4)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+    want = families.prefill_and_step(model, ids)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    blocks = [m for m in model.modules() if isinstance(m, q35.Qwen3_5GatedDeltaNet)]
+    hooked = blocks[1]
+    hooked.conv1d._hf_hook = object()
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
+        assert cutile_kernels.patch(model, names=["qwen3_5_stacked_proj"]).changed == {"qwen3_5_stacked_proj": 1}
+    assert "leaves 1 Qwen3_5GatedDeltaNet alone: its conv1d has accelerate hooks" in caplog.text
+    del hooked.conv1d._hf_hook
+    stacked = blocks[0]
+    assert STACKED_NAME in stacked._modules and not hasattr(stacked, "in_proj_b")
+    assert type(stacked).forward is CutileGatedDeltaNet.forward and isinstance(stacked, q35.Qwen3_5GatedDeltaNet)
+    assert torch.equal(families.prefill_and_step(model, ids), want)
+    assert torch.equal(families.prefill_and_step(copy.deepcopy(model), ids), want)
+    got = model.state_dict()
+    assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
+    # kernelize binds the hub layer's forward on the instance: the same function, so it stacks too.
+    hooked.forward = CutileGatedDeltaNet.forward.__get__(hooked)
+    assert fam.patch_qwen3_5_stacked_proj(model) == 1
+    assert torch.equal(families.prefill_and_step(model, ids), want)
+    assert fam.unpatch_qwen3_5_stacked_proj(model) == 2
+    assert all(type(m) is q35.Qwen3_5GatedDeltaNet and hasattr(m, "in_proj_b") for m in blocks)
+    assert torch.equal(families.prefill_and_step(model, ids), want)
+    other = copy.deepcopy(blocks[0])
+    other.forward = lambda *args, **kwargs: None
+    assert fam.stacking_verdict(other).startswith("its forward is already replaced")
+    other = copy.deepcopy(blocks[0])
+    other.in_proj_b = torch.nn.Linear(64, other.num_v_heads, bias=True)
+    assert fam.stacking_verdict(other) == "in_proj_b has a bias"
+
+
+def test_stacked_projections_compile_fullgraph():
+    import families
+
+    model = families.model("qwen3_5_text", layers=4)
+    cutile_kernels.patch(model, names=["qwen3_5_stacked_proj"])
+    frames, targets, got, want = families.compile_fullgraph(model, seed=11)
+    assert frames == 1 and any(t.endswith("gated_delta_gates.default") for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def test_changed_deltanet_pin_turns_the_block_layer_off(change_pin):
     from cutile_kernels.layers import gated_delta as lgd
 
@@ -623,6 +678,32 @@ def test_gpu_qwen3_5_layer_runs_our_kernels_and_matches_stock(strict, stock_func
     stock_err = float((stock - want).norm() / want.norm())
     err = float((ours - want).norm() / want.norm())
     assert err <= 1.1 * stock_err + 1e-4, (err, stock_err)
+
+
+@pytest.mark.gpu
+def test_gpu_stacked_projections_are_as_close_to_float32_as_stock(strict, stock_functions):
+    """The opt-in ``qwen3_5_stacked_proj`` on a kernelized bf16 model: one GEMM for q/k/v, b and a
+    (strided views into the conv and the gates kernel), a prefill and decode steps as close to
+    float32 as stock bf16."""
+    import copy
+
+    from families import model as tiny_model
+
+    base = tiny_model("qwen3_5_text", layers=4).cuda()
+    ids = torch.randint(1, 256, (2, 40), generator=torch.Generator().manual_seed(12)).cuda()
+
+    def run(m):
+        from families import prefill_and_step
+
+        return prefill_and_step(m, ids).double()
+
+    want = run(base)
+    stock = run(copy.deepcopy(base).to(torch.bfloat16))
+    ours = cutile_kernels.kernelize(copy.deepcopy(base).to(torch.bfloat16))  # the block layer bound first
+    assert cutile_kernels.patch(ours, names=["qwen3_5_stacked_proj"]).changed == {"qwen3_5_stacked_proj": 2}
+    got = run(ours)
+    err = [float((x - want).norm() / want.norm()) for x in (got, stock)]
+    assert err[0] <= 1.1 * err[1] + 1e-4, err
 
 
 @pytest.mark.gpu

@@ -33,6 +33,7 @@ CLAIMS = {
     "qwen3_5_add_norm": {"qwen3_5_text"},  # Qwen3_5DecoderLayer's code
     "qwen3_5_rope": {"qwen3_5_text"},  # Qwen3_5Attention's code
     "gemma_add_norm": {"gemma2", "gemma3_text"},  # Gemma3DecoderLayer's code (Gemma 2's is the same)
+    "qwen3_5_stacked_proj": {"qwen3_5_text"},  # Qwen3_5GatedDeltaNet's code
 }
 
 

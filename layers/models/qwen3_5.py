@@ -16,13 +16,17 @@ code (``fused_gate_up`` by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s
 ``RMSNormZeroCentered``, the ``rms_norm_gemma`` kernel, q/k norms included). Its own patches:
 ``qwen3_5_add_norm`` fuses the token mixer's residual add into ``post_attention_layernorm``; the
 opt-in ``qwen3_5_rope`` runs the gated attention's partial RoPE of q and k on one ``rope`` launch
-(not benched yet). Not ours yet: the attention's output gate, the MLP block's residual add.
+and the opt-in ``qwen3_5_stacked_proj`` stacks the gated DeltaNet's ``in_proj_qkv``, ``in_proj_b``
+and ``in_proj_a`` into one GEMM (both not benched yet). Not ours yet: the attention's output gate,
+the MLP block's residual add.
 flash-linear-attention is the anchor to beat (bench path ``stock+fla``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -30,11 +34,15 @@ from torch import nn
 from ...ops.norm import add_rms_norm_gemma
 from ...ops.rope import apply_rope
 from .._direct import attend, linear
+from .._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from .._match import same_code
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
 from .._pins import TRANSFORMERS, Pin, holds
+from ..gated_delta import STACKED_NAME, CutileGatedDeltaNet, computes_gated_deltanet
 from ..norm import _float_norm_eps, computes_gemma_rms_norm
 from . import Family
+
+logger = logging.getLogger("cutile_kernels")
 
 _USE = "the gated DeltaNet hub layers (layers/gated_delta.py, layers/norm.py)"
 
@@ -205,6 +213,95 @@ def unpatch_qwen3_5_rope(model: nn.Module) -> int:
     return restore_forwards(model, "qwen3_5_rope", rope_attention_forward)
 
 
+# ---------------------------------------------------------------------------------------------
+# Patch qwen3_5_stacked_proj (opt-in): in_proj_qkv, in_proj_b and in_proj_a as one GEMM
+# ---------------------------------------------------------------------------------------------
+
+_STACKED_STOCK = ("in_proj_qkv", "in_proj_b", "in_proj_a")
+
+
+def _stacked_rows(module: nn.Module) -> tuple[slice, slice, slice]:
+    # q/k/v rows (the conv channels), then b's and a's (one per value head).
+    n, h = module.conv_dim, module.num_v_heads
+    return slice(0, n), slice(n, n + h), slice(n + h, n + 2 * h)
+
+
+@functools.lru_cache(maxsize=None)
+def stacked_class(cls: type) -> type:
+    """The subclass of ``cls`` a stacked gated DeltaNet module is switched to: its forward is
+    :class:`~..gated_delta.CutileGatedDeltaNet`'s, which projects through the stacked weight."""
+    return type(f"CutileStacked{cls.__name__}", (cls,), {
+        "forward": CutileGatedDeltaNet.forward,
+        "_cutile_unfused_class": cls,
+        "__module__": __name__,
+        "__reduce_ex__": functools.partialmethod(reduce_fused, _STACKING),  # pickles via the stock class
+        "__doc__": f"{cls.__name__} with in_proj_qkv, in_proj_b and in_proj_a stacked into {STACKED_NAME}.",
+    })
+
+
+_STACKING = Stacking(stock=_STACKED_STOCK, fused=STACKED_NAME, row_slices=_stacked_rows, fused_class=stacked_class,
+                     unfused_attr="_cutile_unfused_class", hooks_attr="_cutile_fusion_hooks")
+
+
+def stacking_verdict(m: nn.Module) -> str | None:
+    """Why gated DeltaNet module ``m`` is not stacked, or None: its class must compute Qwen3.5's
+    block (pinned), its forward must be its class's or our hub layer's (nobody else replaced it),
+    its conv1d without accelerate hooks (the stacked forward does not fire them), and the three
+    projections plain bias-free ``nn.Linear`` layers of one dtype and device (``_fusion``'s rules)."""
+    if STACKED_NAME in m._modules:
+        return "already stacked"
+    if not computes_gated_deltanet(type(m)):
+        return "its forward is not Qwen3_5GatedDeltaNet.forward's code"
+    bound = m.__dict__.get("forward")
+    if bound is not None and getattr(bound, "__func__", None) is not CutileGatedDeltaNet.forward:
+        return "its forward is already replaced on the instance (e.g. an accelerate hook)"
+    if getattr(m.conv1d, "_hf_hook", None) is not None:
+        return "its conv1d has accelerate hooks"
+    layers = [getattr(m, n, None) for n in _STACKED_STOCK]
+    for name, layer in zip(_STACKED_STOCK, layers):
+        why = linear_problem(layer)
+        if why is not None:
+            return f"{name} {why}"
+    if len({(l.weight.dtype, l.weight.device, l.in_features) for l in layers}) != 1:
+        return "its projections differ in dtype, device or input size"
+    return None
+
+
+def patch_qwen3_5_stacked_proj(model: nn.Module) -> int:
+    """Patch ``qwen3_5_stacked_proj``: stack ``in_proj_qkv``, ``in_proj_b`` and ``in_proj_a`` of every
+    gated DeltaNet module that :func:`stacking_verdict` allows into one ``nn.Linear``
+    (:data:`~..gated_delta.STACKED_NAME`, weight rows in that order) and switch its class to
+    :func:`stacked_class` (forward: our block layer's, one GEMM instead of three; ``in_proj_z`` stays
+    apart, its rows would need a copy before the gated norm). ``state_dict`` keeps the stock keys and
+    bytes (``layers/_fusion.py``). Returns the modules newly stacked."""
+    done, refused = [], Counter()
+    for m in model.modules():
+        if not all(hasattr(m, a) for a in ("in_proj_z", "conv1d", "A_log", "dt_bias")):
+            continue
+        why = stacking_verdict(m)
+        if why is None:
+            fuse_one(m, _STACKING)
+            done.append(type(m).__name__)
+        elif why != "already stacked":
+            refused[(type(m).__name__, why)] += 1
+    if done:
+        logger.info("cutile_kernels: patch qwen3_5_stacked_proj: stacked in_proj_qkv, in_proj_b and in_proj_a of "
+                    "%d %s", len(done), ", ".join(sorted(set(done))))
+    for (cls, why), n in sorted(refused.items()):
+        logger.info("cutile_kernels: patch qwen3_5_stacked_proj leaves %d %s alone: %s", n, cls, why)
+    return len(done)
+
+
+def unpatch_qwen3_5_stacked_proj(model: nn.Module) -> int:
+    """Undo :func:`patch_qwen3_5_stacked_proj`: the three stock projections (copies of the row
+    blocks) and the stock class again. Returns the modules restored."""
+    targets = [m for m in model.modules() if STACKED_NAME in m._modules
+               and getattr(type(m), "_cutile_unfused_class", None) is not None]
+    for m in targets:
+        unfuse_one(m, _STACKING)
+    return len(targets)
+
+
 #: This module's patch rows (gathered by ``layers/_registry.py``). ``qwen3_5_add_norm`` is a default
 #: since the H200 bench of 2026-12-02 (docs/results.md, fifth session); ``qwen3_5_rope`` is opt-in
 #: until a bench times it (its kernel is the ``rope`` kernel that Phi-3's partial RoPE runs by default).
@@ -212,4 +309,7 @@ PATCH_ROWS = [Patch("qwen3_5_add_norm", apply=patch_qwen3_5_add_norm, undo=unpat
                     description="Qwen3.5 decoder layers' residual add fused into their (1 + weight) "
                                 "post_attention_layernorm"),
               Patch("qwen3_5_rope", apply=patch_qwen3_5_rope, undo=unpatch_qwen3_5_rope, default=False,
-                    description="Qwen3.5 gated attention's partial RoPE of q and k in one cuTile launch")]
+                    description="Qwen3.5 gated attention's partial RoPE of q and k in one cuTile launch"),
+              Patch("qwen3_5_stacked_proj", apply=patch_qwen3_5_stacked_proj, undo=unpatch_qwen3_5_stacked_proj,
+                    default=False, description="Qwen3.5 gated DeltaNet's in_proj_qkv, in_proj_b and in_proj_a "
+                                               "as one GEMM")]

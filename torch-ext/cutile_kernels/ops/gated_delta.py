@@ -256,8 +256,8 @@ def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
         dt_bias: ``(H,)`` the module's ``dt_bias``, A_log's dtype.
 
     Returns:
-        ``(g, beta)``: ``g`` ``(..., H)`` float32, ``-exp(A_log) * softplus(a + dt_bias)`` (the log
-        decay, <= 0); ``beta`` ``(..., H)`` in b's dtype, ``sigmoid(b)``. New contiguous tensors.
+        ``(g, beta)``: ``g`` ``(..., H)`` float32 (float64 with float64 ``dt_bias``, as the
+        reference promotes), ``-exp(A_log) * softplus(a + dt_bias)`` (the log decay, <= 0); ``beta`` ``(..., H)`` in b's dtype, ``sigmoid(b)``. New contiguous tensors.
 
     On CUDA one cuTile launch when a and b share a dtype of the three, A_log and dt_bias are both
     that dtype or both float32, and H <= 128; otherwise :func:`gated_delta_gates_reference` (the
