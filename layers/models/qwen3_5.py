@@ -64,7 +64,9 @@ FAMILY = Family(
     presets=("qwen3.5-0.8b", "qwen3.5-27b"),
     covered="gated DeltaNet's delta rule (chunked prefill, recurrent decode), causal conv1d and its update, "
             "its gates (g, beta) and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) "
-            "RMSNorms (hub layer RMSNormZeroCentered), the first of them fused with the residual add",
+            "RMSNorms (hub layer RMSNormZeroCentered), the post-attention one fused with the residual add; "
+            "opt-in (include=['qwen3_5_rope', 'qwen3_5_stacked_proj']): partial RoPE in one launch, three input "
+            "projections as one GEMM",
     not_covered="gated attention's output gate, partial RoPE (opt-in patch qwen3_5_rope), the MLP block's "
                 "residual add, GEMMs",
     default=True,
