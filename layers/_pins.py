@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ._match import statements_digest
+from ._match import same_code, statements_digest
 
 #: The transformers release every pin was read in.
 TRANSFORMERS = "5.22.2"
@@ -125,4 +125,16 @@ def holds(name: str) -> bool:
     return digest_now(name) == PINS[name].digest
 
 
-__all__ = ["PINS", "TRANSFORMERS", "Pin", "digest_now", "holds", "register"]
+def forward_verdict(cls: type, pin: str, reference) -> str | None:
+    """Why class ``cls`` may not take a fused forward that reproduces ``reference`` (a transformers
+    method, pinned as ``pin``), or None if it may: the installed ``reference`` must still be the
+    pinned statements and ``cls.forward`` its code (:func:`~._match.same_code`)."""
+    name = reference.__qualname__
+    if not holds(pin):
+        return f"this transformers' {name} is not the one the fused forward reproduces ({TRANSFORMERS})"
+    if not same_code(getattr(cls, "forward", None), reference):
+        return f"its forward is not {name}'s code"
+    return None
+
+
+__all__ = ["PINS", "TRANSFORMERS", "Pin", "digest_now", "forward_verdict", "holds", "register"]

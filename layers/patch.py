@@ -23,10 +23,9 @@ from torch import nn
 
 from ..ops.norm import add_rms_norm
 from ._direct import call, direct_ok
-from ._match import same_code
 from ._patching import (PATCHES, TRANSPARENT_HOOK, Patch, PatchReport, _blocking, _unhooked, applied, patch,
                         register, restore_forwards, swap_forwards, swapped, unpatch)
-from ._pins import TRANSFORMERS, holds
+from ._pins import forward_verdict
 from .norm import is_llama_norm
 from .qkv import reproduced_forward, stock_forward_parts
 
@@ -164,11 +163,7 @@ def decoder_verdict(cls: type) -> str | None:
     pinned forward (:data:`DECODER_PIN`)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    if not holds(DECODER_PIN):
-        return f"this transformers' LlamaDecoderLayer.forward is not the one the fused forward reproduces ({TRANSFORMERS})"
-    if not same_code(getattr(cls, "forward", None), LlamaDecoderLayer.forward):
-        return "its forward is not LlamaDecoderLayer.forward's code"
-    return None
+    return forward_verdict(cls, DECODER_PIN, LlamaDecoderLayer.forward)
 
 
 def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,

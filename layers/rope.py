@@ -31,7 +31,7 @@ from torch import nn
 from .. import dispatch
 from ..ops.rope import apply_rope
 from ._match import class_verdict, same_code
-from ._pins import holds
+from ._pins import TRANSFORMERS, holds
 
 #: The pins (``layers/_pins.py``) of Llama's ``apply_rotary_pos_emb`` and ``rotate_half``
 #: (``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``): the formula
@@ -64,6 +64,28 @@ def computes_llama_rope(cls: type) -> bool:
     rotate = getattr(fn, "__globals__", {}).get("rotate_half")
     return (fn is not None and llama_fn is not None
             and all(holds(p) for p in PINS) and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
+
+
+def partial_rope_attention_verdict(cls: type, pins: tuple[str, ...], attention_forward, rope,
+                                   formula: str) -> str | None:
+    """Why attention class ``cls`` may not take a reproduced forward that runs ``apply_rope`` for a
+    family's partial-rotary ``apply_rotary_pos_emb`` (``rope``, with Llama's ``rotate_half``), or
+    None: ``pins`` (the attention forward's and ``rope``'s) must hold, ``cls.forward`` be
+    ``attention_forward``'s code, and the ``apply_rotary_pos_emb`` it calls ``rope``'s code
+    (``formula`` names it in the reason). Phi-3's and Qwen3.5's attention patches ask it."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    name = attention_forward.__qualname__
+    if not all(holds(p) for p in pins):
+        return (f"this transformers' {name.rpartition('.')[0]} / apply_rotary_pos_emb is not the one reproduced "
+                f"({TRANSFORMERS})")
+    fwd = getattr(cls, "forward", None)
+    if not same_code(fwd, attention_forward):
+        return f"its forward is not {name}'s code"
+    called = fwd.__globals__.get("apply_rotary_pos_emb")
+    if not (same_code(called, rope) and same_code(getattr(called, "__globals__", {}).get("rotate_half"), rotate_half)):
+        return f"the apply_rotary_pos_emb it calls is not {formula}"
+    return None
 
 
 def function_name(cls: type) -> str:

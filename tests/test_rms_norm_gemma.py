@@ -374,8 +374,8 @@ def test_gpu_fused_add_kernel_matches_float64(case, strict):
     y = torch.full((rows, hidden), float("nan"), dtype=dtype, device="cuda")
     s = torch.full_like(y, float("nan"))
     args = (x, residual, w, y, s, 1e-6, 1.0)
-    assert norm_ops.dispatch.run("add_rms_norm_gemma", norm_ops._want_hidden(x, rows), args, 3, norm_ops._grid(rows),
-                                 norm_ops._rows_layout)
+    want = norm_ops._want(x, rows, src.HIDDEN_BLOCK_NS[0])
+    assert norm_ops.dispatch.run("add_rms_norm_gemma", want, args, 3, norm_ops._grid(rows), norm_ops._rows_layout)
     torch.cuda.synchronize()
     assert torch.equal(s, x + residual)
     ref = _exact(s, w, 1e-6, 1.0)

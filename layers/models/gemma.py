@@ -19,9 +19,8 @@ import functools
 from torch import nn
 
 from ...ops.norm import add_rms_norm_gemma
-from .._match import same_code
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
-from .._pins import TRANSFORMERS, Pin, holds
+from .._pins import Pin, forward_verdict
 from ..norm import _float_norm_eps, computes_gemma_rms_norm
 from . import Family
 
@@ -58,12 +57,7 @@ def decoder_verdict(cls: type) -> str | None:
     still the pinned one."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 
-    if not holds(DECODER_PIN):
-        return (f"this transformers' Gemma3DecoderLayer.forward is not the one the fused forward reproduces "
-                f"({TRANSFORMERS})")
-    if not same_code(getattr(cls, "forward", None), Gemma3DecoderLayer.forward):
-        return "its forward is not Gemma3DecoderLayer.forward's code"
-    return None
+    return forward_verdict(cls, DECODER_PIN, Gemma3DecoderLayer.forward)
 
 
 def _decoder_verdict(m: nn.Module) -> str | None:

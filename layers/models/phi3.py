@@ -32,6 +32,7 @@ from .._direct import attend, linear
 from .._match import same_code
 from .._patching import Patch, restore_forwards, swap_forwards
 from .._pins import TRANSFORMERS, Pin, holds
+from ..rope import partial_rope_attention_verdict
 from . import Family
 
 MLP_PIN, ATTN_PIN, ROPE_PIN = ("phi3.Phi3MLP.forward", "phi3.Phi3Attention.forward", "phi3.apply_rotary_pos_emb")
@@ -104,19 +105,10 @@ def attention_verdict(cls: type) -> str | None:
     """Why attention class ``cls`` does not take :func:`rope_attention_forward`, or None if it does:
     its forward must be ``Phi3Attention.forward``'s code calling Phi-3's ``apply_rotary_pos_emb``,
     both still the pinned statements."""
-    from transformers.models.llama.modeling_llama import rotate_half
     from transformers.models.phi3 import modeling_phi3
 
-    if not (holds(ATTN_PIN) and holds(ROPE_PIN)):
-        return f"this transformers' Phi3Attention / apply_rotary_pos_emb is not the one reproduced ({TRANSFORMERS})"
-    fwd = getattr(cls, "forward", None)
-    if not same_code(fwd, modeling_phi3.Phi3Attention.forward):
-        return "its forward is not Phi3Attention.forward's code"
-    rope = fwd.__globals__.get("apply_rotary_pos_emb")
-    if not (same_code(rope, modeling_phi3.apply_rotary_pos_emb)
-            and same_code(getattr(rope, "__globals__", {}).get("rotate_half"), rotate_half)):
-        return "the apply_rotary_pos_emb it calls is not Phi-3's partial-rotary formula"
-    return None
+    return partial_rope_attention_verdict(cls, (ATTN_PIN, ROPE_PIN), modeling_phi3.Phi3Attention.forward,
+                                          modeling_phi3.apply_rotary_pos_emb, "Phi-3's partial-rotary formula")
 
 
 def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):

@@ -38,7 +38,7 @@ from .._direct import attend, linear
 from .._match import same_code
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards, swapped
 from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
-from .._pins import TRANSFORMERS, Pin, holds
+from .._pins import Pin, forward_verdict
 from ..norm import is_llama_norm
 from ..rope import computes_llama_rope, wrapped_function
 from . import Family
@@ -81,12 +81,10 @@ def attention_verdict(cls: type) -> str | None:
     module's) must compute Llama's formula."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-    if not holds(PIN):
-        return f"this transformers' Qwen3Attention.forward is not the one the fused forward reproduces ({TRANSFORMERS})"
-    fwd = getattr(cls, "forward", None)
-    if not same_code(fwd, Qwen3Attention.forward):
-        return "its forward is not Qwen3Attention.forward's code"
-    if not _llama_rope_function(fwd.__globals__.get("apply_rotary_pos_emb")):
+    why = forward_verdict(cls, PIN, Qwen3Attention.forward)
+    if why is not None:
+        return why
+    if not _llama_rope_function(cls.forward.__globals__.get("apply_rotary_pos_emb")):
         return "the apply_rotary_pos_emb it calls is not Llama's formula"
     return None
 

@@ -35,11 +35,11 @@ from ...ops.norm import add_rms_norm_gemma
 from ...ops.rope import apply_rope
 from .._direct import attend, linear
 from .._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
-from .._match import same_code
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
-from .._pins import TRANSFORMERS, Pin, holds
+from .._pins import Pin, forward_verdict
 from ..gated_delta import STACKED_NAME, CutileGatedDeltaNet, computes_gated_deltanet
 from ..norm import _float_norm_eps, computes_gemma_rms_norm
+from ..rope import partial_rope_attention_verdict
 from . import Family
 
 logger = logging.getLogger("cutile_kernels")
@@ -60,7 +60,8 @@ FAMILY = Family(
           Pin("qwen3_5", "Qwen3_5DecoderLayer.forward", "3e22f5284a113a68",
               "patch qwen3_5_add_norm (its fused decoder forward)"),
           Pin("qwen3_5", "Qwen3_5Attention.forward", "475c60b3e5e177fb", "patch qwen3_5_rope (its attention forward)"),
-          Pin("qwen3_5", "apply_rotary_pos_emb", "f01c1a539cf87fe4", "patch qwen3_5_rope (rope kernel, partial rotary)")),
+          Pin("qwen3_5", "apply_rotary_pos_emb", "f01c1a539cf87fe4",
+              "patch qwen3_5_rope (rope kernel, partial rotary)")),
     presets=("qwen3.5-0.8b", "qwen3.5-27b"),
     covered="gated DeltaNet's delta rule (chunked prefill, recurrent decode), causal conv1d and its update, "
             "its gates (g, beta) and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) "
@@ -87,12 +88,7 @@ def decoder_verdict(cls: type) -> str | None:
     it does: its forward must be ``Qwen3_5DecoderLayer.forward``'s code, still the pinned one."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
-    if not holds(DECODER_PIN):
-        return (f"this transformers' Qwen3_5DecoderLayer.forward is not the one the fused forward reproduces "
-                f"({TRANSFORMERS})")
-    if not same_code(getattr(cls, "forward", None), Qwen3_5DecoderLayer.forward):
-        return "its forward is not Qwen3_5DecoderLayer.forward's code"
-    return None
+    return forward_verdict(cls, DECODER_PIN, Qwen3_5DecoderLayer.forward)
 
 
 def _decoder_verdict(m: nn.Module) -> str | None:
@@ -160,20 +156,10 @@ def attention_verdict(cls: type) -> str | None:
     """Why attention class ``cls`` does not take :func:`rope_attention_forward`, or None if it does:
     its forward must be ``Qwen3_5Attention.forward``'s code calling Qwen3.5's partial-rotary
     ``apply_rotary_pos_emb`` (with Llama's ``rotate_half``), both still the pinned statements."""
-    from transformers.models.llama.modeling_llama import rotate_half
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    if not (holds(ATTN_PIN) and holds(ROPE_PIN)):
-        return (f"this transformers' Qwen3_5Attention / apply_rotary_pos_emb is not the one reproduced "
-                f"({TRANSFORMERS})")
-    fwd = getattr(cls, "forward", None)
-    if not same_code(fwd, modeling_qwen3_5.Qwen3_5Attention.forward):
-        return "its forward is not Qwen3_5Attention.forward's code"
-    rope = fwd.__globals__.get("apply_rotary_pos_emb")
-    if not (same_code(rope, modeling_qwen3_5.apply_rotary_pos_emb)
-            and same_code(getattr(rope, "__globals__", {}).get("rotate_half"), rotate_half)):
-        return "the apply_rotary_pos_emb it calls is not Qwen3.5's partial-rotary formula"
-    return None
+    return partial_rope_attention_verdict(cls, (ATTN_PIN, ROPE_PIN), modeling_qwen3_5.Qwen3_5Attention.forward,
+                                          modeling_qwen3_5.apply_rotary_pos_emb, "Qwen3.5's partial-rotary formula")
 
 
 def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,

@@ -74,23 +74,18 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _tile(n: int, decode: bool) -> tuple:
+def _tile(n: int, decode: bool, min_block: int = MIN_BLOCK_N) -> tuple:
     if n > MAX_BLOCK_N:
         return (("CHUNK", CHUNK),)
-    block = (("BLOCK_N", max(MIN_BLOCK_N, next_power_of_2(n))),)
+    block = (("BLOCK_N", max(min_block, next_power_of_2(n))),)
     return block + (("ROWS", 1),) if decode else block
 
 
-def _want(x: torch.Tensor, rows: int) -> tuple:
-    """The constants to ask for: the row width's tile; one row per block for a decode step's few
-    rows (``DECODE_MAX_ROWS``) of a 16-bit dtype, whose prefill tile would be mostly padding."""
-    return _tile(x.shape[-1], rows <= DECODE_MAX_ROWS and x.dtype in DECODE_TORCH_DTYPES)
-
-
-def _want_hidden(x: torch.Tensor, rows: int) -> tuple:
-    """:func:`_want` for ``add_rms_norm_gemma``, whose tiles start at 512 lanes (hidden sizes): a
-    narrower row (a tiny test model's) runs padded in the narrowest."""
-    return tuple(("BLOCK_N", max(v, HIDDEN_BLOCK_NS[0])) if k == "BLOCK_N" else (k, v) for k, v in _want(x, rows))
+def _want(x: torch.Tensor, rows: int, min_block: int = MIN_BLOCK_N) -> tuple:
+    """The constants to ask for: the row width's tile, at least ``min_block`` lanes (a kernel built
+    for wide rows only runs a narrower row padded); one row per block for a decode step's few rows
+    (``DECODE_MAX_ROWS``) of a 16-bit dtype, whose prefill tile would be mostly padding."""
+    return _tile(x.shape[-1], rows <= DECODE_MAX_ROWS and x.dtype in DECODE_TORCH_DTYPES, min_block)
 
 
 def _grid(rows: int):
@@ -187,7 +182,8 @@ def _add_rms_norm_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: to
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     rows = y.numel() // x.shape[-1]
-    if y.numel() == 0 or dispatch.run("add_rms_norm_gemma", _want_hidden(x, rows),
+    # Its tiles start at 512 lanes (hidden sizes): a tiny model's narrower rows run padded.
+    if y.numel() == 0 or dispatch.run("add_rms_norm_gemma", _want(x, rows, HIDDEN_BLOCK_NS[0]),
                                       (x, residual, weight, y, s, float(eps), float(offset)), 3, _grid(rows),
                                       _rows_layout):
         return y, s
