@@ -5,7 +5,7 @@ machine without a GPU, assembled into the Hugging Face ``kernels`` noarch varian
     <out>/torch-cuda/cutile_kernels/            the package (runtime, ops, layers, kernel_src)
     <out>/torch-cuda/cutile_kernels/_ops.py     a unique torch.library namespace for this build
     <out>/torch-cuda/cutile_kernels/manifest.json
-    <out>/torch-cuda/cutile_kernels/cubins/<sm_XX>/<symbol>.cubin
+    <out>/torch-cuda/cutile_kernels/cubins/<sm_XX>/<symbol>.cubin   (:func:`cubin_file`)
 
 A variant whose content hash (source, assumptions, arch, toolchain) is unchanged and whose cubin
 is present is not recompiled. The build is assembled beside the old one and swapped in when it is
@@ -148,6 +148,20 @@ def _load_manifest(path: Path) -> dict:
         return {}
 
 
+
+#: Longest symbol used as a file name as it is: file systems cap a name at 255 bytes, and the
+#: builder writes ``<name>.tmp`` first. cuTile's mangled symbols grow with the parameter count
+#: (qk_norm_rope_gemma's 8 arrays of 5 dims mangle to ~250 characters).
+MAX_SYMBOL_FILE = 160
+
+
+def cubin_file(symbol: str) -> str:
+    """The cubin's file name of a variant: ``<symbol>.cubin``, or for a symbol longer than
+    :data:`MAX_SYMBOL_FILE` its first characters and a digest of the whole (unique, stable)."""
+    if len(symbol) <= MAX_SYMBOL_FILE:
+        return f"{symbol}.cubin"
+    return f"{symbol[:MAX_SYMBOL_FILE - 17]}-{hashlib.sha256(symbol.encode()).hexdigest()[:16]}.cubin"
+
 def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=None, jobs: int | None = None,
           progress: bool = True, force: bool = False, specs: list[VariantSpec] | None = None) -> dict:
     """Compile every variant for every arch and assemble the Hub variant directory.
@@ -200,7 +214,7 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
             if key in seen:
                 raise BuildError(f"duplicate symbol {sig.symbol} for {arch} (variant {spec.tag})")
             seen.add(key)
-            rel = f"cubins/{arch}/{sig.symbol}.cubin"
+            rel = f"cubins/{arch}/{cubin_file(sig.symbol)}"
             entry = {
                 "kernel": spec.kernel, "variant": spec.tag, "arch": arch, "symbol": sig.symbol,
                 "function": spec.function, "module": spec.module, "cubin": rel,

@@ -25,7 +25,17 @@ arrays is read or written:
 * ``gelu_tanh_and_mul_fused_kernel(x, out)``: GeGLU (Gemma's MLP, ``act_fn`` ``gelu_pytorch_tanh``)
   on the (M, 2, N) view, with the rounding order of ``silu_and_mul``: ``gelu(gate)`` computed as
   torch's CUDA kernel does, ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))`` in float32
-  (Hendrycks & Gimpel 2016, "Gaussian Error Linear Units"), rounded to the dtype, then the product.
+  (Hendrycks & Gimpel 2016, "Gaussian Error Linear Units"), rounded to the dtype, then the product;
+* ``sigmoid_and_mul_kernel(gate, x, out)``: gated attention's output gate (Qiu et al. 2025, "Gated
+  Attention for Large Language Models"; Qwen3.5's ``attn_output * torch.sigmoid(gate)``), sigmoid
+  as torch's CUDA kernel, ``1 / (1 + exp(-g))`` in float32, rounded, then the product rounded. The
+  gate is a strided view (the second half of each head of the q projection), read in place.
+
+Estimate for ``sigmoid_and_mul``, written before the kernel (Amdahl), Qwen3.5-0.8B on the H200: per
+full-attention layer stock runs three launches (the gate's ``reshape`` copies the strided half, the
+sigmoid, the product), ours one; 12 launches fewer a step in 6 layers: host-bound eager decode
+f ~ 2 % of a ~17 ms step, ceiling ~1.02; prefill device time f ~ 3 % (three passes over 8 MB a
+layer become one, s ~ 3), ceiling ~1.02.
 """
 
 from __future__ import annotations
@@ -99,6 +109,23 @@ def gelu_tanh_and_mul_fused_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Con
     ct.store(out, index=(i, j), tile=_gelu_tanh_and_mul(g, u, out.dtype))
 
 
+@ct.function
+def _sigmoid(h):
+    # torch's CUDA sigmoid: 1 / (1 + exp(-x)) in float32, full-precision exp and IEEE division.
+    return ct.truediv(1.0, 1.0 + ct.exp(-h, rounding_mode=FULL), rounding_mode=RN)
+
+
+@ct.kernel
+def sigmoid_and_mul_kernel(gate, x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant[int]):
+    """out = x * sigmoid(gate), the sigmoid rounded to the dtype first (gated attention's output
+    gate, ``attn_output * torch.sigmoid(gate)``). gate, x, out: (M, N); blocks as silu_and_mul_kernel."""
+    i, j = ct.bid(0), ct.bid(1)
+    g = ct.load(gate, index=(i, j), shape=(ROWS, BLOCK), padding_mode=ZERO).astype(ct.float32)
+    u = ct.load(x, index=(i, j), shape=(ROWS, BLOCK), padding_mode=ZERO).astype(ct.float32)
+    s = _sigmoid(g).astype(out.dtype).astype(ct.float32)
+    ct.store(out, index=(i, j), tile=(u * s).astype(out.dtype))
+
+
 @ct.kernel
 def silu_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant[int]):
     """out = silu(x), computed in float32 and rounded once. x, out: (M, N)."""
@@ -124,6 +151,7 @@ KERNELS = {
     "silu_and_mul_fused": ("silu_and_mul_fused_kernel", (("x", 3), ("out", 2))),
     "silu": ("silu_kernel", (("x", 2), ("out", 2))),
     "gelu_tanh_and_mul_fused": ("gelu_tanh_and_mul_fused_kernel", (("x", 3), ("out", 2))),
+    "sigmoid_and_mul": ("sigmoid_and_mul_kernel", (("gate", 2), ("x", 2), ("out", 2))),
 }
 
 

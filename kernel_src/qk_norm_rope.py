@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from ._spec import ConstParam, ScalarParam, VariantSpec, array
+from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
 # The helpers are the norm and rope kernels' own (one formula each); the builder hashes these
 # modules into this family's variants (KERNEL_DEPENDS), so a change there rebuilds this kernel.
-from .norm import _inv_rms, _scale, _sum_sq
+from .norm import _inv_rms, _scale, _scale_float, _sum_sq
 from .rope import BLOCKS, HEADS, ROWS, _half, _rounded_mul, tile_matrix
 
 ZERO = ct.PaddingMode.ZERO
@@ -102,6 +102,86 @@ def qk_norm_rope_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps: f
 
 
 # ---------------------------------------------------------------------------------------------
+# Zero-centered q/k norms and partial RoPE (Qwen3.5's gated attention; Gemma 3's q/k norms)
+# ---------------------------------------------------------------------------------------------
+#
+# Qwen3_5Attention.forward (models/qwen3_5/modeling_qwen3_5.py at v5.22.2) norms each head with
+# Qwen3_5RMSNorm, Gemma's order: ``round(x * rsqrt(mean(x ** 2) + eps) * (1 + weight))`` all in
+# float32, rounded once (norm.py's ``_scale_float`` with offset 1), then rotates only the first R =
+# cos.shape[-1] elements of each head (partial rotary: R = D / 4 there) with Llama's formula; the
+# other D - R elements are the normed head as it is. The host views every head (B, H, S, D) as
+# (B, H, S, D / (R/2), R/2) chunks of R/2, so chunk 0 and chunk 1 are the rotated halves and the
+# rest pass through; one (CHUNKS, BLOCK) tile holds the whole head (CHUNKS, BLOCK: D / (R/2) and
+# R/2 padded up to powers of two), and the halves are loaded again as (1, BLOCK) tiles of the same
+# array. One store writes the head: the rotated halves selected into chunks 0 and 1 with ``where``.
+# Full rotary (R = D, Gemma 3) is CHUNKS = 2: nothing passes through.
+#
+# Estimate, written before the kernel (Amdahl), Qwen3.5-0.8B on the H200 (session 14's bench): a
+# full-attention layer's q_norm and k_norm (our rms_norm_gemma, 2 launches) and the partial RoPE
+# (``qwen3_5_rope``: 1 launch and 2 copies of the pass-through part) become 1 launch; 4 of ~22
+# launches per step in 6 of 24 layers: host-bound eager decode f ~ 4 % of an ~18 ms step, s -> inf
+# for what is removed, ceiling ~1.04; device time in the fast path well under 1 % (ceiling ~1.0).
+
+
+@ct.function
+def _norm_rotate_float(x, w, out, b, h, s, c1, c2, s1, s2, eps, offset, BLOCK: ct.Constant[int],
+                       CHUNKS: ct.Constant[int], ROWS: ct.Constant[int], HEADS: ct.Constant[int]):
+    # x, out: (B, H, S, D/(R/2), R/2); w: (D/(R/2), R/2); (b, h, s) index tiles of (1, HEADS, ROWS);
+    # c*, s*: (1, ROWS, BLOCK) float32 tiles of cos and sin shared by the HEADS heads.
+    n_rows = HEADS * ROWS
+    head = (1, HEADS, ROWS, CHUNKS, BLOCK)
+    whole = ct.reshape(ct.load(x, index=(b, h, s, 0, 0), shape=head, padding_mode=ZERO),
+                       (n_rows, CHUNKS * BLOCK)).astype(ct.float32)
+    inv_rms = _inv_rms(_sum_sq(whole, x.dtype), x.shape[3] * x.shape[4], eps)  # (n_rows, 1)
+    w_all = ct.reshape(ct.load(w, index=(0, 0), shape=(CHUNKS, BLOCK), padding_mode=ZERO).astype(ct.float32),
+                       (1, CHUNKS * BLOCK))
+    normed = ct.reshape(_scale_float(whole, inv_rms, w_all, offset).astype(x.dtype).astype(ct.float32),
+                        (n_rows, CHUNKS, BLOCK))
+    # The rotated halves: chunks 0 and 1 again, as rope.py's (HEADS, ROWS, BLOCK) tiles.
+    half = (1, HEADS, ROWS, 1, BLOCK)
+    rows = (n_rows, BLOCK)
+    heads = (HEADS, ROWS, BLOCK)
+    x1 = ct.reshape(ct.load(x, index=(b, h, s, 0, 0), shape=half, padding_mode=ZERO), rows).astype(ct.float32)
+    x2 = ct.reshape(ct.load(x, index=(b, h, s, 1, 0), shape=half, padding_mode=ZERO), rows).astype(ct.float32)
+    w1 = ct.load(w, index=(0, 0), shape=(1, BLOCK), padding_mode=ZERO).astype(ct.float32)
+    w2 = ct.load(w, index=(1, 0), shape=(1, BLOCK), padding_mode=ZERO).astype(ct.float32)
+    n1 = ct.reshape(_scale_float(x1, inv_rms, w1, offset).astype(x.dtype).astype(ct.float32), heads)
+    n2 = ct.reshape(_scale_float(x2, inv_rms, w2, offset).astype(x.dtype).astype(ct.float32), heads)
+    o1 = ct.reshape(_rounded_mul(n1, c1, x.dtype) - _rounded_mul(n2, s1, x.dtype), (n_rows, 1, BLOCK))
+    o2 = ct.reshape(_rounded_mul(n2, c2, x.dtype) + _rounded_mul(n1, s2, x.dtype), (n_rows, 1, BLOCK))
+    chunk = ct.reshape(ct.arange(CHUNKS, dtype=ct.int32), (1, CHUNKS, 1))
+    result = ct.where(chunk == 0, o1, ct.where(chunk == 1, o2, normed))
+    ct.store(out, index=(b, h, s, 0, 0), tile=ct.reshape(result.astype(out.dtype), head))
+
+
+@ct.kernel
+def qk_norm_rope_gemma_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps: float, offset: float,
+                              BLOCK: ct.Constant[int], CHUNKS: ct.Constant[int], ROWS: ct.Constant[int],
+                              HEADS: ct.Constant[int]):
+    """(offset + weight) RMSNorm in float32, then RoPE of the first R elements, of ROWS positions of
+    HEADS heads of q or of k per block.
+
+    q, q_out: (B, Hq, S, D/(R/2), R/2); k, k_out: (B, Hk, S, D/(R/2), R/2); q_weight, k_weight:
+    (D/(R/2), R/2); cos, sin: (B or 1, S, 2, R/2); R/2 <= BLOCK, D/(R/2) <= CHUNKS. Grid as
+    qk_norm_rope_kernel's.
+    """
+    s = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    cb = b % cos.shape[0]
+    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
+    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
+    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
+    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    q_tiles = ct.cdiv(q.shape[1], HEADS)
+    if h < q_tiles:
+        _norm_rotate_float(q, q_weight, q_out, b, h, s, c1, c2, s1, s2, eps, offset, BLOCK, CHUNKS, ROWS, HEADS)
+    else:
+        _norm_rotate_float(k, k_weight, k_out, b, h - q_tiles, s, c1, c2, s1, s2, eps, offset, BLOCK, CHUNKS, ROWS,
+                           HEADS)
+
+
+# ---------------------------------------------------------------------------------------------
 # Build matrix
 # ---------------------------------------------------------------------------------------------
 
@@ -120,8 +200,42 @@ def _params(dtype: str, layout: str, consts: dict):
     return tuple(params)
 
 
-#: Every variant of this family, in the runtime's order of preference (aligned before generic).
-VARIANTS: list[VariantSpec] = tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params)
+def _gemma_params(dtype: str, layout: str, consts: dict):
+    params = [array(a, dtype, 5, layout) for a in ("q", "k")]
+    params += [array(a, dtype, 2, layout) for a in ("q_weight", "k_weight")]
+    params += [array(a, dtype, 4, layout) for a in ("cos", "sin")]
+    params += [array(a, dtype, 5, layout) for a in ("q_out", "k_out")]
+    params += [ScalarParam("eps", "float32"), ScalarParam("offset", "float32")]
+    params += [ConstParam(k, v) for k, v in consts.items()]
+    return tuple(params)
+
+
+#: qk_norm_rope_gemma's (BLOCK, CHUNKS) tiles: R/2 padded to BLOCK, D / (R/2) to CHUNKS, the head
+#: (BLOCK * CHUNKS) at most 256 wide. Qwen3.5 (D 256, R 64) is (32, 8); Gemma 3 (D 256, full
+#: rotary) (128, 2).
+GEMMA_TILES = tuple((block, chunks) for block in BLOCKS for chunks in (2, 4, 8) if block * chunks <= 256)
+#: Positions per prefill tile: 4096 elements of q or k per tile (HEADS * ROWS * CHUNKS * BLOCK).
+GEMMA_ROWS = {(block, chunks): 4096 // (HEADS * block * chunks) for block, chunks in GEMMA_TILES}
+
+
+def _gemma_matrix() -> list[VariantSpec]:
+    specs = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for layout in LAYOUTS:
+            tiles = [(bc, GEMMA_ROWS[bc]) for bc in GEMMA_TILES]
+            if dtype in DECODE_DTYPES:
+                tiles += [(bc, 1) for bc in GEMMA_TILES]
+            for (block, chunks), rows in tiles:
+                consts = {"BLOCK": block, "CHUNKS": chunks, "ROWS": rows, "HEADS": HEADS}
+                specs.append(VariantSpec("qk_norm_rope_gemma", "qk_norm_rope", "qk_norm_rope_gemma_kernel",
+                                         f"{DTYPE_TAGS[dtype]}.h{block}.c{chunks}.t{HEADS}x{rows}.{layout}",
+                                         _gemma_params(dtype, layout, consts)))
+    return specs
+
+
+#: Every variant of the two families, in the runtime's order of preference (aligned before generic).
+VARIANTS: list[VariantSpec] = tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params) + _gemma_matrix()
 
 #: The tiles (BLOCKS, HEADS, ROWS) are rope.py's, exported here as this family's own.
-__all__ = ["BLOCKS", "HEADS", "ROWS", "VARIANTS", "qk_norm_rope_kernel"]
+__all__ = ["BLOCKS", "GEMMA_ROWS", "GEMMA_TILES", "HEADS", "ROWS", "VARIANTS", "qk_norm_rope_gemma_kernel",
+           "qk_norm_rope_kernel"]

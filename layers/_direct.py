@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from ..ops.activation import sigmoid_and_mul
 from .attention import static_kv_length
 
 # The registries torch mutates in place (register_module_forward_hook & co.).
@@ -66,9 +67,10 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     (``qkv``, ``qwen3``, ``phi3``, ``qwen3_5``) run it: the KV cache update, the attention function
     the config names (``glob``: the class's modeling module, read as its forward reads it), then
     ``o_proj`` through :func:`linear`. ``window`` is the ``sliding_window`` keyword as the stock
-    forward passes it (``{}`` where it passes none). ``gate`` ``(B, S, heads * head_dim)``: the
-    output gate of gated attention (Qwen3.5's ``attn_output * torch.sigmoid(gate)`` before
-    ``o_proj``). With our attention over a static cache layer, the layer's filled length goes along
+    forward passes it (``{}`` where it passes none). ``gate`` ``(B, S, heads, head_dim)`` (any
+    strides whose rows collapse, e.g. the gate half of each head of Qwen3.5's q projection) or
+    ``(B, S, heads * head_dim)``: the output gate of gated attention (Qwen3.5's ``attn_output *
+    torch.sigmoid(gate)`` before ``o_proj``), on the ``sigmoid_and_mul`` kernel. With our attention over a static cache layer, the layer's filled length goes along
     (:func:`.attention.static_kv_length`). Returns ``(attn_output (B, S, hidden), attn_weights)``."""
     length = {}
     if past_key_values is not None:
@@ -84,6 +86,6 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
         **length,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if gate is not None:
-        attn_output = attn_output * torch.sigmoid(gate)
+    if gate is not None:  # one sigmoid_and_mul launch, the gate read in place
+        attn_output = sigmoid_and_mul(gate, attn_output.view(gate.shape)).view(*input_shape, -1)
     return linear(self.o_proj, attn_output), attn_weights

@@ -158,7 +158,8 @@ def test_tile_config_by_rows():
 
 def test_variant_matrix():
     specs = kact.VARIANTS
-    assert len(specs) == 4 * 3 * 2 * len(kact.TILES) == 24  # 4 kernels (GeGLU since 2026-12-01), 3 dtypes, 2 layouts
+    # 5 kernels (GeGLU since 2026-12-01, the sigmoid output gate since 2026-12-02), 3 dtypes, 2 layouts
+    assert len(specs) == 5 * 3 * 2 * len(kact.TILES) == 30
     for kernel in kact.KERNELS:
         mine = [s for s in specs if s.kernel == kernel]
         for d in ("bf16", "fp16", "fp32"):
@@ -500,3 +501,81 @@ def test_torch_compile_matches_eager(mode, strict):
     for _ in range(3):
         x = torch.randn(17, 1024, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(compiled(x), fn(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# sigmoid_and_mul: gated attention's output gate (Qwen3.5)
+# ---------------------------------------------------------------------------------------------
+
+def _gated(b, s, h, d, dtype, device="cpu"):
+    """The gate as Qwen3_5Attention.forward has it (the second half of each head of the q
+    projection, a strided (B, S, H, D) view) and the attention output (B, S, H * D)."""
+    g = torch.Generator().manual_seed(b * 100 + s + h + d)
+    proj = (torch.randn(b, s, h, 2 * d, generator=g) * 4).to(device=device, dtype=dtype)
+    out = torch.randn(b, s, h * d, generator=g).to(device=device, dtype=dtype)
+    return proj[..., d:], out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sigmoid_and_mul_reference_is_the_stock_gate(dtype):
+    gate, x = _gated(2, 5, 3, 16, dtype)
+    stock = x * torch.sigmoid(gate.reshape(2, 5, -1))  # Qwen3_5Attention.forward's lines
+    got = cutile_kernels.sigmoid_and_mul(gate, x.view(gate.shape)).view(2, 5, -1)
+    assert got.dtype == stock.dtype and torch.equal(got, stock)
+    with pytest.raises(ValueError, match="gate shape"):
+        cutile_kernels.sigmoid_and_mul(gate, x)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 256), (7, 100), (33, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_sigmoid_and_mul_kernel_logic_matches_stock(rows, n, dtype):
+    """The kernel on NumPy: every element of a poisoned output window written, nothing beside it;
+    the gate read in place from a strided view; the sigmoid rounded before the product as stock."""
+    wide = (torch.randn(rows, 2 * n) * 4).to(dtype)
+    gate, x = wide[:, n:], torch.randn(rows, n).to(dtype)
+    buf = torch.full((rows + 2, n + 40), float("nan"), dtype=dtype)
+    out = buf[1:rows + 1, 8:n + 8]
+    _emulate("sigmoid_and_mul", (gate, x, out), rows, n, "row")
+    assert not out.isnan().any()
+    assert buf[0].isnan().all() and buf[-1].isnan().all() and buf[:, :8].isnan().all() and buf[:, n + 8:].isnan().all()
+    stock = x * torch.sigmoid(gate)
+    diff = (out.float() - stock.float()).abs()
+    assert (diff <= ULP[dtype] * stock.float().abs() + 1e-30).all()
+    if dtype == torch.float16:
+        assert (out == stock).float().mean() >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 8, 256), (16, 1, 8, 256), (1, 2048, 8, 256), (3, 5, 3, 100)],
+                         ids=lambda c: "b{}-s{}-h{}-d{}".format(*c))
+def test_sigmoid_and_mul_kernel_matches_stock(shape, dtype, strict):
+    """Qwen3.5-0.8B's gate (8 heads of 256) at decode b1 / b16 and a 2048-token prefill, and an
+    odd shape: as close to float64 as stock, and equal to stock but for a few last-bit flips."""
+    gate, x = _gated(*shape, dtype, device="cuda")
+    before = dispatch.stats()["launches"]
+    got = cutile_kernels.sigmoid_and_mul(gate, x.view(gate.shape))
+    (variant,) = launched_variants(before)
+    assert variant.kernel == "sigmoid_and_mul"
+    stock = (x * torch.sigmoid(gate.reshape(x.shape))).view(gate.shape)
+    _assert_close_to_stock(got, stock, x.double().view(gate.shape) * torch.sigmoid(gate.double()))
+    out = torch.full(gate.shape, float("nan"), device="cuda", dtype=dtype)  # poisoned: every element written
+    assert dispatch.run("sigmoid_and_mul", act_ops._want(1), (gate, x.view(gate.shape), out), 2,
+                        act_ops._grid(out.numel() // shape[-1], shape[-1]), act_ops._rows_layout)
+    assert torch.equal(out, got)
+
+
+@pytest.mark.gpu
+def test_sigmoid_and_mul_in_a_cuda_graph_and_compiled(strict):
+    gate, x = _gated(4, 1, 8, 256, torch.bfloat16, device="cuda")
+    x = x.view(gate.shape)
+    cutile_kernels.sigmoid_and_mul(gate, x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cutile_kernels.sigmoid_and_mul(gate, x)
+    x.mul_(2)
+    graph.replay()
+    eager = cutile_kernels.sigmoid_and_mul(gate, x)
+    assert torch.equal(captured, eager)
+    compiled = torch.compile(cutile_kernels.sigmoid_and_mul, fullgraph=True)
+    assert torch.equal(compiled(gate, x), eager)

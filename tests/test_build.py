@@ -57,7 +57,7 @@ def test_manifest_covers_every_variant_and_arch(built_package_dir, manifest):
             assert isinstance(e["hash"], str) and len(e["hash"]) == 20
             int(e["hash"], 16)
             path = built_package_dir / e["cubin"]
-            assert e["cubin"] == f"cubins/{arch}/{e['symbol']}.cubin"
+            assert e["cubin"] == f"cubins/{arch}/{builder.cubin_file(e['symbol'])}"
             assert path.is_file(), path
             size = path.stat().st_size
             assert size > 0 and size == e["cubin_bytes"]
@@ -137,7 +137,7 @@ def test_incremental_build(tmp_path):
                   and s.tag.endswith(layout) and s.constants.get("BLOCK_N") == 64)
              for layout in ("aligned", "generic")]
     assert specs[0].params[0].base_addr_divisible_by == 16 and specs[1].params[0].base_addr_divisible_by == 1
-    names = {f"{aot.signature(s).symbol}.cubin" for s in specs}
+    names = {builder.cubin_file(aot.signature(s).symbol) for s in specs}
     out = tmp_path / "b"
 
     m1 = _build(out, specs)
@@ -149,7 +149,7 @@ def test_incremental_build(tmp_path):
     written = json.loads((out / "torch-cuda" / "cutile_kernels" / "manifest.json").read_text())
     assert written["archs"] == ["sm_90"] and "build_stats" not in written
     assert [e["variant"] for e in written["variants"]] == [s.tag for s in specs]
-    assert all(e["cubin_bytes"] == files[e["symbol"] + ".cubin"].stat().st_size for e in written["variants"])
+    assert all(e["cubin_bytes"] == files[builder.cubin_file(e["symbol"])].stat().st_size for e in written["variants"])
     meta = json.loads((out / "torch-cuda" / "metadata.json").read_text())
     assert meta["backend"]["archs"] == ["9.0a"]
 
@@ -166,8 +166,8 @@ def test_incremental_build(tmp_path):
 
     # Delete one cubin: exactly that one is recompiled; the other file is left alone.
     files = _cubins(out)
-    victim = f"{aot.signature(specs[1]).symbol}.cubin"
-    keeper = f"{aot.signature(specs[0]).symbol}.cubin"
+    victim = builder.cubin_file(aot.signature(specs[1]).symbol)
+    keeper = builder.cubin_file(aot.signature(specs[0]).symbol)
     keeper_ino = files[keeper].stat().st_ino
     files[victim].unlink()
     m4 = _build(out, specs)

@@ -398,6 +398,19 @@ def test_stacked_projections_keep_the_stock_bits_keys_and_refuse_what_they_canno
     assert fam.unpatch_qwen3_5_stacked_proj(model) == 2
     assert all(type(m) is q35.Qwen3_5GatedDeltaNet and hasattr(m, "in_proj_b") for m in blocks)
     assert torch.equal(families.prefill_and_step(model, ids), want)
+    # On CUDA kernelize binds the build's copy of the package: another function object of the same
+    # code (found on the H200: the stacking refused every kernelized block).
+    import types
+
+    copied = types.FunctionType(CutileGatedDeltaNet.forward.__code__, CutileGatedDeltaNet.forward.__globals__)
+    assert copied is not CutileGatedDeltaNet.forward
+    for m in blocks:
+        m.forward = copied.__get__(m)
+    assert fam.patch_qwen3_5_stacked_proj(model) == 2
+    assert torch.equal(families.prefill_and_step(model, ids), want)
+    assert fam.unpatch_qwen3_5_stacked_proj(model) == 2
+    for m in blocks:
+        del m.forward
     other = copy.deepcopy(blocks[0])
     other.forward = lambda *args, **kwargs: None
     assert fam.stacking_verdict(other).startswith("its forward is already replaced")

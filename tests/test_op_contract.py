@@ -24,6 +24,9 @@ CALLS = {
                                                        _f(1, 5, 16)), "q"),
     "qk_norm_rope": (lambda d: cutile_kernels.qk_norm_rope(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16), _f(16), _f(16),
                                                            1e-6, _f(1, 5, 16), _f(1, 5, 16)), "q"),
+    "qk_norm_rope_gemma": (lambda d: cutile_kernels.qk_norm_rope_gemma(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16), _f(16),
+                                                                       _f(16), 1e-6, _f(1, 5, 8), _f(1, 5, 8)), "q"),
+    "sigmoid_and_mul": (lambda d: cutile_kernels.sigmoid_and_mul(_f(3, 64, dtype=d), _f(3, 64)), "gate"),
     "rope_cos_sin": (lambda d: cutile_kernels.rope_cos_sin(_f(8, dtype=d), torch.arange(5)[None], 1.0,
                                                            torch.float32), "inv_freq"),
     "attention": (lambda d: cutile_kernels.attention(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16), _f(1, 2, 5, 16)), "q"),
@@ -120,6 +123,11 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
     if name == "qk_norm_rope":
         (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
         return q, k, 1 + 0.1 * f(d), 1 + 0.1 * f(d), 1e-6, cos, sin
+    if name == "qk_norm_rope_gemma":  # partial rotary: half of each head rotated
+        (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
+        return q, k, 0.1 * f(d), 0.1 * f(d), 1e-6, cos[..., :d // 2], sin[..., :d // 2], 1.0
+    if name == "sigmoid_and_mul":  # the gate as the second half of each head of a wider projection
+        return f(2, 7, 3, 2 * d)[..., d:], f(2, 7, 3, d)
     if name == "rope_cos_sin":
         return 1.0 / 10000 ** (torch.arange(0, d, 2).to(device, torch.float32) / d), \
             torch.arange(9, device=device).view(1, 9), 1.0, dtype

@@ -192,7 +192,7 @@ def test_emulated_kernel_with_bfloat16_values():
 # ---------------------------------------------------------------------------------------------
 
 def test_build_matrix_is_small():
-    specs = src.VARIANTS
+    specs = [s for s in src.VARIANTS if s.kernel == NAME]  # the module also builds qk_norm_rope_gemma
     # prefill tiles for three dtypes, decode tiles (ROWS=1) for the two 16-bit ones, two layouts each
     assert len(specs) == (3 + 2) * 2 * len(src.BLOCKS) == 30
     assert len({s.tag for s in specs}) == len(specs)

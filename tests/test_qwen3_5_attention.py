@@ -1,7 +1,7 @@
-"""The Qwen3.5 family's opt-in patch ``qwen3_5_rope`` (layers/models/qwen3_5.py): gated attention's
-partial RoPE of q and k on one ``rope`` launch. CPU: stock logits exactly over a prefill and cached
-decode steps (the reference path), the op in a fullgraph compile, what is left alone, undo; GPU: as
-close to float32 as stock bf16, the kernel launched."""
+"""The Qwen3.5 family's patch ``qwen3_5_rope`` (layers/models/qwen3_5.py): gated attention's q/k
+norms and partial RoPE of q and k on one ``qk_norm_rope_gemma`` launch, its output gate on one ``sigmoid_and_mul``. CPU: stock logits exactly
+over a prefill and cached decode steps (the reference path), hooked norms, the op in a fullgraph
+compile, what is left alone, undo; GPU: as close to float32 as stock bf16, the kernel launched."""
 
 from __future__ import annotations
 
@@ -32,9 +32,37 @@ def test_patch_keeps_stock_logits_runs_the_rope_op_and_undoes(partial):
     assert n and cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": n}
     dispatch.reset_stats()
     assert torch.equal(families.prefill_and_step(model, ids), want)
-    assert dispatch.stats()["reference_calls"]["rope"] == 2 * n  # the prefill and the step
+    assert dispatch.stats()["reference_calls"]["qk_norm_rope_gemma"] == 2 * n  # the prefill and the step
+    assert "rope" not in dispatch.stats()["reference_calls"]
+    assert dispatch.stats()["reference_calls"]["sigmoid_and_mul"] == 2 * n  # the output gate
     assert fam.unpatch_qwen3_5_rope(model) == n
     assert not any("forward" in vars(m) for m in _attention(model))
+
+
+def test_hooked_norms_run_the_norm_modules_and_other_norms_are_refused(caplog):
+    model = families.model("qwen3_5_text", layers=4)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    want = families.prefill_and_step(model, ids)
+    cutile_kernels.patch(model, names=["qwen3_5_rope"])
+    seen = []
+    handle = _attention(model)[0].k_norm.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    dispatch.reset_stats()
+    assert torch.equal(families.prefill_and_step(model, ids), want)
+    handle.remove()
+    assert len(seen) == 2  # the hook fired in the prefill and the step
+    calls = dispatch.stats()["reference_calls"]
+    assert calls["rope"] == 2 and calls["qk_norm_rope_gemma"] == 2 * len(_attention(model)) - 2
+    fam.unpatch_qwen3_5_rope(model)
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    attn = _attention(model)[0]
+    attn.q_norm = LlamaRMSNorm(attn.head_dim)
+    assert fam._rope_attention_verdict(attn) == "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
+    attn = _attention(model)[1]
+    attn.k_norm.eps = 1e-3
+    assert "are not one float" in fam._rope_attention_verdict(attn)
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
+        assert cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": 0}
 
 
 def test_other_attention_code_and_rope_are_left_alone(caplog, change_pin):
@@ -59,7 +87,8 @@ def test_patched_model_compiles_fullgraph_with_the_op():
     cutile_kernels.patch(model, names=["qwen3_5_rope"])
     frames, targets, got, want = families.compile_fullgraph(model, seed=9)
     assert frames == 1
-    assert any(t.endswith("rope.default") for t in targets)
+    assert any(t.endswith("qk_norm_rope_gemma.default") for t in targets)
+    assert any(t.endswith("sigmoid_and_mul.default") for t in targets)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
@@ -69,5 +98,6 @@ def test_gpu_patched_model_is_as_close_to_float32_as_stock(strict, stock_functio
     ours_rel, stock_rel, report = families.relative_errors_vs_float32("qwen3_5_text", ["qwen3_5_rope"], seq=41,
                                                                       layers=4)
     assert report.changed == {"qwen3_5_rope": 2}  # the tiny config alternates linear and full attention
-    assert any(k.startswith("rope_kernel") and n > before.get(k, 0) for k, n in dispatch.stats()["launches"].items())
+    assert any(k.startswith("qk_norm_rope_gemma_kernel") and n > before.get(k, 0)
+               for k, n in dispatch.stats()["launches"].items())
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)

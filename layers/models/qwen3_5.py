@@ -15,10 +15,10 @@ Mamba-style models; benched on Qwen3.5 only). By code identity with other famili
 code (``fused_gate_up`` by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s (hub name
 ``RMSNormZeroCentered``, the ``rms_norm_gemma`` kernel, q/k norms included). Its own patches:
 ``qwen3_5_add_norm`` fuses the token mixer's residual add into ``post_attention_layernorm``; the
-opt-in ``qwen3_5_rope`` runs the gated attention's partial RoPE of q and k on one ``rope`` launch
-and the opt-in ``qwen3_5_stacked_proj`` stacks the gated DeltaNet's ``in_proj_qkv``, ``in_proj_b``
-and ``in_proj_a`` into one GEMM (both not benched yet). Not ours yet: the attention's output gate,
-the MLP block's residual add.
+opt-in ``qwen3_5_rope`` runs the gated attention's q/k norms and partial RoPE of q and k on one
+``qk_norm_rope_gemma`` launch and its sigmoid output gate on one ``sigmoid_and_mul`` launch; the
+opt-in ``qwen3_5_stacked_proj`` stacks the gated DeltaNet's ``in_proj_qkv``, ``in_proj_b`` and
+``in_proj_a`` into one GEMM. Not ours yet: the MLP block's residual add.
 flash-linear-attention is the anchor to beat (bench path ``stock+fla``).
 """
 
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ...ops.norm import add_rms_norm_gemma
+from ...ops.qk_norm_rope import qk_norm_rope_gemma
 from ...ops.rope import apply_rope
 from .._direct import attend, linear
 from .._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
@@ -61,15 +62,15 @@ FAMILY = Family(
               "patch qwen3_5_add_norm (its fused decoder forward)"),
           Pin("qwen3_5", "Qwen3_5Attention.forward", "475c60b3e5e177fb", "patch qwen3_5_rope (its attention forward)"),
           Pin("qwen3_5", "apply_rotary_pos_emb", "f01c1a539cf87fe4",
-              "patch qwen3_5_rope (rope kernel, partial rotary)")),
+              "patch qwen3_5_rope (qk_norm_rope_gemma kernel, partial rotary)")),
     presets=("qwen3.5-0.8b", "qwen3.5-27b"),
     covered="gated DeltaNet's delta rule (chunked prefill, recurrent decode), causal conv1d and its update, "
             "its gates (g, beta) and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) "
             "RMSNorms (hub layer RMSNormZeroCentered), the post-attention one fused with the residual add; "
-            "opt-in (include=['qwen3_5_rope', 'qwen3_5_stacked_proj']): partial RoPE in one launch, three input "
-            "projections as one GEMM",
-    not_covered="gated attention's output gate, partial RoPE (opt-in patch qwen3_5_rope), the MLP block's "
-                "residual add, GEMMs",
+            "opt-in (include=['qwen3_5_rope', 'qwen3_5_stacked_proj']): the attention's q/k norms and partial "
+            "RoPE in one launch and its output gate in one, three input projections as one GEMM",
+    not_covered="without the opt-ins: the attention's partial RoPE and output gate; the MLP block's residual "
+                "add, GEMMs",
     default=True,
 )
 
@@ -162,37 +163,61 @@ def attention_verdict(cls: type) -> str | None:
                                           modeling_qwen3_5.apply_rotary_pos_emb, "Qwen3.5's partial-rotary formula")
 
 
+def _norm_verdict(m: nn.Module) -> str | None:
+    # Patch time: q_norm and k_norm compute Qwen3_5RMSNorm's formula (GemmaRMSNorm's code) with one eps.
+    qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
+    if not all(isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n)) for n in (qn, kn)):
+        return "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
+    eps = {_float_norm_eps(qn), _float_norm_eps(kn)}
+    if len(eps) != 1 or not isinstance(next(iter(eps)), float):
+        return f"its q_norm / k_norm eps {sorted(map(repr, eps))} are not one float"
+    return None
+
+
+def _rope_attention_verdict(m: nn.Module) -> str | None:
+    return attention_verdict(type(m)) or _norm_verdict(m)
+
+
 def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
                            **kwargs):
-    """``Qwen3_5Attention.forward`` (5.22.2) with ``apply_rotary_pos_emb`` as one ``apply_rope``
-    launch for q and k (partial rotary: the first ``cos.shape[-1]`` elements of each head rotate,
-    the rest pass through), instead of about twelve. The q/k norms (their modules: our hub layer
-    ``RMSNormZeroCentered`` where kernelized), the output gate and the rest are the stock lines.
-    Same arguments and result."""
+    """``Qwen3_5Attention.forward`` (5.22.2) with ``q_norm``, ``k_norm`` and the partial-rotary
+    ``apply_rotary_pos_emb`` as one ``qk_norm_rope_gemma`` launch for q and k (the first
+    ``cos.shape[-1]`` elements of each head rotate, the rest pass through), instead of about
+    fourteen. The output gate and the rest are the stock lines. Same arguments and result. A call
+    whose norms have hooks runs the norm modules and one ``apply_rope`` instead."""
     glob = type(self).forward.__globals__  # the class's modeling module: its attention registry and eager path
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
+    # The gate stays a (B, S, H, D) view of the projection: attend's sigmoid_and_mul reads it in place
+    # (stock reshapes it, a copy).
     query_states, gate = torch.chunk(linear(self.q_proj, hidden_states).view(*input_shape, -1, self.head_dim * 2),
                                      2, dim=-1)
-    gate = gate.reshape(*input_shape, -1)
-    query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
-    key_states = self.k_norm(linear(self.k_proj, hidden_states).view(hidden_shape)).transpose(1, 2)
+    query_states = query_states.view(hidden_shape).transpose(1, 2)
+    key_states = linear(self.k_proj, hidden_states).view(hidden_shape).transpose(1, 2)
     value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    query_states, key_states = apply_rope(query_states, key_states, cos, sin)
+    qn, kn = self.q_norm, self.k_norm
+    if _unhooked(qn) and _unhooked(kn):
+        query_states, key_states = qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight,
+                                                      _float_norm_eps(qn), cos, sin, 1.0)
+    else:  # the norm modules (their hooks fire) on the (B, S, H, D) views, as the stock forward runs them
+        query_states = qn(query_states.transpose(1, 2)).transpose(1, 2)
+        key_states = kn(key_states.transpose(1, 2)).transpose(1, 2)
+        query_states, key_states = apply_rope(query_states, key_states, cos, sin)
     return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
                   kwargs, {}, gate=gate)
 
 
 def patch_qwen3_5_rope(model: nn.Module) -> int:
     """Patch ``qwen3_5_rope``: bind :func:`rope_attention_forward` to every attention module whose
-    class passes :func:`attention_verdict`. Returns the modules newly patched."""
+    class passes :func:`attention_verdict` and whose ``q_norm`` / ``k_norm`` compute
+    ``Qwen3_5RMSNorm``'s formula with one eps. Returns the modules newly patched."""
     new = swap_forwards(model, "qwen3_5_rope", rope_attention_forward,
                         lambda m: all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm")),
-                        lambda m: attention_verdict(type(m)),
-                        "partial RoPE of q and k of {n} {cls} on one cuTile launch")
+                        _rope_attention_verdict,
+                        "q/k norms and partial RoPE of {n} {cls} on one cuTile launch")
     return sum(new.values())
 
 
@@ -241,7 +266,9 @@ def stacking_verdict(m: nn.Module) -> str | None:
     if not computes_gated_deltanet(type(m)):
         return "its forward is not Qwen3_5GatedDeltaNet.forward's code"
     bound = m.__dict__.get("forward")
-    if bound is not None and getattr(bound, "__func__", None) is not CutileGatedDeltaNet.forward:
+    # kernelize binds the block layer of the build's copy of this package: the same code, by name.
+    if bound is not None and getattr(getattr(bound, "__func__", None), "__qualname__", "") != (
+            CutileGatedDeltaNet.forward.__qualname__):
         return "its forward is already replaced on the instance (e.g. an accelerate hook)"
     if getattr(m.conv1d, "_hf_hook", None) is not None:
         return "its conv1d has accelerate hooks"
@@ -291,13 +318,14 @@ def unpatch_qwen3_5_stacked_proj(model: nn.Module) -> int:
 
 
 #: This module's patch rows (gathered by ``layers/_registry.py``). ``qwen3_5_add_norm`` is a default
-#: since the H200 bench of 2026-12-02 (docs/results.md, fifth session); ``qwen3_5_rope`` is opt-in
-#: until a bench times it (its kernel is the ``rope`` kernel that Phi-3's partial RoPE runs by default).
+#: since the H200 bench of 2026-12-02 (docs/results.md, fifth session); ``qwen3_5_rope`` and
+#: ``qwen3_5_stacked_proj`` are opt-in until a bench accepts them.
 PATCH_ROWS = [Patch("qwen3_5_add_norm", apply=patch_qwen3_5_add_norm, undo=unpatch_qwen3_5_add_norm,
                     description="Qwen3.5 decoder layers' residual add fused into their (1 + weight) "
                                 "post_attention_layernorm"),
               Patch("qwen3_5_rope", apply=patch_qwen3_5_rope, undo=unpatch_qwen3_5_rope, default=False,
-                    description="Qwen3.5 gated attention's partial RoPE of q and k in one cuTile launch"),
+                    description="Qwen3.5 gated attention's q/k norms and partial RoPE in one cuTile launch, "
+                                "its sigmoid output gate in one"),
               Patch("qwen3_5_stacked_proj", apply=patch_qwen3_5_stacked_proj, undo=unpatch_qwen3_5_stacked_proj,
                     default=False, description="Qwen3.5 gated DeltaNet's in_proj_qkv, in_proj_b and in_proj_a "
                                                "as one GEMM")]

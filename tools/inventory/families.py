@@ -56,7 +56,8 @@ class Entry:
 def entries() -> list[Entry]:
     """Every generated entry, in family order (activation, rope, attention, qk_norm_rope, kv_cache,
     then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
-    return [*_activation(), _rope(), _attention(), _qk_norm_rope(), _kv_append(), *_gated_deltanet()]
+    return [*_activation(), _rope(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(), _kv_append(),
+            *_gated_deltanet()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -170,6 +171,26 @@ def _activation() -> list[Entry]:
         constraints=["gate_up_size == 2 * intermediate_size"],
     )
 
+    gated_src = "src/transformers/models/qwen3_5/modeling_qwen3_5.py::Qwen3_5Attention.forward"
+    rows_width = ["num_rows", "head_dim"]
+    gate = Definition(
+        name="sigmoid_and_mul", op_type="sigmoid_and_mul",
+        axes={"num_rows": AxisVar(description="batch x tokens x attention heads, flattened"),
+              "head_dim": AxisVar(description="config.head_dim")},
+        inputs={"gate": spec(rows_width, "the gate half of each head of q_proj(x) (read in place, row stride "
+                                         "2 x head_dim in the model)"),
+                "x": spec(rows_width, "the attention output, heads concatenated")},
+        outputs={"out": spec(rows_width, "x * sigmoid(gate), the sigmoid rounded to the dtype before the product")},
+        reference=reference_source([ops.sigmoid_and_mul_reference], ["gate", "x"],
+                                   "return sigmoid_and_mul_reference(gate, x)",
+                                   _header(gated_src, "attn_output * torch.sigmoid(gate) before o_proj (gated "
+                                                      "attention's output gate).", "cutile_kernels.ops.activation"),
+                                   imports),
+        tags=_tags("activation", gated_src, ("qwen3.5-0.8b", "qwen3.5-27b")),
+        description=("Gated attention's output gate (Qiu et al. 2025), x * sigmoid(gate), with Qwen3.5's rounding "
+                     f"order (transformers v{TRANSFORMERS_PIN}, {gated_src})."),
+    )
+
     # decode-b16 first: evaluate's boundaries come from the first Workload (1 and 17 rows: one
     # row and a count that is no power of two).
     order = ["decode-b16", *(p for p in TOKEN_COUNTS if p != "decode-b16")]
@@ -186,11 +207,21 @@ def _activation() -> list[Entry]:
                 out.append(Workload(axes=axes, inputs=_inputs(d), uuid=f"{preset}/mlp/{phase}"))
         return out
 
+    def gate_rows() -> list[Workload]:
+        out = []
+        for preset in ("qwen3.5-0.8b", "qwen3.5-27b"):
+            m = model_shapes(preset)
+            for phase in order:
+                out.append(Workload(axes={"num_rows": TOKEN_COUNTS[phase] * m["q_heads"], "head_dim": m["head_dim"]},
+                                    inputs=_inputs(gate), uuid=f"{preset}/attention-gate/{phase}"))
+        return out
+
     return [Entry("activation", pair, rows(pair), [SolutionSpec("silu_and_mul", "silu_and_mul")]),
             Entry("activation", fused, rows(fused), [SolutionSpec("silu_and_mul_fused", "silu_and_mul_fused")]),
             Entry("activation", silu, rows(silu), [SolutionSpec("silu", "silu")]),
             Entry("activation", geglu, rows(geglu, ("gemma-3-1b",)),
-                  [SolutionSpec("gelu_tanh_and_mul_fused", "gelu_tanh_and_mul_fused")])]
+                  [SolutionSpec("gelu_tanh_and_mul_fused", "gelu_tanh_and_mul_fused")]),
+            Entry("activation", gate, gate_rows(), [SolutionSpec("sigmoid_and_mul", "sigmoid_and_mul")])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,6 +409,54 @@ def _qk_norm_rope() -> Entry:
                                        "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
                                  inputs=_inputs(d, eps=float(cfg["rms_norm_eps"])), uuid=f"{preset}/{phase}"))
     return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope", "qk_norm_rope")])
+
+
+def _qk_norm_rope_gemma() -> Entry:
+    from .. import presets
+
+    norm, rope, ops = _ops("norm"), _ops("rope"), _ops("qk_norm_rope")
+    src = f"{QWEN3_5}::Qwen3_5Attention.forward"
+    axes, spec, (q_shape, k_shape, _) = _qk_axes("config.head_dim")
+    axes["rot_dim"] = AxisVar(description="rotated elements per head: head_dim x partial_rotary_factor")
+    cs = ["batch", "seq_len", "rot_dim"]
+    d = Definition(
+        name="qk_norm_rope_gemma", op_type="qk_norm_rope",
+        axes=axes,
+        inputs={"q": spec(q_shape, "the query half of q_proj(x) viewed (B, S, Hq, 2 D), heads before positions, "
+                                   "before q_norm"),
+                "k": spec(k_shape, "k_proj(x) viewed (B, S, Hk, D), likewise, before k_norm"),
+                "q_weight": spec(["head_dim"], "q_norm.weight (stored around 0: the norm multiplies by 1 + weight)"),
+                "k_weight": spec(["head_dim"], "k_norm.weight, likewise"),
+                "eps": TensorSpec(shape=None, dtype="float32", description="the norms' eps (config.rms_norm_eps)"),
+                "cos": spec(cs, "cos of the rotary angles per position (the text positions of Qwen3.5's MRoPE)"),
+                "sin": spec(cs, "sin of the rotary angles, likewise"),
+                "offset": TensorSpec(shape=None, dtype="float32", description="added to the weights (1.0)")},
+        outputs={"q_embed": spec(q_shape, "apply_rotary_pos_emb of q_norm(q): the first rot_dim elements rotated, "
+                                          "each op rounded to the dtype; the rest the normed head"),
+                 "k_embed": spec(k_shape, "likewise for k with k_norm")},
+        reference=reference_source(
+            [norm.rms_norm_gemma_reference, rope._rotate_half, rope._rotate, rope.apply_rope_reference,
+             ops.qk_norm_rope_gemma_reference], ["q", "k", "q_weight", "k_weight", "eps", "cos", "sin", "offset"],
+            "return qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)",
+            _header(src, "q_norm / k_norm (Qwen3_5RMSNorm: GemmaRMSNorm's float32 order with 1 + weight), then the "
+                         "partial-rotary apply_rotary_pos_emb(q, k, cos, sin).", "cutile_kernels.ops.qk_norm_rope")),
+        tags=_tags("qk_norm_rope", src, DELTANET_PRESETS),
+        description=(f"Qwen3.5's gated attention: per-head zero-centered q/k RMSNorm followed by partial RoPE, fused "
+                     f"(transformers v{TRANSFORMERS_PIN}, {src}: q_norm, k_norm, apply_rotary_pos_emb)."),
+        constraints=["rot_dim % 2 == 0", "rot_dim <= head_dim"],
+    )
+    rows = []
+    for preset in DELTANET_PRESETS:
+        cfg = presets.PRESETS[preset].config
+        m = model_shapes(preset)
+        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+        for phase, (batch, seq) in PHASES.items():
+            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
+                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
+                                       "rot_dim": int(m["head_dim"] * factor)},
+                                 inputs=_inputs(d, eps=float(cfg["rms_norm_eps"]), offset=1.0),
+                                 uuid=f"{preset}/{phase}"))
+    return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope_gemma", "qk_norm_rope_gemma")])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Torch custom ops over the cuTile kernels, one module per op family, and their functional API."""
 
-from .activation import (gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference, silu, silu_and_mul,
-                         silu_and_mul_fused, silu_and_mul_fused_reference, silu_and_mul_reference, silu_reference)
+from .activation import (gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference, sigmoid_and_mul,
+                         sigmoid_and_mul_reference, silu, silu_and_mul, silu_and_mul_fused, silu_and_mul_fused_reference,
+                         silu_and_mul_reference, silu_reference)
 from .attention import attention, attention_reference
 from .conv1d import causal_conv1d, causal_conv1d_reference, causal_conv1d_update, causal_conv1d_update_reference
 from .gated_delta import gated_delta_gates, gated_delta_gates_reference, gated_delta_rule, gated_delta_rule_reference
@@ -9,7 +10,7 @@ from .kv_cache import kv_append, kv_append_reference
 from .norm import (add_rms_norm, add_rms_norm_gemma, add_rms_norm_gemma_reference, add_rms_norm_reference, rms_norm,
                    rms_norm_gated, rms_norm_gated_reference,
                    rms_norm_gemma, rms_norm_gemma_reference, rms_norm_reference)
-from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_gemma, qk_norm_rope_gemma_reference, qk_norm_rope_reference
 from .rope import apply_rope, apply_rope_reference
 from .rope_cos_sin import rope_cos_sin, rope_cos_sin_reference
 
@@ -18,6 +19,7 @@ __all__ = ["attention", "attention_reference", "causal_conv1d", "causal_conv1d_r
            "rms_norm_gated_reference", "kv_append", "kv_append_reference", "gelu_tanh_and_mul_fused", "gelu_tanh_and_mul_fused_reference", "add_rms_norm", "add_rms_norm_gemma", "add_rms_norm_gemma_reference",
            "add_rms_norm_reference", "rms_norm", "rms_norm_gemma",
            "rms_norm_gemma_reference", "rms_norm_reference",
-           "apply_rope", "apply_rope_reference", "qk_norm_rope", "qk_norm_rope_reference", "rope_cos_sin", "rope_cos_sin_reference",
-           "silu", "silu_and_mul", "silu_and_mul_fused", "silu_and_mul_fused_reference",
+           "apply_rope", "apply_rope_reference", "qk_norm_rope", "qk_norm_rope_gemma",
+           "qk_norm_rope_gemma_reference", "qk_norm_rope_reference", "rope_cos_sin", "rope_cos_sin_reference",
+           "sigmoid_and_mul", "sigmoid_and_mul_reference", "silu", "silu_and_mul", "silu_and_mul_fused", "silu_and_mul_fused_reference",
            "silu_and_mul_reference", "silu_reference"]

@@ -47,6 +47,14 @@ def gelu_tanh_and_mul_fused_reference(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate.contiguous(), approximate="tanh") * up
 
 
+def sigmoid_and_mul_reference(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x * torch.sigmoid(gate)`` as ``Qwen3_5Attention.forward`` computes its output gate
+    (v5.22.2): the sigmoid rounded to gate's dtype, then the product (of the promoted dtype). The
+    gate is made contiguous first, as stock's ``reshape`` of the strided half makes it (torch's CPU
+    sigmoid rounds a strided float32 input differently from a contiguous one)."""
+    return x * torch.sigmoid(gate.contiguous())
+
+
 def _want(rows: int) -> tuple:
     r, b = TILES["row"]  # the one config, at every row count (see kernel_src.activation.TILES)
     return (("ROWS", r), ("BLOCK", b))
@@ -165,6 +173,23 @@ def _rows_layout(args: tuple) -> tuple:
     return tuple(_rows(t) for t in args)
 
 
+def _check_sigmoid_and_mul(gate: torch.Tensor, x: torch.Tensor) -> None:
+    if gate.shape != x.shape or gate.dim() < 1:
+        raise ValueError(f"sigmoid_and_mul: gate shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
+
+
+def _sigmoid_and_mul_cuda(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if gate.dtype != x.dtype:
+        dispatch.fallback("sigmoid_and_mul", f"gate and x dtypes differ ({gate.dtype}, {x.dtype})")
+        return sigmoid_and_mul_reference(gate, x).contiguous()
+    out = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[-1]
+    m = out.numel() // n if n else 0
+    if m * n == 0 or dispatch.run("sigmoid_and_mul", _want(m), (gate, x, out), 2, _grid(m, n), _rows_layout):
+        return out
+    return sigmoid_and_mul_reference(gate, x).contiguous()
+
+
 def _silu_and_mul_fake(gate, up):
     return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
@@ -184,6 +209,8 @@ _silu_and_mul_fused = define_op("silu_and_mul_fused",
                                 reference=silu_and_mul_fused_reference, fake=_silu_and_mul_fused_fake,
                                 check=_halves_check("silu_and_mul_fused"))
 _silu = define_op("silu", _silu_cuda, reference=silu_reference, fake=_silu_fake)
+_sigmoid_and_mul = define_op("sigmoid_and_mul", _sigmoid_and_mul_cuda, reference=sigmoid_and_mul_reference,
+                             fake=_silu_and_mul_fake, check=_check_sigmoid_and_mul)
 _gelu_tanh_and_mul_fused = define_op("gelu_tanh_and_mul_fused",
                                      _halves_cuda("gelu_tanh_and_mul_fused", gelu_tanh_and_mul_fused_reference),
                                      reference=gelu_tanh_and_mul_fused_reference, fake=_silu_and_mul_fused_fake,
@@ -268,3 +295,33 @@ def gelu_tanh_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
     """
     check_float("gelu_tanh_and_mul_fused", "x", x)
     return _gelu_tanh_and_mul_fused(x)
+
+
+def sigmoid_and_mul(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Gated attention's output gate ``x * sigmoid(gate)`` in one launch, with the rounding order
+    of transformers' ``Qwen3_5Attention.forward`` (v5.22.2): the sigmoid computed in float32 and
+    rounded to the dtype, then the product rounded (Qiu et al. 2025, "Gated Attention for Large
+    Language Models").
+
+    Args:
+        gate: ``(..., N)`` gate, any rows whose leading dims collapse to one stride (Qwen3.5 passes
+            the gate half of each head of the q projection, ``(B, S, H, D)`` with row stride 2D, read
+            in place); bfloat16, float16 or float32.
+        x: ``(..., N)`` the attention output, same shape (and, for the kernel, dtype) as ``gate``.
+
+    Returns:
+        ``(..., N)`` contiguous tensor of dtype ``promote_types(gate.dtype, x.dtype)``.
+
+    On CUDA this runs a cuTile kernel (prebuilt, else JIT); other inputs (mixed dtypes, float64,
+    rows that do not collapse, no build) take :func:`sigmoid_and_mul_reference` and log the reason
+    once. On other devices it is the reference. Under ``torch.compile`` or when an input requires
+    grad it is the custom op ``<namespace>::sigmoid_and_mul`` (gradients from the reference).
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        ValueError: ``gate`` and ``x`` differ in shape.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("sigmoid_and_mul", "gate, x", gate, x)
+    return _sigmoid_and_mul(gate, x)

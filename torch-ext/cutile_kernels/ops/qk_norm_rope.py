@@ -1,4 +1,5 @@
-"""Qwen3's q/k RMSNorm + RoPE in one launch: torch custom op, fake, functional API.
+"""Qwen3's q/k RMSNorm + RoPE in one launch, and Qwen3.5's zero-centered q/k norm + partial
+RoPE in one launch: torch custom ops, fakes, functional API.
 
 The math and rounding order are those of transformers' ``Qwen3Attention.forward`` (v5.22.2,
 models/qwen3/modeling_qwen3.py) between the projections and the cache: ``q_norm`` / ``k_norm``
@@ -6,17 +7,27 @@ models/qwen3/modeling_qwen3.py) between the projections and the cache: ``q_norm`
 ``kernel_src/qk_norm_rope.py``. :func:`qk_norm_rope_reference` is those two steps through the
 existing references (:func:`~.norm.rms_norm_reference`, :func:`~.rope.apply_rope_reference`), so it
 is stock by construction; it is the fallback and the tests' model of stock transformers.
+
+:func:`qk_norm_rope_gemma` is the same for ``Qwen3_5Attention.forward`` (v5.22.2,
+models/qwen3_5/modeling_qwen3_5.py): ``Qwen3_5RMSNorm`` (Gemma's float32 order with ``1 + weight``)
+and the partial-rotary ``apply_rotary_pos_emb`` (the first ``cos.shape[-1]`` elements of each head
+rotate); its reference chains :func:`~.norm.rms_norm_gemma_reference` and
+:func:`~.rope.apply_rope_reference`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from .. import dispatch
 from ._dtypes import check_float
 from ._define import define_op
-from ..kernel_src.qk_norm_rope import BLOCKS
-from .norm import rms_norm_reference
+from ..kernel_src._spec import next_power_of_2
+from ..kernel_src.qk_norm_rope import BLOCKS, GEMMA_ROWS, GEMMA_TILES
+from ..registry import DECODE_TORCH_DTYPES
+from .norm import rms_norm_gemma_reference, rms_norm_reference
 from .rope import _empty_like_layout, _halves, _mismatch, _result_dtype, _want, apply_rope_reference
 
 KERNEL = "qk_norm_rope"
@@ -176,3 +187,162 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     if q.dim() != 4 or k.dim() != 4 or _mismatch(q, k, cos, sin) is not None:
         return qk_norm_rope_reference(q, k, q_weight, k_weight, eps, cos, sin)  # outside the kernel's contract
     return _qk_norm_rope.call_checked(q, k, q_weight, k_weight, float(eps), cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_norm_rope_gemma: Qwen3.5's (1 + weight) q/k norms and partial RoPE
+# ---------------------------------------------------------------------------------------------
+
+GEMMA_KERNEL = "qk_norm_rope_gemma"
+
+
+def qk_norm_rope_gemma_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                                 eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                                 offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Qwen3_5Attention.forward``'s q/k path (transformers v5.22.2): ``q_norm`` and ``k_norm``
+    (``Qwen3_5RMSNorm``: float32, ``offset + weight``, one rounding to the input dtype; offset 1),
+    then ``apply_rotary_pos_emb(q, k, cos, sin)`` rotating the first ``cos.shape[-1]`` elements of
+    each head (all of them for full rotary). On the (B, H, S, D) views, as
+    :func:`qk_norm_rope_reference`. Shapes as :func:`qk_norm_rope_gemma`."""
+    q = rms_norm_gemma_reference(q, q_weight, eps, offset)
+    k = rms_norm_gemma_reference(k, k_weight, eps, offset)
+    return apply_rope_reference(q, k, cos, sin)
+
+
+@functools.lru_cache(maxsize=None)
+def _gemma_tile(d: int, rot: int) -> tuple | None:
+    # (BLOCK, CHUNKS) of a head of d elements with rot rotated, or None when no tile fits.
+    half = rot // 2
+    if d % half:
+        return None
+    tile = (max(min(BLOCKS), next_power_of_2(half)), max(2, next_power_of_2(d // half)))
+    return tile if tile in GEMMA_TILES else None
+
+
+def gemma_unsupported(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why :func:`qk_norm_rope_gemma`'s kernel does not take these inputs (shaped as the op
+    takes them) on CUDA, or None if it does."""
+    d, rot = q.shape[-1], cos.shape[-1]
+    if _gemma_tile(d, rot) is None:
+        return (f"head_dim {d} with {rot} rotated: the kernel needs head_dim a multiple of half the rotated "
+                f"width and a head of at most 256 in chunks of it (tiles {GEMMA_TILES})")
+    dtypes = {t.dtype for t in (q, k, q_weight, k_weight, cos, sin)}
+    if len(dtypes) != 1 or q.dtype not in DTYPES:
+        return (f"dtypes {sorted(str(t) for t in dtypes)} (the kernel takes one of bfloat16, float16, float32 "
+                "for q, k, both weights, cos and sin)")
+    if len({t.device for t in (q, k, q_weight, k_weight, cos, sin)}) != 1:
+        return "operands on several devices"
+    return None
+
+
+def _gemma_want(d: int, rot: int, positions: int, dtype: torch.dtype) -> tuple:
+    block, chunks = _gemma_tile(d, rot)
+    want = (("BLOCK", block), ("CHUNKS", chunks))
+    if positions < GEMMA_ROWS[(block, chunks)] and dtype in DECODE_TORCH_DTYPES:
+        return (*want, ("ROWS", 1))  # a decode step: one position per block
+    return want
+
+
+def _gemma_layout(args: tuple) -> tuple:
+    # Heads and weights as (..., D / (R/2), R/2) chunks, cos/sin as (..., 2, R/2) halves (once per plan).
+    q, cos = args[0], args[4]
+    half = cos.shape[-1] // 2
+    chunks = q.shape[-1] // half
+    heads = tuple(t.view(*t.shape[:-1], chunks, half) for t in args[:4])
+    return (*heads, _halves(cos, 2 * half), _halves(args[5], 2 * half),
+            *(t.view(*t.shape[:-1], chunks, half) for t in args[6:8]), *args[8:])
+
+
+def qk_norm_rope_gemma_into(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                            eps: float, cos: torch.Tensor, sin: torch.Tensor, offset: float, q_out: torch.Tensor,
+                            k_out: torch.Tensor) -> bool:
+    """Launch the kernel on CUDA tensors it takes (:func:`gemma_unsupported` is None), into new
+    tensors ``q_out``/``k_out`` shaped like q and k. Returns False (nothing written) when no
+    cuTile path fits; the caller then falls back."""
+    (b, hq, s, d), hk = q.shape, k.shape[1]
+    args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, float(eps), float(offset))
+    grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
+    return dispatch.run(GEMMA_KERNEL, _gemma_want(d, cos.shape[-1], s, q.dtype), args, 6, grid, _gemma_layout)
+
+
+def _gemma_outputs(q, k, cos, sin):
+    # Stock's dtypes and layout: the norm keeps the input dtype (``type_as(x)``), RoPE promotes with
+    # cos and sin, and Qwen3.5's ``apply_rotary_pos_emb`` ends in ``torch.cat`` (contiguous
+    # (B, H, S, D), even when nothing passes through).
+    return (torch.empty(q.shape, dtype=_result_dtype(q.dtype, cos.dtype, sin.dtype), device=q.device),
+            torch.empty(k.shape, dtype=_result_dtype(k.dtype, cos.dtype, sin.dtype), device=k.device))
+
+
+def _gemma_cuda(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _gemma_outputs(q, k, cos, sin)
+    if q_out.numel() == 0 and k_out.numel() == 0:
+        return q_out, k_out
+    why = gemma_unsupported(q, k, q_weight, k_weight, cos, sin)
+    if why is None:
+        if qk_norm_rope_gemma_into(q, k, q_weight, k_weight, eps, cos, sin, offset, q_out, k_out):
+            return q_out, k_out
+    else:
+        dispatch.fallback(GEMMA_KERNEL, why)
+    q_ref, k_ref = qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)
+    return q_out.copy_(q_ref), k_out.copy_(k_ref)
+
+
+def _gemma_cpu(q, k, q_weight, k_weight, eps, cos, sin, offset):
+    q_out, k_out = _gemma_outputs(q, k, cos, sin)
+    q_ref, k_ref = qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)
+    return q_out.copy_(q_ref), k_out.copy_(k_ref)
+
+
+def _gemma_check(q, k, q_weight, k_weight, eps, cos, sin, offset) -> None:
+    _check(q, k, q_weight, k_weight, cos, sin)
+
+
+def _gemma_fake(q, k, q_weight, k_weight, eps, cos, sin, offset):
+    return _gemma_outputs(q, k, cos, sin)
+
+
+_qk_norm_rope_gemma = define_op(GEMMA_KERNEL, _gemma_cuda, reference=qk_norm_rope_gemma_reference, fake=_gemma_fake,
+                                check=_gemma_check, cpu=_gemma_cpu)
+
+
+def qk_norm_rope_gemma(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, offset: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head zero-centered RMSNorm of q and k, then rotary position embedding of the first
+    ``R = cos.shape[-1]`` elements of each head, in one launch (Qwen3.5's gated attention).
+
+    Args:
+        q: ``(B, Hq, S, D)`` queries before ``q_norm``, any strides (transformers passes the
+            projection output viewed ``(B, S, Hq, D)`` and transposed); bfloat16, float16 or float32.
+        k: ``(B, Hk, S, D)`` keys before ``k_norm``, likewise (one KV head is fine).
+        q_weight, k_weight: ``(D,)`` weights of ``q_norm`` and ``k_norm`` (stored around 0).
+        eps: the norms' ``eps`` (``config.rms_norm_eps``).
+        cos, sin: ``(B, S, R)`` or ``(1, S, R)`` as the model's rotary embedding returns them;
+            ``R < D`` is partial rotary (Qwen3.5: ``R = D / 4``), ``R == D`` full.
+        offset: added to the weights in float32 (``Qwen3_5RMSNorm``'s ``1.0 + weight``).
+
+    Returns:
+        ``(q_embed, k_embed)``: new contiguous tensors of q's and k's shapes (as Qwen3.5's stock
+        ``torch.cat`` lays them out), of the stock dtype (the input's promoted with cos's and sin's).
+
+    On CUDA this is one cuTile kernel (prebuilt, else JIT) when every tensor has one dtype of the
+    three and the head splits into chunks of ``R / 2`` in a tile (D a multiple of ``R / 2``, at
+    most 256 wide; Qwen3.5's 256 with R = 64, and full rotary up to 256). Other inputs take
+    :func:`qk_norm_rope_gemma_reference` and log the reason once (``FallbackError`` under
+    ``CUTILE_KERNELS_STRICT=1``). On other devices it is the reference. Under ``torch.compile``,
+    or when an input requires grad, it is the custom op ``<namespace>::qk_norm_rope_gemma``
+    (gradients from the reference formula).
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        ValueError: a weight is not ``(D,)``.
+        RuntimeError: shapes that do not broadcast (from the reference, as transformers').
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("qk_norm_rope_gemma", "q, k, q_weight, k_weight, cos, sin", q, k, q_weight, k_weight, cos, sin)
+    _check_weights(q, k, q_weight, k_weight)
+    if q.dim() != 4 or k.dim() != 4 or _mismatch(q, k, cos, sin) is not None:
+        return qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)
+    return _qk_norm_rope_gemma.call_checked(q, k, q_weight, k_weight, float(eps), cos, sin, float(offset))
