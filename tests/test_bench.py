@@ -148,6 +148,11 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
         modules = {m for row in cov["uncovered"] for m in row["modules"]}
         assert any("input_layernorm" in m for m in modules) and any("self_attn" in m for m in modules)
         assert all(1 <= row["ceiling"] <= 2 for row in cov["uncovered"])
+        # the prefill and the decode steps profiled apart: their launches and time make up the whole
+        phases = cov["phases"]
+        assert phases["prefill"]["launches"] + phases["decode"]["launches"] == cov["launches"]
+        assert phases["prefill"]["device_us"] + phases["decode"]["device_us"] == pytest.approx(cov["device_us"])
+        assert all(0 < ph["non_gemm_us"] < ph["device_us"] and ph["ours_non_gemm_share"] == 0 for ph in phases.values())
     # On the CPU nothing is kernelized: both paths compute the same logits.
     assert report["paths"]["cutile"]["correctness"] == report["paths"]["stock"]["correctness"]
     assert report["gate"]["cutile"]["passed"] and report["cutile_kernels_ran"] is False
@@ -214,6 +219,17 @@ def test_amdahl_and_coverage_summary():
     assert cov["ours"][0]["ops"] == ["?"]
     named = coverage.summarize(records, {"sym_ours": "rms_norm"}, speedup=4.0)
     assert named["ours"][0]["ops"] == ["cutile_kernels::rms_norm"] and named["by_class"] == cov["by_class"]
+    # one phase's share of non-GEMM time: ours 10 of the 20 us outside the GEMMs
+    share = coverage.phase_share(records, {"sym_ours"})
+    assert share == {"device_us": 100.0, "launches": 4, "non_gemm_us": 20.0, "ours_us": 10.0,
+                     "ours_non_gemm_share": 0.5}
+    assert coverage.phase_share(records[1:3], {"sym_ours"})["ours_non_gemm_share"] == 0.0  # GEMMs only
+    from cutile_kernels_tools.bench.report import _phase_line
+
+    line = _phase_line({"phases": {"prefill": share, "decode": share}})
+    assert line == (" Non-GEMM device time in our kernels: prefill 50.0% (10 of 20 us), "
+                    "decode steps 50.0% (10 of 20 us).")
+    assert _phase_line({}) == ""
 
 
 def test_kernels_replayed_from_a_graph_are_classed_by_name():

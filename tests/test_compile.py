@@ -52,8 +52,9 @@ FAMILY_OPS = {
     # (1 + weight) norms (one fused with the residual add), SwiGLU, the gated norm, the gates (the
     # block's hub layer). The delta rule and conv layers give CPU calls to
     # transformers' functions; on CUDA they are ours (test_gpu_static_generate_... traces them).
+    # and the gated attention's q/k norms + partial RoPE and its output gate (patch qwen3_5_rope).
     "qwen3_5_text": {"rms_norm_gemma", "add_rms_norm_gemma", "silu_and_mul_fused", "rms_norm_gated",
-                     "gated_delta_gates"},
+                     "gated_delta_gates", "qk_norm_rope_gemma", "sigmoid_and_mul"},
 }
 #: Ops a CUDA prefill adds: hub-function layers that give CPU calls to transformers' functions.
 CUDA_PREFILL_OPS = {"qwen3_5_text": {"gated_delta_rule", "causal_conv1d"}}
@@ -335,8 +336,11 @@ def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(varian
     assert torch.equal(got, want)
     # The post-attention norms run in the fused add + norm of the patch qwen3_5_add_norm (the
     # source package's op: cutile_kernels.patch applied it).
-    fused = cutile_kernels.dispatch.stats()["reference_calls"]["add_rms_norm_gemma"]
-    assert build_dispatch.stats()["reference_calls"]["rms_norm_gemma"] + fused == len(norms) and fused > 0
+    # The attention's q/k norms run in the fused q/k norm + RoPE of the patch qwen3_5_rope.
+    calls = cutile_kernels.dispatch.stats()["reference_calls"]
+    fused, fused_qk = calls["add_rms_norm_gemma"], 2 * calls["qk_norm_rope_gemma"]
+    assert build_dispatch.stats()["reference_calls"]["rms_norm_gemma"] + fused + fused_qk == len(norms)
+    assert fused > 0 and fused_qk > 0
     rec = Recorder()
     with torch.no_grad():
         compiled = torch.compile(model, backend=rec, fullgraph=True)(ids).logits

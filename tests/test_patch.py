@@ -103,7 +103,8 @@ def test_a_patch_that_does_not_apply_is_not_active(scratch_registry):
     report = patcher.patch(model)
     assert isinstance(report, PatchReport)
     assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "qk_norm_rope": 0, "rms_norm_gemma": 0,
-                              "phi3_rope": 0, "qwen3_5_add_norm": 0} and report.active == []
+                              "phi3_rope": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
+                              "qwen3_5_stacked_proj": 0} and report.active == []
     assert patcher.applied(model) == {}
 
 

@@ -313,3 +313,17 @@ def test_solution_passes_evaluate():
     (solution,) = inv.solutions_of(NAME)
     result = evaluate.evaluate(solution.name, INVENTORY)
     assert result.status == "PASSED", result.message
+
+
+def test_definition_constraints_are_the_kernels_tiles():
+    """evaluate's boundary Workloads keep to the Definition's constraints: they must admit exactly
+    the shapes the kernel's tiles take (else a boundary Workload takes the fallback, an error under
+    strict mode; found on the H200 with head_dim 257)."""
+    from cutile_kernels_tools.inventory import families
+
+    (d,) = [e.definition for e in families.entries() if e.definition.name == NAME]
+    for head_dim in range(2, 300):
+        for rot in range(2, head_dim + 1, 2):
+            axes = {"batch": 1, "seq_len": 1, "num_q_heads": 1, "num_kv_heads": 1, "head_dim": head_dim,
+                    "rot_dim": rot}
+            assert (not d.satisfies(axes)) == (ops._gemma_tile(head_dim, rot) is not None), (head_dim, rot)

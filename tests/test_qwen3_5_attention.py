@@ -27,9 +27,9 @@ def test_patch_keeps_stock_logits_runs_the_rope_op_and_undoes(partial):
     model = families.model("qwen3_5_text", layers=4, partial_rotary_factor=partial)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
     want = families.prefill_and_step(model, ids)
-    assert "qwen3_5_rope" not in cutile_kernels.patch(model).changed  # opt-in
     n = len(_attention(model))
     assert n and cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": n}
+    assert cutile_kernels.patch(model).changed["qwen3_5_rope"] == 0  # a default: already applied
     dispatch.reset_stats()
     assert torch.equal(families.prefill_and_step(model, ids), want)
     assert dispatch.stats()["reference_calls"]["qk_norm_rope_gemma"] == 2 * n  # the prefill and the step

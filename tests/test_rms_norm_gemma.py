@@ -178,10 +178,13 @@ def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
     with torch.no_grad():
         got = model(ids).logits
     assert torch.equal(got, want)
-    # Qwen3.5's post-attention norms run in the fused add + norm (patch qwen3_5_add_norm).
+    # Qwen3.5's post-attention norms run in the fused add + norm (patch qwen3_5_add_norm), its
+    # attention's q/k norms in the fused q/k norm + RoPE (patch qwen3_5_rope: two norms a call).
     calls = dispatch.stats()["reference_calls"]
-    assert calls["rms_norm_gemma"] + calls.get("add_rms_norm_gemma", 0) == n
+    fused_qk = 2 * calls.get("qk_norm_rope_gemma", 0)
+    assert calls["rms_norm_gemma"] + calls.get("add_rms_norm_gemma", 0) + fused_qk == n
     assert calls.get("add_rms_norm_gemma", 0) == (3 if model_type == "qwen3_5_text" else 0)
+    assert fused_qk == (2 if model_type == "qwen3_5_text" else 0)
 
 
 def test_patch_leaves_llama_norms_alone():

@@ -319,13 +319,12 @@ def unpatch_qwen3_5_stacked_proj(model: nn.Module) -> int:
 
 #: This module's patch rows (gathered by ``layers/_registry.py``). ``qwen3_5_add_norm`` is a default
 #: since the H200 bench of 2026-12-02 (docs/results.md, fifth session); ``qwen3_5_rope`` and
-#: ``qwen3_5_stacked_proj`` are opt-in until a bench accepts them.
+#: ``qwen3_5_stacked_proj`` since the sixth session's (a quarter fewer launches, prefill 0.72x).
 PATCH_ROWS = [Patch("qwen3_5_add_norm", apply=patch_qwen3_5_add_norm, undo=unpatch_qwen3_5_add_norm,
                     description="Qwen3.5 decoder layers' residual add fused into their (1 + weight) "
                                 "post_attention_layernorm"),
-              Patch("qwen3_5_rope", apply=patch_qwen3_5_rope, undo=unpatch_qwen3_5_rope, default=False,
+              Patch("qwen3_5_rope", apply=patch_qwen3_5_rope, undo=unpatch_qwen3_5_rope,
                     description="Qwen3.5 gated attention's q/k norms and partial RoPE in one cuTile launch, "
                                 "its sigmoid output gate in one"),
               Patch("qwen3_5_stacked_proj", apply=patch_qwen3_5_stacked_proj, undo=unpatch_qwen3_5_stacked_proj,
-                    default=False, description="Qwen3.5 gated DeltaNet's in_proj_qkv, in_proj_b and in_proj_a "
-                                               "as one GEMM")]
+                    description="Qwen3.5 gated DeltaNet's in_proj_qkv, in_proj_b and in_proj_a as one GEMM")]

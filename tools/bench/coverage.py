@@ -257,6 +257,19 @@ def summarize(records: list[dict], ours, speedup: float = 2.0, top: int = 15) ->
     }
 
 
+def phase_share(records: list[dict], ours) -> dict:
+    """One phase's (a prefill, or the decode steps) device time and the share of its non-GEMM time
+    spent in our kernels: the figure the families' coverage targets name (GEMMs stay on cuBLAS)."""
+    total = sum(r["us"] for r in records)
+    by_class = defaultdict(float)
+    for r in records:
+        by_class[kernel_class(r["kernel"], r["op"], ours)] += r["us"]
+    non_gemm = total - by_class.get("gemm", 0.0)
+    return {"device_us": total, "launches": len(records), "non_gemm_us": non_gemm,
+            "ours_us": by_class.get("ours", 0.0),
+            "ours_non_gemm_share": by_class.get("ours", 0.0) / non_gemm if non_gemm > 0 else 0.0}
+
+
 def _module_kind(name: str | None) -> str:
     """``model.layers.3.self_attn.q_proj`` -> ``layers.*.self_attn.q_proj`` (layers folded)."""
     if not name:

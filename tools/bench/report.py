@@ -72,7 +72,7 @@ def markdown(report: dict, plots: list[str]) -> str:
         lines += ["", f"## Coverage: {name}", "",
                   f"{cov['launches']} launches, {cov['device_us']:.0f} {unit} of device time over one prefill and "
                   f"{s['coverage_steps']} decode steps; ours: {cov['ours_time_share']:.1%} of the time, "
-                  f"{cov['ours_launch_share']:.1%} of the launches.", "",
+                  f"{cov['ours_launch_share']:.1%} of the launches.{_phase_line(cov)}", "",
                   f"| kernel | ours | launches | {unit} | share | ops | modules | ceiling at {cov['amdahl_speedup']:g}x |",
                   "|---|---|---|---|---|---|---|---|"]
         for row in cov["ours"] + cov["uncovered"]:
@@ -225,3 +225,11 @@ def plot_breakdown(report: dict, path: Path) -> Path | None:
     """Device time by kernel class, one stacked bar per profiled path, the legend beside them."""
     made = breakdown_figure(report)
     return None if made is None else _save(made[0], made[1], path)
+
+
+def _phase_line(cov: dict) -> str:
+    """' Non-GEMM device time in our kernels: prefill X% (a of b us), decode steps Y% (...).' or ''."""
+    phases = cov.get("phases") or {}
+    parts = [f"{name} {p['ours_non_gemm_share']:.1%} ({p['ours_us']:.0f} of {p['non_gemm_us']:.0f} us)"
+             for name, p in (("prefill", phases.get("prefill")), ("decode steps", phases.get("decode"))) if p]
+    return f" Non-GEMM device time in our kernels: {', '.join(parts)}." if parts else ""

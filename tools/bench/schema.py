@@ -52,6 +52,14 @@ class KernelRow(_Model):
     ceiling: float = Field(description="Amdahl ceiling 1 / (1 - share + share / amdahl_speedup)")
 
 
+class PhaseShare(_Model):
+    device_us: float
+    launches: int
+    non_gemm_us: float = Field(description="device microseconds outside GEMM kernels")
+    ours_us: float
+    ours_non_gemm_share: float = Field(description="ours_us / non_gemm_us")
+
+
 class Coverage(_Model):
     device_us: float
     launches: int
@@ -61,6 +69,8 @@ class Coverage(_Model):
     uncovered: list[KernelRow]
     by_class: dict[str, float] = Field(description="device microseconds per kernel class")
     amdahl_speedup: float
+    phases: Optional[dict[str, PhaseShare]] = Field(
+        default=None, description="'prefill' and 'decode' (the decode steps together), profiled apart")
 
 
 class Roofline(_Model):

@@ -348,12 +348,17 @@ def run_coverage(model, s: dict, compiled: bool, graphs: bool = False) -> dict:
         dec.reset()
 
     def steps():
-        dec.prefill()
         for _ in range(n):
             dec.step()
 
-    events = coverage.profile_steps(model, steps, s["device"])
-    return coverage.summarize(coverage.attribute(events, s["device"]), our_symbols(), s["amdahl_speedup"])
+    # The prefill and the decode steps in two profiles (the steps continue from that prefill), so
+    # that each phase's share of non-GEMM time is its own.
+    ours = our_symbols()
+    prefill = coverage.attribute(coverage.profile_steps(model, dec.prefill, s["device"]), s["device"])
+    decode = coverage.attribute(coverage.profile_steps(model, steps, s["device"]), s["device"])
+    out = coverage.summarize(prefill + decode, ours, s["amdahl_speedup"])
+    out["phases"] = {"prefill": coverage.phase_share(prefill, ours), "decode": coverage.phase_share(decode, ours)}
+    return out
 
 
 def run_reference(job: dict) -> dict:

@@ -443,7 +443,11 @@ def _qk_norm_rope_gemma() -> Entry:
         tags=_tags("qk_norm_rope", src, DELTANET_PRESETS),
         description=(f"Qwen3.5's gated attention: per-head zero-centered q/k RMSNorm followed by partial RoPE, fused "
                      f"(transformers v{TRANSFORMERS_PIN}, {src}: q_norm, k_norm, apply_rotary_pos_emb)."),
-        constraints=["rot_dim % 2 == 0", "rot_dim <= head_dim"],
+        # The math needs the first two; the kernel's tiles the others (a head in chunks of rot_dim / 2,
+        # padded to 32, 64 or 128 lanes, at most 256 lanes in all): other shapes take the declared
+        # fallback, which evaluate's strict mode would count as an error.
+        constraints=["rot_dim % 2 == 0", "rot_dim <= head_dim", "rot_dim <= 256", "head_dim % (rot_dim // 2) == 0",
+                     "head_dim // (rot_dim // 2) * (32 if rot_dim <= 64 else 64 if rot_dim <= 128 else 128) <= 256"],
     )
     rows = []
     for preset in DELTANET_PRESETS:
