@@ -66,6 +66,24 @@ def computes_llama_rope(cls: type) -> bool:
             and all(holds(p) for p in PINS) and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
 
 
+def llama_rope_function(fn) -> bool:
+    """Whether ``fn``, the ``apply_rotary_pos_emb`` an attention forward calls (its modeling
+    module's), computes Llama's RoPE formula: a ``kernels`` ``Func`` module (what transformers makes
+    of a hub-decorated function) judged by :func:`computes_llama_rope`, or a plain function with
+    Llama's code calling a ``rotate_half`` with Llama's code."""
+    if isinstance(fn, nn.Module):
+        return computes_llama_rope(type(fn))
+    llama_fn, llama_rotate = _llama_functions()
+    return same_code(fn, llama_fn or _llama_apply()) and same_code(getattr(fn, "__globals__", {}).get("rotate_half"),
+                                                                   llama_rotate)
+
+
+def _llama_apply():
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama.apply_rotary_pos_emb
+
+
 def partial_rope_attention_verdict(cls: type, pins: tuple[str, ...], attention_forward, rope,
                                    formula: str) -> str | None:
     """Why attention class ``cls`` may not take a reproduced forward that runs ``apply_rope`` for a

@@ -198,7 +198,7 @@ def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
     assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"qk_norm_rope", "rms_norm_gemma", "rms_norm_olmo2",
                                                                   "phi3_mlp", "phi3_rope", "fused_gate_up_geglu",
                                                                   "qwen3_5_add_norm", "qwen3_5_rope", "gemma_add_norm",
-                                                                  "qwen3_5_stacked_proj"}
+                                                                  "qwen3_5_stacked_proj", "gemma3_qk_norm_rope"}
     ids = torch.randint(0, 256, (2, 11))
     with torch.no_grad():
         want = model(ids).logits

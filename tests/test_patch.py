@@ -199,7 +199,8 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     assert report.changed == {"decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 0, "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0, "phi3_rope": 0,
                               "fused_gate_up_geglu": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
-                              "gemma_add_norm": 0, "qwen3_5_stacked_proj": 0, **qk, **qkv}
+                              "gemma_add_norm": 0, "gemma3_qk_norm_rope": 0, "qwen3_5_stacked_proj": 0,
+                              **qk, **qkv}
     assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin", *qk, *qkv]
     assert torch.equal(_logits(model, ids).logits, want)
     model.save_pretrained(tmp_path / "patched")
@@ -337,7 +338,7 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
     assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 3, "rms_norm_gemma": 7, "rms_norm_olmo2": 0, "phi3_mlp": 0,
                               "phi3_rope": 0, "fused_gate_up_geglu": 3, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
-                              "gemma_add_norm": 0, "qwen3_5_stacked_proj": 0}
+                              "gemma_add_norm": 0, "gemma3_qk_norm_rope": 0, "qwen3_5_stacked_proj": 0}
     assert report.active == ["fused_gate_up_geglu", "rope_cos_sin", "fused_qkv", "rms_norm_gemma"]
     assert torch.equal(_logits(model, ids).logits, want)
     assert not any(_fused(layer) for layer in _decoder_layers(model))

@@ -34,6 +34,7 @@ CLAIMS = {
     "qwen3_5_rope": {"qwen3_5_text"},  # Qwen3_5Attention's code
     "gemma_add_norm": {"gemma2", "gemma3_text"},  # Gemma3DecoderLayer's code (Gemma 2's is the same)
     "qwen3_5_stacked_proj": {"qwen3_5_text"},  # Qwen3_5GatedDeltaNet's code
+    "gemma3_qk_norm_rope": {"gemma3_text"},  # Gemma3Attention's code
 }
 
 

@@ -327,3 +327,70 @@ def test_definition_constraints_are_the_kernels_tiles():
             axes = {"batch": 1, "seq_len": 1, "num_q_heads": 1, "num_kv_heads": 1, "head_dim": head_dim,
                     "rot_dim": rot}
             assert (not d.satisfies(axes)) == (ops._gemma_tile(head_dim, rot) is not None), (head_dim, rot)
+
+
+# ---------------------------------------------------------------------------------------------
+# The opt-in patch gemma3_qk_norm_rope (layers/models/gemma.py): Gemma 3 attention on this kernel
+# ---------------------------------------------------------------------------------------------
+
+def _gemma3_attention(model):
+    return [m for m in model.modules() if type(m).__name__ == "Gemma3Attention"]
+
+
+def test_gemma3_patch_keeps_stock_logits_hooks_and_undoes(caplog):
+    import logging
+
+    import families
+    from cutile_kernels.layers.models import gemma as fam
+
+    model = families.model("gemma3_text", sliding_window=4)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    want = families.prefill_and_step(model, ids)
+    assert "gemma3_qk_norm_rope" not in cutile_kernels.patch(model).changed  # opt-in
+    n = len(_gemma3_attention(model))
+    assert n and cutile_kernels.patch(model, names=["gemma3_qk_norm_rope"]).changed == {"gemma3_qk_norm_rope": n}
+    dispatch.reset_stats()
+    assert torch.equal(families.prefill_and_step(model, ids), want)  # sliding and global layers, cached step
+    assert dispatch.stats()["reference_calls"][NAME] == 2 * n
+    # A hooked norm: the stock lines for that layer, the hook fires.
+    seen = []
+    handle = _gemma3_attention(model)[0].q_norm.register_forward_hook(lambda m, a, out: seen.append(1))
+    dispatch.reset_stats()
+    assert torch.equal(families.prefill_and_step(model, ids), want)
+    handle.remove()
+    assert len(seen) == 2 and dispatch.stats()["reference_calls"][NAME] == 2 * (n - 1)
+    assert fam.unpatch_gemma3_qk_norm_rope(model) == n
+    assert not any("forward" in vars(m) for m in _gemma3_attention(model))
+    # What it leaves alone: other attention code, other norm formulas.
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
+
+    assert fam.attention_verdict(LlamaAttention) == "its forward is not Gemma3Attention.forward's code"
+    attn = _gemma3_attention(model)[0]
+    attn.k_norm = LlamaRMSNorm(attn.head_dim)
+    assert fam._attention_verdict(attn) == "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert cutile_kernels.patch(model, names=["gemma3_qk_norm_rope"]).changed == {"gemma3_qk_norm_rope": n - 1}
+    assert "q_norm / k_norm are not GemmaRMSNorm-formula norms" in caplog.text
+
+
+def test_gemma3_patched_model_compiles_fullgraph_with_the_op():
+    import families
+
+    model = families.model("gemma3_text")
+    cutile_kernels.patch(model, names=["gemma3_qk_norm_rope"])
+    frames, targets, got, want = families.compile_fullgraph(model, seed=10)
+    assert frames == 1 and any(t.endswith("qk_norm_rope_gemma.default") for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_gemma3_patched_model_is_as_close_to_float32_as_stock(strict):
+    import families
+
+    before = dispatch.stats()["launches"]
+    ours, stock, report = families.relative_errors_vs_float32("gemma3_text", ["gemma3_qk_norm_rope"], seq=41,
+                                                              layers=4, sliding_window=24)
+    assert report.changed == {"gemma3_qk_norm_rope": 4}
+    assert any(k.startswith("qk_norm_rope_gemma_kernel") and n > before.get(k, 0)
+               for k, n in dispatch.stats()["launches"].items())
+    assert ours <= 1.1 * stock, (ours, stock)

@@ -9,7 +9,9 @@ opt-in ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs 
 and global layers, logit softcaps (Gemma 2), q/k norms and two RoPE bases (Gemma 3). Gemma's
 attention and rotary embedding are Llama's code, so the opt-in ``fused_qkv`` and ``rope_cos_sin``
 apply to Gemma 1 as they are. The opt-in patch ``gemma_add_norm`` (below) fuses Gemma 2 and 3's
-attention-block residual add into the ``pre_feedforward_layernorm`` that follows it.
+attention-block residual add into the ``pre_feedforward_layernorm`` that follows it; the opt-in
+``gemma3_qk_norm_rope`` runs Gemma 3 attention's ``q_norm``, ``k_norm`` and RoPE on one
+``qk_norm_rope_gemma`` launch (the kernel Qwen3.5's attention runs, full rotary here).
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import functools
 from torch import nn
 
 from ...ops.norm import add_rms_norm_gemma
+from ...ops.qk_norm_rope import qk_norm_rope_gemma
+from .._direct import attend, linear
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
 from ..norm import _float_norm_eps, computes_gemma_rms_norm
+from ..rope import llama_rope_function
 from . import Family
 
 _USE = "patch rms_norm_gemma (rms_norm_gemma kernel, offset 1)"
@@ -32,12 +37,14 @@ FAMILY = Family(
     pins=(Pin("gemma", "GemmaRMSNorm.forward", "6fae0a5e1216d30d", _USE),
           Pin("gemma", "GemmaRMSNorm._norm", "53678ba7610507ed", _USE),
           Pin("gemma3", "Gemma3DecoderLayer.forward", "19bb15ae20d3bae5",
-              "patch gemma_add_norm (its fused decoder forward; Gemma 2's is the same code)")),
+              "patch gemma_add_norm (its fused decoder forward; Gemma 2's is the same code)"),
+          Pin("gemma3", "Gemma3Attention.forward", "680c2a03b98e5ec4",
+              "patch gemma3_qk_norm_rope (its attention forward)")),
     presets=("gemma-3-1b", "gemma-2-2b"),
     covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); opt-in "
             "(include=['fused_gate_up_geglu']): GeGLU on one fused gate/up GEMM",
     not_covered="embedding scale, softcaps, attention (sdpa), the residual adds (opt-in patch gemma_add_norm fuses "
-                "one per layer), GEMMs",
+                "one per layer), Gemma 3's q/k norms + RoPE as one launch (opt-in patch gemma3_qk_norm_rope), GEMMs",
     default=True,
 )
 
@@ -110,8 +117,92 @@ def unpatch_gemma_add_norm(model: nn.Module) -> int:
     return restore_forwards(model, "gemma_add_norm", fused_decoder_forward, noun="layers")
 
 
-#: This module's patch row (gathered by ``layers/_registry.py``): opt-in until the H200 bench times it
-#: (its kernel, ``add_rms_norm_gemma``, runs by default in Qwen3.5's decoder).
+# ---------------------------------------------------------------------------------------------
+# Patch gemma3_qk_norm_rope (opt-in): Gemma 3 attention's q_norm, k_norm and RoPE on one launch
+# ---------------------------------------------------------------------------------------------
+#
+# Estimate, written before the patch (Amdahl), Gemma-3-1B on the H200 (2026-12-01 bench: eager decode
+# ~20 ms a step, host-bound): per layer q_norm and k_norm (rms_norm_gemma, 2 launches) and RoPE (the
+# rotary_pos_emb hub layer, 1) become 1 launch, 52 fewer a step in 26 layers at ~25 us each: f ~ 6 %,
+# s -> inf for what goes, ceiling ~1.07 on eager decode; under CUDA graphs well under 1 %.
+
+#: The pin (in :data:`FAMILY`) of the attention forward :func:`qk_norm_rope_attention_forward` reproduces.
+ATTN_PIN = "gemma3.Gemma3Attention.forward"
+
+
+@functools.lru_cache(maxsize=None)
+def attention_verdict(cls: type) -> str | None:
+    """Why ``cls`` (an attention class) does not take :func:`qk_norm_rope_attention_forward`, or
+    None if it does: its forward must be ``Gemma3Attention.forward``'s code, still the pinned one,
+    and the ``apply_rotary_pos_emb`` it calls Llama's formula."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3Attention
+
+    why = forward_verdict(cls, ATTN_PIN, Gemma3Attention.forward)
+    if why is None and not llama_rope_function(cls.forward.__globals__.get("apply_rotary_pos_emb")):
+        why = "the apply_rotary_pos_emb it calls is not Llama's formula"
+    return why
+
+
+def _attention_verdict(m: nn.Module) -> str | None:
+    # Patch time: the class, and q_norm / k_norm computing GemmaRMSNorm's formula with one eps.
+    why = attention_verdict(type(m))
+    if why is not None:
+        return why
+    qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
+    if not all(isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n)) for n in (qn, kn)):
+        return "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
+    eps = {_float_norm_eps(qn), _float_norm_eps(kn)}
+    if len(eps) != 1 or not isinstance(next(iter(eps)), float):
+        return f"its q_norm / k_norm eps {sorted(map(repr, eps))} are not one float"
+    return None
+
+
+def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                                   past_key_values=None, **kwargs):
+    """``Gemma3Attention.forward`` (5.22.2) with ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb``
+    as one ``qk_norm_rope_gemma`` launch for q and k (full rotary). The projections, the cache
+    update, the attention interface with the sliding window and ``o_proj`` are the stock lines
+    (``_direct.attend``). Same arguments and result; q and k leave contiguous where stock keeps
+    the projection's layout (same values). A call whose norms have hooks runs the stock lines."""
+    glob = type(self).forward.__globals__  # the class's modeling module: its RoPE, attention registry, eager path
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = linear(self.q_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = linear(self.k_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    qn, kn = self.q_norm, self.k_norm
+    if _unhooked(qn) and _unhooked(kn):
+        query_states, key_states = qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight,
+                                                      _float_norm_eps(qn), cos, sin, 1.0)
+    else:  # the stock lines: the norm modules (their hooks fire), then the module's RoPE
+        query_states, key_states = glob["apply_rotary_pos_emb"](qn(query_states), kn(key_states), cos, sin)
+    return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
+                  kwargs, {"sliding_window": self.sliding_window})
+
+
+def patch_gemma3_qk_norm_rope(model: nn.Module) -> int:
+    """Patch ``gemma3_qk_norm_rope``: bind :func:`qk_norm_rope_attention_forward` to every attention
+    module whose class's forward is Gemma 3's (pinned) calling Llama's RoPE, with ``q_norm`` /
+    ``k_norm`` of ``GemmaRMSNorm``'s formula and one eps. Returns the modules newly patched."""
+    new = swap_forwards(model, "gemma3_qk_norm_rope", qk_norm_rope_attention_forward,
+                        lambda m: all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
+                                                              "k_norm")),
+                        _attention_verdict, "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch")
+    return sum(new.values())
+
+
+def unpatch_gemma3_qk_norm_rope(model: nn.Module) -> int:
+    """Undo :func:`patch_gemma3_qk_norm_rope`: the class forward again. Returns the modules restored."""
+    return restore_forwards(model, "gemma3_qk_norm_rope", qk_norm_rope_attention_forward)
+
+
+#: This module's patch rows (gathered by ``layers/_registry.py``): opt-in until the H200 bench times
+#: them (their kernels run by default in Qwen3.5's decoder and attention).
 PATCH_ROWS = [Patch("gemma_add_norm", apply=patch_gemma_add_norm, undo=unpatch_gemma_add_norm, default=False,
                     description="Gemma 2 / 3 decoder layers' attention residual add fused into their "
-                                "pre_feedforward_layernorm")]
+                                "pre_feedforward_layernorm"),
+              Patch("gemma3_qk_norm_rope", apply=patch_gemma3_qk_norm_rope, undo=unpatch_gemma3_qk_norm_rope,
+                    default=False, description="Gemma 3 attention's q_norm, k_norm and RoPE in one cuTile launch")]

@@ -40,7 +40,7 @@ from .._patching import Patch, _unhooked, restore_forwards, swap_forwards, swapp
 from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
 from .._pins import Pin, forward_verdict
 from ..norm import is_llama_norm
-from ..rope import computes_llama_rope, wrapped_function
+from ..rope import llama_rope_function
 from . import Family
 
 logger = logging.getLogger("cutile_kernels")
@@ -61,18 +61,6 @@ FAMILY = Family(
 _ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _llama_rope_function(fn) -> bool:
-    # The module-level apply_rotary_pos_emb: a kernels ``Func`` module (what transformers makes of
-    # a hub-decorated function) or a plain function; either must be Llama's formula.
-    if isinstance(fn, nn.Module):
-        return computes_llama_rope(type(fn))
-    from transformers.models.llama import modeling_llama
-
-    llama = wrapped_function(type(modeling_llama.apply_rotary_pos_emb)) or modeling_llama.apply_rotary_pos_emb
-    return same_code(fn, llama) and same_code(getattr(fn, "__globals__", {}).get("rotate_half"),
-                                               modeling_llama.rotate_half)
-
-
 @functools.lru_cache(maxsize=None)
 def attention_verdict(cls: type) -> str | None:
     """Why ``cls`` (an attention class) does not take the fused forward, or None if it does: its
@@ -84,7 +72,7 @@ def attention_verdict(cls: type) -> str | None:
     why = forward_verdict(cls, PIN, Qwen3Attention.forward)
     if why is not None:
         return why
-    if not _llama_rope_function(cls.forward.__globals__.get("apply_rotary_pos_emb")):
+    if not llama_rope_function(cls.forward.__globals__.get("apply_rotary_pos_emb")):
         return "the apply_rotary_pos_emb it calls is not Llama's formula"
     return None
 
