@@ -21,6 +21,8 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from ..ops.activation import sigmoid_and_mul
+from ..ops.qk_norm_rope import qk_norm_rope_gemma
+from ._patching import _unhooked
 from .attention import static_kv_length
 
 # The registries torch mutates in place (register_module_forward_hook & co.).
@@ -58,6 +60,19 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and "forward" not in m.__dict__ and direct_ok(m):
         return F.linear(x, m.weight, m.bias)
     return m(x)
+
+
+def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor):
+    """``self.q_norm`` / ``self.k_norm`` (``GemmaRMSNorm``'s formula, checked when patched:
+    :func:`~.norm.gemma_qk_norms_verdict`) and RoPE of the first ``cos.shape[-1]`` elements of each
+    head, for q ``(B, Hq, S, D)`` and k ``(B, Hk, S, D)``, on one ``qk_norm_rope_gemma`` launch.
+    Returns ``(q, k)``, or None when a norm has hooks (the caller runs its stock lines, which fire them)."""
+    qn, kn = self.q_norm, self.k_norm
+    if not (_unhooked(qn) and _unhooked(kn)):
+        return None
+    eps = qn.eps if hasattr(qn, "eps") else qn.variance_epsilon
+    return qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight, eps, cos, sin, 1.0)
 
 
 def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor, key_states: torch.Tensor,

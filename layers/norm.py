@@ -200,6 +200,19 @@ def _float_norm_eps(m: nn.Module):
     return m.eps if hasattr(m, "eps") else getattr(m, "variance_epsilon", None)
 
 
+def gemma_qk_norms_verdict(m: nn.Module) -> str | None:
+    """Why attention module ``m``'s ``q_norm`` / ``k_norm`` may not run as one
+    ``qk_norm_rope_gemma`` (Qwen3.5's and Gemma 3's attention patches), or None: both must compute
+    ``GemmaRMSNorm``'s formula (their class's code) with one float eps."""
+    qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
+    if not all(isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n)) for n in (qn, kn)):
+        return "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
+    eps = {_float_norm_eps(qn), _float_norm_eps(kn)}
+    if len(eps) != 1 or not isinstance(next(iter(eps)), float):
+        return f"its q_norm / k_norm eps {sorted(map(repr, eps))} are not one float"
+    return None
+
+
 def gemma_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     """``GemmaRMSNorm.forward`` (5.22.2) on the ``rms_norm_gemma`` kernel: ``x`` ``(..., N)`` ->
     ``(x / rms(x)) * (1 + weight)`` in float32, rounded once to ``x.dtype``."""

@@ -171,9 +171,10 @@ def test_generate_replays_and_matches_eager(model_type, fields, emulated):
     assert graphs.captures == captures and len(graphs.caches) == 1
 
 
-def test_qwen3_5_opt_in_patches_replay_and_match_eager(emulated):
-    """Qwen3.5 with the opt-in qwen3_5_rope (q/k norms + partial RoPE, the output gate) and
-    qwen3_5_stacked_proj (one GEMM for in_proj_qkv / b / a) in the replayed decode steps."""
+def test_qwen3_5_attention_and_stacked_patches_replay_and_match_eager(emulated):
+    """Qwen3.5 with qwen3_5_rope (q/k norms + partial RoPE, the output gate) and qwen3_5_stacked_proj
+    (one GEMM for in_proj_qkv / b / a) in the replayed decode steps (on the GPU the default patches
+    of test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*])."""
     model = tiny_model("qwen3_5_text")
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4))
     want = _generate(model, ids, cache_implementation="static", disable_compile=True)
@@ -640,33 +641,6 @@ def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, ch
             torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
     # One graph per batch size: the two batch-1 calls share a cache bucket and its graph.
     assert graphs.captures >= 2 and graphs.replays >= 3 * 30
-
-
-@pytest.mark.gpu
-def test_gpu_qwen3_5_opt_in_patches_replay_and_match_eager(checkpoints, strict):
-    """The fast path with Qwen3.5's opt-in patches (the bench's cutile-graphs+qwen3_5_rope+
-    qwen3_5_stacked_proj): the tokens of the eager kernelized model with the same patches."""
-    from transformers import AutoModelForCausalLM
-
-    def load(graphs):
-        return AutoModelForCausalLM.from_pretrained(
-            checkpoints["qwen3_5_text"], dtype=torch.bfloat16, device_map="cuda", attn_implementation="cutile",
-            use_kernels=True, kernel_config=cutile_kernels.kernel_config(
-                include=["qwen3_5_rope", "qwen3_5_stacked_proj"], decode_graphs=graphs)).eval()
-
-    eager, model = load(False), load(True)
-    gen = torch.Generator().manual_seed(12)
-    for b, s in ((1, 37), (3, 70)):
-        ids = torch.randint(1, 256, (b, s), generator=gen).cuda()
-        mask = torch.ones_like(ids)
-        if b > 1:
-            mask[0, :20] = 0
-            ids[0, :20] = 0
-        want = _generate(eager, ids, new=40, attention_mask=mask, cache_implementation="static",
-                         disable_compile=True)
-        got = _generate(model, ids, new=40, attention_mask=mask)
-        assert torch.equal(got.sequences, want.sequences), (b, s)
-    assert getattr(model, dg.ATTR).replays >= 2 * 30
 
 
 @pytest.mark.gpu

@@ -21,11 +21,10 @@ import functools
 from torch import nn
 
 from ...ops.norm import add_rms_norm_gemma
-from ...ops.qk_norm_rope import qk_norm_rope_gemma
-from .._direct import attend, linear
+from .._direct import attend, gemma_qk_norm_rope, linear
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
-from ..norm import _float_norm_eps, computes_gemma_rms_norm
+from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
 from ..rope import llama_rope_function
 from . import Family
 
@@ -145,16 +144,7 @@ def attention_verdict(cls: type) -> str | None:
 
 def _attention_verdict(m: nn.Module) -> str | None:
     # Patch time: the class, and q_norm / k_norm computing GemmaRMSNorm's formula with one eps.
-    why = attention_verdict(type(m))
-    if why is not None:
-        return why
-    qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
-    if not all(isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n)) for n in (qn, kn)):
-        return "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
-    eps = {_float_norm_eps(qn), _float_norm_eps(kn)}
-    if len(eps) != 1 or not isinstance(next(iter(eps)), float):
-        return f"its q_norm / k_norm eps {sorted(map(repr, eps))} are not one float"
-    return None
+    return attention_verdict(type(m)) or gemma_qk_norms_verdict(m)
 
 
 def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -173,12 +163,12 @@ def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings=None
     value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    qn, kn = self.q_norm, self.k_norm
-    if _unhooked(qn) and _unhooked(kn):
-        query_states, key_states = qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight,
-                                                      _float_norm_eps(qn), cos, sin, 1.0)
+    fused = gemma_qk_norm_rope(self, query_states, key_states, cos, sin)
+    if fused is not None:
+        query_states, key_states = fused
     else:  # the stock lines: the norm modules (their hooks fire), then the module's RoPE
-        query_states, key_states = glob["apply_rotary_pos_emb"](qn(query_states), kn(key_states), cos, sin)
+        query_states, key_states = glob["apply_rotary_pos_emb"](self.q_norm(query_states), self.k_norm(key_states),
+                                                                cos, sin)
     return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
                   kwargs, {"sliding_window": self.sliding_window})
 

@@ -32,14 +32,13 @@ import torch
 from torch import nn
 
 from ...ops.norm import add_rms_norm_gemma
-from ...ops.qk_norm_rope import qk_norm_rope_gemma
 from ...ops.rope import apply_rope
-from .._direct import attend, linear
+from .._direct import attend, gemma_qk_norm_rope, linear
 from .._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
 from ..gated_delta import STACKED_NAME, CutileGatedDeltaNet, computes_gated_deltanet
-from ..norm import _float_norm_eps, computes_gemma_rms_norm
+from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
 from ..rope import partial_rope_attention_verdict
 from . import Family
 
@@ -163,19 +162,8 @@ def attention_verdict(cls: type) -> str | None:
                                           modeling_qwen3_5.apply_rotary_pos_emb, "Qwen3.5's partial-rotary formula")
 
 
-def _norm_verdict(m: nn.Module) -> str | None:
-    # Patch time: q_norm and k_norm compute Qwen3_5RMSNorm's formula (GemmaRMSNorm's code) with one eps.
-    qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
-    if not all(isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n)) for n in (qn, kn)):
-        return "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
-    eps = {_float_norm_eps(qn), _float_norm_eps(kn)}
-    if len(eps) != 1 or not isinstance(next(iter(eps)), float):
-        return f"its q_norm / k_norm eps {sorted(map(repr, eps))} are not one float"
-    return None
-
-
 def _rope_attention_verdict(m: nn.Module) -> str | None:
-    return attention_verdict(type(m)) or _norm_verdict(m)
+    return attention_verdict(type(m)) or gemma_qk_norms_verdict(m)
 
 
 def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
@@ -198,13 +186,12 @@ def rope_attention_forward(self, hidden_states, position_embeddings, attention_m
     value_states = linear(self.v_proj, hidden_states).view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    qn, kn = self.q_norm, self.k_norm
-    if _unhooked(qn) and _unhooked(kn):
-        query_states, key_states = qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight,
-                                                      _float_norm_eps(qn), cos, sin, 1.0)
+    fused = gemma_qk_norm_rope(self, query_states, key_states, cos, sin)
+    if fused is not None:
+        query_states, key_states = fused
     else:  # the norm modules (their hooks fire) on the (B, S, H, D) views, as the stock forward runs them
-        query_states = qn(query_states.transpose(1, 2)).transpose(1, 2)
-        key_states = kn(key_states.transpose(1, 2)).transpose(1, 2)
+        query_states = self.q_norm(query_states.transpose(1, 2)).transpose(1, 2)
+        key_states = self.k_norm(key_states.transpose(1, 2)).transpose(1, 2)
         query_states, key_states = apply_rope(query_states, key_states, cos, sin)
     return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
                   kwargs, {}, gate=gate)
