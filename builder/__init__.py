@@ -148,7 +148,6 @@ def _load_manifest(path: Path) -> dict:
         return {}
 
 
-
 #: Longest symbol used as a file name as it is: file systems cap a name at 255 bytes, and the
 #: builder writes ``<name>.tmp`` first. cuTile's mangled symbols grow with the parameter count
 #: (qk_norm_rope_gemma's 8 arrays of 5 dims mangle to ~250 characters).
@@ -161,6 +160,7 @@ def cubin_file(symbol: str) -> str:
     if len(symbol) <= MAX_SYMBOL_FILE:
         return f"{symbol}.cubin"
     return f"{symbol[:MAX_SYMBOL_FILE - 17]}-{hashlib.sha256(symbol.encode()).hexdigest()[:16]}.cubin"
+
 
 def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=None, jobs: int | None = None,
           progress: bool = True, force: bool = False, specs: list[VariantSpec] | None = None) -> dict:

@@ -1,5 +1,6 @@
-"""Qwen3's per-head q/k RMSNorm fused with RoPE, for q and k in one launch: cuTile device code and
-build matrix.
+"""Qwen3's per-head q/k RMSNorm fused with RoPE, for q and k in one launch, and the same for
+Qwen3.5's zero-centered norms with partial RoPE (``qk_norm_rope_gemma``, section below): cuTile
+device code and build matrix.
 
 Math: what transformers' ``Qwen3Attention.forward`` (models/qwen3/modeling_qwen3.py at v5.22.2)
 does between the projections and the KV cache, with its rounding order::

@@ -85,7 +85,8 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     forward passes it (``{}`` where it passes none). ``gate`` ``(B, S, heads, head_dim)`` (any
     strides whose rows collapse, e.g. the gate half of each head of Qwen3.5's q projection) or
     ``(B, S, heads * head_dim)``: the output gate of gated attention (Qwen3.5's ``attn_output *
-    torch.sigmoid(gate)`` before ``o_proj``), on the ``sigmoid_and_mul`` kernel. With our attention over a static cache layer, the layer's filled length goes along
+    torch.sigmoid(gate)`` before ``o_proj``), on the ``sigmoid_and_mul`` kernel. With our
+    attention over a static cache layer, the layer's filled length goes along
     (:func:`.attention.static_kv_length`). Returns ``(attn_output (B, S, hidden), attn_weights)``."""
     length = {}
     if past_key_values is not None:

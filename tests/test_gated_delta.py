@@ -695,9 +695,9 @@ def test_gpu_qwen3_5_layer_runs_our_kernels_and_matches_stock(strict, stock_func
 
 @pytest.mark.gpu
 def test_gpu_stacked_projections_are_as_close_to_float32_as_stock(strict, stock_functions):
-    """The opt-in ``qwen3_5_stacked_proj`` on a kernelized bf16 model: one GEMM for q/k/v, b and a
-    (strided views into the conv and the gates kernel), a prefill and decode steps as close to
-    float32 as stock bf16."""
+    """``qwen3_5_stacked_proj`` on a kernelized bf16 model: one GEMM for q/k/v, b and a (strided
+    views into the conv and the gates kernel), a prefill and decode steps as close to float32 as
+    stock bf16; undone and applied again over the block layer kernelize bound (the build copy's)."""
     import copy
 
     from families import model as tiny_model
@@ -712,7 +712,10 @@ def test_gpu_stacked_projections_are_as_close_to_float32_as_stock(strict, stock_
 
     want = run(base)
     stock = run(copy.deepcopy(base).to(torch.bfloat16))
-    ours = cutile_kernels.kernelize(copy.deepcopy(base).to(torch.bfloat16))  # the block layer bound first
+    ours = cutile_kernels.kernelize(copy.deepcopy(base).to(torch.bfloat16))  # a default patch: stacked
+    from cutile_kernels.layers.models import qwen3_5 as fam
+
+    assert fam.unpatch_qwen3_5_stacked_proj(ours) == 2
     assert cutile_kernels.patch(ours, names=["qwen3_5_stacked_proj"]).changed == {"qwen3_5_stacked_proj": 2}
     got = run(ours)
     err = [float((x - want).norm() / want.norm()) for x in (got, stock)]

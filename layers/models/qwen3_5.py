@@ -15,10 +15,10 @@ Mamba-style models; benched on Qwen3.5 only). By code identity with other famili
 code (``fused_gate_up`` by default) and ``Qwen3_5RMSNorm`` is ``GemmaRMSNorm``'s (hub name
 ``RMSNormZeroCentered``, the ``rms_norm_gemma`` kernel, q/k norms included). Its own patches:
 ``qwen3_5_add_norm`` fuses the token mixer's residual add into ``post_attention_layernorm``; the
-opt-in ``qwen3_5_rope`` runs the gated attention's q/k norms and partial RoPE of q and k on one
-``qk_norm_rope_gemma`` launch and its sigmoid output gate on one ``sigmoid_and_mul`` launch; the
-opt-in ``qwen3_5_stacked_proj`` stacks the gated DeltaNet's ``in_proj_qkv``, ``in_proj_b`` and
-``in_proj_a`` into one GEMM. Not ours yet: the MLP block's residual add.
+``qwen3_5_rope`` runs the gated attention's q/k norms and partial RoPE of q and k on one
+``qk_norm_rope_gemma`` launch and its sigmoid output gate on one ``sigmoid_and_mul`` launch;
+``qwen3_5_stacked_proj`` stacks the gated DeltaNet's ``in_proj_qkv``, ``in_proj_b`` and
+``in_proj_a`` into one GEMM (all three default). Not ours yet: the MLP block's residual add.
 flash-linear-attention is the anchor to beat (bench path ``stock+fla``).
 """
 
@@ -66,10 +66,9 @@ FAMILY = Family(
     covered="gated DeltaNet's delta rule (chunked prefill, recurrent decode), causal conv1d and its update, "
             "its gates (g, beta) and its gated RMSNorm (hub layers); SwiGLU on fused gate/up; the (1 + weight) "
             "RMSNorms (hub layer RMSNormZeroCentered), the post-attention one fused with the residual add; "
-            "opt-in (include=['qwen3_5_rope', 'qwen3_5_stacked_proj']): the attention's q/k norms and partial "
-            "RoPE in one launch and its output gate in one, three input projections as one GEMM",
-    not_covered="without the opt-ins: the attention's partial RoPE and output gate; the MLP block's residual "
-                "add, GEMMs",
+            "the attention's q/k norms and partial RoPE in one launch and its output gate in one; three input "
+            "projections as one GEMM",
+    not_covered="the MLP block's residual add, the embedding, eager attention (sdpa), GEMMs",
     default=True,
 )
 
