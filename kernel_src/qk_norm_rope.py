@@ -17,7 +17,8 @@ i.e. per head row ``x`` of D elements, with ``round`` = round to the input dtype
 The device code is norm.py's helpers (``_sum_sq``, ``_inv_rms``, ``_scale``) and rope.py's
 (``_half``, ``_rounded_mul``), so the two formulas are the ones those kernels already reproduce;
 the only new thing is that the normalised head never leaves the registers. Full rotary only
-(cos/sin as wide as the head); partial rotary is a declared fallback on the host.
+(cos/sin as wide as the head); partial rotary is a declared fallback on the host (for this
+kernel: ``qk_norm_rope_gemma`` below rotates part of the head).
 
 Layout handed to the kernel, as rope.py: q (B, Hq, S, D) and k (B, Hk, S, D) as transformers
 passes them (the projection output, a (B, S, H, D) buffer, seen transposed) viewed as

@@ -200,12 +200,31 @@ def _float_norm_eps(m: nn.Module):
     return m.eps if hasattr(m, "eps") else getattr(m, "variance_epsilon", None)
 
 
+#: Forwards that compute a ``GemmaRMSNorm``-code class's own formula when bound on its instance: our
+#: hub layer (``kernelize`` binds the build copy's: matched by name) and the ``rms_norm_gemma`` patch.
+_GEMMA_FORMULA_FORWARDS = ("CutileZeroCenteredRMSNorm.forward", "gemma_norm_forward")
+
+
+def _gemma_formula_norm(n) -> bool:
+    # The class computes GemmaRMSNorm's formula, its weight is a tensor, and nobody replaced its
+    # forward on the instance with something else (accelerate's offload hooks, a user's wrapper).
+    if not (isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n))
+            and isinstance(getattr(n, "weight", None), torch.Tensor)):
+        return False
+    bound = n.__dict__.get("forward")
+    if bound is None:
+        return True
+    fwd = getattr(bound, "__func__", None)
+    return fwd is type(n).forward or getattr(fwd, "__qualname__", "") in _GEMMA_FORMULA_FORWARDS
+
+
 def gemma_qk_norms_verdict(m: nn.Module) -> str | None:
     """Why attention module ``m``'s ``q_norm`` / ``k_norm`` may not run as one
     ``qk_norm_rope_gemma`` (Qwen3.5's and Gemma 3's attention patches), or None: both must compute
-    ``GemmaRMSNorm``'s formula (their class's code) with one float eps."""
+    ``GemmaRMSNorm``'s formula (their class's code, a ``weight`` tensor, a forward that is the
+    class's or computes the same) with one float eps."""
     qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
-    if not all(isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n)) for n in (qn, kn)):
+    if not all(_gemma_formula_norm(n) for n in (qn, kn)):
         return "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
     eps = {_float_norm_eps(qn), _float_norm_eps(kn)}
     if len(eps) != 1 or not isinstance(next(iter(eps)), float):

@@ -61,8 +61,19 @@ def test_hooked_norms_run_the_norm_modules_and_other_norms_are_refused(caplog):
     attn = _attention(model)[1]
     attn.k_norm.eps = 1e-3
     assert "are not one float" in fam._rope_attention_verdict(attn)
-    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
-        assert cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": 0}
+    attn.k_norm.eps = attn.q_norm.eps
+    assert fam._rope_attention_verdict(attn) is None
+    # A forward replaced on the instance (an offload hook, a wrapper) is not the formula's: refused;
+    # our hub layer's forward bound there (kernelize's) is.
+    from cutile_kernels.layers.norm import CutileZeroCenteredRMSNorm
+
+    attn.q_norm.forward = lambda x: x
+    assert fam._rope_attention_verdict(attn) == "its q_norm / k_norm are not GemmaRMSNorm-formula norms"
+    attn.q_norm.forward = CutileZeroCenteredRMSNorm.forward.__get__(attn.q_norm)
+    assert fam._rope_attention_verdict(attn) is None
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):  # the Llama-norm layer refused, the other taken
+        assert cutile_kernels.patch(model, names=["qwen3_5_rope"]).changed == {"qwen3_5_rope": 1}
+    assert "its q_norm / k_norm are not GemmaRMSNorm-formula norms" in caplog.text
 
 
 def test_other_attention_code_and_rope_are_left_alone(caplog, change_pin):

@@ -324,7 +324,8 @@ def qk_norm_rope_gemma(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 
     Returns:
         ``(q_embed, k_embed)``: new contiguous tensors of q's and k's shapes (as Qwen3.5's stock
-        ``torch.cat`` lays them out), of the stock dtype (the input's promoted with cos's and sin's).
+        ``torch.cat`` lays them out; Gemma 3's stock RoPE keeps the projection's layout: same
+        values), of the stock dtype (the input's promoted with cos's and sin's).
 
     On CUDA this is one cuTile kernel (prebuilt, else JIT) when every tensor has one dtype of the
     three and the head splits into chunks of ``R / 2`` in a tile (D a multiple of ``R / 2``, at
