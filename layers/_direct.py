@@ -24,6 +24,7 @@ from ..ops.activation import sigmoid_and_mul
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ._patching import _unhooked
 from .attention import static_kv_length
+from .norm import _float_norm_eps
 
 # The registries torch mutates in place (register_module_forward_hook & co.).
 _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks,
@@ -71,8 +72,7 @@ def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: 
     qn, kn = self.q_norm, self.k_norm
     if not (_unhooked(qn) and _unhooked(kn)):
         return None
-    eps = qn.eps if hasattr(qn, "eps") else qn.variance_epsilon
-    return qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight, eps, cos, sin, 1.0)
+    return qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight, _float_norm_eps(qn), cos, sin, 1.0)
 
 
 def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor, key_states: torch.Tensor,

@@ -285,14 +285,16 @@ def _gemma_cuda(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weig
             return q_out, k_out
     else:
         dispatch.fallback(GEMMA_KERNEL, why)
+    return _gemma_copy_reference(q, k, q_weight, k_weight, eps, cos, sin, offset, q_out, k_out)
+
+
+def _gemma_copy_reference(q, k, q_weight, k_weight, eps, cos, sin, offset, q_out, k_out):
     q_ref, k_ref = qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)
     return q_out.copy_(q_ref), k_out.copy_(k_ref)
 
 
 def _gemma_cpu(q, k, q_weight, k_weight, eps, cos, sin, offset):
-    q_out, k_out = _gemma_outputs(q, k, cos, sin)
-    q_ref, k_ref = qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)
-    return q_out.copy_(q_ref), k_out.copy_(k_ref)
+    return _gemma_copy_reference(q, k, q_weight, k_weight, eps, cos, sin, offset, *_gemma_outputs(q, k, cos, sin))
 
 
 def _gemma_check(q, k, q_weight, k_weight, eps, cos, sin, offset) -> None:
