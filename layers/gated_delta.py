@@ -27,9 +27,10 @@ The block, hub name ``Qwen3_5GatedDeltaNet`` (:class:`CutileGatedDeltaNet`), is 
 forward with its two gate lines on one ``gated_delta_gates`` launch; it calls the functions above
 through the module's ``_kernel_funcs``.
 
-State handling follows transformers' cache: the recurrent step updates ``initial_state`` in place
-and returns it (the cache then copies it onto itself: a no-op), so that a CUDA-graph replay reads
-and writes one buffer; the chunked prefill writes a new final state.
+State handling: the hub layers, like transformers' functions, leave ``initial_state`` alone and
+return a new final state. The block layer asks the recurrent one (when kernelize bound ours) to
+update the cache's buffer in place and return it (the cache then copies it onto itself: a no-op),
+so that a CUDA-graph replay of a decode step reads and writes one buffer.
 """
 
 from __future__ import annotations
@@ -184,9 +185,12 @@ class CutileChunkGatedDeltaRule(nn.Module):
 
 class CutileFusedRecurrentGatedDeltaRule(nn.Module):
     """``fused_recurrent_gated_delta_rule(...)`` (same arguments as the chunked one, no
-    ``chunk_size``) on the token-by-token cuTile kernel. A contiguous float32 ``initial_state`` is
-    updated in place and returned when ``output_final_state`` (transformers' cache passes its own
-    buffer); any other is copied first."""
+    ``chunk_size``) on the token-by-token cuTile kernel. Like transformers' function (and
+    flash-linear-attention's), it leaves ``initial_state`` alone and returns a new float32 final
+    state. One keyword more, in ``kwargs`` (kernels requires the function's signature):
+    ``state_in_place=True``, which :class:`CutileGatedDeltaNet` passes with the cache's own buffer
+    (a contiguous float32 ``initial_state``): the kernel then updates it in place and returns it, so
+    that a CUDA-graph replay reads and writes one buffer and the cache's copy onto itself is a no-op."""
 
     can_torch_compile = True
     has_backward = False
@@ -194,13 +198,14 @@ class CutileFusedRecurrentGatedDeltaRule(nn.Module):
     def forward(self, query, key, value, g, beta, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, **kwargs):
         cls = type(self)
+        state_in_place = kwargs.pop("state_in_place", False)
         g32 = g.float()
         if _why_not(computes_recurrent_gated_delta_rule(cls), cls, query.is_cuda,
                     _delta_why(query, value, g32, beta, use_qk_l2norm_in_kernel, kwargs)):
             return cls.forward(self, query, key, value, g=g, beta=beta, initial_state=initial_state,
                                output_final_state=output_final_state,
                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
-        state = _start_state(initial_state, key, value, in_place=output_final_state)
+        state = _start_state(initial_state, key, value, in_place=state_in_place and output_final_state)
         out = gated_delta_rule(query, key, value, g32, beta, state)
         return out, (state if output_final_state else None)
 
@@ -242,6 +247,14 @@ class CutileCausalConv1dUpdate(nn.Module):
         if _why_not(computes_causal_conv1d_update(cls), cls, hidden_states.is_cuda, why):
             return cls.forward(self, hidden_states, conv_state, weight, bias, activation)
         return causal_conv1d_update(hidden_states[..., 0], conv_state, weight).unsqueeze(-1)
+
+
+def _is_ours(func_module, layer: type) -> bool:
+    """True if ``kernelize`` bound ``layer.forward`` to the hub function module ``func_module``: by
+    name, as the layer may come from the build's copy of this package and the block from the
+    installed one (the stacking patch's class) or the other way round."""
+    bound = getattr(getattr(func_module, "forward", None), "__func__", None)
+    return getattr(bound, "__qualname__", None) == layer.forward.__qualname__
 
 
 #: The pin (``layers/models/qwen3_5.py``) of the forward :class:`CutileGatedDeltaNet` reproduces.
@@ -363,6 +376,8 @@ class CutileGatedDeltaNet(nn.Module):
             key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
 
         rule = recurrent_rule if recurrent_state is not None and seq_len == 1 else chunk_rule
+        if rule is recurrent_rule and _is_ours(rule, CutileFusedRecurrentGatedDeltaRule):
+            kwargs["state_in_place"] = True  # the cache's buffer, updated where it lies
         core_attn_out, last_recurrent_state = rule(query, key, value, g=g, beta=beta, initial_state=recurrent_state,
                                                    output_final_state=cache_params is not None,
                                                    use_qk_l2norm_in_kernel=True,

@@ -341,6 +341,16 @@ def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(varian
     fused, fused_qk = calls["add_rms_norm_gemma"], 2 * calls["qk_norm_rope_gemma"]
     assert build_dispatch.stats()["reference_calls"]["rms_norm_gemma"] + fused + fused_qk == len(norms)
     assert fused > 0 and fused_qk > 0
+    # Every gated DeltaNet block (the stacked class's forward is the installed package's, the bound
+    # functions the build's) asks the recurrent layer beside it to update the cache's state in place.
+    blocks = [m for m in model.modules() if hasattr(m, "_kernel_funcs")]
+    assert blocks and all(b.forward.__qualname__ == "CutileGatedDeltaNet.forward" for b in blocks)
+    for b in blocks:
+        names = b.forward.__func__.__globals__
+        assert names["_is_ours"](b._kernel_funcs["fused_recurrent_gated_delta_rule"],
+                                 names["CutileFusedRecurrentGatedDeltaRule"])
+        assert not names["_is_ours"](b._kernel_funcs["chunk_gated_delta_rule"],
+                                     names["CutileFusedRecurrentGatedDeltaRule"])
     rec = Recorder()
     with torch.no_grad():
         compiled = torch.compile(model, backend=rec, fullgraph=True)(ids).logits

@@ -186,6 +186,21 @@ def test_qwen3_5_attention_and_stacked_patches_replay_and_match_eager(emulated):
     assert graphs.captures >= 1 and graphs.replays >= 6
 
 
+def test_gemma3_opt_in_patches_replay_and_match_eager(emulated):
+    """Gemma 3 with gemma_add_norm (the attention residual add in pre_feedforward_layernorm) and
+    gemma3_qk_norm_rope (q/k norms + RoPE in one launch) in the replayed decode steps, sliding and
+    global layers, the window of 6 crossed (on the GPU: test_gpu_generate_..._matches_eager[gemma3_text+opt-ins-*])."""
+    model = tiny_model("gemma3_text", sliding_window=6)
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(6))
+    want = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    changed = cutile_kernels.patch(model, names=["gemma_add_norm", "gemma3_qk_norm_rope"]).changed
+    assert all(changed.values()), changed
+    graphs = emulated(model)
+    got = _generate(model, ids, compile_config=_cpu_compile_config())
+    _same(got, want)
+    assert graphs.captures >= 1 and graphs.replays >= 6
+
+
 def test_sliding_layers_are_captured_once_per_state(emulated):
     """Mistral with a window of 6: one graph before its cache is full, one after."""
     model = tiny_model("mistral", sliding_window=6)
@@ -608,23 +623,31 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _load(path, attn, graphs: bool):
+def _load(path, attn, graphs: bool, include=()):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn, use_kernels=True,
-        kernel_config=cutile_kernels.kernel_config(decode_graphs=graphs)).eval()
+        kernel_config=cutile_kernels.kernel_config(decode_graphs=graphs, include=include)).eval()
+
+
+#: Opt-in patches the fast path is also checked with: the model's checkpoint key after "+".
+OPT_INS = {"gemma3_text+opt-ins": ["gemma_add_norm", "gemma3_qk_norm_rope"]}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("attn", ["sdpa", "cutile"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma3_text", "gemma3_text+opt-ins",
+                                        "qwen3_5_text"])
 def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, checkpoints, strict):
     """Real CUDA graphs of our kernels: the same tokens as the eager kernelized model with a static
     cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache
-    lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3."""
-    eager = _load(checkpoints[model_type], attn, graphs=False)
-    model = _load(checkpoints[model_type], attn, graphs=True)
+    lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3; Gemma 3 also
+    with its opt-in patches (:data:`OPT_INS`), in eager and in the graphs alike."""
+    include = OPT_INS.get(model_type, [])
+    path = checkpoints[model_type.partition("+")[0]]
+    eager = _load(path, attn, graphs=False, include=include)
+    model = _load(path, attn, graphs=True, include=include)
     graphs = getattr(model, dg.ATTR)
     gen = torch.Generator().manual_seed(11)
     for b, s in ((1, 1), (1, 37), (3, 70)):

@@ -361,6 +361,62 @@ def test_gated_deltanet_layer_calls_the_functions_kernelize_bound_on_a_deep_copy
     assert calls == [func] and torch.equal(got, layer(x))
 
 
+def test_recurrent_layer_leaves_the_callers_state_and_the_block_updates_the_caches(monkeypatch):
+    """transformers' recurrent delta rule (and flash-linear-attention's) returns a new final state
+    and leaves ``initial_state`` alone; so does our hub layer, called as the function. Only the block
+    layer, with our layer bound, has the kernel update the cache's buffer where it lies (one address
+    for a CUDA-graph replay). The inputs are taken for CUDA ones; the op runs its reference."""
+    import copy
+    from types import MethodType
+
+    from cutile_kernels.layers import gated_delta as lgd
+
+    why_not = lgd._why_not
+    monkeypatch.setattr(lgd, "_why_not", lambda verdict, cls, cuda, why: why_not(verdict, cls, True, why))
+    func = q35.torch_recurrent_gated_delta_rule
+    q, k, v, g, beta, s0 = _delta_inputs(2, 1, 2, 16, 16)
+    kw = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_o, want_s = type(func).forward(func, q, k, v, initial_state=s0.clone(), **kw)
+    before = s0.clone()
+    got_o, got_s = lgd.CutileFusedRecurrentGatedDeltaRule.forward(func, q, k, v, initial_state=s0, **kw)
+    assert torch.equal(s0, before) and got_s.data_ptr() != s0.data_ptr()
+    torch.testing.assert_close(got_o, want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_s, want_s, rtol=1e-5, atol=1e-5)
+    got_o, got_s = lgd.CutileFusedRecurrentGatedDeltaRule.forward(func, q, k, v, initial_state=s0,
+                                                                  state_in_place=True, **kw)
+    assert got_s is s0 and not torch.equal(s0, before)
+    torch.testing.assert_close(s0, want_s, rtol=1e-5, atol=1e-5)
+
+    # The block: the state the op updates is the cache's buffer only where our layer is bound.
+    cfg, layer = _tiny_deltanet()
+    updated = []
+    op = lgd.gated_delta_rule
+    monkeypatch.setattr(lgd, "gated_delta_rule", lambda *a: updated.append(a[5]) or op(*a))
+    x, steps = torch.randn(1, 5, 64), torch.randn(1, 2, 64)
+    with torch.no_grad():
+        want, want_state = _prefill_and_steps(layer, cfg, x, steps)
+        twin = copy.deepcopy(layer)
+        twin.forward = MethodType(lgd.CutileGatedDeltaNet.forward, twin)
+        got, _ = _prefill_and_steps(twin, cfg, x, steps)
+        assert updated == []  # the stock recurrent function in the block: its own state
+        for name, layer_cls in (("fused_recurrent_gated_delta_rule", lgd.CutileFusedRecurrentGatedDeltaRule),
+                                ("chunk_gated_delta_rule", lgd.CutileChunkGatedDeltaRule)):
+            f = twin._kernel_funcs[name]
+            f.forward = MethodType(layer_cls.forward, f)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=cfg)
+        outs = [twin(x, cache_params=cache)]
+        for i in range(2):
+            buffer = cache.layers[0].recurrent_states[0]
+            outs.append(twin(steps[:, i:i + 1], cache_params=cache))
+            assert updated[-1] is buffer  # the decode step's kernel wrote the cache's tensor
+    assert len(updated) == 3 and updated[0] is not cache.layers[0].recurrent_states[0]  # prefill: a new state
+    torch.testing.assert_close(torch.cat(outs, 1), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache.layers[0].recurrent_states[0], want_state, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got, want)
+
+
 def test_stacked_projections_keep_the_stock_bits_keys_and_refuse_what_they_cannot_stack(caplog):
     """The opt-in ``qwen3_5_stacked_proj``: in_proj_qkv, in_proj_b and in_proj_a become one
     ``nn.Linear`` whose class forward is the block layer's (CPU: the three stock GEMMs on its rows,
@@ -517,6 +573,14 @@ def test_gpu_delta_rule_matches_float64(T, dtype, strict, stock_functions):
     state_err = float((ref_state.double() - want_state).norm() / want_state.norm())
     _close_to_float64(state, want_state, state_err, f"state T={T}")
     assert cutile_kernels.stats()["fallbacks"] == {} or "gated_delta" not in str(cutile_kernels.stats()["fallbacks"])
+    if T == 1:  # the decode hub layer, called as transformers' function: the same bits, s0 left alone
+        from cutile_kernels.layers.gated_delta import CutileFusedRecurrentGatedDeltaRule
+
+        before = s0.clone()
+        got, got_state = CutileFusedRecurrentGatedDeltaRule.forward(fn, q, k, v, g=g, beta=beta, initial_state=s0,
+                                                                    output_final_state=True,
+                                                                    use_qk_l2norm_in_kernel=True)
+        assert torch.equal(s0, before) and torch.equal(got, out) and torch.equal(got_state, state)
 
 
 @pytest.mark.gpu
