@@ -649,6 +649,11 @@ def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, ch
     eager = _load(path, attn, graphs=False, include=include)
     model = _load(path, attn, graphs=True, include=include)
     graphs = getattr(model, dg.ATTR)
+    for block in (m for m in model.modules() if hasattr(m, "_kernel_funcs")):  # Qwen3.5's gated DeltaNet
+        # The recurrent step updates the cache's state where it lies: no copy in the replayed graph.
+        names = block.forward.__func__.__globals__
+        assert names["_is_ours"](block._kernel_funcs["fused_recurrent_gated_delta_rule"],
+                                 names["CutileFusedRecurrentGatedDeltaRule"])
     gen = torch.Generator().manual_seed(11)
     for b, s in ((1, 1), (1, 37), (3, 70)):
         ids = torch.randint(1, 256, (b, s), generator=gen).cuda()
