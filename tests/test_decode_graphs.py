@@ -171,29 +171,20 @@ def test_generate_replays_and_matches_eager(model_type, fields, emulated):
     assert graphs.captures == captures and len(graphs.caches) == 1
 
 
-def test_qwen3_5_attention_and_stacked_patches_replay_and_match_eager(emulated):
-    """Qwen3.5 with qwen3_5_rope (q/k norms + partial RoPE, the output gate) and qwen3_5_stacked_proj
-    (one GEMM for in_proj_qkv / b / a) in the replayed decode steps (on the GPU the default patches
-    of test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*])."""
-    model = tiny_model("qwen3_5_text")
+@pytest.mark.parametrize("model_type,fields,patches", [
+    ("qwen3_5_text", {}, ["qwen3_5_rope", "qwen3_5_stacked_proj"]),
+    ("gemma3_text", {"sliding_window": 6}, ["gemma_add_norm", "gemma3_qk_norm_rope"])], ids=["qwen3_5", "gemma3"])
+def test_family_patches_replay_and_match_eager(model_type, fields, patches, emulated):
+    """Patches in the replayed decode steps, against the stock model's static-cache generate:
+    Qwen3.5's qwen3_5_rope (q/k norms + partial RoPE, the output gate) and qwen3_5_stacked_proj (one
+    GEMM for in_proj_qkv / b / a), defaults; Gemma 3's opt-in gemma_add_norm (the attention residual
+    add in pre_feedforward_layernorm) and gemma3_qk_norm_rope (q/k norms + RoPE in one launch), over
+    sliding and global layers with the window crossed. On the GPU:
+    test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*] and [gemma3_text+opt-ins-*]."""
+    model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4))
     want = _generate(model, ids, cache_implementation="static", disable_compile=True)
-    changed = cutile_kernels.patch(model, names=["qwen3_5_rope", "qwen3_5_stacked_proj"]).changed
-    assert all(changed.values()), changed
-    graphs = emulated(model)
-    got = _generate(model, ids, compile_config=_cpu_compile_config())
-    _same(got, want)
-    assert graphs.captures >= 1 and graphs.replays >= 6
-
-
-def test_gemma3_opt_in_patches_replay_and_match_eager(emulated):
-    """Gemma 3 with gemma_add_norm (the attention residual add in pre_feedforward_layernorm) and
-    gemma3_qk_norm_rope (q/k norms + RoPE in one launch) in the replayed decode steps, sliding and
-    global layers, the window of 6 crossed (on the GPU: test_gpu_generate_..._matches_eager[gemma3_text+opt-ins-*])."""
-    model = tiny_model("gemma3_text", sliding_window=6)
-    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(6))
-    want = _generate(model, ids, cache_implementation="static", disable_compile=True)
-    changed = cutile_kernels.patch(model, names=["gemma_add_norm", "gemma3_qk_norm_rope"]).changed
+    changed = cutile_kernels.patch(model, names=patches).changed
     assert all(changed.values()), changed
     graphs = emulated(model)
     got = _generate(model, ids, compile_config=_cpu_compile_config())
