@@ -13,6 +13,12 @@ where ``round`` rounds to the input dtype, as eager torch rounds each elementwis
 products and the sum are separate kernels there; the sum is formed in float32). Both halves of
 cos and sin are read (Llama's are equal, but nothing here relies on it).
 
+OLMo 2's ``apply_rotary_pos_emb`` (models/olmo2/modeling_olmo2.py, v5.22.2; OLMo, OLMo 3 and
+FlexOlmo copy it) takes float32 cos/sin with 16-bit q and k: torch promotes, so every op above
+rounds to float32, and the result is cast back to the input's dtype. The kernel rounds to cos's
+dtype (the promoted one: cos is q's dtype or float32) and stores in the output's, so the variants
+with float32 cos/sin and 16-bit outputs compute that formula.
+
 Layout handed to the kernel: the host views the last dimension of q, k (``(B, H, S, R)``) and of
 cos, sin (``(B or 1, S, R)``) as ``(2, R/2)``, so a half is a tile along the last axis and the
 kernel never gathers. ``R/2`` is loaded as the next power of two with zero padding; the padded
@@ -41,17 +47,17 @@ def _rounded_mul(a, b, dtype):
 
 
 @ct.function
-def _rotate(x, out, b, h, s, c1, c2, s1, s2, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
+def _rotate(x, out, b, h, s, c1, c2, s1, s2, rdtype, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
             HEADS: ct.Constant[int]):
     # x, out: (B, H, S, 2, R/2); (b, h, s) index tiles of (1, HEADS, ROWS); c*, s*: (1, ROWS, BLOCK)
-    # float32 tiles of cos and sin, shared by the HEADS heads.
+    # float32 tiles of cos and sin, shared by the HEADS heads; rdtype: what each op rounds to.
     shape = (1, HEADS, ROWS, 1, BLOCK)
     x1 = ct.reshape(ct.load(x, index=(b, h, s, 0, 0), shape=shape, padding_mode=ZERO),
                     (HEADS, ROWS, BLOCK)).astype(ct.float32)
     x2 = ct.reshape(ct.load(x, index=(b, h, s, 1, 0), shape=shape, padding_mode=ZERO),
                     (HEADS, ROWS, BLOCK)).astype(ct.float32)
-    o1 = _rounded_mul(x1, c1, x.dtype) - _rounded_mul(x2, s1, x.dtype)
-    o2 = _rounded_mul(x2, c2, x.dtype) + _rounded_mul(x1, s2, x.dtype)
+    o1 = _rounded_mul(x1, c1, rdtype) - _rounded_mul(x2, s1, rdtype)
+    o2 = _rounded_mul(x2, c2, rdtype) + _rounded_mul(x1, s2, rdtype)
     ct.store(out, index=(b, h, s, 0, 0), tile=ct.reshape(o1.astype(out.dtype), shape))
     ct.store(out, index=(b, h, s, 1, 0), tile=ct.reshape(o2.astype(out.dtype), shape))
 
@@ -71,7 +77,7 @@ def rope_kernel(q, k, cos, sin, q_out, k_out, BLOCK: ct.Constant[int], ROWS: ct.
     q, q_out: (B, Hq, S, 2, R/2); k, k_out: (B, Hkv, S, 2, R/2); cos, sin: (B or 1, S, 2, R/2);
     R/2 <= BLOCK. Grid: (cdiv(S, ROWS), cdiv(Hq, HEADS) + cdiv(Hkv, HEADS), B); the first
     cdiv(Hq, HEADS) head tiles are q's, the rest k's. The cos/sin tiles are loaded once per block
-    and serve all its heads.
+    and serve all its heads. Each op rounds to cos's dtype (q's, or float32 for OLMo 2's formula).
     """
     s = ct.bid(0)
     h = ct.bid(1)
@@ -83,9 +89,9 @@ def rope_kernel(q, k, cos, sin, q_out, k_out, BLOCK: ct.Constant[int], ROWS: ct.
     s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
     q_tiles = ct.cdiv(q.shape[1], HEADS)
     if h < q_tiles:
-        _rotate(q, q_out, b, h, s, c1, c2, s1, s2, BLOCK, ROWS, HEADS)
+        _rotate(q, q_out, b, h, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
     else:
-        _rotate(k, k_out, b, h - q_tiles, s, c1, c2, s1, s2, BLOCK, ROWS, HEADS)
+        _rotate(k, k_out, b, h - q_tiles, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,22 +108,29 @@ HEADS = 4
 ROWS = {32: 16, 64: 8, 128: 4}
 
 
-def _params(dtype: str, layout: str, consts: dict):
+def _params(dtype: str, layout: str, consts: dict, cos_dtype: str | None = None):
     params = [array(a, dtype, 5, layout) for a in ("q", "k")]
-    params += [array(a, dtype, 4, layout) for a in ("cos", "sin")]
+    params += [array(a, cos_dtype or dtype, 4, layout) for a in ("cos", "sin")]
     params += [array(a, dtype, 5, layout) for a in ("q_out", "k_out")]
     params += [ConstParam(k, v) for k, v in consts.items()]
     return tuple(params)
 
 
-def tile_matrix(kernel: str, function: str, params) -> list[VariantSpec]:
-    """The variants of ``kernel`` (module of the same name) on these tiles: every dtype, layout
-    (aligned before generic, the runtime's order of preference) and BLOCK, with ``params(dtype,
-    layout, consts)`` its parameters; for :data:`~._spec.DECODE_DTYPES` also a decode tile of one
-    position (``ROWS=1``) per BLOCK, which the runtime asks for when S is below the prefill tile's
-    rows. qk_norm_rope's kernel shares the tiles, so it shares this."""
+def _float_cos_params(dtype: str, layout: str, consts: dict):
+    # OLMo 2's formula: 16-bit q, k and outputs, float32 cos and sin.
+    return _params(dtype, layout, consts, cos_dtype="float32")
+
+
+def tile_matrix(kernel: str, function: str, params, dtypes=("bfloat16", "float16", "float32"),
+                tag: str = "") -> list[VariantSpec]:
+    """The variants of ``kernel`` (module of the same name) on these tiles: every dtype of
+    ``dtypes``, layout (aligned before generic, the runtime's order of preference) and BLOCK, with
+    ``params(dtype, layout, consts)`` its parameters and ``tag`` after the dtype in their tags; for
+    :data:`~._spec.DECODE_DTYPES` also a decode tile of one position (``ROWS=1``) per BLOCK, which
+    the runtime asks for when S is below the prefill tile's rows. qk_norm_rope's kernel shares the
+    tiles, so it shares this."""
     specs = []
-    for dtype in ("bfloat16", "float16", "float32"):
+    for dtype in dtypes:
         for layout in LAYOUTS:
             tiles = [(block, ROWS[block]) for block in BLOCKS]
             if dtype in DECODE_DTYPES:
@@ -125,10 +138,12 @@ def tile_matrix(kernel: str, function: str, params) -> list[VariantSpec]:
             for block, rows in tiles:
                 consts = {"BLOCK": block, "ROWS": rows, "HEADS": HEADS}
                 specs.append(VariantSpec(kernel, kernel, function,
-                                         f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x{rows}.{layout}",
+                                         f"{DTYPE_TAGS[dtype]}{tag}.h{block}.t{HEADS}x{rows}.{layout}",
                                          params(dtype, layout, consts)))
     return specs
 
 
 #: Every variant of this family, in the runtime's order of preference (aligned before generic).
-VARIANTS: list[VariantSpec] = tile_matrix("rope", "rope_kernel", _params)
+#: OLMo 2's float32 cos/sin after them (the runtime takes the first whose dtypes fit).
+VARIANTS: list[VariantSpec] = (tile_matrix("rope", "rope_kernel", _params)
+                               + tile_matrix("rope", "rope_kernel", _float_cos_params, DECODE_DTYPES, "c32"))

@@ -205,6 +205,13 @@ def _unhooked(m: nn.Module) -> bool:
                 or _blocking(nn.modules.module._global_forward_pre_hooks))
 
 
+def own_forward_on_instance(m: nn.Module) -> bool:
+    """Whether ``m``'s instance forward is its class's own forward bound to it: what ``kernels``'
+    kernelize binds where it maps no kernel (e.g. on a CPU), not a replacement to keep."""
+    fwd = m.__dict__.get("forward")
+    return getattr(fwd, "__self__", None) is m and getattr(fwd, "__func__", None) is type(m).forward
+
+
 def swapped(m: nn.Module, forward) -> bool:
     """Whether ``m``'s instance forward is ``forward`` bound to it (a patch's own swap)."""
     return getattr(m.__dict__.get("forward"), "__func__", None) is forward
@@ -215,7 +222,8 @@ def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict
     """The mechanism of the patches that replace a module's forward: bind ``forward`` to every
     module of ``model`` that ``candidate(m)`` selects, is not swapped yet, has ``verdict(m)`` None
     (else the string says why not) and whose instance forward nobody else replaced (e.g.
-    accelerate's device hooks) unless ``replaceable(that forward)`` says it may go (a hub layer of
+    accelerate's device hooks; its class's own forward bound there, :func:`own_forward_on_instance`,
+    is no replacement) unless ``replaceable(that forward)`` says it may go (a hub layer of
     ours that would run the stock code anyway); ``prepare(m)`` runs first on each. Logs per class
     what was done (``done`` formatted with ``n`` and ``cls``) and what was left alone and why.
 
@@ -229,7 +237,8 @@ def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict
             continue
         name = type(m).__name__
         why = verdict(m)
-        if why is None and "forward" in m.__dict__ and not (replaceable and replaceable(m.__dict__["forward"])):
+        if (why is None and "forward" in m.__dict__ and not own_forward_on_instance(m)
+                and not (replaceable and replaceable(m.__dict__["forward"]))):
             why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
         if why is not None:
             refused[name] += 1

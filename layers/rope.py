@@ -10,11 +10,12 @@ the swap reaches every model of that modeling module in the process; on CPU tens
 is the reference formula, bit-identical to the stock one.
 
 The hub name covers functions with other math. Of the 118, 104 compile to the same code as
-Llama's with Llama's ``rotate_half`` (Mistral, Qwen2, Qwen3, Phi, Gemma, ...). The others keep
-their own forward: Olmo, Olmo2, Olmo3, OlmoHybrid, FlexOlmo, Beam (cast back to the input
-dtype), HunyuanVL (float32 cos/sin), ESM, Evolla, ModernBERT, ModernBERT-decoder (float32 math),
-GPT-OSS (half-width cos/sin), OpenAI privacy filter (interleaved pairs), and NanoChat (Llama's
-code, but its ``rotate_half`` flips the other sign).
+Llama's with Llama's ``rotate_half`` (Mistral, Qwen2, Qwen3, Phi, Gemma, ...). Olmo, Olmo2, Olmo3,
+OlmoHybrid, FlexOlmo and Beam compile to OLMo 2's code (cast back to the input dtype, after
+float32 math with their float32 cos/sin): :func:`~..ops.rope.apply_rope_cast` on the same kernel.
+The others keep their own forward: HunyuanVL (float32 cos/sin), ESM, Evolla, ModernBERT,
+ModernBERT-decoder (float32 math), GPT-OSS (half-width cos/sin), OpenAI privacy filter
+(interleaved pairs), and NanoChat (Llama's code, but its ``rotate_half`` flips the other sign).
 
 Partial rotary (``partial_rotary_factor < 1``): models that use Llama's function slice q and k to
 the rotary part first (Phi), so the layer sees ``cos`` as wide as its (strided) ``q``; the op also
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from .. import dispatch
-from ..ops.rope import apply_rope
+from ..ops.rope import apply_rope, apply_rope_cast
 from ._match import class_verdict, same_code
 from ._pins import TRANSFORMERS, holds
 
@@ -64,6 +65,26 @@ def computes_llama_rope(cls: type) -> bool:
     rotate = getattr(fn, "__globals__", {}).get("rotate_half")
     return (fn is not None and llama_fn is not None
             and all(holds(p) for p in PINS) and same_code(fn, llama_fn) and same_code(rotate, llama_rotate))
+
+
+#: The pin of OLMo 2's ``apply_rotary_pos_emb`` (Llama's formula in the promoted dtype, each
+#: result cast back to its input's): the formula :func:`~..ops.rope.apply_rope_cast` computes.
+OLMO2_PIN = "olmo2.apply_rotary_pos_emb"
+
+
+@class_verdict
+def computes_olmo2_rope(cls: type) -> bool:
+    """True if the ``Func`` class ``cls`` wraps a function with the code of OLMo 2's
+    ``apply_rotary_pos_emb`` (still the pinned one, :data:`OLMO2_PIN`) resolving ``rotate_half`` to
+    Llama's code (and Llama's pins holding). Once per class."""
+    from transformers.models.olmo2 import modeling_olmo2
+
+    fn = wrapped_function(cls)
+    olmo2_fn = wrapped_function(type(modeling_olmo2.apply_rotary_pos_emb))
+    _, llama_rotate = _llama_functions()
+    rotate = getattr(fn, "__globals__", {}).get("rotate_half")
+    return (fn is not None and olmo2_fn is not None and holds(OLMO2_PIN) and all(holds(p) for p in PINS)
+            and same_code(fn, olmo2_fn) and same_code(rotate, llama_rotate))
 
 
 def llama_rope_function(fn) -> bool:
@@ -116,9 +137,9 @@ class CutileRotaryPosEmb(nn.Module):
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` on the cuTile RoPE kernel.
 
     Replaces the forward of the ``Func`` module ``kernels`` makes of a decorated function (see the
-    module docstring); stateless. Shapes, dtypes and layouts as :func:`cutile_kernels.apply_rope`;
-    returns ``(q_embed, k_embed)``. A function with another formula keeps its own forward and
-    says so once.
+    module docstring); stateless. Shapes, dtypes and layouts as :func:`cutile_kernels.apply_rope`
+    (Llama's code) or :func:`cutile_kernels.apply_rope_cast` (OLMo 2's); returns ``(q_embed,
+    k_embed)``. A function with another formula keeps its own forward and says so once.
     """
 
     can_torch_compile = True
@@ -126,12 +147,14 @@ class CutileRotaryPosEmb(nn.Module):
 
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         cls = type(self)
-        if not computes_llama_rope(cls):  # a cached verdict; a constant under torch.compile
-            if not torch.compiler.is_compiling():  # counted and announced in eager; traced, the stock code
-                dispatch.fallback("rope", f"{function_name(cls)} is not Llama's apply_rotary_pos_emb formula; "
-                                  "it keeps its own")
-            return cls.forward(self, q, k, cos, sin, unsqueeze_dim)
-        return apply_rope(q, k, cos, sin, unsqueeze_dim)
+        if computes_llama_rope(cls):  # cached verdicts; constants under torch.compile
+            return apply_rope(q, k, cos, sin, unsqueeze_dim)
+        if computes_olmo2_rope(cls):
+            return apply_rope_cast(q, k, cos, sin, unsqueeze_dim)
+        if not torch.compiler.is_compiling():  # counted and announced in eager; traced, the stock code
+            dispatch.fallback("rope", f"{function_name(cls)} is neither Llama's nor OLMo 2's apply_rotary_pos_emb "
+                              "formula; it keeps its own")
+        return cls.forward(self, q, k, cos, sin, unsqueeze_dim)
 
 
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).

@@ -34,7 +34,7 @@ FAMILIES = {
                      "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
     # Its partial RoPE (phi3_rope) and Llama-code norms by default; the fused-in-the-checkpoint gate/up opt-in.
     "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "partial_rotary_factor": 0.5},
-    # OLMo 2's own kernel is an opt-in patch (float32-order norms; its Llama-code MLP runs by default);
+    # OLMo 2's float32-order norms and its float32-cos RoPE (its Llama-code MLP too);
     # Gemma's (1 + weight) norms by default, its GeGLU opt-in; Gemma 3's q/k norms, sliding windows.
     "olmo2": {},
     "gemma": {},

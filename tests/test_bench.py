@@ -259,7 +259,7 @@ def test_quickstart_example_runs_on_cpu(preset_cache):
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
                          text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "0 RMSNorm layers kernelized" in res.stdout and "max |stock - ours| = 0.000e+00" in res.stdout
+    assert "hub layers none" in res.stdout and "max |stock - ours| = 0.000e+00" in res.stdout
 
 
 def test_materialize_refuses_to_overwrite_foreign_directories(preset_cache, tmp_path):
@@ -350,9 +350,9 @@ def test_path_specs_and_the_without_form(capsys):
         paths.spec("cutile+fused_gate_up")  # already in cutile
     c = paths.spec("cutile-compile~decoder_add_rms_norm")  # the compiled path takes both forms too
     assert c.compile and c.ours and c.exclude == ("decoder_add_rms_norm",)
-    assert paths.spec("cutile-compile+rms_norm_olmo2").compile and not paths.spec("cutile+rms_norm_olmo2").compile
+    assert paths.spec("cutile-compile+gemma_add_norm").compile and not paths.spec("cutile+gemma_add_norm").compile
     assert paths.spec("cutile-compile~rotary_pos_emb~fused_gate_up").exclude == ("rotary_pos_emb", "fused_gate_up")
-    assert paths.spec("cutile+phi3_mlp+rms_norm_olmo2").include == ("phi3_mlp", "rms_norm_olmo2")
+    assert paths.spec("cutile+phi3_mlp+gemma_add_norm").include == ("phi3_mlp", "gemma_add_norm")
     g = paths.spec("cutile-graphs~fused_gate_up")  # the decode fast path keeps its attention and graphs
     assert g.graphs and g.attn == "cutile" and g.ours and not g.compile and g.exclude == ("fused_gate_up",)
     assert paths.spec("stock-graphs").graphs and not paths.spec("stock-graphs").ours
@@ -383,19 +383,19 @@ def test_round_ratios_pair_rounds_and_refuse_mixed_runs():
 
 
 def test_an_opt_in_patch_that_changes_nothing_is_said(capsys, monkeypatch):
-    # cutile+rms_norm_olmo2 on a Llama model measures the cutile model again: the report says so.
+    # cutile+gemma_add_norm on a Llama model measures the cutile model again: the report says so.
     import families
     from cutile_kernels_tools.bench import paths
     from cutile_kernels_tools.bench.worker import inert_patches
 
     import cutile_kernels
 
-    spec = paths.spec("cutile+rms_norm_olmo2")
-    llama, olmo2 = families.model("llama"), families.model("olmo2")
-    for m in (llama, olmo2):
-        cutile_kernels.patch(m, names=["rms_norm_olmo2"])
-    assert inert_patches(llama, spec, "cuda") == ["rms_norm_olmo2"]
-    assert inert_patches(olmo2, spec, "cuda") == [] and inert_patches(llama, spec, "cpu") == []
+    spec = paths.spec("cutile+gemma_add_norm")
+    llama, gemma3 = families.model("llama"), families.model("gemma3_text")
+    for m in (llama, gemma3):
+        cutile_kernels.patch(m, names=["gemma_add_norm"])
+    assert inert_patches(llama, spec, "cuda") == ["gemma_add_norm"]
+    assert inert_patches(gemma3, spec, "cuda") == [] and inert_patches(llama, spec, "cpu") == []
     assert inert_patches(llama, paths.spec("cutile"), "cuda") == []
     # An opt-in hub layer the model has no function of (Qwen3.5's chunked delta rule on Llama, as
     # when it was opt-in; none is today).
@@ -404,16 +404,18 @@ def test_an_opt_in_patch_that_changes_nothing_is_said(capsys, monkeypatch):
     assert inert_patches(llama, hub, "cuda") == ["chunk_gated_delta_rule"]
     assert inert_patches(families.model("qwen3_5_text"), hub, "cuda") == []
     report = json.loads((ROOT / "benchmarks/results/h200-2026-12-01/call4/bench-llama-3.2-1b/bench.json").read_text())
-    report["paths"]["cutile+rms_norm_olmo2"] = dict(report["paths"]["cutile"], inert_patches=["rms_norm_olmo2"])
+    report["paths"]["cutile+gemma_add_norm"] = dict(report["paths"]["cutile"], inert_patches=["gemma_add_norm"])
     bench.print_report(report)
     said = " ".join(capsys.readouterr().out.split())
-    assert "cutile+rms_norm_olmo2: rms_norm_olmo2 changed nothing in this model" in said
+    assert "cutile+gemma_add_norm: gemma_add_norm changed nothing in this model" in said
 
 
 def test_only_the_fla_path_sees_flash_linear_attention(tmp_path, monkeypatch):
     # A stand-in fla package in a folder of its own, found through $CUTILE_BENCH_FLA_PATH.
-    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "ops").mkdir(parents=True)
     (tmp_path / "fla" / "__init__.py").write_text("WHO = 'fla'\n")
+    (tmp_path / "fla" / "ops" / "__init__.py").write_text("")
+    (tmp_path / "fla" / "ops" / "gated_delta_rule.py").write_text("def chunk_gated_delta_rule(): pass\n")
     (tmp_path / "causal_conv1d").mkdir()
     (tmp_path / "causal_conv1d" / "__init__.py").write_text("")
     from cutile_kernels_tools.bench import paths as bench_paths
@@ -433,6 +435,11 @@ def test_only_the_fla_path_sees_flash_linear_attention(tmp_path, monkeypatch):
     assert seen["stock+fla"] == seen["cutile+fla"] == (0, "[True]", [])
     for path in ("stock", "cutile"):  # hidden even when it is on sys.path
         assert seen[path][0] != 0 and "ModuleNotFoundError" in seen[path][2][0] and "hidden" in seen[path][2][0]
+    # fla that imports but whose ops do not (no triton): the fla paths fail rather than time torch code.
+    (tmp_path / "fla" / "ops" / "gated_delta_rule.py").write_text("import triton_not_here\n")
+    r = subprocess.run([sys.executable, "-c", probe, "stock+fla", str(tmp_path)], capture_output=True, text=True,
+                       env={**os.environ, bench_paths.FLA_DIR_ENV: str(tmp_path)})
+    assert r.returncode != 0 and "fla.ops.gated_delta_rule does not import" in r.stderr
     monkeypatch.delenv(bench_paths.FLA_DIR_ENV)
     if importlib.util.find_spec("fla") is None:
         assert "not installed" in bench_paths.spec("stock+fla").unavailable("cpu")

@@ -49,6 +49,7 @@ FAMILY_OPS = {
     "gemma3_text": {"rms_norm_gemma", "rope"},
     "gemma2": {"rms_norm_gemma", "rope"},
     "phi3": {"rms_norm", "rope"},  # Llama-code norms; partial RoPE in phi3_rope; its MLP opt-in
+    "olmo2": {"rms_norm_gemma", "rope_cast", "silu_and_mul_fused"},  # float32-order norms (offset 0), float32-cos RoPE
     # (1 + weight) norms (one fused with the residual add), SwiGLU, the gated norm, the gates (the
     # block's hub layer). The delta rule and conv layers give CPU calls to
     # transformers' functions; on CUDA they are ours (test_gpu_static_generate_... traces them).
@@ -343,7 +344,7 @@ def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(varian
     assert fused > 0 and fused_qk > 0
     # Every gated DeltaNet block (the stacked class's forward is the installed package's, the bound
     # functions the build's) asks the recurrent layer beside it to update the cache's state in place.
-    blocks = [m for m in model.modules() if hasattr(m, "_kernel_funcs")]
+    blocks = [m for m in model.modules() if "fused_recurrent_gated_delta_rule" in getattr(m, "_kernel_funcs", {})]
     assert blocks and all(b.forward.__qualname__ == "CutileGatedDeltaNet.forward" for b in blocks)
     for b in blocks:
         names = b.forward.__func__.__globals__

@@ -22,6 +22,8 @@ CALLS = {
     "silu_and_mul_fused": (lambda d: cutile_kernels.silu_and_mul_fused(_f(3, 64, dtype=d)), "x"),
     "apply_rope": (lambda d: cutile_kernels.apply_rope(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16), _f(1, 5, 16),
                                                        _f(1, 5, 16)), "q"),
+    "apply_rope_cast": (lambda d: cutile_kernels.apply_rope_cast(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16),
+                                                                 _f(1, 5, 16), _f(1, 5, 16)), "q"),
     "qk_norm_rope": (lambda d: cutile_kernels.qk_norm_rope(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16), _f(16), _f(16),
                                                            1e-6, _f(1, 5, 16), _f(1, 5, 16)), "q"),
     "qk_norm_rope_gemma": (lambda d: cutile_kernels.qk_norm_rope_gemma(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16), _f(16),
@@ -120,6 +122,9 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
     if name == "rope":
         (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
         return q, k, cos, sin
+    if name == "rope_cast":  # OLMo 2's: float32 cos/sin
+        (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
+        return q, k, cos.float(), sin.float()
     if name == "qk_norm_rope":
         (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
         return q, k, 1 + 0.1 * f(d), 1 + 0.1 * f(d), 1e-6, cos, sin

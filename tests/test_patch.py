@@ -102,7 +102,7 @@ def test_a_patch_that_does_not_apply_is_not_active(scratch_registry):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     report = patcher.patch(model)
     assert isinstance(report, PatchReport)
-    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "qk_norm_rope": 0, "rms_norm_gemma": 0,
+    assert report.changed == {"decoder_add_rms_norm": 0, "fused_gate_up": 0, "qk_norm_rope": 0, "rms_norm_gemma": 0, "rms_norm_olmo2": 0,
                               "phi3_rope": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
                               "qwen3_5_stacked_proj": 0} and report.active == []
     assert patcher.applied(model) == {}
@@ -689,3 +689,24 @@ def test_opt_in_patch_is_applied_only_when_named(ids):
     assert "rope_cos_sin" not in cutile_kernels.patch(model).active
     assert cutile_kernels.patch(model, names="rope_cos_sin").changed == {"rope_cos_sin": 1}
     assert "rope_cos_sin" in patcher.applied(model)
+
+
+def test_patch_after_a_cpu_use_kernels_load_takes_the_modules_kernels_left_stock(tmp_path, built_package_dir):
+    """Where ``kernels`` maps no kernel (a CPU load with ``use_kernels=True``) it binds each hub
+    module's own class forward on the instance: no replacement, so ``patch(model)`` takes those
+    modules as on a plain load (Qwen3.5's zero-centered norms, its stacked projections), with the
+    stock logits."""
+    import families
+
+    from cutile_kernels.layers._patching import own_forward_on_instance
+
+    families.model("qwen3_5_text").save_pretrained(tmp_path)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True,
+                                                 kernel_config=cutile_kernels.kernel_config()).eval()
+    assert any(own_forward_on_instance(m) for m in model.modules())
+    changed = cutile_kernels.patch(model).changed
+    assert changed["rms_norm_gemma"] > 0 and changed["qwen3_5_stacked_proj"] > 0, changed
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, stock(ids).logits)

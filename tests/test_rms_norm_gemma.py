@@ -158,7 +158,7 @@ def _norms(model):
 
 #: model type -> the float-order patch that takes its norms, and whether it is a default patch.
 FLOAT_NORMS = {"gemma": ("rms_norm_gemma", True), "gemma3_text": ("rms_norm_gemma", True),
-               "qwen3_5_text": ("rms_norm_gemma", True), "olmo2": ("rms_norm_olmo2", False)}
+               "qwen3_5_text": ("rms_norm_gemma", True), "olmo2": ("rms_norm_olmo2", True)}
 
 
 @pytest.mark.parametrize("model_type", sorted(FLOAT_NORMS))
@@ -237,8 +237,11 @@ def test_patch_survives_kernelize_rebinding_the_hub_layer_after_it_on_olmo2():
     assert sum(dispatch.stats()["fallbacks"].values()) == n  # the hub layer's stock fallback again
 
 
-def test_kernel_config_takes_the_opt_in_one_by_name():
-    assert cutile_kernels.kernel_config(include=["rms_norm_olmo2"]).include_patches == ("rms_norm_olmo2",)
+def test_kernel_config_leaves_the_default_one_out_by_name():
+    assert cutile_kernels.kernel_config(exclude=["rms_norm_olmo2"]).exclude_patches == ("rms_norm_olmo2",)
+    from cutile_kernels.layers.hub import _patch_names
+
+    assert "rms_norm_olmo2" in _patch_names() and "rms_norm_olmo2" not in _patch_names(exclude=["rms_norm_olmo2"])
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "olmo2"])
@@ -285,10 +288,10 @@ def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
 
 
 @pytest.mark.gpu
-def test_gpu_from_pretrained_runs_the_kernel_on_olmo2s_hub_decorated_norms(tmp_path):  # not strict: its RoPE falls back
+def test_gpu_from_pretrained_runs_the_kernel_on_olmo2s_hub_decorated_norms(tmp_path, strict):
     # The real order: from_pretrained applies the patch, then kernelize binds our hub layer to
     # Olmo2RMSNorm (decorated "RMSNorm"); the marked norms still launch the kernel, none falls back.
-    model = _load_tiny("olmo2", tmp_path, include=["rms_norm_olmo2"])
+    model = _load_tiny("olmo2", tmp_path)  # a default patch
     assert all(m.__dict__.get(norm_layer.FLOAT_NORM_MARK) == 0.0 for m in _norms(model))  # offset 0: present, falsy
     n, fallbacks = _launches_over_every_copy(model, torch.randint(0, 256, (1, 9), device="cuda"))
     assert n == len(_norms(model))

@@ -14,7 +14,7 @@ import cutile_kernels
 from cutile_kernels import dispatch, registry
 from cutile_kernels.kernel_src import rope as rope_src
 from cutile_kernels.layers import rope as rope_layer
-from cutile_kernels.layers.rope import CutileRotaryPosEmb, computes_llama_rope, wrapped_function
+from cutile_kernels.layers.rope import CutileRotaryPosEmb, computes_llama_rope, computes_olmo2_rope, wrapped_function
 from launches import launched_variants
 rope_ops = importlib.import_module("cutile_kernels.ops.rope")
 
@@ -225,18 +225,22 @@ def test_decode_steps_ask_for_one_position_per_block():
 
 def test_build_matrix_is_small():
     specs = rope_src.VARIANTS
-    # prefill tiles for three dtypes, decode tiles (ROWS=1) for the two 16-bit ones, two layouts each
-    assert len(specs) == (3 + 2) * 2 * len(rope_src.BLOCKS) == 30
+    # Llama's: prefill tiles for three dtypes, decode tiles (ROWS=1) for the two 16-bit ones, two
+    # layouts each; OLMo 2's float32 cos/sin: the same for the two 16-bit dtypes.
+    assert len(specs) == (3 + 2) * 2 * len(rope_src.BLOCKS) + (2 + 2) * 2 * len(rope_src.BLOCKS) == 54
     assert len({s.tag for s in specs}) == len(specs)
     for s in specs:
         arrays = [p for p in s.params if p.kind == "array"]
         assert [p.name for p in arrays] == ["q", "k", "cos", "sin", "q_out", "k_out"]
         assert [p.ndim for p in arrays] == [5, 5, 4, 4, 5, 5]
-        assert len({p.dtype for p in arrays}) == 1
+        dtypes = [p.dtype for p in arrays]
+        cast = s.tag.split(".")[0].endswith("c32")
+        assert dtypes == [dtypes[0]] * 2 + ["float32" if cast else dtypes[0]] * 2 + [dtypes[0]] * 2, s.tag
+        assert not cast or dtypes[0] in ("bfloat16", "float16")
         assert s.constants["HEADS"] * s.constants["ROWS"] * s.constants["BLOCK"] * 2 == 4096 or s.constants["ROWS"] == 1
     # Aligned before generic for the same tile: the runtime's order of preference.
     for block in rope_src.BLOCKS:
-        tags = [s.tag for s in specs if s.constants["BLOCK"] == block and s.tag.startswith("bf16")]
+        tags = [s.tag for s in specs if s.constants["BLOCK"] == block and s.tag.startswith("bf16.")]
         prefill, decode = (f"bf16.h{block}.t{rope_src.HEADS}x{rows}" for rows in (rope_src.ROWS[block], 1))
         assert tags == [f"{prefill}.aligned", f"{decode}.aligned", f"{prefill}.generic", f"{decode}.generic"]
 
@@ -257,10 +261,37 @@ def test_llama_formula_functions_are_recognised(model_type):
     assert wrapped_function(type(fn)).__module__ == f"transformers.models.{model_type}.modeling_{model_type}"
 
 
-@pytest.mark.parametrize("model_type", ["nanochat", "olmo2", "gpt_oss", "modernbert", "hunyuan_vl"])
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo", "olmo3", "flex_olmo"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_olmo2_formula_runs_the_cast_op(model_type, dtype, caplog):
+    """OLMo 2's apply_rotary_pos_emb (and its copies) with the float32 cos/sin OLMo 2's rotary
+    embedding returns: the layer runs apply_rope_cast, on the CPU stock's bits, strided q/k kept."""
+    fn = _func_module(model_type)
+    assert computes_olmo2_rope(type(fn)) and not computes_llama_rope(type(fn))
+    q, k = _model_qk(2, 4, 2, 5, 64, dtype)
+    cos, sin = _cos_sin(2, 5, 64, torch.float32)
+    want = fn(q, k, cos, sin)
+    layer = types.MethodType(CutileRotaryPosEmb.forward, fn)
+    before = dispatch.stats()["reference_calls"].get("rope_cast", 0)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        got = layer(q, k, cos, sin)
+    assert dispatch.stats()["reference_calls"].get("rope_cast", 0) == before + 1 and caplog.text == ""
+    assert all(torch.equal(g, w) and g.dtype == dtype and g.stride() == w.stride() for g, w in zip(got, want))
+    # The reference promotes, then casts back: not Llama's formula in q's dtype.
+    llama = rope_ops.apply_rope_reference(q, k, cos.to(dtype), sin.to(dtype))
+    assert dtype == torch.float32 or not torch.equal(llama[0], want[0])
+
+
+def test_olmo2_pin_turns_the_cast_path_off(change_pin):
+    change_pin(rope_layer.OLMO2_PIN)
+    assert not computes_olmo2_rope.judge(type(_func_module("olmo2")))
+    assert computes_llama_rope.judge(type(_func_module("llama")))
+
+
+@pytest.mark.parametrize("model_type", ["nanochat", "gpt_oss", "modernbert", "hunyuan_vl"])
 def test_other_formulas_keep_their_own_forward(model_type, caplog):
     fn = _func_module(model_type)
-    assert not computes_llama_rope(type(fn))
+    assert not computes_llama_rope(type(fn)) and not computes_olmo2_rope(type(fn))
     q, k = _model_qk(1, 4, 2, 5, 64, torch.bfloat16)
     half = model_type == "gpt_oss"  # GPT-OSS takes cos/sin of D/2
     cos, sin = _cos_sin(1, 5, 32 if half else 64, torch.bfloat16)
@@ -269,7 +300,7 @@ def test_other_formulas_keep_their_own_forward(model_type, caplog):
     with caplog.at_level("WARNING", logger="cutile_kernels"):
         got = layer(q, k, cos, sin)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert "is not Llama's apply_rotary_pos_emb formula" in caplog.text
+    assert "is neither Llama's nor OLMo 2's apply_rotary_pos_emb formula" in caplog.text
 
 
 def test_nanochat_differs_only_in_rotate_half():
@@ -296,7 +327,7 @@ def test_survey_of_every_decorated_function():
     """Which of transformers' ``rotary_pos_emb`` functions the layer runs (the module docstring's
     list): every one decorated in this transformers, imported and classified."""
     root = os.path.dirname(transformers.__file__)
-    ours, theirs = [], []
+    ours, cast, theirs = [], [], []
     for name in sorted(os.listdir(os.path.join(root, "models"))):
         path = os.path.join(root, "models", name, f"modeling_{name}.py")
         if not os.path.isfile(path) or 'use_kernel_forward_from_hub("rotary_pos_emb")' not in open(path).read():
@@ -306,12 +337,13 @@ def test_survey_of_every_decorated_function():
                  and getattr(type(v), "kernel_layer_name", None) == "rotary_pos_emb"
                  and wrapped_function(type(v)).__module__ == mod.__name__]
         assert len(funcs) == 1, name
-        (ours if computes_llama_rope(type(funcs[0])) else theirs).append(name)
+        verdict = type(funcs[0])
+        (ours if computes_llama_rope(verdict) else cast if computes_olmo2_rope(verdict) else theirs).append(name)
         sig = inspect.signature(wrapped_function(type(funcs[0])))
         assert list(sig.parameters) == ["q", "k", "cos", "sin", "unsqueeze_dim"], name  # the layer's signature
     assert len(ours) == 104 and {"llama", "mistral", "qwen2", "qwen3", "phi"} <= set(ours)
-    assert sorted(theirs) == ["beam", "esm", "evolla", "flex_olmo", "gpt_oss", "hunyuan_vl", "modernbert",
-                              "modernbert_decoder", "nanochat", "olmo", "olmo2", "olmo3", "olmo_hybrid",
+    assert sorted(cast) == ["beam", "flex_olmo", "olmo", "olmo2", "olmo3", "olmo_hybrid"]
+    assert sorted(theirs) == ["esm", "evolla", "gpt_oss", "hunyuan_vl", "modernbert", "modernbert_decoder", "nanochat",
                               "openai_privacy_filter"]
 
 
@@ -554,6 +586,51 @@ def test_left_padded_batch_per_row_positions(strict):
     got = cutile_kernels.apply_rope(q, k, cos, sin)
     want = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+#: (B, Hq, Hkv, S, D, dtype) of OLMo 2's RoPE: float32 cos/sin, 16-bit q and k.
+CAST_CASES = [
+    (1, 16, 16, 2048, 128, torch.bfloat16),   # OLMo-2-0425-1B prefill
+    (1, 16, 16, 1, 128, torch.bfloat16),      # its decode b=1
+    (16, 16, 16, 1, 128, torch.bfloat16),     # decode b=16
+    (3, 8, 1, 37, 64, torch.bfloat16),        # one KV head, odd S
+    (2, 8, 2, 17, 80, torch.float16),         # D=80 (half 40, padded to 64), fp16
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CAST_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_rope_cast_kernel_is_olmo2s_formula(case, strict):
+    """The float32-cos variants against float64 and, bit for bit, against OLMo 2's own function
+    (float32 math, each result cast back), outputs poisoned first."""
+    from transformers.models.olmo2 import modeling_olmo2
+
+    b, hq, hkv, s, d, dtype = case
+    q, k = _model_qk(b, hq, hkv, s, d, dtype, "cuda")
+    cos, sin = _cos_sin(b, s, d, torch.float32, "cuda")
+    q_out, k_out = (torch.full_like(t, float("nan")) for t in (q, k))
+    before = dispatch.stats()["launches"]
+    assert rope_ops.rope_into(q, k, cos, sin, q_out, k_out)
+    (variant,) = launched_variants(before)
+    assert variant.tag.split(".")[0].endswith("c32"), variant.tag  # a float32-cos variant
+    torch.cuda.synchronize()
+    assert not torch.isnan(q_out).any() and not torch.isnan(k_out).any(), "an output element was not written"
+    want = modeling_olmo2.apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(q_out, want[0]) and torch.equal(k_out, want[1])
+    ref_q, ref_k = _exact(q, k, cos, sin)
+    for ours, ref in ((q_out, ref_q), (k_out, ref_k)):
+        # one rounding to the 16-bit dtype after float32 math: within one unit of it
+        assert _errors(ours, ref)[1] < (4e-3 if dtype == torch.bfloat16 else 5e-4)
+    got = cutile_kernels.apply_rope_cast(q, k, cos, sin)
+    assert all(torch.equal(g, w) and g.stride() == w.stride() for g, w in zip(got, want))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gq, gk = cutile_kernels.apply_rope_cast(q, k, cos, sin)
+    cos.copy_(torch.rand_like(cos))
+    g.replay()
+    torch.cuda.synchronize()
+    want = modeling_olmo2.apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(gq, want[0]) and torch.equal(gk, want[1])
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ from ...ops.norm import add_rms_norm_gemma
 from ...ops.rope import apply_rope
 from .._direct import attend, gemma_qk_norm_rope, linear
 from .._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
-from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
+from .._patching import Patch, _unhooked, own_forward_on_instance, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
 from ..gated_delta import STACKED_NAME, CutileGatedDeltaNet, computes_gated_deltanet
 from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
@@ -253,7 +253,8 @@ def stacking_verdict(m: nn.Module) -> str | None:
         return "its forward is not Qwen3_5GatedDeltaNet.forward's code"
     bound = m.__dict__.get("forward")
     # kernelize binds the block layer of the build's copy of this package: the same code, by name.
-    if bound is not None and getattr(getattr(bound, "__func__", None), "__qualname__", "") != (
+    if bound is not None and not own_forward_on_instance(m) and getattr(getattr(bound, "__func__", None),
+                                                                       "__qualname__", "") != (
             CutileGatedDeltaNet.forward.__qualname__):
         return "its forward is already replaced on the instance (e.g. an accelerate hook)"
     if getattr(m.conv1d, "_hf_hook", None) is not None:
@@ -281,6 +282,8 @@ def patch_qwen3_5_stacked_proj(model: nn.Module) -> int:
             continue
         why = stacking_verdict(m)
         if why is None:
+            if own_forward_on_instance(m):  # kernels' binding of the stock forward: the stacked class's must run
+                del m.__dict__["forward"]
             fuse_one(m, _STACKING)
             done.append(type(m).__name__)
         elif why != "already stacked":

@@ -159,6 +159,9 @@ FLA_DIR_ENV = "CUTILE_BENCH_FLA_PATH"
 #: in the Qwen3.5 / Qwen3-Next / OLMo-hybrid modeling code): hidden from every path but those with
 #: ``PathSpec.fla``.
 FALLBACK_PACKAGES = ("fla", "causal_conv1d")
+#: The module of fla that transformers takes the gated delta rules from (its
+#: ``_KERNELS_INTERNAL_PATH_MAPPINGS``): importing ``fla`` alone succeeds without triton, this does not.
+FLA_OPS_MODULE = "fla.ops.gated_delta_rule"
 
 
 def _fla_available() -> bool:
@@ -181,7 +184,8 @@ class _Hidden(importlib.abc.MetaPathFinder):
 def isolate_packages(path: str | None) -> None:
     """Call in a bench worker before transformers imports a modeling module: a path with
     ``PathSpec.fla`` gets fla (``$CUTILE_BENCH_FLA_PATH`` added to ``sys.path`` when set; the path
-    fails if fla does not import, rather than timing transformers' torch code under its name),
+    fails if fla's gated delta rule module (:data:`FLA_OPS_MODULE`) does not import, e.g. without
+    triton, rather than timing transformers' torch code under its name),
     every other path and the reference job get neither fla nor causal-conv1d, installed or not
     (their imports raise ``ModuleNotFoundError``, ``importlib.util.find_spec`` too).
 
@@ -197,10 +201,10 @@ def isolate_packages(path: str | None) -> None:
         if extra and extra not in sys.path:
             sys.path.append(extra)
         try:
-            importlib.import_module("fla")
+            importlib.import_module(FLA_OPS_MODULE)
         except Exception as exc:  # noqa: BLE001 - any import failure means the path would not be fla's
-            raise RuntimeError(f"{path}: flash-linear-attention does not import ({type(exc).__name__}: "
-                               f"{exc})") from exc
+            raise RuntimeError(f"{path}: flash-linear-attention's {FLA_OPS_MODULE} does not import "
+                               f"({type(exc).__name__}: {exc}); transformers would run its own torch code") from exc
     elif not any(isinstance(f, _Hidden) for f in sys.meta_path):
         sys.meta_path.insert(0, _Hidden())
 

@@ -352,8 +352,10 @@ def _norm_solutions(root: Path) -> list[tuple[Solution, str]]:
 
 
 def make_solution(d: Definition, kernel: str, family: str, op: str, checkout: Path,
-                  archs=None, description: str | None = None, body: str | None = None) -> Solution:
-    """The cuda-tile Solution of ``kernel`` for Definition ``d``.
+                  archs=None, description: str | None = None, body: str | None = None,
+                  name: str | None = None) -> Solution:
+    """The cuda-tile Solution of ``kernel`` for Definition ``d``, named ``name`` (default
+    ``<kernel>_cutile``; another name where two Definitions share a kernel).
 
     Its entry ``main.py::run`` calls ``cutile_kernels.ops.<family>.<op>`` with the Definition's
     inputs in order (the installed package is what runs), or runs ``body`` when one is given (the
@@ -365,7 +367,8 @@ def make_solution(d: Definition, kernel: str, family: str, op: str, checkout: Pa
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
 
     params = list(d.inputs)
-    entry = (f'"""Entry point of {kernel}_cutile: the cutile-kernels op `{op}`, whose cuTile kernel is\n'
+    name = name or f"{kernel}_cutile"
+    entry = (f'"""Entry point of {name}: the cutile-kernels op `{op}`, whose cuTile kernel is\n'
              f'kernel_src/{family}.py (host side: torch-ext/cutile_kernels/ops/{family}.py)."""\n\n'
              f"from cutile_kernels.ops.{family} import {op} as _op\n\n\n"
              f"def run({', '.join(params)}):\n"
@@ -374,7 +377,7 @@ def make_solution(d: Definition, kernel: str, family: str, op: str, checkout: Pa
     sources += [SourceFile(path=rel, content=(checkout / rel).read_text()) for rel in kernel_sources(checkout, family)]
     functions = kernel_functions().get(kernel, [])
     return Solution(
-        name=f"{kernel}_cutile", definition=d.name, author=AUTHOR,
+        name=name, definition=d.name, author=AUTHOR,
         spec=BuildSpec(language="cuda-tile", target_hardware=list(archs or DEFAULT_ARCHS), entry_point="main.py::run",
                        dependencies=["cutile-kernels", f"cuda-tile=={importlib.metadata.version('cuda-tile')}"],
                        destination_passing_style=False,

@@ -40,6 +40,7 @@ class SolutionSpec:
     op: str
     body: str | None = None
     description: str | None = None
+    name: str | None = None  # the Solution's name, where the kernel serves two Definitions
 
 
 @dataclass
@@ -54,16 +55,16 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every generated entry, in family order (activation, rope, attention, qk_norm_rope, kv_cache,
-    then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
-    return [*_activation(), _rope(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(), _kv_append(),
+    """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's), attention,
+    qk_norm_rope, kv_cache, then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
+    return [*_activation(), _rope(), _rope_cast(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(), _kv_append(),
             *_gated_deltanet()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
     """The cuda-tile Solution ``spec`` of ``entry`` (:func:`.inventory.make_solution`)."""
     return make_solution(entry.definition, kernel=spec.kernel, family=entry.family, op=spec.op, checkout=checkout,
-                         description=spec.description, body=spec.body)
+                         description=spec.description, body=spec.body, name=spec.name)
 
 
 def model_shapes(preset: str) -> dict:
@@ -281,6 +282,47 @@ def _rope() -> Entry:
                                        "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
                                  inputs=_inputs(d), uuid=f"{preset}/{phase}"))
     return Entry("rope", d, rows, [SolutionSpec("rope", "apply_rope")])
+
+
+#: OLMo 2's presets, for the Workloads of its RoPE.
+OLMO2_PRESETS = ("olmo-2-1b",)
+
+
+def _rope_cast() -> Entry:
+    ops = _ops("rope")
+    src = "src/transformers/models/olmo2/modeling_olmo2.py::apply_rotary_pos_emb"
+    axes, spec, (q_shape, k_shape, cs) = _qk_axes("head dimension, all of it rotated")
+
+    def f32(shape, what):
+        return TensorSpec(shape=shape, dtype="float32", description=what)
+
+    d = Definition(
+        name="rope_cast", op_type="rope", axes=axes,
+        inputs={"q": spec(q_shape, "queries after q_norm and the head split, heads before positions"),
+                "k": spec(k_shape, "keys, likewise"),
+                "cos": f32(cs, "cos of the rotary angles per position, as OLMo 2's rotary embedding returns it "
+                               "(float32)"),
+                "sin": f32(cs, "sin of the rotary angles, likewise")},
+        outputs={"q_embed": spec(q_shape, "q * cos + rotate_half(q) * sin in float32, cast back to q's dtype"),
+                 "k_embed": spec(k_shape, "likewise for k")},
+        reference=reference_source(
+            [ops._rotate_half, ops._rotate, ops.apply_rope_reference, ops.apply_rope_cast_reference],
+            ["q", "k", "cos", "sin"], "return apply_rope_cast_reference(q, k, cos, sin)",
+            _header(src, "x * cos + rotate_half(x) * sin for q and k, each op in the promoted dtype (float32), "
+                         "each result cast back to its input's dtype.", "cutile_kernels.ops.rope")),
+        tags=_tags("rope", src, OLMO2_PRESETS),
+        description=(f"OLMo 2's rotary position embedding of q and k (transformers v{TRANSFORMERS_PIN}, {src}; OLMo, "
+                     "OLMo 3 and FlexOlmo copy it): float32 cos/sin with 16-bit q and k."),
+        constraints=["head_dim % 2 == 0", "head_dim <= 256"],
+    )
+    rows = []
+    for preset in OLMO2_PRESETS:
+        m = model_shapes(preset)
+        for phase, (batch, seq) in PHASES.items():
+            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
+                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
+                                 inputs=_inputs(d), uuid=f"{preset}/{phase}"))
+    return Entry("rope", d, rows, [SolutionSpec("rope", "apply_rope_cast", name="rope_cast_cutile")])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""Rotary position embedding of q and k in one launch: torch custom op, fake, functional API.
+"""Rotary position embedding of q and k in one launch: torch custom ops, fakes, functional API.
 
 The math and rounding order are those of transformers' ``apply_rotary_pos_emb`` (see
 ``kernel_src/rope.py``), taking the ``cos``/``sin`` that the model's rotary embedding returns, so
 every scaling type (default, linear, dynamic, yarn, llama3, ...) is already in them.
-:func:`apply_rope_reference` restates the formula in PyTorch; it is the fallback and the tests'
-model of what stock transformers computes.
+:func:`apply_rope_reference` restates Llama's formula in PyTorch; it is the fallback and the
+tests' model of what stock transformers computes. :func:`apply_rope_cast` is OLMo 2's variant of
+it (float32 cos/sin with 16-bit q and k: the math in float32, each result cast back), on the same
+kernel.
 """
 
 from __future__ import annotations
@@ -239,3 +241,73 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if _mismatch(q, k, cos, sin) is not None:  # shapes outside the kernel's contract
         return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
     return _rope.call_checked(q, k, cos, sin)  # _mismatch was None above
+
+
+def apply_rope_cast_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE as OLMo 2's ``apply_rotary_pos_emb`` computes it (models/olmo2/modeling_olmo2.py,
+    v5.22.2; OLMo, OLMo 3 and FlexOlmo copy it): :func:`apply_rope_reference` (each op rounded to
+    ``promote_types(x.dtype, cos.dtype)``: float32 for OLMo 2's float32 cos/sin), then each result
+    cast back to its input's dtype."""
+    q_embed, k_embed = apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
+
+
+def _cast_outputs(q, k):
+    return _empty_like_layout(q, q.dtype), _empty_like_layout(k, k.dtype)
+
+
+def _rope_cast_cuda(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _cast_outputs(q, k)
+    if q_out.numel() == 0 and k_out.numel() == 0:
+        return q_out, k_out
+    if rope_into(q, k, cos, sin, q_out, k_out):
+        return q_out, k_out
+    q_ref, k_ref = apply_rope_cast_reference(q, k, cos, sin)
+    return q_out.copy_(q_ref), k_out.copy_(k_ref)
+
+
+def _rope_cast_cpu(q, k, cos, sin):
+    q_out, k_out = _cast_outputs(q, k)
+    q_ref, k_ref = apply_rope_cast_reference(q, k, cos, sin)
+    return q_out.copy_(q_ref), k_out.copy_(k_ref)
+
+
+_rope_cast = define_op("rope_cast", _rope_cast_cuda, reference=apply_rope_cast_reference,
+                       fake=lambda q, k, cos, sin: _cast_outputs(q, k), check=_check, cpu=_rope_cast_cpu)
+
+
+def apply_rope_cast(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMo 2's RoPE of ``q`` and ``k`` in one launch: :func:`apply_rope_cast_reference`.
+
+    Args:
+        q, k, cos, sin, unsqueeze_dim: as :func:`apply_rope`, but cos/sin may be float32 with
+            bfloat16 or float16 q and k (OLMo 2's rotary embedding returns float32): the cuTile
+            kernel then rounds each op to float32 and stores q's dtype. cos/sin of q's dtype give
+            :func:`apply_rope`'s numbers.
+
+    Returns:
+        ``(q_embed, k_embed)``: new tensors of q's and k's shapes, dtypes and memory order.
+
+    On CUDA one cuTile kernel for both tensors (head halves up to 128); other inputs take
+    :func:`apply_rope_cast_reference` and log the reason once; on other devices that reference.
+    Under ``torch.compile``, or when an input requires grad, the custom op
+    ``<namespace>::rope_cast`` (fake implementation; gradients from the reference).
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        RuntimeError: shapes that do not broadcast (from the reference, as transformers').
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("apply_rope_cast", "q, k, cos, sin", q, k, cos, sin)
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
+        return apply_rope_cast_reference(q, k, cos, sin, unsqueeze_dim)
+    if unsqueeze_dim == 2:
+        q_embed, k_embed = apply_rope_cast(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+    if _mismatch(q, k, cos, sin) is not None:
+        return apply_rope_cast_reference(q, k, cos, sin, unsqueeze_dim)
+    return _rope_cast.call_checked(q, k, cos, sin)
