@@ -5,6 +5,7 @@ and a patched model against stock (GPU); the Solution through `evaluate` (GPU)."
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from pathlib import Path
@@ -315,8 +316,8 @@ def test_other_rotary_forwards_are_left_alone(caplog):
 
 def test_instance_forwards_are_left_alone(caplog):
     model = _model("llama")
-    hook = model.model.rotary_emb.forward  # what accelerate does: a forward on the instance
-    model.model.rotary_emb.forward = hook
+    rotary = model.model.rotary_emb
+    rotary.forward = functools.partial(type(rotary).forward, rotary)  # as accelerate wraps it on the instance
     with caplog.at_level(logging.INFO, logger=LOGGER):
         assert cutile_kernels.patch(model, names="rope_cos_sin").changed == {"rope_cos_sin": 0}
     assert "already replaced on the instance" in caplog.text
