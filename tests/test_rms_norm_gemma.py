@@ -273,9 +273,10 @@ def _load_tiny(model_type, tmp_path, include=()):
 
 
 def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
-    """rms_norm_gemma launches of one forward (add_rms_norm_gemma's among them: Qwen3.5's
-    post-attention norms run fused with the residual add), summed over this package and the build
-    copy that kernelize bound (each keeps its own counters), and the fallbacks."""
+    """The norms one forward ran in the rms_norm_gemma kernel and its fusions: add_rms_norm_gemma's
+    launches (Qwen3.5's post-attention norms fused with the residual add) and two per
+    qk_norm_rope_gemma launch (its q_norm and k_norm, patch qwen3_5_rope), summed over this package
+    and the build copy that kernelize bound (each keeps its own counters); and the fallbacks."""
     from cutile_kernels_tools.bench.worker import merged_stats, runtime_copies
 
     for d in runtime_copies():
@@ -283,8 +284,9 @@ def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
     with torch.no_grad():
         model(ids)
     stats = merged_stats()
-    return (sum(n for k, n in stats["launches"].items() if k.startswith(("rms_norm_gemma", "add_rms_norm_gemma"))),
-            stats["fallbacks"])
+    launches = stats["launches"].items()
+    return (sum(n for k, n in launches if k.startswith(("rms_norm_gemma", "add_rms_norm_gemma")))
+            + 2 * sum(n for k, n in launches if k.startswith("qk_norm_rope_gemma")), stats["fallbacks"])
 
 
 @pytest.mark.gpu
