@@ -13,8 +13,8 @@ where ``round`` rounds to the input dtype, as eager torch rounds each elementwis
 products and the sum are separate kernels there; the sum is formed in float32). Both halves of
 cos and sin are read (Llama's are equal, but nothing here relies on it).
 
-OLMo 2's ``apply_rotary_pos_emb`` (models/olmo2/modeling_olmo2.py, v5.22.2; OLMo, OLMo 3 and
-FlexOlmo copy it) takes float32 cos/sin with 16-bit q and k: torch promotes, so every op above
+OLMo 2's ``apply_rotary_pos_emb`` (models/olmo2/modeling_olmo2.py, v5.22.2; OLMo, OLMo 3,
+OLMo-hybrid, FlexOlmo and Beam copy it) takes float32 cos/sin with 16-bit q and k: torch promotes, so every op above
 rounds to float32, and the result is cast back to the input's dtype. The kernel rounds to cos's
 dtype (the promoted one: cos is q's dtype or float32) and stores in the output's, so the variants
 with float32 cos/sin and 16-bit outputs compute that formula.
@@ -122,10 +122,11 @@ def _float_cos_params(dtype: str, layout: str, consts: dict):
 
 
 def tile_matrix(kernel: str, function: str, params, dtypes=("bfloat16", "float16", "float32"),
-                tag: str = "") -> list[VariantSpec]:
+                dtype_suffix: str = "") -> list[VariantSpec]:
     """The variants of ``kernel`` (module of the same name) on these tiles: every dtype of
     ``dtypes``, layout (aligned before generic, the runtime's order of preference) and BLOCK, with
-    ``params(dtype, layout, consts)`` its parameters and ``tag`` after the dtype in their tags; for
+    ``params(dtype, layout, consts)`` its parameters and ``dtype_suffix`` after the dtype in their
+    tags (another operand's dtype); for
     :data:`~._spec.DECODE_DTYPES` also a decode tile of one position (``ROWS=1``) per BLOCK, which
     the runtime asks for when S is below the prefill tile's rows. qk_norm_rope's kernel shares the
     tiles, so it shares this."""
@@ -138,7 +139,7 @@ def tile_matrix(kernel: str, function: str, params, dtypes=("bfloat16", "float16
             for block, rows in tiles:
                 consts = {"BLOCK": block, "ROWS": rows, "HEADS": HEADS}
                 specs.append(VariantSpec(kernel, kernel, function,
-                                         f"{DTYPE_TAGS[dtype]}{tag}.h{block}.t{HEADS}x{rows}.{layout}",
+                                         f"{DTYPE_TAGS[dtype]}{dtype_suffix}.h{block}.t{HEADS}x{rows}.{layout}",
                                          params(dtype, layout, consts)))
     return specs
 
@@ -146,4 +147,4 @@ def tile_matrix(kernel: str, function: str, params, dtypes=("bfloat16", "float16
 #: Every variant of this family, in the runtime's order of preference (aligned before generic).
 #: OLMo 2's float32 cos/sin after them (the runtime takes the first whose dtypes fit).
 VARIANTS: list[VariantSpec] = (tile_matrix("rope", "rope_kernel", _params)
-                               + tile_matrix("rope", "rope_kernel", _float_cos_params, DECODE_DTYPES, "c32"))
+                               + tile_matrix("rope", "rope_kernel", _float_cos_params, ("bfloat16", "float16"), "c32"))

@@ -207,7 +207,9 @@ def _unhooked(m: nn.Module) -> bool:
 
 def own_forward_on_instance(m: nn.Module) -> bool:
     """Whether ``m``'s instance forward is its class's own forward bound to it: what ``kernels``'
-    kernelize binds where it maps no kernel (e.g. on a CPU), not a replacement to keep."""
+    kernelize binds where it maps no kernel (e.g. on a CPU), not a replacement to keep. A patch
+    that swaps such a module's forward replaces that binding, and its undo drops the instance
+    forward: the class forward runs again, which is what the binding ran."""
     fwd = m.__dict__.get("forward")
     return getattr(fwd, "__self__", None) is m and getattr(fwd, "__func__", None) is type(m).forward
 

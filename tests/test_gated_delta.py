@@ -558,8 +558,9 @@ def _close_to_float64(got, want, ref_err, what):
 def test_gpu_delta_rule_matches_float64(T, dtype, strict, stock_functions):
     """Qwen3.5-0.8B's linear heads (16 x 128/128), q/k/v as column slices of the conv output. The
     torch reference is transformers' own function (``stock_functions``: a model kernelized earlier in
-    the process rebinds it to our layer, which updates a float32 state in place; on the H200 the
-    single-token case then started from the state after the token and failed)."""
+    the process rebinds it to our layer; when that layer still updated the state in place, the
+    single-token case on the H200 started from the state after the token and failed), given a copy
+    of the state; our hub layer, called as that function, must leave the state alone."""
     q, k, v, g, beta, s0 = _delta_inputs(1, T, 16, 128, 128, dtype, "cuda", seed=T, strided=True)
     want, want_state = _float64_rule(q, k, v, g, beta, s0)
     fn = q35.torch_chunk_gated_delta_rule if T > 1 else q35.torch_recurrent_gated_delta_rule

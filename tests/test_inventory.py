@@ -119,14 +119,14 @@ def test_new_families_have_the_presets_shapes():
 
 def test_new_definitions_reproduce_transformers():
     """Each Definition's run against the transformers code it names (v5.22.2), bit for bit where
-    the math is the same ops (activation, RoPE), to float32 rounding for attention."""
+    the math is the same ops (activation, RoPE: Llama's and OLMo 2's), to float32 rounding for attention."""
     from transformers import LlamaConfig
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama import modeling_llama
 
     inv = inventory.Inventory.load(INVENTORY)
     run = {name: inventory.load_reference(inv.definitions[name])
-           for name in ("silu_and_mul", "silu_and_mul_fused", "silu", "rope", "attention")}
+           for name in ("silu_and_mul", "silu_and_mul_fused", "silu", "rope", "rope_cast", "attention")}
     for name in run:
         assert any(t.startswith("source:transformers@v5.22.2:src/transformers/") for t in inv.definitions[name].tags)
     torch.manual_seed(0)
@@ -152,6 +152,15 @@ def test_new_definitions_reproduce_transformers():
     cos, sin = modeling_llama.LlamaRotaryEmbedding(cfg)(q, torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]))
     got, want = run["rope"](q, k, cos, sin), modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # OLMo 2's, with the float32 cos/sin of OLMo-2-1B's rotary embedding.
+    from transformers.models.olmo2 import modeling_olmo2
+
+    cfg = presets.make_config("olmo-2-1b")
+    q, k = torch.randn(2, 16, 5, 128).to(torch.bfloat16), torch.randn(2, 16, 5, 128).to(torch.bfloat16)
+    cos, sin = modeling_olmo2.Olmo2RotaryEmbedding(cfg)(q, torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]))
+    assert cos.dtype == torch.float32
+    got, want = run["rope_cast"](q, k, cos, sin), modeling_olmo2.apply_rotary_pos_emb(q, k, cos, sin)
+    assert all(torch.equal(a, b) and a.dtype == torch.bfloat16 for a, b in zip(got, want))
     # Attention: sdpa's prefill (is_causal) and decode (no mask) paths, eager's with a causal mask.
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True

@@ -238,7 +238,6 @@ def test_patch_survives_kernelize_rebinding_the_hub_layer_after_it_on_olmo2():
 
 
 def test_kernel_config_leaves_the_default_one_out_by_name():
-    assert cutile_kernels.kernel_config(exclude=["rms_norm_olmo2"]).exclude_patches == ("rms_norm_olmo2",)
     from cutile_kernels.layers.hub import _patch_names
 
     assert "rms_norm_olmo2" in _patch_names() and "rms_norm_olmo2" not in _patch_names(exclude=["rms_norm_olmo2"])

@@ -242,6 +242,15 @@ _STACKING = Stacking(stock=_STACKED_STOCK, fused=STACKED_NAME, row_slices=_stack
                      unfused_attr="_cutile_unfused_class", hooks_attr="_cutile_fusion_hooks")
 
 
+def _stackable_forward(m: nn.Module) -> bool:
+    """Whether ``m``'s forward may give way to the stacked class's: its class's (also as kernels
+    binds it on the instance) or our block layer's, which kernelize binds from the build's copy of
+    this package (the same code, judged by name)."""
+    bound = m.__dict__.get("forward")
+    return (bound is None or own_forward_on_instance(m)
+            or getattr(getattr(bound, "__func__", None), "__qualname__", "") == CutileGatedDeltaNet.forward.__qualname__)
+
+
 def stacking_verdict(m: nn.Module) -> str | None:
     """Why gated DeltaNet module ``m`` is not stacked, or None: its class must compute Qwen3.5's
     block (pinned), its forward must be its class's or our hub layer's (nobody else replaced it),
@@ -251,11 +260,7 @@ def stacking_verdict(m: nn.Module) -> str | None:
         return "already stacked"
     if not computes_gated_deltanet(type(m)):
         return "its forward is not Qwen3_5GatedDeltaNet.forward's code"
-    bound = m.__dict__.get("forward")
-    # kernelize binds the block layer of the build's copy of this package: the same code, by name.
-    if bound is not None and not own_forward_on_instance(m) and getattr(getattr(bound, "__func__", None),
-                                                                       "__qualname__", "") != (
-            CutileGatedDeltaNet.forward.__qualname__):
+    if not _stackable_forward(m):
         return "its forward is already replaced on the instance (e.g. an accelerate hook)"
     if getattr(m.conv1d, "_hf_hook", None) is not None:
         return "its conv1d has accelerate hooks"

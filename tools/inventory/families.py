@@ -274,14 +274,19 @@ def _rope() -> Entry:
                      "is in them)."),
         constraints=["head_dim % 2 == 0"],
     )
+    return Entry("rope", d, _rope_rows(d, WORKLOAD_PRESETS), [SolutionSpec("rope", "apply_rope")])
+
+
+def _rope_rows(d: Definition, presets) -> list[Workload]:
+    # One Workload per preset and phase over the q/k axes of _qk_axes (full rotary).
     rows = []
-    for preset in WORKLOAD_PRESETS:
+    for preset in presets:
         m = model_shapes(preset)
         for phase, (batch, seq) in PHASES.items():
             rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
                                        "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
                                  inputs=_inputs(d), uuid=f"{preset}/{phase}"))
-    return Entry("rope", d, rows, [SolutionSpec("rope", "apply_rope")])
+    return rows
 
 
 #: OLMo 2's presets, for the Workloads of its RoPE.
@@ -312,17 +317,11 @@ def _rope_cast() -> Entry:
                          "each result cast back to its input's dtype.", "cutile_kernels.ops.rope")),
         tags=_tags("rope", src, OLMO2_PRESETS),
         description=(f"OLMo 2's rotary position embedding of q and k (transformers v{TRANSFORMERS_PIN}, {src}; OLMo, "
-                     "OLMo 3 and FlexOlmo copy it): float32 cos/sin with 16-bit q and k."),
+                     "OLMo 3, OLMo-hybrid, FlexOlmo and Beam copy it): float32 cos/sin with 16-bit q and k."),
         constraints=["head_dim % 2 == 0", "head_dim <= 256"],
     )
-    rows = []
-    for preset in OLMO2_PRESETS:
-        m = model_shapes(preset)
-        for phase, (batch, seq) in PHASES.items():
-            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
-                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
-                                 inputs=_inputs(d), uuid=f"{preset}/{phase}"))
-    return Entry("rope", d, rows, [SolutionSpec("rope", "apply_rope_cast", name="rope_cast_cutile")])
+    return Entry("rope", d, _rope_rows(d, OLMO2_PRESETS),
+                 [SolutionSpec("rope", "apply_rope_cast", name="rope_cast_cutile")])
 
 
 # ---------------------------------------------------------------------------------------------

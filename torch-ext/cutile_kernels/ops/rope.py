@@ -233,20 +233,25 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("apply_rope", "q, k, cos, sin", q, k, cos, sin)
+    return _apply(_rope, apply_rope_reference, q, k, cos, sin, unsqueeze_dim)
+
+
+def _apply(op, reference, q, k, cos, sin, unsqueeze_dim):
+    # The op on the layouts the kernel takes ((B, S, H, D) as (B, H, S, D) views), else the reference.
     if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
-        return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
+        return reference(q, k, cos, sin, unsqueeze_dim)
     if unsqueeze_dim == 2:  # (B, S, H, D): the same kernel on (B, H, S, D) views
-        q_embed, k_embed = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
+        q_embed, k_embed = _apply(op, reference, q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
         return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     if _mismatch(q, k, cos, sin) is not None:  # shapes outside the kernel's contract
-        return apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
-    return _rope.call_checked(q, k, cos, sin)  # _mismatch was None above
+        return reference(q, k, cos, sin, unsqueeze_dim)
+    return op.call_checked(q, k, cos, sin)  # _mismatch was None above
 
 
 def apply_rope_cast_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE as OLMo 2's ``apply_rotary_pos_emb`` computes it (models/olmo2/modeling_olmo2.py,
-    v5.22.2; OLMo, OLMo 3 and FlexOlmo copy it): :func:`apply_rope_reference` (each op rounded to
+    v5.22.2; OLMo, OLMo 3, OLMo-hybrid, FlexOlmo and Beam copy it): :func:`apply_rope_reference` (each op rounded to
     ``promote_types(x.dtype, cos.dtype)``: float32 for OLMo 2's float32 cos/sin), then each result
     cast back to its input's dtype."""
     q_embed, k_embed = apply_rope_reference(q, k, cos, sin, unsqueeze_dim)
@@ -274,8 +279,12 @@ def _rope_cast_cpu(q, k, cos, sin):
     return q_out.copy_(q_ref), k_out.copy_(k_ref)
 
 
-_rope_cast = define_op("rope_cast", _rope_cast_cuda, reference=apply_rope_cast_reference,
-                       fake=lambda q, k, cos, sin: _cast_outputs(q, k), check=_check, cpu=_rope_cast_cpu)
+def _rope_cast_fake(q, k, cos, sin):
+    return _cast_outputs(q, k)
+
+
+_rope_cast = define_op("rope_cast", _rope_cast_cuda, reference=apply_rope_cast_reference, fake=_rope_cast_fake,
+                       check=_check, cpu=_rope_cast_cpu)
 
 
 def apply_rope_cast(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -303,11 +312,4 @@ def apply_rope_cast(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         CudaError: the CUDA driver failed to launch the kernel.
     """
     check_float("apply_rope_cast", "q, k, cos, sin", q, k, cos, sin)
-    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
-        return apply_rope_cast_reference(q, k, cos, sin, unsqueeze_dim)
-    if unsqueeze_dim == 2:
-        q_embed, k_embed = apply_rope_cast(q.transpose(1, 2), k.transpose(1, 2), cos, sin, 1)
-        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
-    if _mismatch(q, k, cos, sin) is not None:
-        return apply_rope_cast_reference(q, k, cos, sin, unsqueeze_dim)
-    return _rope_cast.call_checked(q, k, cos, sin)
+    return _apply(_rope_cast, apply_rope_cast_reference, q, k, cos, sin, unsqueeze_dim)
