@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ._patching import own_forward_on_instance
+
 
 def linear_problem(m, bias_ok: bool = False) -> str | None:
     """Why ``m`` cannot be stacked with its siblings, or None: it must be exactly ``nn.Linear``
@@ -172,7 +174,11 @@ def fuse_one(module: nn.Module, spec: Stacking) -> None:
     along rows, with the first child's ``requires_grad`` and training mode; drop them (their
     tensors are freed once nothing else refers to them), switch the class to
     ``spec.fused_class`` of it, and register :func:`state_dict_hook` and
-    :func:`load_state_dict_pre_hook`, their handles kept as ``spec.hooks_attr``."""
+    :func:`load_state_dict_pre_hook`, their handles kept as ``spec.hooks_attr``. Where ``kernels``
+    bound the class's own forward on the instance (:func:`~._patching.own_forward_on_instance`),
+    that binding goes: the fused class's forward must run."""
+    if own_forward_on_instance(module):
+        del module.__dict__["forward"]
     children = [getattr(module, n) for n in spec.stock]
     first = children[0]
     has_bias = spec.bias and first.bias is not None

@@ -287,8 +287,6 @@ def patch_qwen3_5_stacked_proj(model: nn.Module) -> int:
             continue
         why = stacking_verdict(m)
         if why is None:
-            if own_forward_on_instance(m):  # kernels' binding of the stock forward: the stacked class's must run
-                del m.__dict__["forward"]
             fuse_one(m, _STACKING)
             done.append(type(m).__name__)
         elif why != "already stacked":
