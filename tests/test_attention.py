@@ -591,6 +591,96 @@ def test_tiny_preset_loads_with_cutile_attention(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Patch eager_attention: Gemma 2 (no sdpa path: its logit softcap) attends with the kernel
+# ---------------------------------------------------------------------------------------------
+
+def gemma2_models(dtype=torch.float32, device="cpu", softcap=0.05, window=4, layers=3, **fields):
+    """A stock Gemma 2 model (eager: its class has no sdpa) and a copy, seeded, its norm weights off
+    0; ``softcap`` small so that the tanh bends the logits of these small random weights."""
+    import families
+
+    stock = families.model("gemma2", layers=layers, attn_logit_softcapping=softcap, sliding_window=window,
+                           **fields).to(device=device, dtype=dtype)
+    ours = copy.deepcopy(stock)
+    assert stock.config._attn_implementation == "eager" and stock.config is not ours.config
+    return stock, ours
+
+
+def test_eager_attention_patch_runs_gemma2_with_softcap_and_windows(cpu_path):
+    stock, ours = gemma2_models()
+    report = cutile_kernels.patch(ours, names=["eager_attention"])
+    assert report.changed == {"eager_attention": 3} and ours.config._attn_implementation == "cutile"
+    assert stock.config._attn_implementation == "eager"
+    lengths = [11, 7, 3]  # longer and shorter than the window of 4
+    ids, mask = padded_batch(256, lengths, "cpu")
+    want = forward_logits(stock, ids, mask)
+    torch.testing.assert_close(valid(forward_logits(ours, ids, mask), mask), valid(want, mask), rtol=1e-4, atol=1e-4)
+    # The softcap reached the kernel: without it the logits are far from stock's.
+    capless = copy.deepcopy(ours)
+    for m in capless.modules():
+        if hasattr(m, "attn_logit_softcapping"):
+            m.attn_logit_softcapping = None
+    assert (valid(forward_logits(capless, ids, mask), mask) - valid(want, mask)).abs().max() > 1e-3  # 10x the tolerance
+    alone = forward_logits(ours, ids[:1], mask[:1])  # one row without padding: the kernel's own masks
+    torch.testing.assert_close(alone, want[:1], rtol=1e-4, atol=1e-4)
+    for cache in ("dynamic", "static"):
+        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
+        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
+        assert torch.equal(seq_o, seq_s), cache
+        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+    assert cutile_kernels.patch(ours, names=["eager_attention"]).changed == {"eager_attention": 0}  # idempotent
+    assert cutile_kernels.unpatch(ours).changed == {"eager_attention": 3}
+    assert ours.config._attn_implementation == "eager"
+    assert torch.equal(forward_logits(ours, ids, mask), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_eager_attention_in_16_bits_is_finite_where_stock_is(dtype):
+    # Gemma's activations can overflow float16 in stock too: ours must not add a NaN or inf (the
+    # kernel's scores are float32 where eager's fp16 product may overflow before the softcap).
+    stock, ours = gemma2_models(dtype=dtype, softcap=50.0)
+    cutile_kernels.patch(ours, names=["eager_attention"])
+    ids, mask = padded_batch(256, [11, 7, 3], "cpu")
+    want, got = forward_logits(stock, ids, mask), forward_logits(ours, ids, mask)
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(valid(got, mask), valid(want, mask), rtol=3e-2, atol=3e-2)
+
+
+def test_eager_attention_is_default_and_leaves_asked_for_attention_alone(caplog):
+    import families
+
+    from cutile_kernels.layers._patching import PATCHES
+
+    gemma2 = families.model("gemma2", layers=2)
+    assert "eager_attention" in cutile_kernels.patch(gemma2).active
+    assert gemma2.config._attn_implementation == "cutile"
+    cases = {"eager": "its class supports sdpa, so eager attention was asked for", "sdpa": "it attends with 'sdpa'"}
+    for attn, why in cases.items():
+        llama = families.model("llama", layers=2, attn=attn)
+        with caplog.at_level("INFO", logger="cutile_kernels"):
+            assert cutile_kernels.patch(llama, names=["eager_attention"]).changed == {"eager_attention": 0}
+        assert llama.config._attn_implementation == attn and why in caplog.text
+    plain = torch.nn.Linear(2, 2)
+    assert lattn.eager_attention_verdict(plain) == "it is not a transformers PreTrainedModel"
+    excluded = families.model("gemma2", layers=2)
+    cutile_kernels.patch(excluded, names=[n for n in PATCHES if n != "eager_attention"])
+    assert excluded.config._attn_implementation == "eager"
+
+
+def test_eager_attention_saves_the_stock_config(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    stock, ours = gemma2_models(layers=2)
+    cutile_kernels.patch(ours)
+    ours.save_pretrained(tmp_path)
+    assert "cutile" not in (tmp_path / "config.json").read_text()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert back.config._attn_implementation == "eager"
+    ids, mask = padded_batch(256, [9, 5], "cpu")
+    torch.testing.assert_close(forward_logits(back, ids, mask), forward_logits(stock, ids, mask))
+
+
+# ---------------------------------------------------------------------------------------------
 # AOT: the variants compile for sm_90 (tensor cores, TMA)
 # ---------------------------------------------------------------------------------------------
 
@@ -874,6 +964,47 @@ def test_gpu_model_against_fp32_stock(family, strict):
             errs[name] = ((scores - tf)[fin].norm() / tf[fin].norm()).item()
         assert errs["ours"] <= 1.25 * errs["stock"] + 2e-3, (cache, errs)
     assert sum(dispatch.stats()["launches"].get(v.symbol, 0) for v in registry.registry().variants("attention")) > 0
+
+
+@pytest.mark.gpu
+def test_gpu_gemma2_attends_with_the_kernel_against_fp32_eager(strict):
+    """Gemma-2-2B's attention shapes (8 query heads over 4 KV heads, head_dim 256, softcap 50,
+    query_pre_attn_scalar 256) in two layers, the window cut to 64 so that the prompts cross it:
+    patch eager_attention in bf16 against the float32 eager model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cutile_kernels_tools import presets
+
+    fields = {**presets.PRESETS["gemma-2-2b"].config, "num_hidden_layers": 2, "sliding_window": 64}
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32).eval()
+    stock = copy.deepcopy(ref).to(torch.bfloat16)
+    ours = copy.deepcopy(stock)
+    assert cutile_kernels.patch(ours, names=["eager_attention"]).changed == {"eager_attention": 2}
+    lengths = [150, 97, 31]
+    ids, mask = padded_batch(cfg.vocab_size, lengths, "cuda")
+    want = forward_logits(ref, ids, mask)
+
+    def err(x):
+        return ((valid(x, mask) - valid(want, mask)).norm() / valid(want, mask).norm()).item()
+
+    before = dispatch.stats()["launches"].copy()
+    got = forward_logits(ours, ids, mask)
+    assert err(got) <= 1.25 * err(forward_logits(stock, ids, mask)) + 1e-3
+    for cache in ("dynamic", "static"):
+        errs = {}
+        for name, model in (("ours", ours), ("stock", stock)):
+            seq, scores = generate_scores(model, ids, mask, cache, steps=8)
+            full_mask = torch.cat([mask, torch.ones(mask.shape[0], 8, dtype=mask.dtype, device="cuda")], 1)
+            tf = forward_logits(ref, seq, full_mask)[:, ids.shape[1] - 1:-1]
+            fin = torch.isfinite(scores)
+            errs[name] = ((scores - tf)[fin].norm() / tf[fin].norm()).item()
+        assert errs["ours"] <= 1.25 * errs["stock"] + 2e-3, (cache, errs)
+    after = dispatch.stats()["launches"]
+    assert sum(after.get(v.symbol, 0) - before.get(v.symbol, 0)
+               for v in registry.registry().variants("attention")) > 0
 
 
 def test_prefill_sweep_candidates_include_what_ships():

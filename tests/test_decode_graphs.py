@@ -607,7 +607,8 @@ def test_kernel_config_carries_the_switch(built_package_dir):
 def checkpoints(tmp_path_factory):
     out = {}
     for model_type, fields in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 24}),
-                               ("gemma3_text", {"sliding_window": 24}), ("qwen3_5_text", {})):
+                               ("gemma3_text", {"sliding_window": 24}), ("qwen3_5_text", {}),
+                               ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 0.5})):
         path = tmp_path_factory.mktemp(model_type)
         tiny_model(model_type, dtype=torch.bfloat16, layers=4, **fields).save_pretrained(path)
         out[model_type] = path
@@ -627,14 +628,16 @@ OPT_INS = {"gemma3_text+opt-ins": ["gemma_add_norm", "gemma3_qk_norm_rope"]}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attn", ["sdpa", "cutile"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "gemma3_text", "gemma3_text+opt-ins",
-                                        "qwen3_5_text"])
+@pytest.mark.parametrize("model_type,attn", [
+    *((t, a) for t in ("llama", "qwen3", "mistral", "gemma3_text", "gemma3_text+opt-ins", "qwen3_5_text")
+      for a in ("sdpa", "cutile")),
+    ("gemma2", None)])  # no sdpa: the default eager, which patch eager_attention turns into ours
 def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, checkpoints, strict):
     """Real CUDA graphs of our kernels: the same tokens as the eager kernelized model with a static
     cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache
     lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3; Gemma 3 also
-    with its opt-in patches (:data:`OPT_INS`), in eager and in the graphs alike."""
+    with its opt-in patches (:data:`OPT_INS`), in eager and in the graphs alike; Gemma 2 with its
+    softcaps."""
     include = OPT_INS.get(model_type, [])
     path = checkpoints[model_type.partition("+")[0]]
     eager = _load(path, attn, graphs=False, include=include)

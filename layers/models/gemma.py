@@ -6,7 +6,9 @@ after the multiply, in float32 (not decorated for the hub: the patch ``rms_norm_
 2026-12-01: gemma-3-1b decode 1.8x, prefill 1.7x over our build without it); four norms per decoder layer
 (Gemma 2 and 3), GeGLU with ``gelu_pytorch_tanh`` (LlamaMLP's code with another activation: the
 opt-in ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs our GeGLU), the embedding scaled by sqrt(hidden), sliding
-and global layers, logit softcaps (Gemma 2), q/k norms and two RoPE bases (Gemma 3). Gemma's
+and global layers, logit softcaps (Gemma 2: transformers attends eagerly, sdpa having no softcap;
+the default patch ``eager_attention`` of ``layers/attention.py`` runs our kernel instead), q/k norms
+and two RoPE bases (Gemma 3). Gemma's
 attention and rotary embedding are Llama's code, so the opt-in ``fused_qkv`` and ``rope_cos_sin``
 apply to Gemma 1 as they are. The opt-in patch ``gemma_add_norm`` (below) fuses Gemma 2 and 3's
 attention-block residual add into the ``pre_feedforward_layernorm`` that follows it; the opt-in
@@ -40,10 +42,12 @@ FAMILY = Family(
           Pin("gemma3", "Gemma3Attention.forward", "680c2a03b98e5ec4",
               "patch gemma3_qk_norm_rope (its attention forward)")),
     presets=("gemma-3-1b", "gemma-2-2b"),
-    covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); opt-in "
+    covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); Gemma 2's attention with "
+            "its softcap and windows (patch eager_attention, layers/attention.py); opt-in "
             "(include=['fused_gate_up_geglu']): GeGLU on one fused gate/up GEMM",
-    not_covered="embedding scale, softcaps, attention (sdpa), the residual adds (opt-in patch gemma_add_norm fuses "
-                "one per layer), Gemma 3's q/k norms + RoPE as one launch (opt-in patch gemma3_qk_norm_rope), GEMMs",
+    not_covered="embedding scale, the final logit softcap, Gemma 1 and 3's attention (sdpa), the residual adds "
+                "(opt-in patch gemma_add_norm fuses one per layer), Gemma 3's q/k norms + RoPE as one launch "
+                "(opt-in patch gemma3_qk_norm_rope), GEMMs",
     default=True,
 )
 
