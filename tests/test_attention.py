@@ -502,6 +502,19 @@ def generate_scores(model, ids, mask, cache, steps=6):
     return out.sequences, torch.stack(out.scores, 1).float()
 
 
+def generate_errors(ref, models, ids, mask, cache, steps=8):
+    """{name: relative L2 error of each generate() step's scores against the float32 ``ref``
+    model's teacher-forced logits of the same sequence} for ``models`` {name: model} (GPU)."""
+    errs = {}
+    for name, model in models.items():
+        seq, scores = generate_scores(model, ids, mask, cache, steps=steps)
+        full_mask = torch.cat([mask, torch.ones(mask.shape[0], steps, dtype=mask.dtype, device=mask.device)], 1)
+        tf = forward_logits(ref, seq, full_mask)[:, ids.shape[1] - 1:-1]
+        fin = torch.isfinite(scores)  # min_new_tokens sets EOS to -inf
+        errs[name] = ((scores - tf)[fin].norm() / tf[fin].norm()).item()
+    return errs
+
+
 def valid(logits, mask):
     return logits[mask.bool()]
 
@@ -955,13 +968,7 @@ def test_gpu_model_against_fp32_stock(family, strict):
     # generate(): each step's scores against the fp32 model's teacher-forced logits of the same
     # sequence, as close as stock bf16 generate's are to its own sequence.
     for cache in ("dynamic", "static"):
-        errs = {}
-        for name, model in (("ours", ours), ("stock", stock)):
-            seq, scores = generate_scores(model, ids, mask, cache, steps=8)
-            full_mask = torch.cat([mask, torch.ones(mask.shape[0], 8, dtype=mask.dtype, device="cuda")], 1)
-            tf = forward_logits(ref, seq, full_mask)[:, ids.shape[1] - 1:-1]
-            fin = torch.isfinite(scores)  # min_new_tokens sets EOS to -inf
-            errs[name] = ((scores - tf)[fin].norm() / tf[fin].norm()).item()
+        errs = generate_errors(ref, {"ours": ours, "stock": stock}, ids, mask, cache)
         assert errs["ours"] <= 1.25 * errs["stock"] + 2e-3, (cache, errs)
     assert sum(dispatch.stats()["launches"].get(v.symbol, 0) for v in registry.registry().variants("attention")) > 0
 
@@ -994,13 +1001,7 @@ def test_gpu_gemma2_attends_with_the_kernel_against_fp32_eager(strict):
     got = forward_logits(ours, ids, mask)
     assert err(got) <= 1.25 * err(forward_logits(stock, ids, mask)) + 1e-3
     for cache in ("dynamic", "static"):
-        errs = {}
-        for name, model in (("ours", ours), ("stock", stock)):
-            seq, scores = generate_scores(model, ids, mask, cache, steps=8)
-            full_mask = torch.cat([mask, torch.ones(mask.shape[0], 8, dtype=mask.dtype, device="cuda")], 1)
-            tf = forward_logits(ref, seq, full_mask)[:, ids.shape[1] - 1:-1]
-            fin = torch.isfinite(scores)
-            errs[name] = ((scores - tf)[fin].norm() / tf[fin].norm()).item()
+        errs = generate_errors(ref, {"ours": ours, "stock": stock}, ids, mask, cache)
         assert errs["ours"] <= 1.25 * errs["stock"] + 2e-3, (cache, errs)
     after = dispatch.stats()["launches"]
     assert sum(after.get(v.symbol, 0) - before.get(v.symbol, 0)
