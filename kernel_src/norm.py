@@ -21,7 +21,11 @@ runtime ``offset`` (1.0 for Gemma's ``1 + weight``, 0.0 for OLMo 2's ``weight``)
     y = (h * (offset + weight.float())).to(x.dtype)
 
 ``add_rms_norm_gemma`` is the fused add with that order (Qwen3.5's decoder layer: ``residual +
-hidden_states``, rounded, then its ``(1 + weight)`` post-attention norm).
+hidden_states``, rounded, then its ``(1 + weight)`` post-attention norm). ``rms_norm_add_gemma`` is
+the post-norm block's order (OLMo 2's decoder layer: the norm after the sublayer, then the residual
+add)::
+
+    y = residual + rms_norm_gemma(x)             # the norm rounded to x.dtype, then the add rounded
 
 The ``rms_norm_gated`` kernel is the gated norm of gated DeltaNet's output (transformers'
 ``Qwen3_5RMSNormGated``, hub name ``RMSNormGated``): Llama's order, then times SiLU of a gate in
@@ -144,6 +148,20 @@ def add_rms_norm_gemma_kernel(x, residual, weight, y, residual_out, eps: float, 
     ct.store(y, index=(bid, 0), tile=_scale_float(h, inv_rms, w, offset).astype(y.dtype))
 
 
+@ct.kernel(num_worker_warps=8)
+def rms_norm_add_gemma_kernel(x, residual, weight, y, eps: float, offset: float, BLOCK_N: ct.Constant[int],
+                              ROWS: ct.Constant[int]):
+    """y = residual + rms_norm_gemma(x), the norm rounded to x's dtype first (OLMo 2's post-norm
+    block). Shapes as rms_norm_kernel."""
+    bid = ct.bid(0)
+    h = ct.load(x, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
+    b = ct.load(residual, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
+    w = ct.reshape(ct.load(weight, index=(0,), shape=(BLOCK_N,), padding_mode=ZERO).astype(ct.float32), (1, BLOCK_N))
+    inv_rms = _inv_rms(_sum_sq(h, x.dtype), x.shape[1], eps)
+    normed = _scale_float(h, inv_rms, w, offset).astype(y.dtype).astype(ct.float32)
+    ct.store(y, index=(bid, 0), tile=(b + normed).astype(y.dtype))
+
+
 @ct.kernel
 def rms_norm_chunked_kernel(x, weight, y, eps: float, CHUNK: ct.Constant[int], ROWS: ct.Constant[int]):
     """rms_norm_kernel for rows of any length: one sweep for the sum of squares, one to write."""
@@ -232,6 +250,26 @@ def add_rms_norm_gemma_chunked_kernel(x, residual, weight, y, residual_out, eps:
         ct.store(y, index=(bid, j), tile=_scale_float(h, inv_rms, w, offset).astype(y.dtype))
 
 
+@ct.kernel
+def rms_norm_add_gemma_chunked_kernel(x, residual, weight, y, eps: float, offset: float, CHUNK: ct.Constant[int],
+                                      ROWS: ct.Constant[int]):
+    """rms_norm_add_gemma_kernel for rows of any length: one sweep for the sum of squares, one to write."""
+    bid = ct.bid(0)
+    n_chunks = ct.cdiv(x.shape[1], CHUNK)
+    h = ct.load(x, index=(bid, 0), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+    acc = _sum_sq(h, x.dtype)
+    for j in range(1, n_chunks):
+        h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        acc = acc + _sum_sq(h, x.dtype)
+    inv_rms = _inv_rms(acc, x.shape[1], eps)
+    for j in range(n_chunks):
+        h = ct.load(x, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        b = ct.load(residual, index=(bid, j), shape=(ROWS, CHUNK), padding_mode=ZERO).astype(ct.float32)
+        w = ct.reshape(ct.load(weight, index=(j,), shape=(CHUNK,), padding_mode=ZERO).astype(ct.float32), (1, CHUNK))
+        normed = _scale_float(h, inv_rms, w, offset).astype(y.dtype).astype(ct.float32)
+        ct.store(y, index=(bid, j), tile=(b + normed).astype(y.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Build matrix
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +297,13 @@ ROWS[("rms_norm_gemma", "generic")] = ROWS[("rms_norm", "generic")]
 HIDDEN_BLOCK_NS = tuple(n for n in BLOCK_NS if n >= 512)
 ROWS[("add_rms_norm_gemma", "aligned")] = ROWS[("add_rms_norm", "aligned")]
 ROWS[("add_rms_norm_gemma", "generic")] = ROWS[("add_rms_norm", "generic")]
+# The post-norm add reads two rows and writes one (between the two): the fused add's tiles, its
+# hidden widths, and 16-bit dtypes only (OLMo 2 runs bf16; float32 models take the reference).
+ROWS[("rms_norm_add_gemma", "aligned")] = ROWS[("add_rms_norm", "aligned")]
+ROWS[("rms_norm_add_gemma", "generic")] = ROWS[("add_rms_norm", "generic")]
 CHUNKED_ROWS = 1
+#: Dtypes of the post-norm add's variants.
+POST_NORM_DTYPES = ("bfloat16", "float16")
 #: Widths of the gated norm (its rows are one head's values: 128 in Qwen3.5 and Qwen3-Next).
 GATED_BLOCK_NS = (64, 128, 256)
 ROWS[("rms_norm_gated", "aligned")] = ROWS[("rms_norm", "aligned")]
@@ -275,11 +319,12 @@ def _params(kind: str, dtype: str, layout: str, consts: dict):
         "rms_norm_gemma": ("x", "weight", "y"),
         "add_rms_norm": ("x", "residual", "weight", "y", "residual_out"),
         "add_rms_norm_gemma": ("x", "residual", "weight", "y", "residual_out"),
+        "rms_norm_add_gemma": ("x", "residual", "weight", "y"),
         "rms_norm_gated": ("x", "gate", "weight", "y"),
     }[kind]
     params = [array(a, dtype, 1 if a == "weight" else 2, layout) for a in arrays]
     params.append(ScalarParam("eps", "float32"))
-    if kind in ("rms_norm_gemma", "add_rms_norm_gemma"):
+    if kind in ("rms_norm_gemma", "add_rms_norm_gemma", "rms_norm_add_gemma"):
         params.append(ScalarParam("offset", "float32"))
     params += [ConstParam(k, v) for k, v in consts.items()]
     return tuple(params)
@@ -287,13 +332,15 @@ def _params(kind: str, dtype: str, layout: str, consts: dict):
 
 def _matrix() -> list[VariantSpec]:
     specs = []
-    for kind in ("rms_norm", "add_rms_norm", "rms_norm_gemma", "add_rms_norm_gemma", "rms_norm_gated"):
-        for dtype in ("bfloat16", "float16", "float32"):
+    for kind in ("rms_norm", "add_rms_norm", "rms_norm_gemma", "add_rms_norm_gemma", "rms_norm_add_gemma",
+                 "rms_norm_gated"):
+        for dtype in POST_NORM_DTYPES if kind == "rms_norm_add_gemma" else ("bfloat16", "float16", "float32"):
             for layout in LAYOUTS:
                 d = DTYPE_TAGS[dtype]
                 rows = ROWS[(kind, layout)]
                 # Decode tiles (one row per block) where the prefill tile has more than one row.
-                widths = {"rms_norm_gated": GATED_BLOCK_NS, "add_rms_norm_gemma": HIDDEN_BLOCK_NS}.get(kind, BLOCK_NS)
+                widths = {"rms_norm_gated": GATED_BLOCK_NS, "add_rms_norm_gemma": HIDDEN_BLOCK_NS,
+                          "rms_norm_add_gemma": HIDDEN_BLOCK_NS}.get(kind, BLOCK_NS)
                 tiles = [(bn, rows[bn]) for bn in widths]
                 if dtype in DECODE_DTYPES:
                     tiles += [(bn, 1) for bn in widths if rows[bn] != 1]

@@ -5,7 +5,7 @@ module is found by name)."""
 
 from __future__ import annotations
 
-from . import _pins, attention, gated_delta, mlp, models, norm, qkv, rope, rope_cos_sin
+from . import _pins, gated_delta, mlp, models, norm, qkv, rope, rope_cos_sin
 from . import patch as decoder
 from ._patching import PATCHES, register
 
@@ -19,10 +19,10 @@ MAPPING_LEFT_OUT = (mlp,)
 for _family in models.FAMILIES.values():
     _pins.register(*_family.pins)
 
-#: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse): the attention
-#: implementation, the shared features, then the families' own (after the features they build on), then fused q/k/v (which
+#: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse): the shared
+#: features, then the families' own (after the features they build on), then fused q/k/v (which
 #: must see the attention forwards the others chose), then the opt-in float32-order norms.
-PATCH_MODULES = (attention, decoder, mlp, rope_cos_sin,
+PATCH_MODULES = (decoder, mlp, rope_cos_sin,
                  *(m for m in models.modules() if hasattr(m, "PATCH_ROWS")), qkv, norm)
 
 #: transformers hub layer name -> class name in this package, gathered from the family modules.

@@ -7,7 +7,8 @@ with ``AttentionMaskInterface`` under the name ``"cutile"``, so that::
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="cutile", ...)
 
 builds exactly the masks ``"sdpa"`` would, and attends with the kernel. The default patch
-``eager_attention`` (below) switches a model that can only attend eagerly (Gemma 2) to it.
+``gemma2_attention`` (``models/gemma.py``) switches Gemma 2, which transformers can only run
+eagerly, to it.
 
 How transformers' arguments map onto the kernel (``ops.attention``), mirroring
 ``sdpa_attention_forward`` (integrations/sdpa_attention.py, v5.22.2):
@@ -38,7 +39,6 @@ import torch
 
 from .. import dispatch
 from ..ops.attention import DECODE_MAX_SQ, attention, visible_mask
-from ._patching import Patch
 from ._pins import Pin, holds, register
 
 logger = logging.getLogger("cutile_kernels")
@@ -177,78 +177,3 @@ def register_attention() -> None:
 #: transformers hub layer name -> layer class in this module: none, attention is an interface.
 MAPPING: dict[str, str] = {}
 
-
-# ---------------------------------------------------------------------------------------------
-# Patch eager_attention: models that cannot attend with sdpa attend with our kernel
-# ---------------------------------------------------------------------------------------------
-#
-# Estimate, written before the patch (Amdahl), Gemma-2-2B on the H200 (2026-12-02 bench: eager
-# prefill 1 x 2048 45.7 ms stock, 42.9 ms ours, the host setting the pace): transformers' eager
-# attention is about eleven launches a layer (repeat_kv's copies, QK^T, the scale, the softcap's
-# divide, tanh and multiply, the mask add, softmax, the cast, PV, the transpose) where the kernel is
-# one, and its float32 (Hq, S, S) scores go: ~260 of ~850 launches of a forward, f ~ 0.3 of a
-# host-paced step, s large, ceiling ~1.4x on eager prefill and decode.
-
-#: Attribute of a model this patch switched (plain, in its ``__dict__``): the implementation it had.
-_SWITCHED = "_cutile_eager_attention"
-
-
-def eager_attention_verdict(model: torch.nn.Module) -> str | None:
-    """Why ``model`` keeps its attention implementation under patch ``eager_attention``, or None
-    when it takes ours: it must be a transformers ``PreTrainedModel`` attending with ``"eager"``
-    because its class cannot attend with sdpa (``_supports_sdpa`` False: Gemma 2, whose logit
-    softcap sdpa cannot apply) and whose attention goes through ``AttentionInterface``. A model
-    whose class supports sdpa and that attends eagerly was asked to (e.g. for attention weights)."""
-    cls = type(model)
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if not hasattr(cls, "set_attn_implementation"):
-        return "it is not a transformers PreTrainedModel"
-    if impl != "eager":
-        return f"it attends with {impl!r}, not eager"
-    if getattr(cls, "_supports_sdpa", True):
-        return "its class supports sdpa, so eager attention was asked for"
-    if not cls._can_set_attn_implementation():
-        return "its attention does not go through transformers' AttentionInterface"
-    return None
-
-
-def _attention_modules(model: torch.nn.Module) -> int:
-    return sum(1 for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling"))
-
-
-def patch_eager_attention(model: torch.nn.Module) -> int:
-    """Patch ``eager_attention``: a model that attends with ``"eager"`` because its class has no sdpa
-    path (:func:`eager_attention_verdict`) attends with ``"cutile"`` instead
-    (``model.set_attn_implementation``, transformers' own switch): the same masks sdpa would get,
-    the logit softcap and sliding windows in the kernel. Attention weights are then not returned
-    (``output_attentions`` gives None, as with sdpa); ``kernel_config(exclude=["eager_attention"])``
-    keeps eager. Returns the attention modules switched (0: already switched, or left alone with a
-    log line)."""
-    if _SWITCHED in model.__dict__:
-        return 0
-    why = eager_attention_verdict(model)
-    if why is not None:
-        logger.info("cutile_kernels: patch eager_attention leaves %s alone: %s", type(model).__name__, why)
-        return 0
-    model.set_attn_implementation(NAME)
-    model.__dict__[_SWITCHED] = "eager"
-    n = _attention_modules(model)
-    logger.info("cutile_kernels: patch eager_attention: %s attends with %r instead of eager (%d attention modules)",
-                type(model).__name__, NAME, n)
-    return max(n, 1)
-
-
-def unpatch_eager_attention(model: torch.nn.Module) -> int:
-    """Undo :func:`patch_eager_attention`: the implementation the model had. Returns the attention
-    modules switched back."""
-    before = model.__dict__.pop(_SWITCHED, None)
-    if before is None:
-        return 0
-    model.set_attn_implementation(before)
-    return max(_attention_modules(model), 1)
-
-
-#: This module's patch row (gathered by ``layers/_registry.py``, first: the forwards of the other
-#: patches read the implementation when they run, not when they are patched).
-PATCH_ROWS = [Patch("eager_attention", apply=patch_eager_attention, undo=unpatch_eager_attention,
-                    description="models without an sdpa path (Gemma 2) attend with our kernel instead of eager")]

@@ -604,7 +604,7 @@ def test_tiny_preset_loads_with_cutile_attention(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch eager_attention: Gemma 2 (no sdpa path: its logit softcap) attends with the kernel
+# Patch gemma2_attention: Gemma 2 (no sdpa path: its logit softcap) attends with the kernel
 # ---------------------------------------------------------------------------------------------
 
 def gemma2_models(dtype=torch.float32, device="cpu", softcap=0.05, window=4, layers=3, **fields):
@@ -619,10 +619,10 @@ def gemma2_models(dtype=torch.float32, device="cpu", softcap=0.05, window=4, lay
     return stock, ours
 
 
-def test_eager_attention_patch_runs_gemma2_with_softcap_and_windows(cpu_path):
-    stock, ours = gemma2_models()
-    report = cutile_kernels.patch(ours, names=["eager_attention"])
-    assert report.changed == {"eager_attention": 3} and ours.config._attn_implementation == "cutile"
+def test_gemma2_attention_patch_runs_gemma2_with_softcap_and_windows(cpu_path):
+    stock, ours = gemma2_models(query_pre_attn_scalar=9)  # a scale other than 1 / sqrt(head_dim)
+    report = cutile_kernels.patch(ours, names=["gemma2_attention"])
+    assert report.changed == {"gemma2_attention": 3} and ours.config._attn_implementation == "cutile"
     assert stock.config._attn_implementation == "eager"
     lengths = [11, 7, 3]  # longer and shorter than the window of 4
     ids, mask = padded_batch(256, lengths, "cpu")
@@ -641,56 +641,77 @@ def test_eager_attention_patch_runs_gemma2_with_softcap_and_windows(cpu_path):
         seq_o, sc_o = generate_scores(ours, ids, mask, cache)
         assert torch.equal(seq_o, seq_s), cache
         torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
-    assert cutile_kernels.patch(ours, names=["eager_attention"]).changed == {"eager_attention": 0}  # idempotent
-    assert cutile_kernels.unpatch(ours).changed == {"eager_attention": 3}
+    assert cutile_kernels.patch(ours, names=["gemma2_attention"]).changed == {"gemma2_attention": 0}  # idempotent
+    assert cutile_kernels.unpatch(ours).changed == {"gemma2_attention": 3}
     assert ours.config._attn_implementation == "eager"
     assert torch.equal(forward_logits(ours, ids, mask), want)
+    assert cutile_kernels.patch(ours, names=["gemma2_attention"]).changed == {"gemma2_attention": 3}  # again
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_eager_attention_in_16_bits_is_finite_where_stock_is(dtype):
-    # Gemma's activations can overflow float16 in stock too: ours must not add a NaN or inf (the
-    # kernel's scores are float32 where eager's fp16 product may overflow before the softcap).
+def test_gemma2_attention_in_16_bits_matches_stock(dtype):
+    # Gemma 2's real softcap (50) in 16-bit models (CPU: the op's reference; the GPU test below runs
+    # the kernel): finite, and within 16-bit noise of stock eager.
     stock, ours = gemma2_models(dtype=dtype, softcap=50.0)
-    cutile_kernels.patch(ours, names=["eager_attention"])
+    cutile_kernels.patch(ours, names=["gemma2_attention"])
     ids, mask = padded_batch(256, [11, 7, 3], "cpu")
     want, got = forward_logits(stock, ids, mask), forward_logits(ours, ids, mask)
     assert torch.isfinite(want).all() and torch.isfinite(got).all()
     torch.testing.assert_close(valid(got, mask), valid(want, mask), rtol=3e-2, atol=3e-2)
 
 
-def test_eager_attention_is_default_and_leaves_asked_for_attention_alone(caplog):
+def test_gemma2_attention_is_default_and_leaves_other_models_alone(caplog):
     import families
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
     from cutile_kernels.layers._patching import PATCHES
+    from cutile_kernels.layers.models import gemma as fam
 
     gemma2 = families.model("gemma2", layers=2)
-    assert "eager_attention" in cutile_kernels.patch(gemma2).active
+    assert "gemma2_attention" in cutile_kernels.patch(gemma2).active
     assert gemma2.config._attn_implementation == "cutile"
+    # An encoder-decoder without an sdpa path (its decoder's self-attention is built non-causal and
+    # takes a mask sdpa_mask would drop): left alone.
+    cfg = AutoConfig.for_model("pegasus_x", vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1,
+                               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                               decoder_ffn_dim=64, max_position_embeddings=64, num_global_tokens=4, block_size=8)
+    pegasus = AutoModelForSeq2SeqLM.from_config(cfg)
+    assert pegasus.config._attn_implementation == "eager" and not type(pegasus)._supports_sdpa
     cases = {"eager": "its class supports sdpa, so eager attention was asked for", "sdpa": "it attends with 'sdpa'"}
-    for attn, why in cases.items():
-        llama = families.model("llama", layers=2, attn=attn)
-        with caplog.at_level("INFO", logger="cutile_kernels"):
-            assert cutile_kernels.patch(llama, names=["eager_attention"]).changed == {"eager_attention": 0}
-        assert llama.config._attn_implementation == attn and why in caplog.text
-    plain = torch.nn.Linear(2, 2)
-    assert lattn.eager_attention_verdict(plain) == "it is not a transformers PreTrainedModel"
+    with caplog.at_level("INFO", logger="cutile_kernels"):
+        assert cutile_kernels.patch(pegasus, names=["gemma2_attention"]).changed == {"gemma2_attention": 0}
+        for attn in cases:
+            llama = families.model("llama", layers=2, attn=attn)
+            assert cutile_kernels.patch(llama, names=["gemma2_attention"]).changed == {"gemma2_attention": 0}
+            assert llama.config._attn_implementation == attn
+    assert pegasus.config._attn_implementation == "eager"
+    assert "it is an encoder-decoder or holds sub-models" in caplog.text
+    assert all(why in caplog.text for why in cases.values())
+    # An attention class whose forward is not Gemma 2's code.
+    assert fam.gemma2_attention_verdict(type("Gemma2Attention", (torch.nn.Module,), {"forward": lambda self: 0})) \
+        == "its forward is not Gemma2Attention.forward's code"
+    assert fam.eager_gemma2_verdict(torch.nn.Linear(2, 2)) == "it is not a transformers PreTrainedModel"
     excluded = families.model("gemma2", layers=2)
-    cutile_kernels.patch(excluded, names=[n for n in PATCHES if n != "eager_attention"])
+    cutile_kernels.patch(excluded, names=[n for n in PATCHES if n != "gemma2_attention"])
     assert excluded.config._attn_implementation == "eager"
 
 
-def test_eager_attention_saves_the_stock_config(tmp_path):
-    from transformers import AutoModelForCausalLM
+def test_gemma2_attention_follows_a_switch_back_to_eager():
+    """A user who switches a patched model back to eager (for attention weights) gets eager, and
+    patch switches it again; unpatch then leaves a model switched away alone."""
+    import families
 
-    stock, ours = gemma2_models(layers=2)
-    cutile_kernels.patch(ours)
-    ours.save_pretrained(tmp_path)
-    assert "cutile" not in (tmp_path / "config.json").read_text()
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert back.config._attn_implementation == "eager"
-    ids, mask = padded_batch(256, [9, 5], "cpu")
-    torch.testing.assert_close(forward_logits(back, ids, mask), forward_logits(stock, ids, mask))
+    model = families.model("gemma2", layers=2)
+    assert cutile_kernels.patch(model, names=["gemma2_attention"]).changed == {"gemma2_attention": 2}
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        assert len(model(ids, output_attentions=True).attentions) == 2  # eager's weights
+    assert cutile_kernels.patch(model, names=["gemma2_attention"]).changed == {"gemma2_attention": 2}
+    assert model.config._attn_implementation == "cutile"
+    model.set_attn_implementation("eager")
+    assert cutile_kernels.unpatch(model).changed == {"gemma2_attention": 0}
+    assert model.config._attn_implementation == "eager"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -975,21 +996,23 @@ def test_gpu_model_against_fp32_stock(family, strict):
 
 @pytest.mark.gpu
 def test_gpu_gemma2_attends_with_the_kernel_against_fp32_eager(strict):
-    """Gemma-2-2B's attention shapes (8 query heads over 4 KV heads, head_dim 256, softcap 50,
-    query_pre_attn_scalar 256) in two layers, the window cut to 64 so that the prompts cross it:
-    patch eager_attention in bf16 against the float32 eager model."""
+    """Gemma-2-2B's attention shapes (8 query heads over 4 KV heads, head_dim 256, softcap 50) in two
+    layers, the window cut to 64 so that the prompts cross it and the scale off the default: patch
+    gemma2_attention in bf16 against the float32 eager model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cutile_kernels_tools import presets
 
-    fields = {**presets.PRESETS["gemma-2-2b"].config, "num_hidden_layers": 2, "sliding_window": 64}
+    # query_pre_attn_scalar 144 (Gemma-2-27B's) makes the scale differ from 1 / sqrt(head_dim).
+    fields = {**presets.PRESETS["gemma-2-2b"].config, "num_hidden_layers": 2, "sliding_window": 64,
+              "query_pre_attn_scalar": 144}
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device("cuda"):
         ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.float32).eval()
     stock = copy.deepcopy(ref).to(torch.bfloat16)
     ours = copy.deepcopy(stock)
-    assert cutile_kernels.patch(ours, names=["eager_attention"]).changed == {"eager_attention": 2}
+    assert cutile_kernels.patch(ours, names=["gemma2_attention"]).changed == {"gemma2_attention": 2}
     lengths = [150, 97, 31]
     ids, mask = padded_batch(cfg.vocab_size, lengths, "cuda")
     want = forward_logits(ref, ids, mask)

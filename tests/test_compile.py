@@ -47,7 +47,7 @@ FAMILY_OPS = {
     "smollm3": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
     "gemma": {"rms_norm_gemma", "rope"},  # (1 + weight) norms; GeGLU is opt-in
     "gemma3_text": {"rms_norm_gemma", "rope"},
-    "gemma2": {"rms_norm_gemma", "rope", "attention"},  # no sdpa path: patch eager_attention runs ours
+    "gemma2": {"rms_norm_gemma", "rope", "attention"},  # no sdpa path: patch gemma2_attention runs ours
     "phi3": {"rms_norm", "rope"},  # Llama-code norms; partial RoPE in phi3_rope; its MLP opt-in
     "olmo2": {"rms_norm_gemma", "rope_cast", "silu_and_mul_fused"},  # float32-order norms (offset 0), float32-cos RoPE
     # (1 + weight) norms (one fused with the residual add), SwiGLU, the gated norm, the gates (the
@@ -196,8 +196,9 @@ def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
     # The opt-in patches too (rope_cos_sin, fused_qkv), on the family that takes all but Qwen3's and
     # the other families' own (tests/test_rms_norm_gemma.py and tests/test_phi3.py compile those).
     model = _kernelize_on_cpu(tiny_model("llama"), variant, monkeypatch, patches=list(patcher.PATCHES))
-    assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"eager_attention", "qk_norm_rope", "rms_norm_gemma",
-                                                                  "rms_norm_olmo2", "phi3_mlp", "phi3_rope",
+    assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"gemma2_attention", "qk_norm_rope",
+                                                                  "rms_norm_gemma", "rms_norm_olmo2",
+                                                                  "olmo2_norm_add", "phi3_mlp", "phi3_rope",
                                                                   "fused_gate_up_geglu",
                                                                   "qwen3_5_add_norm", "qwen3_5_rope", "gemma_add_norm",
                                                                   "qwen3_5_stacked_proj", "gemma3_qk_norm_rope"}

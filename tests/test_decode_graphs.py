@@ -631,7 +631,7 @@ OPT_INS = {"gemma3_text+opt-ins": ["gemma_add_norm", "gemma3_qk_norm_rope"]}
 @pytest.mark.parametrize("model_type,attn", [
     *((t, a) for t in ("llama", "qwen3", "mistral", "gemma3_text", "gemma3_text+opt-ins", "qwen3_5_text")
       for a in ("sdpa", "cutile")),
-    ("gemma2", None)])  # no sdpa: the default eager, which patch eager_attention turns into ours
+    ("gemma2", None)])  # no sdpa: the default eager, which patch gemma2_attention turns into ours
 def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, checkpoints, strict):
     """Real CUDA graphs of our kernels: the same tokens as the eager kernelized model with a static
     cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache

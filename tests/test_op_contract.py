@@ -111,6 +111,8 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
         return f(3, 7, 64), f(3, 7, 64), 1 + 0.1 * f(64), 1e-6
     if name == "add_rms_norm_gemma":
         return f(3, 7, 64), f(3, 7, 64), 0.1 * f(64), 1e-6, 1.0
+    if name == "rms_norm_add_gemma":  # OLMo 2's post-norm add: offset 0
+        return f(3, 7, 64), f(3, 7, 64), 1 + 0.1 * f(64), 1e-6, 0.0
     if name == "silu":
         return (f(7, 3, 40).transpose(0, 1),)
     if name == "silu_and_mul":

@@ -20,7 +20,7 @@ from cutile_kernels.layers.models import claimed_model_types
 #: patch -> the model types whose models it changes (the rest it must leave alone). A patch checks
 #: code identity per class, so it also takes unclaimed families that copy the code it reproduces.
 CLAIMS = {
-    "eager_attention": {"gemma2"},  # the one family here without an sdpa path
+    "gemma2_attention": {"gemma2"},  # the one family here without an sdpa path
     "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3", "smollm3"},
     "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "qwen3_5_text"},  # LlamaMLP
     "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "smollm3", "phi3"},  # Llama's rotary
@@ -28,6 +28,7 @@ CLAIMS = {
     "fused_qkv": {"llama", "mistral", "qwen2", "gemma", "granite"},  # Llama-code attention (Qwen3's: qk_norm_rope)
     "rms_norm_gemma": {"gemma", "gemma2", "gemma3_text", "qwen3_5_text"},  # GemmaRMSNorm's code
     "rms_norm_olmo2": {"olmo2"},  # Olmo2RMSNorm's code
+    "olmo2_norm_add": {"olmo2"},  # Olmo2DecoderLayer's code
     "phi3_mlp": {"phi3"},
     "fused_gate_up_geglu": {"gemma", "gemma2", "gemma3_text"},  # LlamaMLP's code with GELUTanh
     "phi3_rope": {"phi3"},
@@ -38,9 +39,9 @@ CLAIMS = {
     "gemma3_qk_norm_rope": {"gemma3_text"},  # Gemma3Attention's code
 }
 
-#: Patches whose CPU path is not the stock arithmetic: eager_attention's attention reference forms
+#: Patches whose CPU path is not the stock arithmetic: gemma2_attention's attention reference forms
 #: the softmax in another order than eager's (tests/test_attention.py holds it to the kernel).
-NOT_BITWISE = {"eager_attention"}
+NOT_BITWISE = {"gemma2_attention"}
 
 
 def test_every_patch_has_a_claims_row():

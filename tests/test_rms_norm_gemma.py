@@ -460,12 +460,12 @@ def test_gemma_decoder_patch_keeps_stock_logits_and_undoes(model_type, dtype):
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
     want = families.prefill_and_step(model, ids)
     layers = model.config.num_hidden_layers
-    # The default patches but eager_attention (Gemma 2's attention on ours is not eager's bits:
+    # The default patches but gemma2_attention (Gemma 2's attention on ours is not eager's bits:
     # tests/test_attention.py holds it to tolerance); gemma_add_norm is not among them (opt-in).
     from cutile_kernels.layers._patching import PATCHES
 
     assert "gemma_add_norm" not in cutile_kernels.patch(model, names=[n for n, p in PATCHES.items() if p.default
-                                                                      and n != "eager_attention"]).changed
+                                                                      and n != "gemma2_attention"]).changed
     assert cutile_kernels.patch(model, names=["gemma_add_norm"]).changed == {"gemma_add_norm": layers}
     dispatch.reset_stats()
     torch.testing.assert_close(families.prefill_and_step(model, ids), want, rtol=0, atol=0, equal_nan=True)
@@ -502,3 +502,151 @@ def test_gemma_decoder_patch_compiles_fullgraph_with_the_fused_op():
     frames, targets, got, want = families.compile_fullgraph(model, seed=10)
     assert frames == 1 and any(t.endswith("add_rms_norm_gemma.default") for t in targets)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# rms_norm_add_gemma: OLMo 2's post-norm block (norm, then the residual add) and patch olmo2_norm_add
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_post_norm_add_reference_is_olmo2s_norm_then_residual_add(dtype):
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    norm = Olmo2RMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(96))
+    h, residual = (torch.randn(3, 5, 96) * 3).to(dtype), (torch.randn(3, 5, 96) * 3).to(dtype)
+    stock = residual + norm(h)
+    assert torch.equal(cutile_kernels.rms_norm_add_gemma_reference(h, residual, norm.weight, 1e-6, 0.0), stock)
+    assert torch.equal(cutile_kernels.rms_norm_add_gemma(h, residual, norm.weight, 1e-6), stock)  # CPU: reference
+    with pytest.raises(ValueError, match="rms_norm_add_gemma: residual shape"):
+        cutile_kernels.rms_norm_add_gemma(h, residual[:, :4], norm.weight)
+
+
+def _post_norm_add_launch(x):
+    rows = x.shape[0]
+    want = dict(norm_ops._want(x, rows, src.HIDDEN_BLOCK_NS[0]))
+    if "CHUNK" in want:
+        return src.rms_norm_add_gemma_chunked_kernel, src.CHUNKED_ROWS, (want["CHUNK"], src.CHUNKED_ROWS)
+    r = want.get("ROWS", src.ROWS[("rms_norm_add_gemma", "generic")][want["BLOCK_N"]])
+    return src.rms_norm_add_gemma_kernel, r, (want["BLOCK_N"], r)
+
+
+@pytest.mark.parametrize("rows,n,dtype", [(1, 2048, torch.float16), (19, 512, torch.float16), (300, 640, torch.float32),
+                                          (5, 1000, torch.float16), (2, 12288, torch.float16), (3, 64, torch.float32)],
+                         ids=str)
+def test_emulated_post_norm_add_kernel_is_the_stock_lines(rows, n, dtype):
+    """OLMo-2-1B's hidden size at decode, widths off the tiles, a chunked width, a tiny width in the
+    narrowest tile; strided input rows; the output poisoned: within one rounding of the stock lines
+    (norm rounded, then the add) computed from a float64 norm. (NumPy has no bfloat16: the GPU
+    test below runs it; float32 here exercises the same tile logic.)"""
+    x = (torch.randn(rows, 2 * n + 8) * 2)[:, :n].to(dtype)
+    residual = (torch.randn(rows, n) * 2).to(dtype)
+    w = (1 + 0.3 * torch.randn(n)).to(dtype)
+    y = torch.full((rows, n), float("nan"), dtype=dtype)
+    kernel, r, consts = _post_norm_add_launch(x)
+    cutile_numpy.emulate(kernel, src)((-(-rows // r), 1, 1), (x, residual, w, y, cutile_numpy.float32(1e-6),
+                                                              cutile_numpy.float32(0.0), *consts))
+    stock = cutile_kernels.rms_norm_add_gemma_reference(x, residual, w, 1e-6, 0.0)
+    exact = residual + _exact(x, w, 1e-6, 0.0).to(dtype)  # the norm from float64, then the stock add
+    ulp = torch.finfo(dtype).eps * exact.double().abs().max().item()
+    assert not y.isnan().any()
+    assert (y.double() - stock.double()).abs().max().item() <= 2 * ulp
+    assert (y.double() - exact.double()).abs().max().item() <= 2 * ulp
+
+
+def test_build_matrix_has_the_post_norm_add_tiles_in_16_bits():
+    post = [s for s in src.VARIANTS if s.kernel == "rms_norm_add_gemma"]
+    fused = [s for s in src.VARIANTS if s.kernel == "add_rms_norm_gemma" and not s.tag.startswith("fp32")]
+    assert post and sorted(s.tag for s in post) == sorted(s.tag for s in fused)
+    for s in post:
+        assert [p.name for p in s.params if p.kind == "scalar"] == ["eps", "offset"]
+        assert [p.name for p in s.params if p.kind == "array"] == ["x", "residual", "weight", "y"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(1, 2048, torch.bfloat16), (16, 2048, torch.bfloat16), (2048, 2048, torch.bfloat16),
+                                  (333, 5120, torch.float16), (7, 12288, torch.bfloat16), (5, 64, torch.bfloat16),
+                                  (9, 1000, torch.float16)],
+                         ids=str)
+def test_gpu_post_norm_add_kernel_is_the_stock_lines(case, strict):
+    """OLMo-2-1B's hidden size (2048) at decode b=1 and 16 and a prefill, a wide fp16 row, a chunked
+    width, a tiny width, a width off the tiles; strided input, the output NaN-poisoned first."""
+    rows, hidden, dtype = case
+    x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)
+    residual = (torch.randn(rows, hidden, device="cuda") * 2).to(dtype)
+    w = (1 + 0.3 * torch.randn(hidden, device="cuda")).to(dtype)
+    y = torch.full((rows, hidden), float("nan"), dtype=dtype, device="cuda")
+    want = norm_ops._want(x, rows, src.HIDDEN_BLOCK_NS[0])
+    assert norm_ops.dispatch.run("rms_norm_add_gemma", want, (x, residual, w, y, 1e-6, 0.0), 3,
+                                 norm_ops._grid(rows), norm_ops._rows_layout)
+    torch.cuda.synchronize()
+    stock = cutile_kernels.rms_norm_add_gemma_reference(x, residual, w, 1e-6, 0.0)
+    exact = residual + _exact(x, w, 1e-6, 0.0).to(dtype)
+    ulp = torch.finfo(dtype).eps * exact.double().abs().max().item()
+    assert not y.isnan().any()
+    assert (y.double() - stock.double()).abs().max().item() <= 2 * ulp
+    assert (y.double() - exact.double()).abs().max().item() <= 2 * ulp
+    before = dispatch.stats()["launches"]
+    y2 = cutile_kernels.rms_norm_add_gemma(x, residual, w, 1e-6)
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["rms_norm_add_gemma"]
+    assert torch.equal(y2, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_olmo2_post_norm_patch_keeps_stock_logits_and_undoes(dtype):
+    """Opt-in ``olmo2_norm_add`` (CPU: the reference path) over the default patches: the stock logits
+    bit for bit over a prefill and a cached step; two fused launches a layer; unpatch restores."""
+    from cutile_kernels.layers.models import olmo2 as fam
+
+    model = families.model("olmo2", dtype=dtype)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    want = families.prefill_and_step(model, ids)
+    layers = model.config.num_hidden_layers
+    assert "olmo2_norm_add" not in cutile_kernels.patch(model).changed  # opt-in
+    assert cutile_kernels.patch(model, names=["olmo2_norm_add"]).changed == {"olmo2_norm_add": layers}
+    dispatch.reset_stats()
+    torch.testing.assert_close(families.prefill_and_step(model, ids), want, rtol=0, atol=0, equal_nan=True)
+    assert dispatch.stats()["reference_calls"]["rms_norm_add_gemma"] == 2 * 2 * layers
+    assert fam.unpatch_olmo2_norm_add(model) == layers
+    assert not any("forward" in m.__dict__ for m in model.model.layers)
+
+
+def test_olmo2_post_norm_patch_declines_other_decoders_and_hooked_norms(caplog):
+    import logging
+
+    for model_type in ("llama", "gemma2"):
+        assert cutile_kernels.patch(families.model(model_type, layers=2),
+                                    names=["olmo2_norm_add"]).changed == {"olmo2_norm_add": 0}
+    model = families.model("olmo2", layers=2)
+    model.model.layers[0].post_attention_layernorm.weight = torch.nn.Parameter(torch.ones(2, 64))
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
+        assert cutile_kernels.patch(model, names=["olmo2_norm_add"]).changed == {"olmo2_norm_add": 1}
+    assert "post-norms are not Olmo2RMSNorm-formula norms" in caplog.text
+    # A hook on a post-norm at run time: the stock lines run (the hook fires), same result.
+    model = families.model("olmo2", layers=2)
+    ids = torch.randint(0, 256, (1, 7))
+    want = families.prefill_and_step(model, ids)
+    cutile_kernels.patch(model, names=["olmo2_norm_add"])
+    seen = []
+    model.model.layers[1].post_feedforward_layernorm.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    dispatch.reset_stats()
+    assert torch.equal(families.prefill_and_step(model, ids), want) and len(seen) == 2
+    assert dispatch.stats()["reference_calls"]["rms_norm_add_gemma"] == 2 * 3
+
+
+def test_olmo2_post_norm_patch_compiles_fullgraph_with_the_fused_op():
+    model = families.model("olmo2", layers=2)
+    cutile_kernels.patch(model, names=["olmo2_norm_add"])
+    frames, targets, got, want = families.compile_fullgraph(model, seed=6)
+    assert frames == 1
+    assert any("rms_norm_add_gemma" in t for t in targets)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_olmo2_post_norm_patch_is_as_close_to_float32_as_stock(strict):
+    ours_rel, stock_rel, report = families.relative_errors_vs_float32("olmo2", ["olmo2_norm_add"])
+    assert report.changed["olmo2_norm_add"] > 0
+    assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)

@@ -7,7 +7,7 @@ after the multiply, in float32 (not decorated for the hub: the patch ``rms_norm_
 (Gemma 2 and 3), GeGLU with ``gelu_pytorch_tanh`` (LlamaMLP's code with another activation: the
 opt-in ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs our GeGLU), the embedding scaled by sqrt(hidden), sliding
 and global layers, logit softcaps (Gemma 2: transformers attends eagerly, sdpa having no softcap;
-the default patch ``eager_attention`` of ``layers/attention.py`` runs our kernel instead), q/k norms
+the default patch ``gemma2_attention`` below runs our kernel instead), q/k norms
 and two RoPE bases (Gemma 3). Gemma's
 attention and rotary embedding are Llama's code, so the opt-in ``fused_qkv`` and ``rope_cos_sin``
 apply to Gemma 1 as they are. The opt-in patch ``gemma_add_norm`` (below) fuses Gemma 2 and 3's
@@ -19,6 +19,7 @@ attention-block residual add into the ``pre_feedforward_layernorm`` that follows
 from __future__ import annotations
 
 import functools
+import logging
 
 from torch import nn
 
@@ -26,9 +27,12 @@ from ...ops.norm import add_rms_norm_gemma
 from .._direct import attend, gemma_qk_norm_rope, linear
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
+from ..attention import NAME as CUTILE_ATTENTION
 from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
 from ..rope import llama_rope_function
 from . import Family
+
+logger = logging.getLogger("cutile_kernels")
 
 _USE = "patch rms_norm_gemma (rms_norm_gemma kernel, offset 1)"
 
@@ -40,16 +44,113 @@ FAMILY = Family(
           Pin("gemma3", "Gemma3DecoderLayer.forward", "19bb15ae20d3bae5",
               "patch gemma_add_norm (its fused decoder forward; Gemma 2's is the same code)"),
           Pin("gemma3", "Gemma3Attention.forward", "680c2a03b98e5ec4",
-              "patch gemma3_qk_norm_rope (its attention forward)")),
+              "patch gemma3_qk_norm_rope (its attention forward)"),
+          Pin("gemma2", "Gemma2Attention.forward", "f1ef0bcee80badb9",
+              "patch gemma2_attention (the attention interface gets its softcap, window and scaling)")),
     presets=("gemma-3-1b", "gemma-2-2b"),
     covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); Gemma 2's attention with "
-            "its softcap and windows (patch eager_attention, layers/attention.py); opt-in "
+            "its softcap and windows (patch gemma2_attention); opt-in "
             "(include=['fused_gate_up_geglu']): GeGLU on one fused gate/up GEMM",
     not_covered="embedding scale, the final logit softcap, Gemma 1 and 3's attention (sdpa), the residual adds "
                 "(opt-in patch gemma_add_norm fuses one per layer), Gemma 3's q/k norms + RoPE as one launch "
                 "(opt-in patch gemma3_qk_norm_rope), GEMMs",
     default=True,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Patch gemma2_attention (default): Gemma 2, which can only attend eagerly, attends with our kernel
+# ---------------------------------------------------------------------------------------------
+#
+# Estimate, written before the patch (Amdahl), Gemma-2-2B on the H200 (2026-12-02 bench: eager
+# prefill 1 x 2048 45.7 ms stock, 42.9 ms ours, the host setting the pace): transformers' eager
+# attention is about eleven launches a layer (repeat_kv's copies, QK^T, the scale, the softcap's
+# divide, tanh and multiply, the mask add, softmax, the cast, PV, the transpose) where the kernel is
+# one, and its float32 (Hq, S, S) scores go: ~260 of ~850 launches of a forward, f ~ 0.3 of a
+# host-paced step, s large, ceiling ~1.4x on eager prefill and decode.
+
+#: The pin (in :data:`FAMILY`) of the attention forward whose calls the patch hands to our kernel.
+ATTN2_PIN = "gemma2.Gemma2Attention.forward"
+#: Attribute of a model the patch switched (plain, in its ``__dict__``): the implementation it had.
+_SWITCHED = "_cutile_gemma2_attention"
+
+
+@functools.lru_cache(maxsize=None)
+def gemma2_attention_verdict(cls: type) -> str | None:
+    """Why attention class ``cls`` may not attend with our kernel under patch ``gemma2_attention``,
+    or None: its forward must be ``Gemma2Attention.forward``'s code (causal self-attention that
+    passes ``scaling``, ``sliding_window`` and ``softcap`` to the attention interface), still the
+    pinned one."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
+
+    return forward_verdict(cls, ATTN2_PIN, Gemma2Attention.forward)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    # transformers names its attention classes "...Attention"; each must pass the verdict.
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+
+
+def eager_gemma2_verdict(model: nn.Module) -> str | None:
+    """Why ``model`` keeps its attention implementation under patch ``gemma2_attention``, or None
+    when it takes ours: a transformers decoder-only model without sub-models (a multimodal wrapper's
+    sub-configs would not all switch), attending with ``"eager"`` because its class has no sdpa path
+    (``_supports_sdpa`` False: a class that has one attends eagerly because it was asked to), whose
+    every attention module is causal and has ``Gemma2Attention.forward``'s code (pinned)."""
+    cls, cfg = type(model), getattr(model, "config", None)
+    if not hasattr(cls, "set_attn_implementation") or cfg is None:
+        return "it is not a transformers PreTrainedModel"
+    if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
+        return "it is an encoder-decoder or holds sub-models"
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl != "eager":
+        return f"it attends with {impl!r}, not eager"
+    if getattr(cls, "_supports_sdpa", True):
+        return "its class supports sdpa, so eager attention was asked for"
+    attn = _attention_modules(model)
+    if not attn:
+        return "it has no attention module"
+    for m in attn:
+        why = gemma2_attention_verdict(type(m))
+        if why is None and getattr(m, "is_causal", False) is not True:
+            why = "it is not causal"
+        if why is not None:
+            return f"its {type(m).__name__}: {why}"
+    return None
+
+
+def patch_gemma2_attention(model: nn.Module) -> int:
+    """Patch ``gemma2_attention``: a Gemma 2 model attending eagerly (:func:`eager_gemma2_verdict`)
+    attends with ``"cutile"`` instead, through transformers' own ``model.set_attn_implementation``:
+    the masks sdpa would get, the logit softcap, the sliding windows and the scale in the kernel.
+    Attention weights are then not returned (``output_attentions`` gives none, as with sdpa);
+    ``kernel_config(exclude=["gemma2_attention"])`` keeps eager. Returns the attention modules
+    switched (0: already switched, or left alone with a log line)."""
+    if _SWITCHED in model.__dict__:
+        if model.config._attn_implementation == CUTILE_ATTENTION:
+            return 0
+        del model.__dict__[_SWITCHED]  # switched away since (e.g. to eager for attention weights)
+    why = eager_gemma2_verdict(model)
+    if why is not None:
+        logger.info("cutile_kernels: patch gemma2_attention leaves %s alone: %s", type(model).__name__, why)
+        return 0
+    before = model.config._attn_implementation
+    model.set_attn_implementation(CUTILE_ATTENTION)
+    model.__dict__[_SWITCHED] = before
+    n = len(_attention_modules(model))
+    logger.info("cutile_kernels: patch gemma2_attention: %s attends with %r instead of eager (%d attention modules)",
+                type(model).__name__, CUTILE_ATTENTION, n)
+    return n
+
+
+def unpatch_gemma2_attention(model: nn.Module) -> int:
+    """Undo :func:`patch_gemma2_attention`: the implementation the model had, unless it was switched
+    away since. Returns the attention modules switched back."""
+    before = model.__dict__.pop(_SWITCHED, None)
+    if before is None or model.config._attn_implementation != CUTILE_ATTENTION:
+        return 0
+    model.set_attn_implementation(before)
+    return len(_attention_modules(model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,9 +294,12 @@ def unpatch_gemma3_qk_norm_rope(model: nn.Module) -> int:
     return restore_forwards(model, "gemma3_qk_norm_rope", qk_norm_rope_attention_forward)
 
 
-#: This module's patch rows (gathered by ``layers/_registry.py``): opt-in until the H200 bench times
-#: them (their kernels run by default in Qwen3.5's decoder and attention).
-PATCH_ROWS = [Patch("gemma_add_norm", apply=patch_gemma_add_norm, undo=unpatch_gemma_add_norm, default=False,
+#: This module's patch rows (gathered by ``layers/_registry.py``): gemma2_attention by default since
+#: the H200 bench of 2026-12-03 (gemma-2-2b 1.6-2.3x stock eager); the other two opt-in until the
+#: bench accepts them (their kernels run by default in Qwen3.5's decoder and attention).
+PATCH_ROWS = [Patch("gemma2_attention", apply=patch_gemma2_attention, undo=unpatch_gemma2_attention,
+                    description="Gemma 2 (no sdpa path: its softcap) attends with our kernel instead of eager"),
+              Patch("gemma_add_norm", apply=patch_gemma_add_norm, undo=unpatch_gemma_add_norm, default=False,
                     description="Gemma 2 / 3 decoder layers' attention residual add fused into their "
                                 "pre_feedforward_layernorm"),
               Patch("gemma3_qk_norm_rope", apply=patch_gemma3_qk_norm_rope, undo=unpatch_gemma3_qk_norm_rope,

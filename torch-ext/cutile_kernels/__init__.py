@@ -27,7 +27,7 @@ from .ops import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update, 
 from .ops._dtypes import UnsupportedDtypeError
 from .layers.patch import patch, unpatch
 from .ops import (add_rms_norm, add_rms_norm_gemma, add_rms_norm_gemma_reference, add_rms_norm_reference, rms_norm,
-                  rms_norm_gemma, rms_norm_gemma_reference,
+                  rms_norm_add_gemma, rms_norm_add_gemma_reference, rms_norm_gemma, rms_norm_gemma_reference,
                   rms_norm_reference, silu, silu_and_mul,
                   silu_and_mul_fused, silu_and_mul_fused_reference, silu_and_mul_reference, silu_reference)
 
@@ -75,6 +75,8 @@ __all__ = [
     "rms_norm",
     "rms_norm_gated",
     "rms_norm_gated_reference",
+    "rms_norm_add_gemma",
+    "rms_norm_add_gemma_reference",
     "rms_norm_gemma",
     "rms_norm_gemma_reference",
     "rms_norm_reference",

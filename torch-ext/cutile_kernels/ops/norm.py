@@ -3,7 +3,8 @@
 The math and rounding order are those of transformers' ``LlamaRMSNorm`` (see
 ``kernel_src/norm.py``); :func:`rms_norm_reference` restates them in PyTorch and is both the
 fallback and the test oracle's model. :func:`rms_norm_gemma` is the other order transformers uses
-(``GemmaRMSNorm``, ``Olmo2RMSNorm``): float32 throughout, one rounding at the end.
+(``GemmaRMSNorm``, ``Olmo2RMSNorm``): float32 throughout, one rounding at the end;
+:func:`rms_norm_add_gemma` adds the residual after it (OLMo 2's post-norm blocks).
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def add_rms_norm_gemma_reference(x: torch.Tensor, residual: torch.Tensor, weight
     Qwen3.5's ``residual + hidden_states`` and ``post_attention_layernorm`` (v5.22.2)."""
     s = x + residual
     return rms_norm_gemma_reference(s, weight, eps, offset), s
+
+
+def rms_norm_add_gemma_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 offset: float) -> torch.Tensor:
+    """``residual + rms_norm_gemma(x)``: OLMo 2's post-norm block, ``post_attention_layernorm`` (or
+    ``post_feedforward_layernorm``) of the sublayer's output, then ``residual + hidden_states``
+    (``Olmo2DecoderLayer.forward``, v5.22.2; ``offset=0.0``)."""
+    return residual + rms_norm_gemma_reference(x, weight, eps, offset)
 
 
 def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,6 +199,27 @@ def _add_rms_norm_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: to
     return contiguous(add_rms_norm_gemma_reference(x, residual, weight, eps, offset))
 
 
+def _check_rms_norm_add_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              offset: float) -> None:
+    _check_shapes(x, weight, "rms_norm_add_gemma")
+    if residual.shape != x.shape:
+        raise ValueError(f"rms_norm_add_gemma: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+
+
+def _rms_norm_add_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             offset: float) -> torch.Tensor:
+    if x.dim() == 1:
+        return _rms_norm_add_gemma_cuda(x.view(1, -1), residual.view(1, -1), weight, eps, offset).view_as(x)
+    y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    rows = y.numel() // x.shape[-1]
+    # Hidden-size tiles (512 lanes and up) as the fused add's; 16-bit variants only.
+    if y.numel() == 0 or dispatch.run("rms_norm_add_gemma", _want(x, rows, HIDDEN_BLOCK_NS[0]),
+                                      (x, residual, weight, y, float(eps), float(offset)), 3, _grid(rows),
+                                      _rows_layout):
+        return y
+    return rms_norm_add_gemma_reference(x, residual, weight, eps, offset).contiguous()
+
+
 def _check_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     _check_shapes(x, weight, "rms_norm_gated")
     if gate.shape != x.shape:
@@ -209,6 +239,10 @@ def _rms_norm_gated_cuda(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
                       _rows_layout):
         return y
     return rms_norm_gated_reference(x, gate, weight, eps).contiguous()
+
+
+def _rms_norm_add_gemma_fake(x, residual, weight, eps, offset):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
 
 
 def _rms_norm_gated_fake(x, gate, weight, eps):
@@ -243,6 +277,8 @@ _add_rms_norm = define_op("add_rms_norm", _add_rms_norm_cuda, reference=add_rms_
                           fake=_add_rms_norm_fake, check=_check_add_rms_norm)
 _add_rms_norm_gemma = define_op("add_rms_norm_gemma", _add_rms_norm_gemma_cuda, reference=add_rms_norm_gemma_reference,
                                 fake=_add_rms_norm_gemma_fake, check=_check_add_rms_norm_gemma)
+_rms_norm_add_gemma = define_op("rms_norm_add_gemma", _rms_norm_add_gemma_cuda, reference=rms_norm_add_gemma_reference,
+                                fake=_rms_norm_add_gemma_fake, check=_check_rms_norm_add_gemma)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -342,6 +378,39 @@ def add_rms_norm_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """
     check_float("add_rms_norm_gemma", "x, residual, weight", x, residual, weight)
     return _add_rms_norm_gemma(x, residual, weight, float(eps), float(offset))
+
+
+def rms_norm_add_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       offset: float = 0.0) -> torch.Tensor:
+    """Fused RMSNorm + residual add in the post-norm order: ``residual + rms_norm_gemma(x, weight,
+    eps, offset)``, the norm rounded to ``x.dtype`` before the add, as OLMo 2's decoder layer
+    computes ``residual + post_attention_layernorm(hidden_states)`` (``Olmo2DecoderLayer``,
+    transformers v5.22.2; Xiong et al. 2020, "On Layer Normalization in the Transformer
+    Architecture", for the post-norm block).
+
+    Args:
+        x: ``(..., N)`` sublayer output, any N and rows, rows may be strided; bfloat16 or float16
+            for the kernel (float32 takes the reference).
+        residual: shaped like ``x``, same dtype for the kernel.
+        weight: ``(N,)``, same dtype as ``x`` for the kernel.
+        eps: added to the mean square (OLMo 2's ``variance_epsilon``).
+        offset: added to the weight in float32 (OLMo 2: 0.0; Gemma's ``1 + weight``: 1.0).
+
+    Returns:
+        ``(..., N)`` contiguous tensor of the dtype ``x + residual`` has: the new residual stream.
+
+    On CUDA a cuTile kernel (rows narrower than 512 run padded in its narrowest tile); other inputs
+    take :func:`rms_norm_add_gemma_reference` and log the reason once. Under ``torch.compile`` the
+    custom op ``<namespace>::rms_norm_add_gemma`` (gradients from the reference).
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        ValueError: mismatched shapes.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("rms_norm_add_gemma", "x, residual, weight", x, residual, weight)
+    return _rms_norm_add_gemma(x, residual, weight, float(eps), float(offset))
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
