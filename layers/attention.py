@@ -176,4 +176,3 @@ def register_attention() -> None:
 
 #: transformers hub layer name -> layer class in this module: none, attention is an interface.
 MAPPING: dict[str, str] = {}
-

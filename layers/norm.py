@@ -202,19 +202,34 @@ def _float_norm_eps(m: nn.Module):
 #: Forwards that compute a ``GemmaRMSNorm``-code class's own formula when bound on its instance: our
 #: hub layer (``kernelize`` binds the build copy's: matched by name) and the ``rms_norm_gemma`` patch.
 _GEMMA_FORMULA_FORWARDS = ("CutileZeroCenteredRMSNorm.forward", "gemma_norm_forward")
+#: The same for an ``Olmo2RMSNorm``-code class: patch ``rms_norm_olmo2``'s forward, and our hub
+#: layer (which runs that formula for such a class).
+_OLMO2_FORMULA_FORWARDS = ("olmo2_norm_forward", "CutileRMSNorm.forward")
 
 
-def _gemma_formula_norm(n) -> bool:
-    # The class computes GemmaRMSNorm's formula, its weight is a tensor, and nobody replaced its
-    # forward on the instance with something else (accelerate's offload hooks, a user's wrapper).
-    if not (isinstance(n, nn.Module) and computes_gemma_rms_norm(type(n))
-            and isinstance(getattr(n, "weight", None), torch.Tensor)):
+def _formula_norm(n, computes, forwards) -> bool:
+    # The class computes the formula (``computes``), its weight is a tensor, and nobody replaced its
+    # forward on the instance with something else (accelerate's offload hooks, a user's wrapper):
+    # the class's own forward or one of ``forwards`` (by qualified name) is bound, or none.
+    if not (isinstance(n, nn.Module) and computes(type(n)) and isinstance(getattr(n, "weight", None), torch.Tensor)):
         return False
     bound = n.__dict__.get("forward")
     if bound is None:
         return True
     fwd = getattr(bound, "__func__", None)
-    return fwd is type(n).forward or getattr(fwd, "__qualname__", "") in _GEMMA_FORMULA_FORWARDS
+    return fwd is type(n).forward or getattr(fwd, "__qualname__", "") in forwards
+
+
+def _gemma_formula_norm(n) -> bool:
+    return _formula_norm(n, computes_gemma_rms_norm, _GEMMA_FORMULA_FORWARDS)
+
+
+def olmo2_formula_norm(n) -> bool:
+    """Whether module ``n`` computes ``Olmo2RMSNorm``'s formula (its class's code, an ``(N,)``
+    weight tensor, a float eps, a forward that is the class's or computes the same): what a fused
+    forward may run in its place."""
+    return (_formula_norm(n, computes_olmo2_rms_norm, _OLMO2_FORMULA_FORWARDS) and n.weight.dim() == 1
+            and isinstance(_float_norm_eps(n), float))
 
 
 def gemma_qk_norms_verdict(m: nn.Module) -> str | None:

@@ -23,7 +23,7 @@ from torch import nn
 from ...ops.norm import rms_norm_add_gemma
 from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
-from ..norm import _float_norm_eps, computes_olmo2_rms_norm
+from ..norm import _float_norm_eps, olmo2_formula_norm
 from . import Family
 
 FAMILY = Family(
@@ -54,10 +54,6 @@ FAMILY = Family(
 #: The pin (in :data:`FAMILY`) of the decoder forward :func:`post_norm_decoder_forward` reproduces.
 DECODER_PIN = "olmo2.Olmo2DecoderLayer.forward"
 
-#: Instance forwards that compute ``Olmo2RMSNorm``'s formula on an ``Olmo2RMSNorm``-code class:
-#: patch ``rms_norm_olmo2``'s, and our hub layer (which runs that formula for such a class).
-_OLMO2_FORMULA_FORWARDS = ("olmo2_norm_forward", "CutileRMSNorm.forward")
-
 
 @functools.lru_cache(maxsize=None)
 def decoder_verdict(cls: type) -> str | None:
@@ -68,19 +64,9 @@ def decoder_verdict(cls: type) -> str | None:
     return forward_verdict(cls, DECODER_PIN, Olmo2DecoderLayer.forward)
 
 
-def _olmo2_formula_norm(n) -> bool:
-    if not (isinstance(n, nn.Module) and computes_olmo2_rms_norm(type(n))
-            and isinstance(getattr(n, "weight", None), torch.Tensor) and n.weight.dim() == 1
-            and isinstance(_float_norm_eps(n), float)):
-        return False
-    bound = n.__dict__.get("forward")
-    fwd = getattr(bound, "__func__", None)
-    return bound is None or fwd is type(n).forward or getattr(fwd, "__qualname__", "") in _OLMO2_FORMULA_FORWARDS
-
-
 def _decoder_layer_verdict(m: nn.Module) -> str | None:
     why = decoder_verdict(type(m))
-    if why is None and not all(_olmo2_formula_norm(getattr(m, a, None))
+    if why is None and not all(olmo2_formula_norm(getattr(m, a, None))
                                for a in ("post_attention_layernorm", "post_feedforward_layernorm")):
         why = "its post-norms are not Olmo2RMSNorm-formula norms (an (N,) weight, a float eps, their own forward)"
     return why
