@@ -32,6 +32,7 @@ How transformers' arguments map onto the kernel (``ops.attention``), mirroring
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -97,6 +98,13 @@ def _eager_fallback(module, query, key, value, attention_mask, reason: str, caus
     return eager(module, query, key, value, mask, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def _no_weights_warning() -> None:
+    # Once a process, as sdpa's: the model's output then holds no attention weights.
+    logger.warning("cutile_kernels: attention %r returns no attention weights (output_attentions=True); load "
+                   "with attn_implementation=\"eager\" for them", NAME)
+
+
 def _bool_mask_fits(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
     return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, query.shape[0])
             and mask.shape[1] == 1 and mask.shape[2] == query.shape[2] and mask.shape[3] == key.shape[2])
@@ -124,6 +132,8 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     Returns:
         ``(attn_output, None)``, ``attn_output`` the contiguous ``(B, Sq, Hq, D)`` tensor.
     """
+    if kwargs.get("output_attentions"):
+        _no_weights_warning()
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     reason = None
     if dropout and module.training:

@@ -27,8 +27,16 @@ every replay applies the same change. A cache's graphs are dropped when the cach
 
 What the step runs of ours besides the model's kernels: each full-attention cache layer writes its
 new keys and values with one ``kv_append`` launch (:func:`_kernel_static_update`; transformers'
-``StaticLayer.update`` makes four), and our attention reads only the layer's filled slots, the
+``StaticLayer.update`` makes four), and so does each sliding-window layer while its window has
+room (:func:`_kernel_sliding_update`); our attention reads only a full layer's filled slots, the
 count read on the device (``layers/attention.py``, ``cutile_kv_len``).
+
+A step called without a mask or positions (a decode loop of one's own, or the bench) over a cache
+with sliding layers gets its positions and window masks made from a layer's length on the device
+(:meth:`_Session._device_inputs`: a few launches outside the graph, no host work), after one check
+per cache against transformers' masks; where that does not serve (padding, eager attention's
+additive masks, a model's own mask function), ``create_masks_for_generate`` makes them on the
+host, as ``generate`` does before each step anyway.
 
 A hybrid model's static cache (Qwen3.5: ``LinearAttentionLayer`` beside ``StaticLayer``) is captured
 too: the linear-attention conv and recurrent states live at fixed addresses and are updated in
@@ -63,6 +71,7 @@ from transformers.utils import ModelOutput
 from .. import dispatch
 from ..ops.kv_cache import kv_append
 from ._pins import Pin, holds, register
+from .attention import NAME as ATTENTION_NAME
 from .attention import PIN as STATIC_UPDATE_PIN
 
 #: The transformers code the decode graphs reproduce (gating) or follow.
@@ -173,10 +182,25 @@ def _kernel_static_update(layer, key_states, value_states, *args, **kwargs):
     return layer.keys, layer.values
 
 
+def _kernel_sliding_update(layer, key_states, value_states, *args, **kwargs):
+    """``StaticSlidingWindowLayer.update`` (pinned) with the writes of a window that does not fill
+    past its end as one ``kv_append`` launch (transformers: ``arange``, an add and two
+    ``index_copy_``), both lengths advanced as there; every other step as
+    :func:`_capturable_sliding_update`."""
+    new = key_states.shape[-2]
+    if layer.is_initialized and layer.cumulative_length_int + new <= layer.max_cache_len:
+        kv_append(layer.keys, layer.values, key_states, value_states, layer.cumulative_length)
+        layer.cumulative_length.add_(new)
+        layer.cumulative_length_int += new
+        return layer.keys, layer.values
+    return _capturable_sliding_update(layer, key_states, value_states, *args, **kwargs)
+
+
 def _make_capturable(cache, cache_kernel: bool = True) -> bool:
-    """Give the sliding layers of ``cache`` :func:`_capturable_sliding_update` and, with
-    ``cache_kernel``, the full ones whose keys and values have one shape (not MLA's two head dims)
-    :func:`_kernel_static_update` (once per cache; each only while its pin holds: otherwise the
+    """Give the sliding layers of ``cache`` :func:`_capturable_sliding_update` (with ``cache_kernel``
+    :func:`_kernel_sliding_update`) and, with ``cache_kernel``, the full ones
+    :func:`_kernel_static_update`, where keys and values have one shape (not MLA's two head dims)
+    (once per cache; each only while its pin holds: otherwise the
     steps stay transformers' own, said once, and a failed capture says why). Returns whether this
     call changed the cache (:func:`_restore_updates` undoes it)."""
     if getattr(cache, "_cutile_capturable", False):
@@ -195,7 +219,9 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
             continue
         if _sliding(layer):
             if sliding_ok:
-                layer.update = functools.partial(_capturable_sliding_update, layer)
+                kernel = cache_kernel and layer.is_initialized and layer.keys.shape == layer.values.shape
+                layer.update = functools.partial(_kernel_sliding_update if kernel else _capturable_sliding_update,
+                                                 layer)
         elif full_ok and layer.is_initialized and layer.keys.shape == layer.values.shape:
             layer.update = functools.partial(_kernel_static_update, layer)
     return True
@@ -477,6 +503,48 @@ class DecodeGraphs:
         return cache
 
 
+def _window_mask(width: int, length: torch.Tensor) -> torch.Tensor:
+    """Boolean ``(1, 1, 1, width)``: the slots a one-token step's query sees in a sliding window of
+    ``width`` slots filled from slot 0, ``length`` tokens before the step (0-d int64 tensor on the
+    device): slots ``0 .. length`` until the window is full, then all (transformers rolls it)."""
+    return (_slots(width, length.device) <= length.clamp(max=width - 1)).view(1, 1, 1, width)
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(width: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(width, device=device)  # made once: a launch fewer each step
+
+
+def _window_layout(template, length: torch.Tensor):
+    """What :func:`_window_masks` rebuilds ``template`` (``create_masks_for_generate``'s output: a
+    mask or a dict of masks by layer type) from: the same structure with each mask replaced by its
+    width, after checking that :func:`_window_mask` gives that mask for ``length``; or a string
+    saying why the masks cannot be built that way. Reads the device (once per cache)."""
+    if isinstance(template, dict):
+        out = {}
+        for key, mask in template.items():
+            out[key] = _window_layout(mask, length)
+            if isinstance(out[key], str):
+                return f"{key}: {out[key]}"
+        return out
+    if template is None:
+        return None
+    if not (isinstance(template, torch.Tensor) and template.dtype == torch.bool and template.dim() == 4
+            and template.shape[1] == template.shape[2] == 1):
+        return (f"a mask of dtype {getattr(template, 'dtype', type(template).__name__)} and shape "
+                f"{tuple(getattr(template, 'shape', ()))}")
+    if not torch.equal(_window_mask(template.shape[-1], length).expand_as(template), template):
+        return "a mask other than the window's"
+    return template.shape[-1]
+
+
+def _window_masks(layout, length: torch.Tensor):
+    """The masks of a :func:`_window_layout` for ``length`` (no host read)."""
+    if isinstance(layout, dict):
+        return {key: _window_masks(width, length) for key, width in layout.items()}
+    return None if layout is None else _window_mask(layout, length)
+
+
 def _forget(graphs_ref, cid: int) -> None:
     graphs = graphs_ref()
     if graphs is not None:
@@ -489,6 +557,8 @@ class _Session:
     def __init__(self, graphs: DecodeGraphs):
         self.graphs = graphs
         self.lengths: dict = {}
+        #: cache id -> the :func:`_window_layout` :meth:`_device_inputs` fills, or why it cannot.
+        self.device_masks: dict = {}
 
     def __call__(self, input_ids=None, **kwargs):
         kwargs["input_ids"] = input_ids
@@ -501,17 +571,54 @@ class _Session:
             # With sliding layers, positions and masks come from the cache's length as a Python
             # integer: computed inside a graph, they would stay what they were at capture; a 2-D
             # mask changes shape every step. Then they are made here, as ``generate`` makes them
-            # before a compiled step, when the caller did not. A cache of full layers keeps its
-            # length on the device: with no mask, the graph computes both.
+            # before a compiled step, when the caller did not: from the cache's length on the
+            # device where :meth:`_device_inputs` can, else on the host. A cache of full layers
+            # keeps its length on the device: with no mask, the graph computes both.
             mask = kwargs.get("attention_mask")
             grows = isinstance(mask, torch.Tensor) and mask.dim() == 2  # one more column a step
             if (grows or _sliding_layers(cache)) and kwargs.get("position_ids") is None:
-                past = cache.get_seq_length()
-                kwargs["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device)
-                                          + past).unsqueeze(0)
-            if kwargs.get("position_ids") is not None and (mask is None or grows):
-                kwargs["attention_mask"] = self._masks(input_ids, mask, cache, kwargs.get("position_ids"))
+                made = None if grows or mask is not None else self._device_inputs(input_ids, cache)
+                if made is not None:
+                    kwargs["position_ids"], kwargs["attention_mask"] = made
+                else:
+                    past = cache.get_seq_length()
+                    kwargs["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device)
+                                              + past).unsqueeze(0)
+                    kwargs["attention_mask"] = self._masks(input_ids, mask, cache, kwargs["position_ids"])
         return self.graphs.step(kwargs, cache_why)
+
+    def _device_inputs(self, input_ids, cache):
+        """``(position_ids, attention_mask)`` of an unpadded one-token step over a cache with
+        sliding layers, made from a layer's length on the device (a few launches, no host work),
+        or None where they cannot be.
+
+        What ``sdpa_mask`` (sdpa's and our attention's masks) builds for such a step: no mask for
+        the full-attention layers, and for the sliding layers, whose windows hold the last ``W``
+        tokens from slot 0, the slots up to the new token's (all ``W`` once the window is full:
+        transformers rolls it). The position is a full layer's length, or a sliding layer's while
+        no window is full (transformers stops counting it then). The first step of each cache
+        checks the masks against ``create_masks_for_generate``'s: a model that builds others
+        (its own mask function, another attention) keeps the host masks, said once."""
+        model = self.graphs.model
+        if model.config._attn_implementation not in ("sdpa", ATTENTION_NAME):
+            return None
+        source = _full_layer(cache)
+        if source is None:
+            layers = [layer for layer in cache.layers if not _linear(layer)]
+            if not layers or any(layer.cumulative_length_int >= layer.max_cache_len for layer in layers):
+                return None
+            source = layers[0]
+        length = source.cumulative_length  # tokens before this step: the new token's position
+        position_ids = length.view(1, 1)
+        layout = self.device_masks.get(id(cache))
+        if layout is None:  # the first step over this cache: compare with transformers' masks
+            theirs = self._masks(input_ids, None, cache, position_ids.clone())
+            layout = self.device_masks[id(cache)] = _window_layout(theirs, length)
+            if isinstance(layout, str):
+                logger.info("cutile_kernels: decode graphs build this model's masks on the host (%s)", layout)
+        if isinstance(layout, str):
+            return None
+        return position_ids, _window_masks(layout, length)
 
     def _masks(self, input_ids, mask, cache, position_ids):
         """The masks ``prepare_inputs_for_generation`` builds before a compiled decode step."""

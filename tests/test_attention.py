@@ -423,6 +423,22 @@ def test_unsupported_inputs_take_eager_and_say_so(caplog, monkeypatch):
         lattn.cutile_attention_forward(_module(2), q, k, v, None, s_aux=torch.zeros(4))
 
 
+def test_output_attentions_warns_once_that_there_are_no_weights(caplog):
+    """As sdpa does: asked for attention weights, the model's output has none; one warning."""
+    import families
+
+    model = families.model("llama", attn="cutile")
+    lattn._no_weights_warning.cache_clear()
+    ids = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(3))
+    with caplog.at_level("WARNING", logger="cutile_kernels"), torch.no_grad():
+        out = model(ids, output_attentions=True)
+        model(ids, output_attentions=True)
+        plain = model(ids)
+    assert not out.attentions
+    assert caplog.text.count("returns no attention weights") == 1
+    torch.testing.assert_close(out.logits, plain.logits, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Models: attn_implementation="cutile" against the stock model
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import torch
 
 import cutile_kernels
 from cutile_kernels.layers import decode_graphs as dg
+from cutile_kernels.layers.hub import DECODE_GRAPH_PATCHES
 
 from families import model as tiny_model
 
@@ -177,10 +178,11 @@ def test_generate_replays_and_matches_eager(model_type, fields, emulated):
 def test_family_patches_replay_and_match_eager(model_type, fields, patches, emulated):
     """Patches in the replayed decode steps, against the stock model's static-cache generate:
     Qwen3.5's qwen3_5_rope (q/k norms + partial RoPE, the output gate) and qwen3_5_stacked_proj (one
-    GEMM for in_proj_qkv / b / a), defaults; Gemma 3's opt-in gemma_add_norm (the attention residual
-    add in pre_feedforward_layernorm) and gemma3_qk_norm_rope (q/k norms + RoPE in one launch), over
+    GEMM for in_proj_qkv / b / a), defaults; Gemma 3's gemma_add_norm (the attention residual
+    add in pre_feedforward_layernorm) and gemma3_qk_norm_rope (q/k norms + RoPE in one launch),
+    opt-in but applied by ``decode_graphs=True``, over
     sliding and global layers with the window crossed. On the GPU:
-    test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*] and [gemma3_text+opt-ins-*]."""
+    test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*] and [gemma3_text-*]."""
     model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4))
     want = _generate(model, ids, cache_implementation="static", disable_compile=True)
@@ -389,29 +391,91 @@ def test_a_full_cache_raises_instead_of_writing_past_it(emulated):
     assert graphs.captures == 1
 
 
-def test_direct_steps_without_a_mask_match_eager_across_a_window(emulated):
-    """The bench calls the step with no mask: the session builds it outside the graph (a mask built
-    inside would freeze the sliding layers' offset at capture)."""
-    model = tiny_model("mistral", sliding_window=4)
+def _direct_steps(model, step, ids, steps=10, max_cache_len=32):
+    """Greedy steps called as the bench calls them (no mask, no positions) after a prompt: their logits."""
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    logits = []
+    with torch.no_grad():
+        nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = step(nxt, past_key_values=cache, use_cache=True).logits
+            logits.append(out)
+            nxt = out[:, -1:].argmax(-1)
+    return logits
+
+
+def _count_host_masks(monkeypatch) -> list:
+    calls = []
+    real = dg._Session._masks
+    monkeypatch.setattr(dg._Session, "_masks", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    return calls
+
+
+@pytest.mark.parametrize("model_type,attn,device_steps", [
+    ("gemma3_text", "sdpa", 10),   # full layers give the position: every step's masks on the device
+    ("mistral", "sdpa", 1),        # every layer slides: the device masks end when the window fills
+    ("gemma3_text", "eager", 0)])  # additive masks: made on the host
+def test_direct_steps_without_a_mask_match_eager_across_a_window(model_type, attn, device_steps, emulated,
+                                                                 monkeypatch):
+    """The bench calls the step with no mask: a mask built inside the graph would freeze the
+    sliding layers' offset at capture, so the session makes the positions and masks outside it,
+    from a layer's length on the device where it can (one host-built check per cache), else on
+    the host; the same logits as eager across windows of 4 and the cache writes of the sliding
+    layers through kv_append until their window fills."""
+    model = tiny_model(model_type, sliding_window=4, attn=attn)
     ids = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(9))
-
-    def run(step):
-        cache = StaticCache(config=model.config, max_cache_len=32)
-        logits = []
-        with torch.no_grad():
-            nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            for _ in range(10):
-                out = step(nxt, past_key_values=cache, use_cache=True).logits
-                logits.append(out)
-                nxt = out[:, -1:].argmax(-1)
-        return logits
-
-    want = run(model)
+    want = _direct_steps(model, model, ids)
     graphs = emulated(model)
-    got = run(model.get_compiled_call(None))
+    host = _count_host_masks(monkeypatch)
+    writes = []
+    real = dg.kv_append
+    monkeypatch.setattr(dg, "kv_append", lambda *a: (writes.append(a[0].shape[2]), real(*a))[1])
+    session = model.get_compiled_call(None)
+    got = _direct_steps(model, session, ids)
     assert graphs.replays > 0
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert len(host) == 10 - device_steps + (device_steps > 0)  # + the first step's check
+    layout = next(iter(session.device_masks.values()), None)
+    if device_steps:
+        assert layout == ({"sliding_attention": 4, "full_attention": 32} if model_type == "gemma3_text" else 4)
+        assert 4 in writes  # a sliding layer's slots (4) written by the kernel, before its window filled
+    else:
+        assert layout is None
+
+
+def test_masks_other_than_the_windows_stay_on_the_host(emulated, monkeypatch, caplog):
+    """A model whose masks are not the window's (here: a wrong rebuild) keeps the host masks, said once."""
+    model = tiny_model("gemma3_text", sliding_window=4)
+    ids = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(9))
+    want = _direct_steps(model, model, ids)
+    emulated(model)
+    monkeypatch.setattr(dg, "_window_mask", lambda width, length: torch.ones(1, 1, 1, width, dtype=torch.bool))
+    host = _count_host_masks(monkeypatch)
+    session = model.get_compiled_call(None)
+    with caplog.at_level(logging.INFO, logger=dg.__name__):
+        got = _direct_steps(model, session, ids)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert len(host) == 11 and isinstance(next(iter(session.device_masks.values())), str)
+    assert sum("masks on the host" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_window_mask_is_transformers_sliding_mask():
+    """The rebuilt mask against sdpa_mask's for a one-token step, before, at and after the window fills."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    model = tiny_model("mistral", sliding_window=4)
+    for before in range(0, 9):
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        assert isinstance(cache.layers[0], StaticSlidingWindowLayer)
+        with torch.no_grad():
+            model(torch.randint(1, 256, (1, before + 1)), past_key_values=cache, use_cache=True)
+        theirs = dg._Session(dg.DecodeGraphs(model))._masks(torch.ones(1, 1, dtype=torch.long), None, cache,
+                                                              torch.tensor([[before + 1]]))
+        n = before + 1  # tokens before the step
+        mine = dg._window_mask(4, torch.tensor(n))
+        assert torch.equal(mine.expand_as(theirs), theirs), n
 
 
 def test_outputs_are_not_overwritten_by_the_next_replay(emulated):
@@ -475,6 +539,26 @@ def test_capturable_sliding_update_is_transformers_update():
         want = theirs.update(k.clone(), v.clone())
         assert ours.cumulative_length_int == theirs.cumulative_length_int == step + 1
         assert all(torch.equal(g, w) for g, w in zip(got, want)), step
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_kernel_sliding_update_is_transformers_update():
+    """kv_append while the window has room, then transformers' steps: the same cache, both lengths
+    and return values as StaticSlidingWindowLayer.update over a prefill, steps that fill the window
+    and slide it, and a chunk into a full window."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    gen = torch.Generator().manual_seed(6)
+    ours, theirs = StaticSlidingWindowLayer(16, 6), StaticSlidingWindowLayer(16, 6)
+    total = 0
+    for new in (2, 1, 3, 1, 1, 2):  # the window of 6 filled by the third update's last slot
+        k, v = torch.randn(2, 3, new, 8, generator=gen), torch.randn(2, 3, new, 8, generator=gen)
+        got = dg._kernel_sliding_update(ours, k, v)
+        want = theirs.update(k.clone(), v.clone())
+        total += new
+        assert ours.cumulative_length_int == theirs.cumulative_length_int == total
+        assert int(ours.cumulative_length) == int(theirs.cumulative_length)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), new
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
@@ -592,6 +676,7 @@ def test_enable_on_a_cpu_model_without_an_emulation_does_nothing(caplog):
 def test_kernel_config_carries_the_switch(built_package_dir):
     on = cutile_kernels.kernel_config(decode_graphs=True)
     assert on.decode_graphs and "fused_qkv" in on.include_patches  # the fast path stacks q/k/v
+    assert {"gemma_add_norm", "gemma3_qk_norm_rope", "fused_gate_up_geglu"} <= set(on.include_patches)
     assert "fused_qkv" not in cutile_kernels.kernel_config(decode_graphs=True, exclude=["fused_qkv"]).include_patches
     assert not cutile_kernels.kernel_config().decode_graphs
     assert "fused_qkv" not in cutile_kernels.kernel_config().include_patches
@@ -608,7 +693,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for model_type, fields in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 24}),
                                ("gemma3_text", {"sliding_window": 24}), ("qwen3_5_text", {}),
-                               ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 0.5})):
+                               ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 0.5}), ("olmo2", {})):
         path = tmp_path_factory.mktemp(model_type)
         tiny_model(model_type, dtype=torch.bfloat16, layers=4, **fields).save_pretrained(path)
         out[model_type] = path
@@ -616,28 +701,33 @@ def checkpoints(tmp_path_factory):
 
 
 def _load(path, attn, graphs: bool, include=()):
+    """The checkpoint kernelized, with decode graphs or not; the eager one gets the patches that
+    ``decode_graphs=True`` adds, so that both compute the same (some are not bit for bit stock)."""
     from transformers import AutoModelForCausalLM
 
+    if not graphs:
+        include = [*include, *DECODE_GRAPH_PATCHES]
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn, use_kernels=True,
         kernel_config=cutile_kernels.kernel_config(decode_graphs=graphs, include=include)).eval()
 
 
 #: Opt-in patches the fast path is also checked with: the model's checkpoint key after "+".
-OPT_INS = {"gemma3_text+opt-ins": ["gemma_add_norm", "gemma3_qk_norm_rope"]}
+OPT_INS = {"olmo2+opt-ins": ["olmo2_norm_add"]}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type,attn", [
-    *((t, a) for t in ("llama", "qwen3", "mistral", "gemma3_text", "gemma3_text+opt-ins", "qwen3_5_text")
+    *((t, a) for t in ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text")
       for a in ("sdpa", "cutile")),
+    ("olmo2+opt-ins", "cutile"),
     ("gemma2", None)])  # no sdpa: the default eager, which patch gemma2_attention turns into ours
 def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, checkpoints, strict):
     """Real CUDA graphs of our kernels: the same tokens as the eager kernelized model with a static
     cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache
-    lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3; Gemma 3 also
-    with its opt-in patches (:data:`OPT_INS`), in eager and in the graphs alike; Gemma 2 with its
-    softcaps."""
+    lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3; with the
+    patches ``decode_graphs=True`` adds (Gemma 3's and GeGLU's among them), and OLMo 2 with its
+    opt-in patch (:data:`OPT_INS`), in eager and in the graphs alike; Gemma 2 with its softcaps."""
     include = OPT_INS.get(model_type, [])
     path = checkpoints[model_type.partition("+")[0]]
     eager = _load(path, attn, graphs=False, include=include)
@@ -663,6 +753,25 @@ def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, ch
             torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
     # One graph per batch size: the two batch-1 calls share a cache bucket and its graph.
     assert graphs.captures >= 2 and graphs.replays >= 3 * 30
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "cutile"])
+def test_gpu_direct_steps_make_window_masks_on_the_device(attn, checkpoints, strict):
+    """Steps called without a mask (as the bench calls them) on Gemma 3, its windows of 24 crossed:
+    positions and masks from the cache's length on the device, the sliding layers' writes by
+    kv_append until their window fills; the same tokens as the eager kernelized model."""
+    eager = _load(checkpoints["gemma3_text"], attn, graphs=False)
+    model = _load(checkpoints["gemma3_text"], attn, graphs=True)
+    ids = torch.randint(1, 256, (2, 20), generator=torch.Generator().manual_seed(12)).cuda()
+    want = _direct_steps(eager, eager, ids, steps=30, max_cache_len=64)
+    session = model.get_compiled_call(None)
+    got = _direct_steps(model, session, ids, steps=30, max_cache_len=64)
+    assert isinstance(next(iter(session.device_masks.values())), dict)
+    assert getattr(model, dg.ATTR).replays >= 25
+    for g, w in zip(got, want):
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

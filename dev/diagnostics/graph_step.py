@@ -4,6 +4,9 @@ For a preset and a bench path with decode graphs (``cutile-graphs``, ``stock-gra
 prompt of ``--prompt`` tokens: the step as the bench times it (session call + greedy pick, CUDA
 events), its host time, the captured graph's replay alone (CUDA events over back-to-back
 replays: the GPU's time), and the kernels of a few replays by device time (torch.profiler).
+For a compiled path (``stock-compile``, ``cutile-compile``) the same step and kernel list come from
+the bench's compiled decoder (StaticCache, ``torch.compile(mode="reduce-overhead")``), so the two
+lists can be read side by side (the compiled step's list also has the greedy pick's kernels).
 A step much slower than its replay is host-bound. ``--ab-cache-kernel`` also captures the same step
 with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and times the two graphs'
 replays in alternating rounds, in one process: the whole model's step with and without
@@ -71,6 +74,37 @@ def _replay_ms(entry, cache, n: int) -> float:
     return a.elapsed_time(b) / n
 
 
+def _kernels(run, n: int, top: int) -> float:
+    """Profile ``n`` calls of ``run``; print the ``top`` kernels by device time a call; returns the
+    device microseconds a call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / n, e.count / n) for e in prof.key_averages()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    print(f"  {total:8.1f} us a step, {sum(r[2] for r in rows):6.1f} kernels a step")
+    for name, us, k in rows[:top]:
+        print(f"  {us:8.1f} us {us / total:6.1%} x{k:5.1f}  {name[:110]}")
+    return total
+
+
+def _compiled(model, args) -> None:
+    """The compiled decode step of the bench (``tools/bench/worker.Decoder``), timed and profiled."""
+    from cutile_kernels_tools.bench.worker import Decoder
+
+    for batch in args.batch:
+        dec = Decoder(model, batch, args.prompt, 2 * args.steps + 20, "cuda", True, seed=0)
+        dec.prefill()
+        for _ in range(5):  # compile and record the graphs
+            dec.step()
+        step_ms = statistics.median(dec.step() for _ in range(args.steps))
+        print(json.dumps({"model": args.model, "path": args.path, "batch": batch, "step_ms": step_ms}))
+        _kernels(dec.step, 5, args.top)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="preset name or checkpoint directory")
@@ -89,6 +123,8 @@ def main(argv=None) -> None:
 
     ckpt, _ = presets.resolve(args.model, device="cuda")
     model = paths.load(args.path, ckpt, torch.bfloat16, "cuda")
+    if paths.spec(args.path).compile:
+        return _compiled(model, args)
     graphs = getattr(model, dg.ATTR)
     for batch in args.batch:
         entry, cache, step_ms, host_ms = _captured(model, graphs, batch, args, cache_kernel=True)
@@ -103,20 +139,9 @@ def main(argv=None) -> None:
                 theirs.append(_replay_ms(stock_entry, stock_cache, args.steps))
             row.update(ab_replay_ms_kv_append=statistics.median(ours), ab_replay_ms_stock_writes=statistics.median(theirs),
                        ab_step_ms_stock_writes=stock_step)
-        from torch.profiler import ProfilerActivity, profile
-
         _rewind(cache)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                entry.graph.replay()
-            torch.cuda.synchronize()
-        rows = sorted(((e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()),
-                      key=lambda r: -r[1])
-        total = sum(r[1] for r in rows)
-        row["profiled_device_us_per_replay"] = total
         print(json.dumps(row))
-        for name, us, n in rows[:args.top]:
-            print(f"  {us:8.1f} us {us / total:6.1%} x{n:5.1f}  {name[:110]}")
+        _kernels(entry.graph.replay, 5, args.top)
 
 
 if __name__ == "__main__":
