@@ -101,8 +101,8 @@ def _eager_fallback(module, query, key, value, attention_mask, reason: str, caus
 @functools.lru_cache(maxsize=None)
 def _no_weights_warning() -> None:
     # Once a process, as sdpa's: the model's output then holds no attention weights.
-    logger.warning("cutile_kernels: attention %r returns no attention weights (output_attentions=True); load "
-                   "with attn_implementation=\"eager\" for them", NAME)
+    logger.warning("cutile_kernels: attention %r returns no attention weights (output_attentions=True); attend "
+                   "with \"eager\" for them (Gemma 2: kernel_config(exclude=[\"gemma2_attention\"]))", NAME)
 
 
 def _bool_mask_fits(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -132,8 +132,6 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     Returns:
         ``(attn_output, None)``, ``attn_output`` the contiguous ``(B, Sq, Hq, D)`` tensor.
     """
-    if kwargs.get("output_attentions"):
-        _no_weights_warning()
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     reason = None
     if dropout and module.training:
@@ -161,6 +159,8 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         causal, window = False, None  # the mask holds the causal and window patterns
         if query.shape[2] > DECODE_MAX_SQ:
             cutile_kv_len = None  # sdpa_mask already hides a static cache's unfilled slots from a prefill
+    if kwargs.get("output_attentions"):
+        _no_weights_warning()
     out = attention(query, key, value, attention_mask, scale=scaling, causal=causal, window=window, softcap=softcap,
                     kv_len=cutile_kv_len)
     return out.transpose(1, 2), None

@@ -34,9 +34,9 @@ count read on the device (``layers/attention.py``, ``cutile_kv_len``).
 A step called without a mask or positions (a decode loop of one's own, or the bench) over a cache
 with sliding layers gets its positions and window masks made from a layer's length on the device
 (:meth:`_Session._device_inputs`: a few launches outside the graph, no host work), after one check
-per cache against transformers' masks; where that does not serve (padding, eager attention's
-additive masks, a model's own mask function), ``create_masks_for_generate`` makes them on the
-host, as ``generate`` does before each step anyway.
+per cache and session against transformers' masks; where that does not serve (padding, positions
+passed, eager attention's additive masks, chunked attention, a model's own mask function),
+``create_masks_for_generate`` makes them on the host, as ``generate`` does before each step anyway.
 
 A hybrid model's static cache (Qwen3.5: ``LinearAttentionLayer`` beside ``StaticLayer``) is captured
 too: the linear-attention conv and recurrent states live at fixed addresses and are updated in
@@ -503,6 +503,10 @@ class DecodeGraphs:
         return cache
 
 
+#: The layer types whose masks :func:`_window_mask` rebuilds (transformers' ``config.layer_types``).
+WINDOW_MASK_TYPES = ("full_attention", "sliding_attention")
+
+
 def _window_mask(width: int, length: torch.Tensor) -> torch.Tensor:
     """Boolean ``(1, 1, 1, width)``: the slots a one-token step's query sees in a sliding window of
     ``width`` slots filled from slot 0, ``length`` tokens before the step (0-d int64 tensor on the
@@ -523,6 +527,8 @@ def _window_layout(template, length: torch.Tensor):
     if isinstance(template, dict):
         out = {}
         for key, mask in template.items():
+            if key not in WINDOW_MASK_TYPES:
+                return f"masks of layer type {key!r}"
             out[key] = _window_layout(mask, length)
             if isinstance(out[key], str):
                 return f"{key}: {out[key]}"
@@ -576,14 +582,17 @@ class _Session:
             # keeps its length on the device: with no mask, the graph computes both.
             mask = kwargs.get("attention_mask")
             grows = isinstance(mask, torch.Tensor) and mask.dim() == 2  # one more column a step
-            if (grows or _sliding_layers(cache)) and kwargs.get("position_ids") is None:
-                made = None if grows or mask is not None else self._device_inputs(input_ids, cache)
-                if made is not None:
-                    kwargs["position_ids"], kwargs["attention_mask"] = made
-                else:
+            made = None
+            if mask is None and kwargs.get("position_ids") is None and _sliding_layers(cache):
+                made = self._device_inputs(input_ids, cache)
+            if made is not None:
+                kwargs["position_ids"], kwargs["attention_mask"] = made
+            else:
+                if (grows or _sliding_layers(cache)) and kwargs.get("position_ids") is None:
                     past = cache.get_seq_length()
                     kwargs["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device)
                                               + past).unsqueeze(0)
+                if kwargs.get("position_ids") is not None and (mask is None or grows):
                     kwargs["attention_mask"] = self._masks(input_ids, mask, cache, kwargs["position_ids"])
         return self.graphs.step(kwargs, cache_why)
 
@@ -592,15 +601,19 @@ class _Session:
         sliding layers, made from a layer's length on the device (a few launches, no host work),
         or None where they cannot be.
 
-        What ``sdpa_mask`` (sdpa's and our attention's masks) builds for such a step: no mask for
-        the full-attention layers, and for the sliding layers, whose windows hold the last ``W``
-        tokens from slot 0, the slots up to the new token's (all ``W`` once the window is full:
-        transformers rolls it). The position is a full layer's length, or a sliding layer's while
-        no window is full (transformers stops counting it then). The first step of each cache
-        checks the masks against ``create_masks_for_generate``'s: a model that builds others
-        (its own mask function, another attention) keeps the host masks, said once."""
+        What ``sdpa_mask`` (sdpa's and our attention's masks) builds for such a step, for the
+        full-attention layers and the sliding-window ones (whose windows hold the last ``W`` tokens
+        from slot 0): the slots up to the new token's, all ``W`` once a window is full (transformers
+        rolls it). The position is a full layer's length, or a sliding layer's while no window is
+        full (transformers stops counting it then). Only the layer types ``full_attention`` and
+        ``sliding_attention`` are made so (not Llama 4's chunked attention, whose mask a window's
+        cannot be); the first step over each cache in a session checks them against
+        ``create_masks_for_generate``'s at that length, and a model whose masks differ (its own
+        mask function, another attention's masks) keeps the host masks, said once."""
         model = self.graphs.model
-        if model.config._attn_implementation not in ("sdpa", ATTENTION_NAME):
+        config = model.config.get_text_config(decoder=True)
+        if model.config._attn_implementation not in ("sdpa", ATTENTION_NAME) or \
+                getattr(config, "attention_chunk_size", None):
             return None
         source = _full_layer(cache)
         if source is None:
@@ -608,17 +621,19 @@ class _Session:
             if not layers or any(layer.cumulative_length_int >= layer.max_cache_len for layer in layers):
                 return None
             source = layers[0]
-        length = source.cumulative_length  # tokens before this step: the new token's position
-        position_ids = length.view(1, 1)
-        layout = self.device_masks.get(id(cache))
-        if layout is None:  # the first step over this cache: compare with transformers' masks
-            theirs = self._masks(input_ids, None, cache, position_ids.clone())
-            layout = self.device_masks[id(cache)] = _window_layout(theirs, length)
-            if isinstance(layout, str):
-                logger.info("cutile_kernels: decode graphs build this model's masks on the host (%s)", layout)
+        # Tokens before this step: the new token's position. A copy: an eager step advances the
+        # cache's length in place during its forward.
+        length = source.cumulative_length.clone()
+        if id(cache) not in self.device_masks:  # the first step over this cache: check against transformers'
+            theirs = self._masks(input_ids, None, cache, length.view(1, 1))
+            self.device_masks[id(cache)] = _window_layout(theirs, length)
+            if isinstance(self.device_masks[id(cache)], str):
+                logger.info("cutile_kernels: decode graphs build this model's masks on the host (%s)",
+                            self.device_masks[id(cache)])
+        layout = self.device_masks[id(cache)]
         if isinstance(layout, str):
             return None
-        return position_ids, _window_masks(layout, length)
+        return length.view(1, 1), _window_masks(layout, length)
 
     def _masks(self, input_ids, mask, cache, position_ids):
         """The masks ``prepare_inputs_for_generation`` builds before a compiled decode step."""

@@ -424,11 +424,17 @@ def test_unsupported_inputs_take_eager_and_say_so(caplog, monkeypatch):
 
 
 def test_output_attentions_warns_once_that_there_are_no_weights(caplog):
-    """As sdpa does: asked for attention weights, the model's output has none; one warning."""
+    """As sdpa does: asked for attention weights, the model's output has none; one warning. A call
+    that falls back to eager (which returns weights) does not warn."""
     import families
 
     model = families.model("llama", attn="cutile")
     lattn._no_weights_warning.cache_clear()
+    q, k, v = make_qkv(1, 4, 2, 5, 5, 16)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        _, weights = lattn.cutile_attention_forward(_module(2, training=True), q, k, v, None, scaling=0.25,
+                                                    dropout=0.5, output_attentions=True)
+    assert weights is not None and "no attention weights" not in caplog.text
     ids = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(3))
     with caplog.at_level("WARNING", logger="cutile_kernels"), torch.no_grad():
         out = model(ids, output_attentions=True)

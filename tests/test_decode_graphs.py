@@ -272,9 +272,10 @@ def test_graphs_over_a_freed_cache_are_dropped(emulated):
     assert graphs.captures == 2
 
 
-def _decode(model, step, ids, cache, n, between=None, mask=None):
+def _decode(model, step, ids, cache, n, between=None, mask=None, positions=False):
     """Prefill ``ids`` into ``cache``, then ``n`` greedy steps through ``step`` (``between(i)``
-    before step i; ``mask``: a 2-D mask grown by a column each step); returns the step logits."""
+    before step i; ``mask``: a 2-D mask grown by a column each step, with ``positions`` the
+    positions it gives passed too, as ``generate`` does); returns the step logits."""
     logits = []
     with torch.no_grad():
         nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -285,6 +286,8 @@ def _decode(model, step, ids, cache, n, between=None, mask=None):
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 kw["attention_mask"] = mask
+                if positions:
+                    kw["position_ids"] = mask.sum(-1, keepdim=True) - 1
             out = step(nxt, past_key_values=cache, use_cache=True, **kw).logits
             logits.append(out)
             nxt = out[:, -1:].argmax(-1)
@@ -312,15 +315,19 @@ def test_a_cache_whose_tensors_are_replaced_is_captured_again(emulated):
     assert graphs.captures == 2
 
 
-def test_a_growing_2d_mask_is_made_outside_and_replays(emulated):
+@pytest.mark.parametrize("positions", [False, True], ids=["mask", "mask-and-positions"])
+def test_a_growing_2d_mask_is_made_outside_and_replays(positions, emulated):
+    """A 2-D mask (one more column a step) never enters the graph: the session makes the 4-D masks
+    from it, with the positions given or its own; one capture, then replays."""
     model = tiny_model("llama")
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
-    want = _decode(model, model, ids, StaticCache(config=model.config, max_cache_len=32), 8, mask=mask)
+    want = _decode(model, model, ids, StaticCache(config=model.config, max_cache_len=32), 8, mask=mask,
+                   positions=positions)
     graphs = emulated(model)
     got = _decode(model, model.get_compiled_call(None), ids, StaticCache(config=model.config, max_cache_len=32), 8,
-                  mask=mask)
+                  mask=mask, positions=positions)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert graphs.captures == 1 and graphs.replays == 6
@@ -391,14 +398,16 @@ def test_a_full_cache_raises_instead_of_writing_past_it(emulated):
     assert graphs.captures == 1
 
 
-def _direct_steps(model, step, ids, steps=10, max_cache_len=32):
-    """Greedy steps called as the bench calls them (no mask, no positions) after a prompt: their logits."""
+def _direct_steps(model, step, ids, steps=10, max_cache_len=32, positions=False):
+    """Greedy steps called as the bench calls them (no mask; with ``positions`` the positions
+    passed) after a prompt: their logits."""
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     logits = []
     with torch.no_grad():
         nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            out = step(nxt, past_key_values=cache, use_cache=True).logits
+        for i in range(steps):
+            kw = {"position_ids": torch.tensor([[ids.shape[1] + i]], device=ids.device)} if positions else {}
+            out = step(nxt, past_key_values=cache, use_cache=True, **kw).logits
             logits.append(out)
             nxt = out[:, -1:].argmax(-1)
     return logits
@@ -442,6 +451,53 @@ def test_direct_steps_without_a_mask_match_eager_across_a_window(model_type, att
         assert 4 in writes  # a sliding layer's slots (4) written by the kernel, before its window filled
     else:
         assert layout is None
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "mistral"])
+def test_direct_steps_with_positions_but_no_mask_get_host_masks(model_type, emulated, monkeypatch):
+    """Positions passed without a mask: the masks are made on the host every step (inside the
+    graph a sliding layer's offsets would freeze at capture), and the logits are eager's."""
+    model = tiny_model(model_type, sliding_window=4)
+    ids = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(9))
+    want = _direct_steps(model, model, ids, positions=True)
+    graphs = emulated(model)
+    host = _count_host_masks(monkeypatch)
+    session = model.get_compiled_call(None)
+    got = _direct_steps(model, session, ids, positions=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert len(host) == 10 and not session.device_masks and graphs.replays > 0
+
+
+def test_chunked_attention_keeps_host_masks():
+    """Llama 4's chunked layers sit in sliding-window cache layers but are masked by chunk, which a
+    window's mask is not (it agrees until the first chunk boundary): their masks stay the host's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama4_text", hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                                  num_hidden_layers=4, attention_chunk_size=4, num_local_experts=2,
+                                  num_experts_per_tok=1)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, 256, (2, 2), generator=torch.Generator().manual_seed(9))
+    want = _direct_steps(model, model, ids)
+    graphs = dg.enable_decode_graphs(model, graph_factory=ReplayEmulation)
+    session = model.get_compiled_call(None)
+    got = _direct_steps(model, session, ids)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert not session.device_masks and graphs.replays > 0
+
+
+def test_window_layout_takes_only_full_and_sliding_layer_types():
+    length = torch.tensor(2)
+    mask = dg._window_mask(4, length)
+    assert dg._window_layout({"sliding_attention": mask, "full_attention": None}, length) == \
+        {"sliding_attention": 4, "full_attention": None}
+    assert "chunked_attention" in dg._window_layout({"chunked_attention": mask}, length)
+    assert "other than the window" in dg._window_layout(dg._window_mask(4, torch.tensor(1)), length)
+    assert "dtype" in dg._window_layout(torch.zeros(1, 1, 1, 4), length)
 
 
 def test_masks_other_than_the_windows_stay_on_the_host(emulated, monkeypatch, caplog):
