@@ -42,7 +42,8 @@ A hybrid model's static cache (Qwen3.5: ``LinearAttentionLayer`` beside ``Static
 too: the linear-attention conv and recurrent states live at fixed addresses and are updated in
 place (by transformers' cache, and by our gated DeltaNet kernels directly).
 
-What runs eagerly, said once per reason through ``dispatch.fallback``: ``inputs_embeds``, a cache
+What runs eagerly, said once per reason through ``dispatch.fallback``: a model whose weights are
+on several devices (``device_map`` over GPUs), ``inputs_embeds``, a cache
 that is not a ``StaticCache`` of ``StaticLayer``/``StaticSlidingWindowLayer``/``LinearAttentionLayer``,
 a linear-attention layer that records its past, autograd recording, more than ``MAX_SHAPES_PER_CACHE`` shapes over
 one cache, or a capture that failed or changed Python state other than integers. The sampling
@@ -365,6 +366,11 @@ class DecodeGraphs:
         self._changed: weakref.WeakSet = weakref.WeakSet()
         #: Set by ``generate`` (ours) while the call returns its cache to the caller.
         self.returns_cache = False
+        devices = sorted({str(p.device) for p in model.parameters()})
+        #: Why no step of this model is captured, or None: a model split over devices (``device_map``)
+        #: has work on several, and a CUDA graph captures one device's.
+        self.split = (f"the model's weights are on {len(devices)} devices ({', '.join(devices)}); a CUDA graph "
+                      "captures one device's work" if len(devices) > 1 else None)
 
     # -- the decode step ---------------------------------------------------------------------------
 
@@ -431,6 +437,8 @@ class DecodeGraphs:
             del self.entries[key]
 
     def _why_eager(self, kwargs: dict, cache_why: str | None) -> str | None:
+        if self.split is not None:
+            return self.split
         if kwargs.get("inputs_embeds") is not None:
             return "inputs_embeds (decode graphs take input_ids)"
         ids = kwargs.get("input_ids")

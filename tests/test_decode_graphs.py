@@ -563,6 +563,22 @@ def test_what_cannot_be_captured_runs_eagerly_and_says_so(emulated, caplog, monk
         step(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
 
 
+def test_a_model_split_over_devices_decodes_eagerly_and_says_so(emulated, monkeypatch):
+    """A CUDA graph captures one device's work: a model whose weights are on two devices (here a
+    CPU model with one weight moved to ``meta``) never captures; every step says why."""
+    model = tiny_model("llama")
+    model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight, device="meta"))
+    graphs = emulated(model)
+    reasons = []
+    monkeypatch.setattr(dg.dispatch, "fallback", lambda name, why: reasons.append((name, why)))
+    monkeypatch.setattr(model, "forward", lambda **kw: "eager step")
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    assert graphs.step({"input_ids": torch.ones(1, 1, dtype=torch.long), "past_key_values": cache}, None) == "eager step"
+    assert reasons == [("decode_graphs", "the model's weights are on 2 devices (cpu, meta); a CUDA graph captures "
+                                         "one device's work")]
+    assert graphs.captures == 0 and not graphs.entries
+
+
 def test_a_failing_capture_runs_eagerly_with_python_state_restored(emulated, monkeypatch, caplog):
     class Failing(ReplayEmulation):
         def capture(self, fn, owner, cache=None):
