@@ -82,6 +82,13 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, name: str) -> None:
                          f"{x.shape[-1]} of input {tuple(x.shape)}")
 
 
+def _check_pair(x: torch.Tensor, other: torch.Tensor, weight: torch.Tensor, name: str, what: str) -> None:
+    # The norm's checks, and a second input of x's shape (the residual, or the gate).
+    _check_shapes(x, weight, name)
+    if other.shape != x.shape:
+        raise ValueError(f"{name}: {what} shape {tuple(other.shape)} != input shape {tuple(x.shape)}")
+
+
 @functools.lru_cache(maxsize=None)
 def _tile(n: int, decode: bool, min_block: int = MIN_BLOCK_N) -> tuple:
     if n > MAX_BLOCK_N:
@@ -111,9 +118,7 @@ def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
 
 
 def _check_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    _check_shapes(x, weight, "add_rms_norm")
-    if residual.shape != x.shape:
-        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    _check_pair(x, residual, weight, "add_rms_norm", "residual")
 
 
 def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -178,9 +183,7 @@ def _rms_norm_gemma_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offs
 
 def _check_add_rms_norm_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                               offset: float) -> None:
-    _check_shapes(x, weight, "add_rms_norm_gemma")
-    if residual.shape != x.shape:
-        raise ValueError(f"add_rms_norm_gemma: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    _check_pair(x, residual, weight, "add_rms_norm_gemma", "residual")
 
 
 def _add_rms_norm_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -201,9 +204,7 @@ def _add_rms_norm_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: to
 
 def _check_rms_norm_add_gemma(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                               offset: float) -> None:
-    _check_shapes(x, weight, "rms_norm_add_gemma")
-    if residual.shape != x.shape:
-        raise ValueError(f"rms_norm_add_gemma: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    _check_pair(x, residual, weight, "rms_norm_add_gemma", "residual")
 
 
 def _rms_norm_add_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -221,9 +222,7 @@ def _rms_norm_add_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: to
 
 
 def _check_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    _check_shapes(x, weight, "rms_norm_gated")
-    if gate.shape != x.shape:
-        raise ValueError(f"rms_norm_gated: gate shape {tuple(gate.shape)} != input shape {tuple(x.shape)}")
+    _check_pair(x, gate, weight, "rms_norm_gated", "gate")
 
 
 def _rms_norm_gated_cuda(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
