@@ -190,10 +190,8 @@ def _kernel_sliding_update(layer, key_states, value_states, *args, **kwargs):
     :func:`_capturable_sliding_update`."""
     new = key_states.shape[-2]
     if layer.is_initialized and layer.cumulative_length_int + new <= layer.max_cache_len:
-        kv_append(layer.keys, layer.values, key_states, value_states, layer.cumulative_length)
-        layer.cumulative_length.add_(new)
         layer.cumulative_length_int += new
-        return layer.keys, layer.values
+        return _kernel_static_update(layer, key_states, value_states)  # the writes a full layer makes
     return _capturable_sliding_update(layer, key_states, value_states, *args, **kwargs)
 
 

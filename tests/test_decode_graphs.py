@@ -274,8 +274,9 @@ def test_graphs_over_a_freed_cache_are_dropped(emulated):
 
 def _decode(model, step, ids, cache, n, between=None, mask=None, positions=False):
     """Prefill ``ids`` into ``cache``, then ``n`` greedy steps through ``step`` (``between(i)``
-    before step i; ``mask``: a 2-D mask grown by a column each step, with ``positions`` the
-    positions it gives passed too, as ``generate`` does); returns the step logits."""
+    before step i; ``mask``: a 2-D mask grown by a column each step; ``positions``: the positions
+    passed too, those the mask gives as ``generate`` does, else the prompt's length on); returns
+    the step logits."""
     logits = []
     with torch.no_grad():
         nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -286,8 +287,9 @@ def _decode(model, step, ids, cache, n, between=None, mask=None, positions=False
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 kw["attention_mask"] = mask
-                if positions:
-                    kw["position_ids"] = mask.sum(-1, keepdim=True) - 1
+            if positions:
+                kw["position_ids"] = (mask.sum(-1, keepdim=True) - 1 if mask is not None
+                                      else torch.tensor([[ids.shape[1] + i]], device=ids.device))
             out = step(nxt, past_key_values=cache, use_cache=True, **kw).logits
             logits.append(out)
             nxt = out[:, -1:].argmax(-1)
@@ -400,17 +402,9 @@ def test_a_full_cache_raises_instead_of_writing_past_it(emulated):
 
 def _direct_steps(model, step, ids, steps=10, max_cache_len=32, positions=False):
     """Greedy steps called as the bench calls them (no mask; with ``positions`` the positions
-    passed) after a prompt: their logits."""
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    logits = []
-    with torch.no_grad():
-        nxt = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        for i in range(steps):
-            kw = {"position_ids": torch.tensor([[ids.shape[1] + i]], device=ids.device)} if positions else {}
-            out = step(nxt, past_key_values=cache, use_cache=True, **kw).logits
-            logits.append(out)
-            nxt = out[:, -1:].argmax(-1)
-    return logits
+    passed) after a prompt, over a new static cache: their logits."""
+    return _decode(model, step, ids, StaticCache(config=model.config, max_cache_len=max_cache_len), steps,
+                   positions=positions)
 
 
 def _count_host_masks(monkeypatch) -> list:
