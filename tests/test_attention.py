@@ -271,11 +271,14 @@ def test_tiles_and_splits():
     assert attn_ops.tiles_for(32, 17, 2) == (64, 1, 128, 64)
     assert attn_ops.tiles_for(256, 5000, 8)[0] == 256
     assert attn_ops.tiles_for(512, 1, 1) is None
-    assert attn_ops.num_splits(blocks=8, kv_tiles=32, sms=132) == 16        # capped by 2 tiles per split
-    assert attn_ops.num_splits(blocks=8, kv_tiles=1000, sms=132) == 33      # fills 2 x SMs
-    assert attn_ops.num_splits(blocks=1, kv_tiles=1000, sms=132) == 64      # at most 64 splits
-    assert attn_ops.num_splits(blocks=200, kv_tiles=1000, sms=132) == 1     # the grid is full already
-    assert attn_ops.num_splits(blocks=1, kv_tiles=3, sms=132) == 1          # too short to split
+    assert attn_ops.num_splits(blocks=8, keys=1024, sms=132) == 4          # capped by 256 keys per split
+    assert attn_ops.num_splits(blocks=8, keys=1 << 20, sms=132) == 16      # about one block per SM
+    assert attn_ops.num_splits(blocks=1, keys=1 << 20, sms=132) == 64      # at most 64 splits
+    assert attn_ops.num_splits(blocks=64, keys=4096, sms=132) == 2
+    assert attn_ops.num_splits(blocks=128, keys=4096, sms=132) == 1        # the blocks fill half the SMs
+    assert attn_ops.num_splits(blocks=1, keys=392, sms=132) == 1           # too short to split
+    assert attn_ops.num_splits(blocks=1, keys=511, sms=132) == 1
+    assert attn_ops.num_splits(blocks=1, keys=512, sms=132) == 2
 
 
 def test_kernel_mask_views_without_copies():

@@ -10,7 +10,7 @@ lists can be read side by side (the compiled step's list also has the greedy pic
 A step much slower than its replay is host-bound. ``--ab-cache-kernel`` also captures the same step
 with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and times the two graphs'
 replays in alternating rounds, in one process: the whole model's step with and without
-``kv_append``. On the GPU machine::
+``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03. On the GPU machine::
 
     python3 dev/diagnostics/graph_step.py llama-3.2-1b --path cutile-graphs --batch 1 16 --ab-cache-kernel
 """
@@ -91,6 +91,17 @@ def _kernels(run, n: int, top: int) -> float:
     return total
 
 
+def _previous_num_splits(bn: int):
+    """The split-KV choice before 2026-12-03 (fill ``2 * sms`` blocks, >= 2 KV tiles of ``bn`` keys a
+    split; split up to one full wave of blocks), with :func:`num_splits`'s arguments: for ``--ab-splits``."""
+    def choose(blocks: int, keys: int, sms: int) -> int:
+        tiles = -(-keys // bn)
+        if blocks >= sms or tiles < 4:
+            return 1
+        return max(1, min(-(-2 * sms // blocks), tiles // 2, 64))
+    return choose
+
+
 def _compiled(model, args) -> None:
     """The compiled decode step of the bench (``tools/bench/worker.Decoder``), timed and profiled."""
     from cutile_kernels_tools.bench.worker import Decoder
@@ -115,6 +126,8 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=25, help="kernels listed from the profile")
     ap.add_argument("--ab-cache-kernel", action="store_true",
                     help="also time the step with transformers' cache writes, alternating with ours")
+    ap.add_argument("--ab-splits", action="store_true",
+                    help="also time the step captured with the previous split-KV choice, alternating with ours")
     args = ap.parse_args(argv)
 
     from cutile_kernels.layers import decode_graphs as dg
@@ -139,6 +152,31 @@ def main(argv=None) -> None:
                 theirs.append(_replay_ms(stock_entry, stock_cache, args.steps))
             row.update(ab_replay_ms_kv_append=statistics.median(ours), ab_replay_ms_stock_writes=statistics.median(theirs),
                        ab_step_ms_stock_writes=stock_step)
+        if args.ab_splits:
+            import sys
+
+            from cutile_kernels.kernel_src._spec import next_power_of_2
+            from cutile_kernels.kernel_src.attention import DECODE_BN
+
+            cfg = model.config.get_text_config()
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            previous = _previous_num_splits(DECODE_BN[max(64, next_power_of_2(head_dim))])
+            # this package's ops and the hub build's copy of them, whichever the model calls
+            mods = [m for n, m in list(sys.modules.items()) if n.endswith(".ops.attention") and hasattr(m, "num_splits")]
+            chosen = [m.num_splits for m in mods]
+            for m in mods:
+                m.num_splits = previous
+            try:  # a graph captured now keeps the previous choice's launches
+                old_entry, old_cache, old_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
+            finally:
+                for m, f in zip(mods, chosen):
+                    m.num_splits = f
+            ours, theirs = [], []
+            for _ in range(10):
+                ours.append(_replay_ms(entry, cache, args.steps))
+                theirs.append(_replay_ms(old_entry, old_cache, args.steps))
+            row.update(ab_replay_ms_splits_now=statistics.median(ours),
+                       ab_replay_ms_splits_before=statistics.median(theirs), ab_step_ms_splits_before=old_step)
         _rewind(cache)
         print(json.dumps(row))
         _kernels(entry.graph.replay, 5, args.top)

@@ -37,8 +37,9 @@ from ..kernel_src.attention import COMBINE_BS, DECODE_BN, DECODE_HEADS, DECODE_R
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 #: Query lengths up to this take the decode tiles (query heads of a group packed into one tile).
 DECODE_MAX_SQ = DECODE_ROWS
-#: Split-KV: each split gets at least this many KV tiles, and there are at most MAX_SPLITS.
-MIN_TILES_PER_SPLIT = 2
+#: Split-KV: each split gets at least this many keys, and there are at most MAX_SPLITS (H200 sweep,
+#: ``dev/microbench/decode_splits.py``: shorter splits lose more to the combine than they gain).
+MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
@@ -148,11 +149,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits(blocks: int, kv_tiles: int, sms: int) -> int:
-    """How many KV splits fill ``2 * sms`` blocks, keeping >= MIN_TILES_PER_SPLIT tiles per split."""
-    if blocks >= sms or kv_tiles < 2 * MIN_TILES_PER_SPLIT:
+def num_splits(blocks: int, keys: int, sms: int) -> int:
+    """How many KV splits a decode launch of ``blocks`` blocks over ``keys`` cache slots takes.
+
+    None while the blocks fill half the ``sms`` multiprocessors; otherwise enough to bring the grid
+    up to about one block per multiprocessor, each split with at least MIN_KEYS_PER_SPLIT keys, at
+    most MAX_SPLITS. Measured on the H200 (``dev/microbench/decode_splits.py``, 2026-12-03): a split
+    costs its combine launch and pays only where few blocks each read many keys (e.g. 8 blocks over
+    1024 keys: 11.3 us unsplit, 10.4 with 4 splits; 128 blocks over 392 keys: 8.2 us unsplit, 15.5
+    with 2).
+    """
+    if 2 * blocks > sms:
         return 1
-    return max(1, min(-(-2 * sms // blocks), kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(sms // blocks, keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 _DUMMIES: dict = {}
@@ -192,8 +201,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     """The kernel launches that compute attention into ``out``, as ``dispatch.run`` arguments
     ``(kernel, want, args, n_inputs, grid)``; or the reason no kernel takes the call.
 
-    One launch of ``attention``, or with ``splits > 1`` KV splits (default: chosen so that the
-    grid fills ``2 * sms`` blocks, for decode-sized queries) the split launch then
+    One launch of ``attention``, or with ``splits > 1`` KV splits (default: :func:`num_splits`, for
+    decode-sized queries) the split launch then
     ``attention_combine``. ``sms`` defaults to the device's multiprocessor count. ``kv_len`` is
     for the decode tiles (``Sq <= DECODE_MAX_SQ``) only; their splits are chosen for k's whole
     length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles.
@@ -217,7 +226,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         splits = 1
         if Sq <= DECODE_MAX_SQ:
             sms = sms if sms is not None else _sm_count(q.device.index or 0)
-            splits = num_splits(q_blocks * B * (Hq // hb), -(-Skv // bn), sms)
+            splits = num_splits(q_blocks * B * (Hq // hb), Skv, sms)
     want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
     scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(kv_len is not None),
                int(bool(causal)), splits)
