@@ -275,7 +275,9 @@ def test_tiles_and_splits():
     assert attn_ops.num_splits(blocks=8, keys=1 << 20, sms=132) == 16      # about one block per SM
     assert attn_ops.num_splits(blocks=1, keys=1 << 20, sms=132) == 64      # at most 64 splits
     assert attn_ops.num_splits(blocks=64, keys=4096, sms=132) == 2
-    assert attn_ops.num_splits(blocks=128, keys=4096, sms=132) == 1        # the blocks fill half the SMs
+    assert attn_ops.num_splits(blocks=128, keys=4096, sms=132) == 1        # more blocks than half the SMs
+    assert attn_ops.num_splits(blocks=67, keys=4096, sms=132) == 1
+    assert attn_ops.num_splits(blocks=66, keys=4096, sms=132) == 2
     assert attn_ops.num_splits(blocks=1, keys=392, sms=132) == 1           # too short to split
     assert attn_ops.num_splits(blocks=1, keys=511, sms=132) == 1
     assert attn_ops.num_splits(blocks=1, keys=512, sms=132) == 2

@@ -92,8 +92,9 @@ def _kernels(run, n: int, top: int) -> float:
 
 
 def _previous_num_splits(bn: int):
-    """The split-KV choice before 2026-12-03 (fill ``2 * sms`` blocks, >= 2 KV tiles of ``bn`` keys a
-    split; split up to one full wave of blocks), with :func:`num_splits`'s arguments: for ``--ab-splits``."""
+    """The split-KV choice before 2026-12-03, with ``num_splits``'s arguments, for ``--ab-splits``:
+    no split from one block per SM up; below that, enough splits for ``2 * sms`` blocks with at least
+    2 KV tiles of ``bn`` keys each."""
     def choose(blocks: int, keys: int, sms: int) -> int:
         tiles = -(-keys // bn)
         if blocks >= sms or tiles < 4:

@@ -25,7 +25,7 @@ from . import TOKEN_COUNTS, TRANSFORMERS_PIN, WORKLOAD_PRESETS, make_solution, r
 #: (batch, tokens per sequence) per phase; batch x tokens is ``TOKEN_COUNTS[phase]``.
 PHASES = {"decode-b1": (1, 1), "decode-b16": (16, 1), "prefill-2048": (1, 2048)}
 #: KV lengths of the decode attention Workloads: about the bench's decode context (a 128-token
-#: prompt), the context after a 2048-token prefill, and a long one (the split-KV path).
+#: prompt), the context after a 2048-token prefill, and a long one (split KV at batch 1).
 DECODE_KV_LENS = (128, 2048, 8192)
 LLAMA = "src/transformers/models/llama/modeling_llama.py"
 
@@ -383,8 +383,8 @@ def _attention() -> Entry:
                 uuid = f"{preset}/{phase}" + (f"/kv{kv}" if seq == 1 else "")
                 rows.append(Workload(axes={"batch": batch, **heads, "q_len": seq, "kv_len": kv},
                                      inputs=_inputs(d, scale=m["head_dim"] ** -0.5), uuid=uuid))
-    # evaluate's boundaries come from the first Workload: from this one, batch 17 and kv_len 2049
-    # move the op across its split-KV choice and onto a partial last KV tile.
+    # evaluate's boundaries come from the first Workload: from this one (unsplit), batch 1 and
+    # kv_len 2049 move the op onto its split-KV path and onto a partial last KV tile.
     rows.sort(key=lambda w: w.uuid != f"{WORKLOAD_PRESETS[0]}/decode-b16/kv2048")
     combine = (
         "B, Hq, Sq, D = q.shape\n"

@@ -152,9 +152,10 @@ def _sm_count(device_index: int) -> int:
 def num_splits(blocks: int, keys: int, sms: int) -> int:
     """How many KV splits a decode launch of ``blocks`` blocks over ``keys`` cache slots takes.
 
-    None while the blocks fill half the ``sms`` multiprocessors; otherwise enough to bring the grid
-    up to about one block per multiprocessor, each split with at least MIN_KEYS_PER_SPLIT keys, at
-    most MAX_SPLITS. Measured on the H200 (``dev/microbench/decode_splits.py``, 2026-12-03): a split
+    One (no split) when the blocks outnumber half the ``sms`` multiprocessors; otherwise enough to
+    bring the grid up to about one block per multiprocessor, ``keys // MIN_KEYS_PER_SPLIT`` at most
+    (the kernel deals whole KV tiles to the splits, so a last split may get fewer keys), and at most
+    MAX_SPLITS. Measured on the H200 (``dev/microbench/decode_splits.py``, 2026-12-03): a split
     costs its combine launch and pays only where few blocks each read many keys (e.g. 8 blocks over
     1024 keys: 11.3 us unsplit, 10.4 with 4 splits; 128 blocks over 392 keys: 8.2 us unsplit, 15.5
     with 2).
