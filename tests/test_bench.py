@@ -122,7 +122,7 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     BenchReport.model_validate(report)
     assert report["schema"] == bench.SCHEMA
     assert set(report["paths"]) == {"stock", "cutile"}
-    for name in ("stock-compile", "cutile-compile", "cutile-graphs", "stock-graphs"):
+    for name in ("stock-compile", "cutile-compile", "cutile-compile-attn", "cutile-graphs", "stock-graphs"):
         assert report["skipped"][name].startswith("compiled and decode-graph paths use CUDA graphs")
     assert "needs CUDA" in report["skipped"]["cutile-attn"]
     assert report["limits"]["copy_bandwidth_Bps"] > 0 and report["limits"]["matmul_flops"] > 0
@@ -356,6 +356,9 @@ def test_path_specs_and_the_without_form(capsys):
     g = paths.spec("cutile-graphs~fused_gate_up")  # the decode fast path keeps its attention and graphs
     assert g.graphs and g.attn == "cutile" and g.ours and not g.compile and g.exclude == ("fused_gate_up",)
     assert paths.spec("stock-graphs").graphs and not paths.spec("stock-graphs").ours
+    ca = paths.spec("cutile-compile-attn+fused_qkv")  # compiled, with our attention, and a patch
+    assert ca.compile and ca.attn == "cutile" and ca.ours and ca.include == ("fused_qkv",) and not ca.graphs
+    assert paths.spec("cutile-compile").attn is None
     assert not paths.spec("cutile~fused_gate_up").graphs and paths.spec("cutile~fused_gate_up").attn is None
     for bad in ("cutile~nope", "stock~fused_gate_up", "stock-compile~RMSNorm", "cutile~", "cutile+", "cutile~RMSNorm~",
                 "cutile~RMSNorm~nope", "cutile+phi3_mlp+fused_gate_up", "warp-drive"):

@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     b.add_argument("--paths", nargs="+", type=_bench_path, metavar="PATH",
                    help=f"paths to run, of {{{','.join(bench_paths.PATHS)}}}, cutile~NAME (ours without the default "
                         "patch or hub layer NAME) or cutile+NAME (ours with the opt-in patch NAME), the same after "
-                        "cutile-compile, cutile-graphs and cutile-graphs-sdpa, several names with one separator (cutile-compile~A~B) (default: all "
+                        "cutile-compile, cutile-compile-attn, cutile-graphs and cutile-graphs-sdpa, several names with one separator (cutile-compile~A~B) (default: all "
                         "that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

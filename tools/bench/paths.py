@@ -19,6 +19,8 @@
                    (attention stays transformers' sdpa)
 ``cutile-attn``    ours with our attention kernel too: ``attn_implementation="cutile"``
 ``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
+``cutile-compile-attn``  the same with our attention (``attn_implementation="cutile"``: its decode
+                   tiles read only the static cache's filled slots, where sdpa masks every slot)
 ``cutile-graphs``  ours with the decode fast path (``kernel_config(decode_graphs=True)``: StaticCache,
                    each decode step a replayed CUDA graph, no torch.compile) and our attention
 ``cutile-graphs-sdpa``  the same with transformers' sdpa attention
@@ -91,6 +93,8 @@ PATHS = {p.name: p for p in [
              attn="cutile"),
     PathSpec("cutile-compile", "cutile-kernels + StaticCache + torch.compile(reduce-overhead) decode",
              compile=True, ours=True),
+    PathSpec("cutile-compile-attn", "cutile-kernels + our attention + StaticCache + torch.compile(reduce-overhead) "
+             "decode", compile=True, ours=True, attn="cutile"),
     PathSpec("cutile-graphs", "cutile-kernels decode fast path: StaticCache, CUDA-graph decode steps (no compile), "
              "our attention", graphs=True, ours=True, attn="cutile"),
     PathSpec("cutile-graphs-sdpa", "cutile-kernels decode fast path with transformers' sdpa attention", graphs=True,
@@ -100,7 +104,7 @@ PATHS = {p.name: p for p in [
 ]}
 
 #: The paths the ``~NAME`` / ``+NAME`` forms extend.
-VARIED = ("cutile", "cutile-compile", "cutile-graphs", "cutile-graphs-sdpa")
+VARIED = ("cutile", "cutile-compile", "cutile-compile-attn", "cutile-graphs", "cutile-graphs-sdpa")
 
 
 #: Separators of the ``cutile~NAME`` (without) and ``cutile+NAME`` (with) path forms.
