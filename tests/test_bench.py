@@ -356,6 +356,13 @@ def test_path_specs_and_the_without_form(capsys):
     g = paths.spec("cutile-graphs~fused_gate_up")  # the decode fast path keeps its attention and graphs
     assert g.graphs and g.attn == "cutile" and g.ours and not g.compile and g.exclude == ("fused_gate_up",)
     assert paths.spec("stock-graphs").graphs and not paths.spec("stock-graphs").ours
+    # decode_graphs=True applies DECODE_GRAPH_PATCHES: the graph paths leave them out with ~, not add them
+    assert paths.spec("cutile-graphs~fused_qkv").exclude == ("fused_qkv",)
+    assert paths.spec("cutile-graphs-sdpa~gemma_add_norm~fused_qkv").exclude == ("gemma_add_norm", "fused_qkv")
+    with pytest.raises(KeyError, match="no opt-in patch"):
+        paths.spec("cutile-graphs+fused_qkv")
+    with pytest.raises(KeyError, match="is opt-in"):
+        paths.spec("cutile-compile~fused_qkv")
     ca = paths.spec("cutile-compile-attn+fused_qkv")  # compiled, with our attention, and a patch
     assert ca.compile and ca.attn == "cutile" and ca.ours and ca.include == ("fused_qkv",) and not ca.graphs
     assert paths.spec("cutile-compile").attn is None

@@ -19,8 +19,9 @@
                    (attention stays transformers' sdpa)
 ``cutile-attn``    ours with our attention kernel too: ``attn_implementation="cutile"``
 ``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
-``cutile-compile-attn``  the same with our attention (``attn_implementation="cutile"``: its decode
-                   tiles read only the static cache's filled slots, where sdpa masks every slot)
+``cutile-compile-attn``  the same with our attention (``attn_implementation="cutile"``; where our
+                   attention forwards run, its decode tiles read only the static cache's filled
+                   slots, where sdpa masks every slot)
 ``cutile-graphs``  ours with the decode fast path (``kernel_config(decode_graphs=True)``: StaticCache,
                    each decode step a replayed CUDA graph, no torch.compile) and our attention
 ``cutile-graphs-sdpa``  the same with transformers' sdpa attention
@@ -137,9 +138,11 @@ def spec(name: str) -> PathSpec:
     if len(set(parts)) != len(parts):
         raise KeyError(f"path {name!r}: a name is given twice")
     from cutile_kernels import layers
-    from cutile_kernels.layers import patch
+    from cutile_kernels.layers import hub, patch
 
-    opt_in = {n for n, p in patch.PATCHES.items() if not p.default} | layers.OPT_IN_LAYERS
+    # decode_graphs=True applies DECODE_GRAPH_PATCHES too: defaults of the graph paths
+    graph_defaults = set(hub.DECODE_GRAPH_PATCHES) if PATHS[base].graphs else set()
+    opt_in = ({n for n, p in patch.PATCHES.items() if not p.default} | layers.OPT_IN_LAYERS) - graph_defaults
     known = (set(patch.PATCHES) - opt_in) | (set(layers.MAPPING) - layers.OPT_IN_LAYERS)
     for one in parts:
         if sep == WITH and one not in opt_in:
