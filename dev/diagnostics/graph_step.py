@@ -74,6 +74,16 @@ def _replay_ms(entry, cache, n: int) -> float:
     return a.elapsed_time(b) / n
 
 
+def _alternating(ours, theirs, steps: int) -> tuple[float, float]:
+    """Median replay ms of two captured steps, each ``(entry, cache)``, timed in 10 alternating
+    rounds (a drifting clock slows both alike)."""
+    times = ([], [])
+    for _ in range(10):
+        for side, (entry, cache) in zip(times, (ours, theirs)):
+            side.append(_replay_ms(entry, cache, steps))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def _kernels(run, n: int, top: int) -> float:
     """Profile ``n`` calls of ``run``; print the ``top`` kernels by device time a call; returns the
     device microseconds a call."""
@@ -147,23 +157,16 @@ def main(argv=None) -> None:
                "replay_ms": replay_ms}
         if args.ab_cache_kernel:
             stock_entry, stock_cache, stock_step, _ = _captured(model, graphs, batch, args, cache_kernel=False)
-            ours, theirs = [], []
-            for _ in range(10):  # alternating rounds: a drifting clock slows both alike
-                ours.append(_replay_ms(entry, cache, args.steps))
-                theirs.append(_replay_ms(stock_entry, stock_cache, args.steps))
-            row.update(ab_replay_ms_kv_append=statistics.median(ours), ab_replay_ms_stock_writes=statistics.median(theirs),
-                       ab_step_ms_stock_writes=stock_step)
+            ours, theirs = _alternating((entry, cache), (stock_entry, stock_cache), args.steps)
+            row.update(ab_replay_ms_kv_append=ours, ab_replay_ms_stock_writes=theirs, ab_step_ms_stock_writes=stock_step)
         if args.ab_splits:
             import sys
 
-            from cutile_kernels.kernel_src._spec import next_power_of_2
-            from cutile_kernels.kernel_src.attention import DECODE_BN
-
-            cfg = model.config.get_text_config()
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            previous = _previous_num_splits(DECODE_BN[max(64, next_power_of_2(head_dim))])
             # this package's ops and the hub build's copy of them, whichever the model calls
             mods = [m for n, m in list(sys.modules.items()) if n.endswith(".ops.attention") and hasattr(m, "num_splits")]
+            cfg = model.config.get_text_config()
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            previous = _previous_num_splits(mods[0].tiles_for(head_dim, 1, 1)[3])  # the decode tiles' BN
             chosen = [m.num_splits for m in mods]
             for m in mods:
                 m.num_splits = previous
@@ -172,12 +175,8 @@ def main(argv=None) -> None:
             finally:
                 for m, f in zip(mods, chosen):
                     m.num_splits = f
-            ours, theirs = [], []
-            for _ in range(10):
-                ours.append(_replay_ms(entry, cache, args.steps))
-                theirs.append(_replay_ms(old_entry, old_cache, args.steps))
-            row.update(ab_replay_ms_splits_now=statistics.median(ours),
-                       ab_replay_ms_splits_before=statistics.median(theirs), ab_step_ms_splits_before=old_step)
+            ours, theirs = _alternating((entry, cache), (old_entry, old_cache), args.steps)
+            row.update(ab_replay_ms_splits_now=ours, ab_replay_ms_splits_before=theirs, ab_step_ms_splits_before=old_step)
         _rewind(cache)
         print(json.dumps(row))
         _kernels(entry.graph.replay, 5, args.top)
