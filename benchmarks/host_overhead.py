@@ -121,6 +121,7 @@ def cases(hidden: int = 2048, inter: int = 8192, heads: int = 32, kv_heads: int 
             dispatch._LAUNCHER.launch_values(plan.loaded, plan.grid, values, 0)
 
         extra = [
+            ("gemv 2048x2048", lambda: ck.gemv(x, wq)),  # eager steps keep F.linear: this says what it would cost
             ("(F.linear 2048x2048, cuBLAS)", lambda: torch.nn.functional.linear(x, wq)),
             ("(sdpa, 64 cached keys)", lambda: torch.nn.functional.scaled_dot_product_attention(
                 q, kc, kc, enable_gqa=True)),

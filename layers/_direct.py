@@ -22,8 +22,10 @@ from torch.nn.modules import module as _module
 
 from ..ops.activation import sigmoid_and_mul
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
+from ..ops.gemv import linear as gemv_linear
 from ._patching import _unhooked
 from .attention import static_kv_length
+from .linear import gemv_linear_forward
 from .norm import _float_norm_eps
 
 # The registries torch mutates in place (register_module_forward_hook & co.).
@@ -57,9 +59,14 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` for a projection child: ``F.linear`` on its weight and bias when ``m`` is exactly
     ``nn.Linear`` (a subclass such as a PEFT, LoRA or quantized layer keeps its own forward), whose
     forward is still torch's (not replaced on the class, nor on the instance as accelerate does),
-    and nothing else would run (:func:`direct_ok`)."""
-    if type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and "forward" not in m.__dict__ and direct_ok(m):
-        return F.linear(x, m.weight, m.bias)
+    and nothing else would run (:func:`direct_ok`); the ``gemv`` patch's forward
+    (:func:`.linear.gemv_linear_forward`) is called the same way."""
+    if type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and direct_ok(m):
+        fwd = m.__dict__.get("forward")
+        if fwd is None:
+            return F.linear(x, m.weight, m.bias)
+        if getattr(fwd, "__func__", None) is gemv_linear_forward:
+            return gemv_linear(x, m.weight, m.bias)
     return m(x)
 
 

@@ -155,6 +155,8 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
         return f(2, 40, 7).transpose(1, 2), f(40, 4)
     if name == "causal_conv1d_update":
         return f(2, 40), f(2, 40, 4), f(40, 4), f(2, 40)
+    if name == "gemv":  # one decode row as a column slice of a wider projection, with a bias
+        return f(1, 1, 48)[..., 16:32], f(24, 16), f(24)
     if name == "gated_delta_gates":  # a as a column slice of a wider projection, 5 tokens, 6 heads
         return f(2, 5, 12)[..., :6], f(2, 5, 6), f(6), f(6)
     raise KeyError(f"no contract sample for op {name!r}: add one to tests/test_op_contract.py")
@@ -164,9 +166,11 @@ def test_every_kernel_has_an_op_and_every_op_a_sample():
     from cutile_kernels import kernel_src
 
     # Kernels launched by an op of another name: attention_combine is the second half of the
-    # split-KV attention; the gated delta rule's op runs its token-by-token kernel or the chunked pair.
+    # split-KV attention; the gated delta rule's op runs its token-by-token kernel or the chunked pair;
+    # gemv launches gemv_bias when given a bias.
     served = {"attention_combine": "attention", "gated_delta_prepare": "gated_delta_rule",
-              "gated_delta_scan": "gated_delta_rule", "gated_delta_recurrent": "gated_delta_rule"}
+              "gated_delta_scan": "gated_delta_rule", "gated_delta_recurrent": "gated_delta_rule",
+              "gemv_bias": "gemv"}
     assert {served.get(s.kernel, s.kernel) for s in kernel_src.all_variants()} <= set(OPS)
     for name in OPS:
         _sample(name)

@@ -37,6 +37,7 @@ CLAIMS = {
     "gemma_add_norm": {"gemma2", "gemma3_text"},  # Gemma3DecoderLayer's code (Gemma 2's is the same)
     "qwen3_5_stacked_proj": {"qwen3_5_text"},  # Qwen3_5GatedDeltaNet's code
     "gemma3_qk_norm_rope": {"gemma3_text"},  # Gemma3Attention's code
+    "gemv": set(families.FAMILIES),  # every decoder layer's nn.Linear projections
 }
 
 #: Patches whose CPU path is not the stock arithmetic: gemma2_attention's attention reference forms

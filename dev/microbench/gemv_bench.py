@@ -1,0 +1,101 @@
+"""One-row projections (batch-1 decode): the cuTile GEMV by tile against cuBLAS (``F.linear``).
+
+    python dev/microbench/gemv_bench.py --json gemv.json
+
+For the projections of the presets' decoder layers as the kernelized model runs them (stacked q/k/v,
+stacked gate/up, o_proj, down_proj, lm_head), one bf16 row times the weight, with every tile of
+``kernel_src.gemv.TILES`` forced and with ``F.linear``, timed as CUDA-graph replays (GPU
+microseconds per call). Each call reads another copy of the weight (copies totalling >= 256 MB, a
+round robin), so that, as in a decode step, no weight comes from the 50 MB L2. Each tile's output is
+checked first against a float64 product on an output poisoned with NaN (relative L2 error < 4e-3, and
+no worse than 1.5x F.linear's own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+#: preset -> {projection: (N, K)} as the kernelized model runs them (q/k/v and gate/up stacked).
+SHAPES = {
+    "llama-3.2-1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+                     "lm_head": (128256, 2048)},
+    "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+                   "lm_head": (151936, 1024)},
+    "olmo-2-1b": {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)},
+    "gemma-2-2b": {"qkv": (4096, 2304), "o": (2304, 2048), "gate_up": (18432, 2304), "down": (2304, 9216)},
+}
+#: Bytes of weight copies each timed case cycles through (several times the H200's 50 MB L2).
+ROTATION_BYTES = 256 << 20
+
+
+def _case(preset: str, name: str, n: int, k: int, tiles, dtype_name: str):
+    import torch
+    import torch.nn.functional as F
+
+    from cutile_kernels import dispatch
+    from cutile_kernels.ops.gemv import _one_row, tile_for
+    from cutile_kernels_tools.timing import graph_us
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    copies = max(1, min(64, ROTATION_BYTES // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5 for _ in range(copies)]
+    x = torch.randn(1, 1, k, device="cuda", dtype=dtype, generator=g)
+    out = torch.empty(1, 1, n, device="cuda", dtype=dtype)
+    ref = (x.double() @ ws[0].double().T)
+    cublas_rel = ((F.linear(x, ws[0]).double() - ref).norm() / ref.norm()).item()
+    row = {"preset": preset, "proj": name, "N": n, "K": k, "dtype": dtype_name, "chosen": list(tile_for(n, k) or ["cublas"]),
+           "weight_MB": round(n * k * 2 / 1e6, 1), "us": {}, "rel": {}}
+    it = [0]
+
+    def nxt():
+        it[0] = (it[0] + 1) % copies
+        return ws[it[0]]
+
+    row["us"]["cublas"] = round(graph_us(lambda: F.linear(x, nxt()), reps=11), 2)
+    for bn, bk in tiles:
+        tag = f"{bn}x{bk}"
+        want = (("BN", bn), ("BK", bk))
+        grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
+
+        def launch(w, want=want, grid=grid):
+            if not dispatch.run("gemv", want, (x, w, out), 2, grid, _one_row):
+                raise RuntimeError(f"{preset} {name} {tag}: no gemv variant took the call")
+
+        out.fill_(float("nan"))
+        launch(ws[0])
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        if not (torch.isfinite(out).all() and rel < 4e-3 and rel <= 1.5 * cublas_rel + 1e-6):
+            raise RuntimeError(f"{preset} {name} {tag}: rel {rel:.3g} to float64 (F.linear {cublas_rel:.3g})")
+        row["rel"][tag] = rel
+        row["us"][tag] = round(graph_us(lambda launch=launch: launch(nxt()), reps=11), 2)
+    best = min((t for t in row["us"] if t != "cublas"), key=row["us"].get)
+    row["best"] = best
+    row["TB/s"] = {t: round(n * k * 2 / (us * 1e-6) / 1e12, 2) for t, us in row["us"].items()}
+    return row
+
+
+def main():
+    from cutile_kernels.kernel_src.gemv import TILES
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--presets", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    args = parser.parse_args()
+    rows = [_case(p, name, n, k, TILES, args.dtype) for p in args.presets for name, (n, k) in SHAPES[p].items()]
+    tags = [f"{bn}x{bk}" for bn, bk in TILES]
+    print("| preset | proj | N x K (MB) | cuBLAS us (TB/s) | " + " | ".join(f"{t} us" for t in tags) + " | best (TB/s) |")
+    print("|---|---|---|---|" + "---|" * len(tags) + "---|")
+    for r in rows:
+        cells = " | ".join(f"{r['us'][t]:.2f}" for t in tags)
+        print(f"| {r['preset']} | {r['proj']} | {r['N']} x {r['K']} ({r['weight_MB']}) | {r['us']['cublas']:.2f} "
+              f"({r['TB/s']['cublas']}) | {cells} | {r['best']} ({r['TB/s'][r['best']]}) |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

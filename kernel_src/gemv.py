@@ -1,0 +1,90 @@
+"""One-row linear projection (GEMV) for batch-1 decode: cuTile device code and build matrix.
+
+Math: ``nn.Linear``'s ``y = x W^T + b`` (``F.linear``) for a single row ``x`` (1, K), weight ``W``
+(N, K) row-major as ``nn.Linear`` stores it, optional bias ``b`` (N,). Products and sums in float32,
+the result rounded once to the dtype, as cuBLAS's bf16/fp16 GEMMs accumulate (the order of the sum
+differs, so results agree to float32 rounding before the final cast, not bit for bit).
+
+Why: a batch-1 decode step reads every weight once; the step is bound by that read (2.47 GB for
+Llama-3.2-1B, ~0.58 ms at the H200's copy rate). On the H200 the cuBLAS kernels torch picks for
+one row ran the small projections far below it (Llama-3.2-1B decode graph, b=1: q/k/v and o_proj
+~5.8 us each for 12.6 / 8.4 MB, ~1.8 TB/s; down_proj 12.8 us for 33.5 MB with split-K and its
+reduce, ~2.6 TB/s; gate/up 17.9 us for 67 MB, ~3.7 TB/s; benchmarks/results/h200-2026-12-03c).
+
+Estimate, written before the kernel (Amdahl, Llama-3.2-1B decode graph b=1, 1.26 ms a replay): the
+three projections that run below 3 TB/s take f ~ 0.31 (390 us); at ~3.8 TB/s they would take ~225
+us, s ~ 1.7: ceiling 1 / (1 - 0.31 + 0.31 / 1.7) ~ 1.15x.
+
+Each block owns ``BN`` output features and sweeps K in ``BK``-wide tiles, multiplying the weight
+tile by the broadcast row and keeping the ``(BN, BK)`` float32 products (one add a tile, no
+reduction in the loop); one sum along K at the end. Many small blocks (N / BN of them: 256-768 for
+these projections) keep enough loads in flight on every SM. Loads past K or N are zero-padded and
+the store is bounds-checked, so any N and K are covered.
+"""
+
+from __future__ import annotations
+
+import cuda.tile as ct
+
+from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, VariantSpec, array
+
+ZERO = ct.PaddingMode.ZERO
+
+
+@ct.function
+def _row_dot(x, weight, bid, BN: ct.Constant[int], BK: ct.Constant[int]):
+    # Rows [bid * BN, bid * BN + BN) of weight times x[0], as a (BN,) float32 tile.
+    acc = ct.zeros((BN, BK), dtype=ct.float32)
+    for j in range(ct.cdiv(weight.shape[1], BK)):
+        w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
+        v = ct.load(x, index=(0, j), shape=(1, BK), padding_mode=ZERO)
+        acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
+    return ct.sum(acc, axis=1)
+
+
+@ct.kernel
+def gemv_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]):
+    """out[0, n] = sum_k x[0, k] * weight[n, k]. x: (1, K), weight: (N, K), out: (1, N). Grid: (cdiv(N, BN),)."""
+    bid = ct.bid(0)
+    y = _row_dot(x, weight, bid, BN, BK)
+    ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
+
+
+@ct.kernel
+def gemv_bias_kernel(x, weight, bias, out, BN: ct.Constant[int], BK: ct.Constant[int]):
+    """gemv_kernel plus bias (N,), added in float32 before the one rounding."""
+    bid = ct.bid(0)
+    y = _row_dot(x, weight, bid, BN, BK)
+    y = y + ct.load(bias, index=(bid,), shape=(BN,), padding_mode=ZERO).astype(ct.float32)
+    ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Build matrix
+# ---------------------------------------------------------------------------------------------
+
+#: 16-bit dtypes only: a float32 model's decode is not what this kernel is for (cuBLAS runs it).
+DTYPES = ("bfloat16", "float16")
+#: (BN, BK) tiles built. On the H200 (dev/microbench/gemv_bench.py, 2026-12-03) fewer, fatter blocks
+#: won: about one block per SM with the whole K each (8 x 512 for N <= 1024, 16 x 256 up to 2048);
+#: 32 x 256 was the best of these for wide N but still behind cuBLAS there. 4 x 1024, 8 x 1024 and
+#: 16 x 512 were swept and dropped (never the best by more than 3 %).
+TILES = ((8, 512), (16, 256), (32, 256))
+
+
+def _params(kind: str, dtype: str, consts: dict) -> tuple:
+    # x and the weight aligned (contiguous rows, K a multiple of 16: every real hidden size); the
+    # output and bias generic (N need not be a multiple of 16).
+    arrays = [array("x", dtype, 2, "aligned"), array("weight", dtype, 2, "aligned")]
+    if kind == "gemv_bias":
+        arrays.append(ArrayParam("bias", dtype, 1))
+    arrays.append(ArrayParam("out", dtype, 2))
+    return (*arrays, *(ConstParam(n, v) for n, v in consts.items()))
+
+
+#: Every variant of this family.
+VARIANTS: list[VariantSpec] = [
+    VariantSpec(kind, "gemv", f"{kind}_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
+                _params(kind, dtype, {"BN": bn, "BK": bk}))
+    for kind in ("gemv", "gemv_bias") for dtype in DTYPES for bn, bk in TILES
+]

@@ -1,0 +1,287 @@
+"""``gemv`` (``ops/gemv.py``) and patch ``gemv`` (``layers/linear.py``): one-row projections on the
+cuTile GEMV. CPU: the reference is ``F.linear``, the checks, the router's choice (one 16-bit row to
+the op, anything else to ``F.linear``), the kernel's logic through the NumPy interpreter on every
+built tile (ragged N and K, bias), the build matrix, the patch (which modules, undo, the stock bytes
+on save, no graph break under ``torch.compile(fullgraph=True)``). GPU: against a float64 product
+on real projection shapes and the edges, an output poisoned with NaN first; fp16; a bias; a view
+for x; graph replay; an unaligned weight falls back and says so; a patched model's logits."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cutile_kernels
+from cutile_kernels import dispatch
+from cutile_kernels.kernel_src import gemv as kgemv
+from cutile_kernels.layers import linear as glinear
+from cutile_kernels.layers._patching import swapped
+
+from families import model as tiny_model
+
+gops = importlib.import_module("cutile_kernels.ops.gemv")  # the module (ops.gemv is the op)
+
+
+def _operands(n, k, dtype=torch.float32, device="cpu", bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def test_reference_is_f_linear():
+    x, w, b = _operands(24, 32, bias=True)
+    assert torch.equal(cutile_kernels.gemv_reference(x, w, b), F.linear(x, w, b))
+    assert torch.equal(cutile_kernels.gemv(x, w, b), F.linear(x, w, b))  # CPU: the reference
+
+
+def test_checks_name_what_does_not_match():
+    x, w, b = _operands(24, 32, bias=True)
+    with pytest.raises(ValueError, match="exactly one row"):
+        cutile_kernels.gemv(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match=r"\(N, K\)"):
+        cutile_kernels.gemv(x, w[:, :16])
+    with pytest.raises(ValueError, match="bias"):
+        cutile_kernels.gemv(x, w, b[:3])
+    with pytest.raises(ValueError, match="share a dtype"):
+        cutile_kernels.gemv(x.double(), w)
+    with pytest.raises(TypeError, match="cutile_kernels.gemv: weight is int32"):
+        cutile_kernels.gemv(x, w.int())
+
+
+def _traced_ops(fn, *args) -> set:
+    """Our ops in the graph ``torch.compile(fullgraph=True)`` traces for ``fn(*args)``."""
+    ops = set()
+
+    def backend(gm, example_inputs):
+        ops.update(str(n.target).split(".")[-2] for n in gm.graph.nodes
+                   if n.op == "call_function" and "cutile_kernels" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return ops
+
+
+def test_router_sends_a_traced_one_row_16_bit_step_to_the_op_and_the_rest_to_f_linear():
+    x, w, _ = _operands(24, 32, torch.bfloat16)
+    assert _traced_ops(gops.linear, x, w) == {"gemv"}  # one row, bf16, compiled: the op
+    for other in (torch.randn(1, 3, 32).to(torch.bfloat16), x.float()):  # three rows; float32
+        assert _traced_ops(gops.linear, other, w.to(other.dtype)) == set()
+    dispatch.reset_stats()
+    assert torch.equal(gops.linear(x, w), F.linear(x, w))  # an eager step: F.linear (the host paces it)
+    assert "gemv" not in dispatch.stats()["reference_calls"]
+
+
+@pytest.mark.parametrize("n,k,bias", [(24, 32, False), (37, 1040, True), (1, 16, True), (300, 2304, False)],
+                         ids=["small", "ragged-n-and-k-bias", "one-output", "gemma-k"])
+def test_emulated_kernel_matches_the_product_on_every_tile(n, k, bias):
+    """The kernel's logic on the CPU (NumPy interpreter, float32) for every built (BN, BK): N and K
+    that are not multiples of the tile (zero-padded loads, bounds-checked stores), a bias."""
+    from cutile_numpy import emulate
+
+    x, w, b = _operands(n, k, bias=bias)
+    want = (x[0].double() @ w.double().T + (0 if b is None else b.double())).float()
+    kernel = kgemv.gemv_bias_kernel if bias else kgemv.gemv_kernel
+    run = emulate(kernel, kgemv)
+    for bn, bk in kgemv.TILES:
+        out = torch.full((1, n), float("nan"))
+        args = (x[0], w, *(() if b is None else (b,)), out, bn, bk)
+        run((-(-n // bn),), args)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=f"tile {bn}x{bk}")
+
+
+def test_variants_cover_the_chosen_tiles_in_both_dtypes():
+    built = {(s.kernel, s.params[0].dtype, s.constants["BN"], s.constants["BK"]) for s in kgemv.VARIANTS}
+    for kernel in ("gemv", "gemv_bias"):
+        for dtype in ("bfloat16", "float16"):
+            for n, k in [(2048, 2048), (1024, 3072), (7, 16), (2048, 8192)]:
+                assert (kernel, dtype, *gops.tile_for(n, k)) in built
+    assert gops.tile_for(3072, 2048) is None and gops.tile_for(151936, 1024) is None  # cuBLAS's
+
+
+def test_router_leaves_wide_projections_to_cublas():
+    x, w, _ = _operands(gops.TILE_BY_N[-1][0] + 8, 32, torch.bfloat16)
+    assert _traced_ops(gops.linear, x, w) == set()
+    x, w, _ = _operands(gops.TILE_BY_N[-1][0], 32, torch.bfloat16)
+    assert _traced_ops(gops.linear, x, w) == {"gemv"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The patch
+# ---------------------------------------------------------------------------------------------
+
+
+class _LoRALinear(nn.Linear):
+    """A subclass (as PEFT's layers are): keeps its own forward."""
+
+
+def test_patch_swaps_exact_linears_only_and_undoes():
+    model = tiny_model("llama", seed=0)
+    model.model.layers[0].mlp.down_proj.__class__ = _LoRALinear
+    hooked = model.model.layers[1].self_attn.o_proj
+    hooked.register_forward_hook(lambda *a: None)
+    assert cutile_kernels.layers._patching.PATCHES["gemv"].default  # kernel_config() and kernelize apply it
+    report = cutile_kernels.patch(model, names=["gemv"])
+    n = report.changed["gemv"]
+    linears = [m for m in model.model.layers.modules() if type(m) is nn.Linear]
+    assert n == len(linears) - 1  # every exact nn.Linear of the decoder layers but the hooked one
+    assert "forward" not in model.lm_head.__dict__  # outside the layer stack
+    assert all(swapped(m, glinear.gemv_linear_forward) for m in linears if m is not hooked)
+    assert "forward" not in hooked.__dict__ and "forward" not in model.model.layers[0].mlp.down_proj.__dict__
+    assert cutile_kernels.unpatch(model, names=["gemv"]).changed["gemv"] == n
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_patched_model_decodes_as_stock_and_saves_the_stock_bytes(tmp_path):
+    from safetensors.torch import load_file
+
+    stock = tiny_model("llama", seed=1).to(torch.bfloat16)
+    ours = tiny_model("llama", seed=1).to(torch.bfloat16)
+    cutile_kernels.patch(ours, names=["gemv"])
+    dispatch.reset_stats()
+    ids = torch.tensor([[3, 1, 4]])
+    with torch.no_grad():
+        a, b = stock(ids, use_cache=True), ours(ids, use_cache=True)
+        nxt = torch.tensor([[5]])
+        a2 = stock(nxt, past_key_values=a.past_key_values).logits
+        b2 = ours(nxt, past_key_values=b.past_key_values).logits
+    assert torch.equal(a.logits, b.logits) and torch.equal(a2, b2)
+    assert "gemv" not in dispatch.stats()["reference_calls"]  # eager steps stay on F.linear
+    stock.save_pretrained(tmp_path / "stock")
+    ours.save_pretrained(tmp_path / "ours")
+    sa, sb = load_file(tmp_path / "stock" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[key], sb[key]) for key in sa)
+
+
+def test_patched_decode_step_compiles_without_a_graph_break():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = tiny_model("llama", seed=2).to(torch.bfloat16)
+    cutile_kernels.patch(model, names=["gemv"])
+    ops = set()
+
+    def backend(gm, example_inputs):
+        ops.update(str(n.target).split(".")[-2] for n in gm.graph.nodes
+                   if n.op == "call_function" and "cutile_kernels" in str(n.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    step = torch.compile(lambda ids: model(ids, use_cache=False).logits, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        got = step(torch.tensor([[7]]))
+        ref = model(torch.tensor([[7]]), use_cache=False).logits
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and "gemv" in ops
+    assert torch.equal(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+#: (N, K): Llama-3.2-1B's stacked q/k/v, o_proj, gate/up, down_proj; Qwen3-0.6B's o_proj and
+#: lm_head; Gemma 2's K = 2304 (not a multiple of the wide tiles); an N of no tile's multiple.
+GPU_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1024, 2048), (151936, 1024),
+              (4096, 2304), (1000, 2048), (1, 16)]
+
+
+def _rel(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_gpu_matches_a_float64_product(shape, dtype, bias, strict):
+    n, k = shape
+    x, w, b = _operands(n, k, dtype, "cuda", bias, seed=n + k)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    # Poison the block the op's output will get: the caching allocator hands a freed block of the
+    # same size back (an unwritten element then reads NaN).
+    poison = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
+    del poison
+    dispatch.reset_stats()
+    got = cutile_kernels.gemv(x, w, b)
+    torch.cuda.synchronize()
+    assert got.shape == (1, 1, n) and torch.isfinite(got).all()
+    assert sum(v for key, v in dispatch.stats()["launches"].items() if "gemv" in key) == 1
+    cublas = _rel(F.linear(x, w, b), want)
+    assert _rel(got, want) <= max(1.5 * cublas, 4e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_every_tile_writes_every_output(strict):
+    n, k = 1000, 2304
+    x, w, b = _operands(n, k, torch.bfloat16, "cuda", True)
+    want = x[0].double() @ w.double().T + b.double()
+    for kernel, args in (("gemv", (x[0], w)), ("gemv_bias", (x[0], w, b))):
+        for bn, bk in kgemv.TILES:
+            out = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert dispatch.run(kernel, (("BN", bn), ("BK", bk)), (*args, out), len(args),
+                                lambda c: (-(-n // c["BN"]), 1, 1))
+            extra = 0 if kernel == "gemv_bias" else b.double()
+            assert _rel(out, want - extra) < 4e-3, (kernel, bn, bk)
+
+
+@pytest.mark.gpu
+def test_gpu_x_as_a_view_and_graph_replay(strict):
+    n, k = 3072, 2048
+    _, w, _ = _operands(n, k, torch.bfloat16, "cuda")
+    big = torch.randn(1, 1, 3 * k, device="cuda", dtype=torch.bfloat16)
+    x = big[..., k:2 * k]  # a view with an offset (as a split of a stacked projection)
+    got = cutile_kernels.gemv(x, w)
+    assert _rel(got, x.double() @ w.double().T) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cutile_kernels.gemv(x, w)
+    for seed in range(3):
+        big.copy_(torch.randn(big.shape, generator=torch.Generator().manual_seed(seed)).to(big))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out, x.double() @ w.double().T) < 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_unaligned_weight_falls_back_and_says_so(caplog):
+    n, k = 64, 40  # K not a multiple of 16: no built variant
+    x, w, _ = _operands(n, k, torch.bfloat16, "cuda")
+    dispatch.reset_stats()
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        got = cutile_kernels.gemv(x, w)
+    assert torch.equal(got, F.linear(x, w)) and "gemv" in str(dispatch.stats()["fallbacks"])
+
+
+@pytest.mark.gpu
+def test_gpu_patched_model_in_a_cuda_graph_at_batch_one(strict):
+    """A one-token forward of the patched model captured in a CUDA graph runs our GEMV (the
+    capture launches it) and replays to logits as close to float64 as stock bf16's."""
+    stock = tiny_model("llama", seed=3).to("cuda", torch.bfloat16)
+    ours = tiny_model("llama", seed=3).to("cuda", torch.bfloat16)
+    cutile_kernels.patch(ours, names=["gemv"])
+    ids = torch.tensor([[5]], device="cuda")
+    with torch.no_grad():
+        ref = tiny_model("llama", seed=3).to("cuda", torch.float64)(ids, use_cache=False).logits
+        a = stock(ids, use_cache=False).logits
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ours(ids, use_cache=False)  # load the kernels outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        dispatch.reset_stats()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ours(ids, use_cache=False).logits
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert sum(v for key, v in dispatch.stats()["launches"].items() if "gemv" in key) > 0
+    assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6

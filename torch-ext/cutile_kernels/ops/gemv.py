@@ -1,0 +1,137 @@
+"""One-row linear projection (GEMV): torch custom op, reference, and the linear router.
+
+Semantics: ``F.linear(x, weight, bias)`` (``nn.Linear``'s forward) for an ``x`` holding one row:
+``(..., K)`` whose leading dimensions multiply to 1, weight ``(N, K)``, bias ``(N,)`` or None.
+The kernel (``kernel_src/gemv.py``) sums in float32 and rounds once, as cuBLAS does for bf16/fp16;
+the order of the sum differs, so results match ``F.linear`` to the dtype's rounding, not bitwise.
+
+:func:`linear` is what the model's projections call (patch ``gemv``, ``layers/linear.py``): one row
+of a 16-bit dtype, in a compiled or captured step, with an output width where the GEMV wins, goes to
+:func:`gemv`; everything else (prefill, a decode batch, float32, eager steps, wide projections) to
+``F.linear`` (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ._dtypes import check_float
+from ._define import define_op
+from ..kernel_src.gemv import DTYPES as _DTYPE_NAMES
+
+#: Dtypes the kernel is built for.
+DTYPES = tuple(getattr(torch, d) for d in _DTYPE_NAMES)
+
+#: (largest N, (BN, BK)): the tile for a projection of output width N, smallest N first; wider
+#: projections stay on cuBLAS. Measured on the H200 (dev/microbench/gemv_bench.py, 2026-12-03; one
+#: bf16 row, weights streamed from HBM): cuBLAS ran N <= 2048 projections at 0.3-2.4 TB/s (Qwen3-0.6B's
+#: o_proj 1024 x 2048 in 13.0 us, ours 3.6; Llama-3.2-1B's down_proj 2048 x 8192 14.0 us, ours 11.4)
+#: and the wide ones (stacked q/k/v and gate/up, lm_head) at 3.6-4.1 TB/s, where ours lost.
+TILE_BY_N = ((1024, (8, 512)), (2048, (16, 256)))
+
+
+def tile_for(n: int, k: int) -> tuple[int, int] | None:
+    """The (BN, BK) tile launched for an (N, K) weight, or None where cuBLAS is faster (N > 2048)."""
+    for limit, tile in TILE_BY_N:
+        if n <= limit:
+            return tile
+    return None
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: what ``nn.Linear.forward`` returns (torch 2.13)."""
+    return F.linear(x, weight, bias)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"gemv: x {tuple(x.shape)} must be (..., K) and weight {tuple(weight.shape)} (N, K)")
+    if x.numel() != x.shape[-1]:
+        raise ValueError(f"gemv: x {tuple(x.shape)} must hold exactly one row (its leading dimensions multiply to 1)")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"gemv: bias {tuple(bias.shape)} must be (N,) = ({weight.shape[0]},)")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"gemv: x, weight and bias must share a dtype; got {x.dtype}, {weight.dtype}"
+                         f"{'' if bias is None else ', ' + str(bias.dtype)}")
+
+
+def _one_row(args: tuple) -> tuple:
+    # x (..., K) and out (..., N) as (1, K) and (1, N) views; weight and bias as they are.
+    x, *rest, out = args
+    return (x.reshape(1, x.shape[-1]), *rest, out.reshape(1, out.shape[-1]))
+
+
+def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = weight.shape
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand_as(out))
+    if x.dtype not in DTYPES:
+        dispatch.fallback("gemv", f"dtype {x.dtype} (built: {', '.join(_DTYPE_NAMES)})")
+        return gemv_reference(x, weight, bias).contiguous()
+    bn, bk = tile_for(n, k) or TILE_BY_N[-1][1]  # a wide weight called directly: the widest tile
+    want = (("BN", bn), ("BK", bk))
+    grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
+    if bias is None:
+        ok = dispatch.run("gemv", want, (x, weight, out), 2, grid, _one_row)
+    else:
+        ok = dispatch.run("gemv_bias", want, (x, weight, bias, out), 3, grid, _one_row)
+    return out if ok else gemv_reference(x, weight, bias).contiguous()
+
+
+def _gemv_fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_gemv = define_op("gemv", _gemv_cuda, reference=gemv_reference, fake=_gemv_fake, check=_check)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for one row, on the cuTile GEMV kernel.
+
+    Args:
+        x: ``(..., K)`` holding exactly one row (e.g. ``(1, 1, K)``: one decode token), any strides
+            whose row is contiguous.
+        weight: ``(N, K)``, row-major (``nn.Linear.weight``), x's dtype.
+        bias: ``(N,)`` of x's dtype, or None.
+
+    Returns:
+        ``(..., N)`` of x's dtype, contiguous; float32 sums rounded once to the dtype.
+
+    On CUDA one cuTile launch for bfloat16 and float16 when the weight's rows are contiguous,
+    16-byte aligned and K is a multiple of 16 (what real hidden sizes are); otherwise, or with
+    ``CUTILE_KERNELS_DISABLE=1``, :func:`gemv_reference` (``F.linear``), logging the reason once.
+    Under ``torch.compile`` the custom op ``<namespace>::gemv``.
+
+    Raises:
+        TypeError: a tensor is not floating point.
+        ValueError: x holds more than one row, shapes or dtypes do not match.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    check_float("gemv", "x, weight, bias", x, weight, bias)
+    _check(x, weight, bias)
+    return _gemv.call_checked(x, weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, with a one-row input of a 16-bit dtype on :func:`gemv` where
+    that beats cuBLAS (output width N <= 2048, :data:`TILE_BY_N`) and the GPU sets the pace: while
+    ``torch.compile`` traces, or while a CUDA graph is being captured (the decode fast path).
+
+    Shapes as ``F.linear``: ``x (..., K)``, ``weight (N, K)``, ``bias (N,)`` or None; returns
+    ``(..., N)``. Any other input (more than one row, float32, dtypes that differ, a wide weight) is
+    ``F.linear`` itself: cuBLAS's GEMMs are the right kernels there. An eager step stays on
+    ``F.linear`` too: there the host paces a batch-1 decode, and on the H200 the op's launch path cost
+    more host time than its kernel saved GPU time (Llama-3.2-1B eager decode b=1 14.0 against 10.4 ms a
+    step, 2026-12-03). Under ``torch.compile`` the choice is made while tracing (the row count is a
+    static shape there).
+    """
+    if (x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2 and weight.shape[0] <= TILE_BY_N[-1][0]
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
