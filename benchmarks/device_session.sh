@@ -3,6 +3,8 @@
 #
 #   tests      the `gpu`-marked tests ($TESTS, default: all of tests/), $TESTS_LIMIT s (default 240)
 #   attention  the attention microbenchmark (dev/microbench/attention_bench.py)
+#   gemv       one-row projections, every built GEMV tile against cuBLAS on the presets' shapes
+#              (dev/microbench/gemv_bench.py); gemv.log holds the table
 #   evaluate   every inventory Solution through `cutile-kernels evaluate --all` (one process):
 #              Traces and the summary come back in evaluate.tgz
 #   kernels    `cutile-kernels kernel-table`: every kernel against the stock code path on the presets'
@@ -41,7 +43,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention attnsweep evaluate kernels hostops hostprof hostab rank score bench staticgen notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention gemv attnsweep evaluate kernels hostops hostprof hostab rank score bench staticgen notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -60,6 +62,8 @@ for stage in "$@"; do
       cd "$root" && step tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
     attention)
       cd "$root/dev/microbench" && step attention 100 python3 attention_bench.py --json /tmp/attention-bench.json ;;
+    gemv)
+      cd "$root" && step gemv 150 python3 dev/microbench/gemv_bench.py ;;
     evaluate)
       rm -rf /tmp/eval && mkdir -p /tmp/eval
       cd "$root" && step evaluate 300 python3 -m cutile_kernels_tools.cli evaluate --all --root inventory \

@@ -17,9 +17,10 @@ us, s ~ 1.7: ceiling 1 / (1 - 0.31 + 0.31 / 1.7) ~ 1.15x.
 
 Each block owns ``BN`` output features and sweeps K in ``BK``-wide tiles, multiplying the weight
 tile by the broadcast row and keeping the ``(BN, BK)`` float32 products (one add a tile, no
-reduction in the loop); one sum along K at the end. Many small blocks (N / BN of them: 256-768 for
-these projections) keep enough loads in flight on every SM. Loads past K or N are zero-padded and
-the store is bounds-checked, so any N and K are covered.
+reduction in the loop); one sum along K at the end. About one block per SM (N / BN near the SM
+count) did best on the H200. Loads past K or N are zero-padded and the store is bounds-checked, so
+any N and K are covered; the variants assume K a multiple of 16 and 16-byte aligned rows (checked
+on the tensors before every launch, else the declared fallback).
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ def gemv_bias_kernel(x, weight, bias, out, BN: ct.Constant[int], BK: ct.Constant
 
 #: 16-bit dtypes only: a float32 model's decode is not what this kernel is for (cuBLAS runs it).
 DTYPES = ("bfloat16", "float16")
-#: (BN, BK) tiles built. On the H200 (dev/microbench/gemv_bench.py, 2026-12-03) fewer, fatter blocks
-#: won: about one block per SM with the whole K each (8 x 512 for N <= 1024, 16 x 256 up to 2048);
-#: 32 x 256 was the best of these for wide N but still behind cuBLAS there. 4 x 1024, 8 x 1024 and
-#: 16 x 512 were swept and dropped (never the best by more than 3 %).
-TILES = ((8, 512), (16, 256), (32, 256))
+#: (BN, BK) tiles built: what the router launches (``ops/gemv.py``, ``TILE_BY_N``). On the H200
+#: (dev/microbench/gemv_bench.py, 2026-12-03) fewer, fatter blocks won: about one block per SM with the
+#: whole K each (8 x 512 for N <= 1024, 16 x 256 up to 2048). Swept and dropped: 4 x 1024, 8 x 1024,
+#: 16 x 512 (never the best by more than 3 %) and 32 x 256 (best on the wide projections, ahead of
+#: cuBLAS on two of them by 7-13 %, behind on gate/up and lm_head; not routed, so not built).
+TILES = ((8, 512), (16, 256))
 
 
 def _params(kind: str, dtype: str, consts: dict) -> tuple:

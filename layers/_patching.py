@@ -43,6 +43,9 @@ class Patch:
         default: applied by ``patch(model)`` without names (and so by ``kernel_config`` /
             ``kernelize``); False for an opt-in patch, applied only when named (one whose
             end-to-end benefit has not been shown, e.g. a candidate autokernelize discarded).
+        follows: while in effect, applied again (its apply is idempotent) after any other
+            patch or undo changed the model, so that modules those create (a stacked projection,
+            the projections an unstacking restores) are covered too: ``gemv``.
     """
 
     name: str
@@ -51,6 +54,7 @@ class Patch:
     description: str = ""
     changes_weights: bool = False
     default: bool = True
+    follows: bool = False
 
 
 @dataclass
@@ -140,10 +144,23 @@ def patch(model: nn.Module, names=None) -> PatchReport:
             state[p.name] += n
             if not state[p.name]:
                 del state[p.name]
+        if any(report.changed.values()):
+            _follow(model, state, report, done={p.name for p in selected})
     finally:
         _sync_save_wrapper(model)
     report.active = list(state)
     return report
+
+
+def _follow(model: nn.Module, state: dict, report: PatchReport, done=()) -> None:
+    """Apply again the ``follows`` patches in effect (but those in ``done``) after the model
+    changed; the modules they newly cover go into the report (their count in ``applied`` stays the
+    first apply's: the modules they replaced are gone)."""
+    for p in PATCHES.values():
+        if p.follows and p.name in state and p.name not in done:
+            n = int(p.apply(model))
+            if n:
+                report.changed[p.name] = report.changed.get(p.name, 0) + n
 
 
 def unpatch(model: nn.Module, names=None) -> PatchReport:
@@ -164,6 +181,8 @@ def unpatch(model: nn.Module, names=None) -> PatchReport:
             continue
         report.changed[p.name] = int(p.undo(model))
         del state[p.name]
+    if any(report.changed.values()):
+        _follow(model, state, PatchReport())  # e.g. the projections an unstacking restored
     _sync_save_wrapper(model)
     report.active = list(state)
     return report

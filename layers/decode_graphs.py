@@ -337,7 +337,8 @@ class DecodeGraphs:
 
     Args:
         model: a transformers causal LM on a CUDA device (kernelized or not).
-        warmup: eager steps of a new shape before it is captured (kernels and cuBLAS load then).
+        warmup: eager steps of a new shape before it is captured (most kernels and cuBLAS load then;
+            the GEMV of patch ``gemv`` runs only in captured steps, so it loads during the capture).
         length_bucket: static caches for ``generate`` are ``max_cache_len`` rounded up to this.
         max_caches: static caches kept (and the graphs over them).
         graph_factory: makes an object with ``capture(fn)`` returning fn's output and ``replay()``;

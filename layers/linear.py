@@ -7,7 +7,9 @@ cuTile GEMV (``kernel_src/gemv.py``) when the input holds one row of a 16-bit dt
 is at most 2048 wide (where the GEMV beat cuBLAS on the H200) and the step is compiled or captured
 in a CUDA graph; ``F.linear`` otherwise (prefill, batched decode, eager steps: the stock GEMMs).
 Applied after the stacking patches (``fused_qkv``, ``fused_gate_up``), so their stacked
-projections are covered too. Weights are not touched: saving after the patch gives the stock bytes.
+projections are covered too, and again after any later patch or undo (``Patch.follows``): a
+stacking applied afterwards, or an unstacking, leaves no projection of the layers uncovered.
+Weights are not touched: saving after the patch gives the stock bytes.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def unpatch_linears(model: nn.Module) -> int:
 #: This module's patch row (``layers/_registry.py`` applies it after the stacking patches).
 PATCH_ROWS = [Patch("gemv", apply=patch_linears, undo=unpatch_linears,
                     description="one-row (batch-1 decode) projections up to 2048 wide on the cuTile GEMV in compiled "
-                                "and CUDA-graph steps; cuBLAS otherwise")]
+                                "and CUDA-graph steps; cuBLAS otherwise",
+                    follows=True)]
 
 __all__ = ["gemv_linear_forward", "patch_linears", "unpatch_linears"]

@@ -5,7 +5,8 @@ The mechanism (``Patch``, the registry, :func:`patch` / :func:`unpatch`, the sav
 ``layers/_patching.py``; each feature module declares its patches (``PATCH_ROWS``) and
 ``layers/_registry.py`` gathers them in apply order: ``decoder_add_rms_norm`` (here),
 ``fused_gate_up`` (``mlp.py``), ``rope_cos_sin`` (``rope_cos_sin.py``), the families' own
-(``models/``), ``fused_qkv`` (``qkv.py``), the float-order norms (``norm.py``). This module re-exports the API
+(``models/``), ``fused_qkv`` (``qkv.py``), the float-order norms (``norm.py``), ``gemv`` (``linear.py``,
+applied again after any later change: ``Patch.follows``). This module re-exports the API
 (``cutile_kernels.patch`` is :func:`patch`), so ``cutile_kernels.layers.patch`` keeps working.
 """
 

@@ -54,8 +54,11 @@ def test_checks_name_what_does_not_match():
         cutile_kernels.gemv(x, w.int())
 
 
-def _traced_ops(fn, *args) -> set:
-    """Our ops in the graph ``torch.compile(fullgraph=True)`` traces for ``fn(*args)``."""
+def _compiled(fn, *args):
+    """``torch.compile(fn, fullgraph=True)(*args)`` on a backend that records our ops in the graphs:
+    (output, {op names}, graphs compiled)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     ops = set()
 
     def backend(gm, example_inputs):
@@ -63,10 +66,16 @@ def _traced_ops(fn, *args) -> set:
                    if n.op == "call_function" and "cutile_kernels" in str(n.target))
         return gm.forward
 
+    counter = CompileCounterWithBackend(backend)
     torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    out = torch.compile(fn, backend=counter, fullgraph=True)(*args)
     torch._dynamo.reset()
-    return ops
+    return out, ops, counter.frame_count
+
+
+def _traced_ops(fn, *args) -> set:
+    """Our ops in the graph ``torch.compile(fullgraph=True)`` traces for ``fn(*args)``."""
+    return _compiled(fn, *args)[1]
 
 
 def test_router_sends_a_traced_one_row_16_bit_step_to_the_op_and_the_rest_to_f_linear():
@@ -104,6 +113,28 @@ def test_variants_cover_the_chosen_tiles_in_both_dtypes():
             for n, k in [(2048, 2048), (1024, 3072), (7, 16), (2048, 8192)]:
                 assert (kernel, dtype, *gops.tile_for(n, k)) in built
     assert gops.tile_for(3072, 2048) is None and gops.tile_for(151936, 1024) is None  # cuBLAS's
+
+
+def test_router_conditions(monkeypatch):
+    """What the router sends to the op while a step is compiled or captured (both stand-ins here):
+    one contiguous 16-bit row of a plain tensor, K a multiple of 16, N <= 2048; else F.linear."""
+    calls = []
+    monkeypatch.setattr(gops, "gemv", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    class Sub(torch.Tensor):  # a weight subclass (a quantized weight put in place after the patch)
+        pass
+
+    x, w, b = _operands(64, 32, torch.bfloat16, bias=True)
+    big = torch.randn(1, 1, 64).to(torch.bfloat16)
+    taken = [(x, w, None), (x, w, b), (x.view(1, 32), w, None), (x.half(), w.half(), None)]
+    left = [(big[..., ::2], w, None),  # a strided row
+            (x[..., :24], w[:, :24], None),  # K 24
+            (x, w.as_subclass(Sub), None), (x.float(), w.float(), None),
+            (torch.cat([x, x], 1), w, None)]  # two rows
+    for args in taken + left:
+        torch.testing.assert_close(gops.linear(*args), F.linear(*args))
+    assert len(calls) == len(taken)
 
 
 def test_router_leaves_wide_projections_to_cublas():
@@ -161,25 +192,13 @@ def test_patched_model_decodes_as_stock_and_saves_the_stock_bytes(tmp_path):
 
 
 def test_patched_decode_step_compiles_without_a_graph_break():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     model = tiny_model("llama", seed=2).to(torch.bfloat16)
     cutile_kernels.patch(model, names=["gemv"])
-    ops = set()
-
-    def backend(gm, example_inputs):
-        ops.update(str(n.target).split(".")[-2] for n in gm.graph.nodes
-                   if n.op == "call_function" and "cutile_kernels" in str(n.target))
-        return gm.forward
-
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend(backend)
-    step = torch.compile(lambda ids: model(ids, use_cache=False).logits, backend=counter, fullgraph=True)
+    ids = torch.tensor([[7]])
     with torch.no_grad():
-        got = step(torch.tensor([[7]]))
-        ref = model(torch.tensor([[7]]), use_cache=False).logits
-    torch._dynamo.reset()
-    assert counter.frame_count == 1 and "gemv" in ops
+        got, ops, graphs = _compiled(lambda ids: model(ids, use_cache=False).logits, ids)
+        ref = model(ids, use_cache=False).logits
+    assert graphs == 1 and "gemv" in ops
     assert torch.equal(got, ref)
 
 
@@ -188,9 +207,10 @@ def test_patched_decode_step_compiles_without_a_graph_break():
 # ---------------------------------------------------------------------------------------------
 
 #: (N, K): Llama-3.2-1B's stacked q/k/v, o_proj, gate/up, down_proj; Qwen3-0.6B's o_proj and
-#: lm_head; Gemma 2's K = 2304 (not a multiple of the wide tiles); an N of no tile's multiple.
+#: lm_head; Gemma 2's K = 2304 (not a multiple of 512); N of no tile's multiple (1001 on 8 x 512,
+#: 2040 on 16 x 256, both routed); K = 2320 (a multiple of neither 256 nor 512); one output.
 GPU_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1024, 2048), (151936, 1024),
-              (4096, 2304), (1000, 2048), (1, 16)]
+              (4096, 2304), (1001, 2048), (2040, 2320), (1, 16)]
 
 
 def _rel(got, want):
@@ -220,7 +240,7 @@ def test_gpu_matches_a_float64_product(shape, dtype, bias, strict):
 
 @pytest.mark.gpu
 def test_gpu_every_tile_writes_every_output(strict):
-    n, k = 1000, 2304
+    n, k = 1001, 2320  # ragged on every tile in N and K
     x, w, b = _operands(n, k, torch.bfloat16, "cuda", True)
     want = x[0].double() @ w.double().T + b.double()
     for kernel, args in (("gemv", (x[0], w)), ("gemv_bias", (x[0], w, b))):
@@ -251,13 +271,43 @@ def test_gpu_x_as_a_view_and_graph_replay(strict):
 
 
 @pytest.mark.gpu
-def test_gpu_unaligned_weight_falls_back_and_says_so(caplog):
-    n, k = 64, 40  # K not a multiple of 16: no built variant
+def test_gpu_unaligned_operands_fall_back_and_say_so(caplog):
+    """K of 40, a weight view 2 bytes off 16-byte alignment, a strided row: no variant assumes
+    them; each call logs why and returns F.linear's result. A row-strided weight view that keeps
+    the alignment runs the kernel."""
+    n, k = 64, 48
     x, w, _ = _operands(n, k, torch.bfloat16, "cuda")
+    wide = torch.randn(n, k + 16, device="cuda", dtype=torch.bfloat16)
+    row = torch.randn(1, 1, 2 * k, device="cuda", dtype=torch.bfloat16)
+    cases = [(x[..., :40], w[:, :40].contiguous()), (x, wide[:, 1:1 + k]), (row[..., ::2], w)]
+    for xx, ww in cases:
+        dispatch.reset_stats()
+        with caplog.at_level("WARNING", logger="cutile_kernels"):
+            got = cutile_kernels.gemv(xx, ww)
+        assert torch.equal(got, F.linear(xx, ww)), (xx.shape, ww.stride())
+        assert "gemv" in str(dispatch.stats()["fallbacks"])
+    assert "gemv" in caplog.text
     dispatch.reset_stats()
-    with caplog.at_level("WARNING", logger="cutile_kernels"):
-        got = cutile_kernels.gemv(x, w)
-    assert torch.equal(got, F.linear(x, w)) and "gemv" in str(dispatch.stats()["fallbacks"])
+    got = cutile_kernels.gemv(x, wide[:, :k])  # rows 2 * (k + 16) bytes apart: still aligned
+    assert sum(v for key, v in dispatch.stats()["launches"].items() if "gemv" in key) == 1
+    assert _rel(got, x.double() @ wide[:, :k].double().T) < 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_router_runs_the_gemv_only_in_a_captured_step(strict):
+    x, w, _ = _operands(2048, 2048, torch.bfloat16, "cuda")
+    dispatch.reset_stats()
+    eager = gops.linear(x, w)
+    assert not any("gemv" in key for key in dispatch.stats()["launches"])  # eager: F.linear
+    gops.gemv(x, w)  # load the kernel outside the capture
+    dispatch.reset_stats()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gops.linear(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert sum(v for key, v in dispatch.stats()["launches"].items() if "gemv" in key) == 1
+    assert _rel(out, x.double() @ w.double().T) <= max(1.5 * _rel(eager, x.double() @ w.double().T), 4e-3)
 
 
 @pytest.mark.gpu
@@ -274,7 +324,7 @@ def test_gpu_patched_model_in_a_cuda_graph_at_batch_one(strict):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            ours(ids, use_cache=False)  # load the kernels outside the capture
+            ours(ids, use_cache=False)  # eager: F.linear; the GEMV loads inside the capture below
         torch.cuda.current_stream().wait_stream(side)
         dispatch.reset_stats()
         graph = torch.cuda.CUDAGraph()
@@ -285,3 +335,21 @@ def test_gpu_patched_model_in_a_cuda_graph_at_batch_one(strict):
         torch.cuda.synchronize()
     assert sum(v for key, v in dispatch.stats()["launches"].items() if "gemv" in key) > 0
     assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6
+
+
+def test_projections_stacked_or_unstacked_later_are_covered_too():
+    """A stacking patch applied after ``gemv`` (``patch(model, names=["fused_qkv"])`` on a kernelized
+    model), and its undo, leave every projection of the layers on the GEMV's forward."""
+    model = tiny_model("llama", seed=4)
+    cutile_kernels.patch(model)  # the defaults: gemv on, q/k/v not stacked (fused_qkv is opt-in)
+
+    def uncovered():
+        return [n for n, m in model.model.layers.named_modules()
+                if type(m) is nn.Linear and not swapped(m, glinear.gemv_linear_forward)]
+
+    assert uncovered() == []
+    report = cutile_kernels.patch(model, names=["fused_qkv"])
+    assert report.changed["fused_qkv"] == len(model.model.layers) and report.changed["gemv"] == len(model.model.layers)
+    assert uncovered() == [] and all(hasattr(layer.self_attn, "qkv_proj") for layer in model.model.layers)
+    cutile_kernels.unpatch(model, names=["fused_qkv"])
+    assert uncovered() == [] and all(hasattr(layer.self_attn, "k_proj") for layer in model.model.layers)

@@ -23,12 +23,17 @@ from ..kernel_src.gemv import DTYPES as _DTYPE_NAMES
 
 #: Dtypes the kernel is built for.
 DTYPES = tuple(getattr(torch, d) for d in _DTYPE_NAMES)
+#: Tensor classes the router sends to the op: a subclass (a quantized or sharded weight put in place
+#: after the patch) keeps ``F.linear``, which dispatches to its own implementation.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 #: (largest N, (BN, BK)): the tile for a projection of output width N, smallest N first; wider
 #: projections stay on cuBLAS. Measured on the H200 (dev/microbench/gemv_bench.py, 2026-12-03; one
-#: bf16 row, weights streamed from HBM): cuBLAS ran N <= 2048 projections at 0.3-2.4 TB/s (Qwen3-0.6B's
-#: o_proj 1024 x 2048 in 13.0 us, ours 3.6; Llama-3.2-1B's down_proj 2048 x 8192 14.0 us, ours 11.4)
-#: and the wide ones (stacked q/k/v and gate/up, lm_head) at 3.6-4.1 TB/s, where ours lost.
+#: bf16 row, weights streamed from HBM): on N <= 2048 ours won everywhere swept (Qwen3-0.6B's o_proj
+#: 1024 x 2048: cuBLAS 13.0 us, ours 3.6; Llama-3.2-1B's down_proj 2048 x 8192: 14.0 against 11.4);
+#: wider, cuBLAS won on gate/up and lm_head (3.6-4.1 TB/s) and ours by at most 13 % elsewhere, with a
+#: tile that then lost on the others. K is not looked at: the sweep's K ran 1024-8192 (not measured
+#: beyond: Qwen2.5-1.5B's down_proj, K 8960, takes the GEMV unmeasured).
 TILE_BY_N = ((1024, (8, 512)), (2048, (16, 256)))
 
 
@@ -47,7 +52,8 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"gemv: x {tuple(x.shape)} must be (..., K) and weight {tuple(weight.shape)} (N, K)")
+        raise ValueError(f"gemv: x {tuple(x.shape)} must be (..., K) and weight {tuple(weight.shape)} (N, K) with "
+                         f"the same K (x's last dimension {x.shape[-1] if x.dim() else None})")
     if x.numel() != x.shape[-1]:
         raise ValueError(f"gemv: x {tuple(x.shape)} must hold exactly one row (its leading dimensions multiply to 1)")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
@@ -73,7 +79,7 @@ def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if x.dtype not in DTYPES:
         dispatch.fallback("gemv", f"dtype {x.dtype} (built: {', '.join(_DTYPE_NAMES)})")
         return gemv_reference(x, weight, bias).contiguous()
-    bn, bk = tile_for(n, k) or TILE_BY_N[-1][1]  # a wide weight called directly: the widest tile
+    bn, bk = tile_for(n, k) or TILE_BY_N[-1][1]  # a wide weight called directly: the last tile
     want = (("BN", bn), ("BK", bk))
     grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
     if bias is None:
@@ -112,7 +118,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         ValueError: x holds more than one row, shapes or dtypes do not match.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
     """
-    check_float("gemv", "x, weight, bias", x, weight, bias)
+    check_float("gemv", "x, weight, bias", x, weight, bias, kernel_dtypes=DTYPES)
     _check(x, weight, bias)
     return _gemv.call_checked(x, weight, bias)
 
@@ -123,7 +129,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``torch.compile`` traces, or while a CUDA graph is being captured (the decode fast path).
 
     Shapes as ``F.linear``: ``x (..., K)``, ``weight (N, K)``, ``bias (N,)`` or None; returns
-    ``(..., N)``. Any other input (more than one row, float32, dtypes that differ, a wide weight) is
+    ``(..., N)``. Any other input (more than one row, float32, dtypes that differ, a wide weight, K not
+    a multiple of 16, a strided last dimension, a tensor subclass such as a quantized weight) is
     ``F.linear`` itself: cuBLAS's GEMMs are the right kernels there. An eager step stays on
     ``F.linear`` too: there the host paces a batch-1 decode, and on the H200 the op's launch path cost
     more host time than its kernel saved GPU time (Llama-3.2-1B eager decode b=1 14.0 against 10.4 ms a
@@ -131,7 +138,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     static shape there).
     """
     if (x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2 and weight.shape[0] <= TILE_BY_N[-1][0]
-            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and weight.shape[1] % 16 == 0 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and type(weight) in _PLAIN and type(x) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN)
             and (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
