@@ -33,8 +33,7 @@ def _case(preset: str, name: str, n: int, k: int, tiles, dtype_name: str):
     import torch
     import torch.nn.functional as F
 
-    from cutile_kernels import dispatch
-    from cutile_kernels.ops.gemv import _one_row, tile_for
+    from cutile_kernels.ops.gemv import gemv_into, tile_for
     from cutile_kernels_tools.timing import graph_us
 
     dtype = getattr(torch, dtype_name)
@@ -56,11 +55,9 @@ def _case(preset: str, name: str, n: int, k: int, tiles, dtype_name: str):
     row["us"]["cublas"] = round(graph_us(lambda: F.linear(x, nxt()), reps=11), 2)
     for bn, bk in tiles:
         tag = f"{bn}x{bk}"
-        want = (("BN", bn), ("BK", bk))
-        grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
 
-        def launch(w, want=want, grid=grid):
-            if not dispatch.run("gemv", want, (x, w, out), 2, grid, _one_row):
+        def launch(w, tile=(bn, bk), tag=tag):
+            if not gemv_into(x, w, None, out, tile):
                 raise RuntimeError(f"{preset} {name} {tag}: no gemv variant took the call")
 
         out.fill_(float("nan"))

@@ -69,6 +69,21 @@ def _one_row(args: tuple) -> tuple:
     return (x.reshape(1, x.shape[-1]), *rest, out.reshape(1, out.shape[-1]))
 
 
+def gemv_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+              tile: tuple[int, int] | None = None) -> bool:
+    """Launch the GEMV on CUDA ``x`` (..., K) of one row, ``weight`` (N, K), ``bias`` (N,) or None
+    into a new ``out`` (..., N) of x's dtype, with the (BN, BK) ``tile`` (default :func:`tile_for`'s,
+    else the last of :data:`TILE_BY_N` for a wide weight called directly). Returns False (nothing
+    written, the reason logged) when no built variant takes the call; the caller then falls back."""
+    n, k = weight.shape
+    bn, bk = tile or tile_for(n, k) or TILE_BY_N[-1][1]
+    want = (("BN", bn), ("BK", bk))
+    grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
+    if bias is None:
+        return dispatch.run("gemv", want, (x, weight, out), 2, grid, _one_row)
+    return dispatch.run("gemv_bias", want, (x, weight, bias, out), 3, grid, _one_row)
+
+
 def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -79,14 +94,7 @@ def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if x.dtype not in DTYPES:
         dispatch.fallback("gemv", f"dtype {x.dtype} (built: {', '.join(_DTYPE_NAMES)})")
         return gemv_reference(x, weight, bias).contiguous()
-    bn, bk = tile_for(n, k) or TILE_BY_N[-1][1]  # a wide weight called directly: the last tile
-    want = (("BN", bn), ("BK", bk))
-    grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
-    if bias is None:
-        ok = dispatch.run("gemv", want, (x, weight, out), 2, grid, _one_row)
-    else:
-        ok = dispatch.run("gemv_bias", want, (x, weight, bias, out), 3, grid, _one_row)
-    return out if ok else gemv_reference(x, weight, bias).contiguous()
+    return out if gemv_into(x, weight, bias, out) else gemv_reference(x, weight, bias).contiguous()
 
 
 def _gemv_fake(x, weight, bias):
@@ -137,8 +145,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     step, 2026-12-03). Under ``torch.compile`` the choice is made while tracing (the row count is a
     static shape there).
     """
-    if (x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2 and weight.shape[0] <= TILE_BY_N[-1][0]
-            and weight.shape[1] % 16 == 0 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    if (x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2
+            and tile_for(weight.shape[0], weight.shape[1]) is not None and weight.shape[1] % 16 == 0 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
             and x.stride(-1) == 1 and weight.stride(-1) == 1 and type(weight) in _PLAIN and type(x) in _PLAIN
             and (bias is None or type(bias) in _PLAIN)
             and (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))):
