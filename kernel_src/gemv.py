@@ -21,6 +21,20 @@ reduction in the loop); one sum along K at the end. About one block per SM (N / 
 count) did best on the H200. Loads past K or N are zero-padded and the store is bounds-checked, so
 any N and K are covered; the variants assume K a multiple of 16 and 16-byte aligned rows (checked
 on the tensors before every launch, else the declared fallback).
+
+``gemv_swiglu`` / ``gemv_geglu``: the down projection of a gated MLP on the stacked gate/up output,
+``y = W_down @ (act(gate) * up)`` (``LlamaMLP.forward``, ``act`` SiLU; GemmaMLP's ``gelu_pytorch_tanh``),
+with the activation computed tile by tile as the K sweep loads it, in ``silu_and_mul``'s rounding
+order (``kernel_src/activation.py``): the activation product is rounded to the dtype before the
+multiply-add, so the result equals the unfused ``silu_and_mul_fused`` + ``gemv`` launches bit for
+bit on the same tile. Each block recomputes the activation for all K (a few thousand exps: nothing
+beside the weight read).
+
+Estimate, written before the kernel (Amdahl, Llama-3.2-1B decode graph b=1 with the GEMV, ~1.22 ms a
+step, benchmarks/results/h200-2026-12-03c profile): the 16 ``silu_and_mul_fused`` launches take
+~26 us of kernel time plus ~0.3 us of gap each, f ~ 0.026; fused, they cost nothing beside the down
+projection's weight read (s large): ceiling ~1.027x. Small, but it also applies to the compiled
+step (``cutile-compile`` b=1) and to Gemma's GeGLU.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from __future__ import annotations
 import cuda.tile as ct
 
 from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, VariantSpec, array
+from .activation import _gelu_tanh_and_mul, _silu_and_mul
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -60,6 +75,26 @@ def gemv_bias_kernel(x, weight, bias, out, BN: ct.Constant[int], BK: ct.Constant
     ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
 
 
+@ct.kernel
+def gemv_glu_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int], GELU: ct.Constant[int]):
+    """out[0, n] = sum_k act_and_mul(x)[k] * weight[n, k], act SiLU (GELU 0) or GELU-tanh (GELU 1).
+    x: (1, 2, K) view of the stacked gate/up row (x[0, 0] gate, x[0, 1] up), weight: (N, K),
+    out: (1, N). Grid: (cdiv(N, BN),)."""
+    bid = ct.bid(0)
+    acc = ct.zeros((BN, BK), dtype=ct.float32)
+    for j in range(ct.cdiv(weight.shape[1], BK)):
+        w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
+        g = ct.reshape(ct.load(x, index=(0, 0, j), shape=(1, 1, BK), padding_mode=ZERO), (1, BK))
+        u = ct.reshape(ct.load(x, index=(0, 1, j), shape=(1, 1, BK), padding_mode=ZERO), (1, BK))
+        if GELU != 0:
+            h = _gelu_tanh_and_mul(g, u, x.dtype)
+        else:
+            h = _silu_and_mul(g, u, x.dtype)
+        acc = acc + w.astype(ct.float32) * h.astype(ct.float32)  # zero-padded: act(0) * 0 = 0
+    y = ct.sum(acc, axis=1)
+    ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Build matrix
 # ---------------------------------------------------------------------------------------------
@@ -77,16 +112,23 @@ TILES = ((8, 512), (16, 256))
 def _params(kind: str, dtype: str, consts: dict) -> tuple:
     # x and the weight aligned (contiguous rows, K a multiple of 16: every real hidden size); the
     # output and bias generic (N need not be a multiple of 16).
-    arrays = [array("x", dtype, 2, "aligned"), array("weight", dtype, 2, "aligned")]
+    arrays = [array("x", dtype, 3 if kind in GLU else 2, "aligned"), array("weight", dtype, 2, "aligned")]
     if kind == "gemv_bias":
         arrays.append(ArrayParam("bias", dtype, 1))
     arrays.append(ArrayParam("out", dtype, 2))
     return (*arrays, *(ConstParam(n, v) for n, v in consts.items()))
 
 
+#: The gated-MLP down projections: kernel name -> GELU constant of ``gemv_glu_kernel``.
+GLU = {"gemv_swiglu": 0, "gemv_geglu": 1}
+
 #: Every variant of this family.
 VARIANTS: list[VariantSpec] = [
     VariantSpec(kind, "gemv", f"{kind}_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk}))
     for kind in ("gemv", "gemv_bias") for dtype in DTYPES for bn, bk in TILES
+] + [
+    VariantSpec(kind, "gemv", "gemv_glu_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
+                _params(kind, dtype, {"BN": bn, "BK": bk, "GELU": gelu}))
+    for kind, gelu in GLU.items() for dtype in DTYPES for bn, bk in TILES
 ]

@@ -9,7 +9,8 @@ registered, no JIT trace is recording, and ``module.compile()`` did not install 
 ``nn.Module.__call__`` unchanged (no ``__call__`` of its own, no ``torch.fx`` trace), and calls
 ``forward`` itself; otherwise it makes the module call, so hooks (profilers, transformers' output
 capture) always run. Under ``torch.compile``
-the module calls stay (dynamo traces through them at no run-time cost). :func:`linear` does the
+the module calls stay (dynamo traces through them at no run-time cost), except the down projection
+that :func:`glu_linear` fuses with the MLP's activation (hookless, checked while tracing). :func:`linear` does the
 same for an exact ``nn.Linear``, whose forward is ``F.linear(x, weight, bias)``.
 """
 
@@ -20,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from ..ops.activation import sigmoid_and_mul
+from ..ops.activation import gelu_tanh_and_mul_fused, sigmoid_and_mul, silu_and_mul_fused
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
+from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
 from ._patching import _unhooked
 from .attention import static_kv_length
@@ -40,12 +42,17 @@ _MODULE_CALL = nn.Module.__call__
 _LINEAR_FORWARD = nn.Linear.forward
 
 
-def direct_ok(m: nn.Module) -> bool:
-    """Whether ``m(*args)`` would run exactly ``m.forward(*args)`` (see the module docstring)."""
+def _plain_call(m: nn.Module) -> bool:
+    # No hooks (its own or global), no compiled call, no JIT trace, nn.Module.__call__ itself.
     g0, g1, g2, g3 = _GLOBAL_HOOKS
     return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                or m._compiled_call_impl is not None or g0 or g1 or g2 or g3 or _tracing() or _compiling()
+                or m._compiled_call_impl is not None or g0 or g1 or g2 or g3 or _tracing()
                 or type(m).__call__ is not _MODULE_CALL)
+
+
+def direct_ok(m: nn.Module) -> bool:
+    """Whether ``m(*args)`` would run exactly ``m.forward(*args)`` (see the module docstring)."""
+    return _plain_call(m) and not _compiling()
 
 
 def call(m: nn.Module, *args, **kwargs):
@@ -68,6 +75,23 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if getattr(fwd, "__func__", None) is gemv_linear_forward:
             return gemv_linear(x, m.weight, m.bias)
     return m(x)
+
+
+def _gemv_patched(m: nn.Module) -> bool:
+    # An exact nn.Linear whose forward is the gemv patch's (bound on the instance).
+    return (type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD
+            and getattr(m.__dict__.get("forward"), "__func__", None) is gemv_linear_forward)
+
+
+def glu_linear(m: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``m(act_and_mul(x))`` for the down projection ``m`` of a stacked gate/up MLP, ``x (..., 2I)``
+    the gate/up output, ``act`` SiLU or (``gelu``) GELU-tanh. Where ``m`` carries patch ``gemv`` and
+    nothing else would run on its call (no hooks; also while compiling, where the call is traced
+    away), :func:`~..ops.gemv.glu_linear`: one-row steps on the fused activation + GEMV kernel.
+    Otherwise our activation kernel, then :func:`linear`."""
+    if _gemv_patched(m) and _plain_call(m):
+        return gemv_glu_linear(x, m.weight, m.bias, gelu)
+    return linear(m, (gelu_tanh_and_mul_fused if gelu else silu_and_mul_fused)(x))
 
 
 def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: torch.Tensor, cos: torch.Tensor,

@@ -38,8 +38,8 @@ from collections import Counter
 import torch
 from torch import nn
 
-from ..ops.activation import gelu_tanh_and_mul_fused, silu, silu_and_mul_fused
-from ._direct import linear
+from ..ops.activation import silu
+from ._direct import glu_linear, linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
 from ._patching import Patch
@@ -78,7 +78,9 @@ class CutileSwiGLUMLP(nn.Module):
     Borrows ``gate_up_proj`` (``nn.Linear(H, 2I)``, rows ``[gate; up]``) and ``down_proj``
     (``nn.Linear(I, H)``) from the module :func:`fuse_mlp` rewrote. Input ``(..., H)``, output
     ``(..., H)`` of the weights' dtype. The GEMMs are cuBLAS (``F.linear``); the activation is
-    one cuTile pass over the two halves of the GEMM output (transformers' rounding order).
+    one cuTile pass over the two halves of the GEMM output (transformers' rounding order). With
+    patch ``gemv`` on ``down_proj``, a one-row compiled or captured step runs the activation and the
+    down projection as one launch (``gemv_swiglu``, :func:`._direct.glu_linear`).
     """
 
     gate_up_proj: nn.Linear
@@ -89,12 +91,13 @@ class CutileSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The projections through F.linear when their module calls would run nothing else (_direct).
-        return linear(self.down_proj, silu_and_mul_fused(linear(self.gate_up_proj, x)))
+        return glu_linear(self.down_proj, linear(self.gate_up_proj, x))
 
 
 class CutileGeGLUMLP(nn.Module):
     """``LlamaMLP.forward`` with a ``gelu_pytorch_tanh`` ``act_fn`` (Gemma's MLP) on a stacked gate/up
-    weight: ``down(gelu_tanh_and_mul(gate_up(x)))``. Shapes as :class:`CutileSwiGLUMLP`."""
+    weight: ``down(gelu_tanh_and_mul(gate_up(x)))``. Shapes as :class:`CutileSwiGLUMLP`; with patch
+    ``gemv`` on ``down_proj`` a one-row compiled or captured step is one ``gemv_geglu`` launch."""
 
     gate_up_proj: nn.Linear
     down_proj: nn.Linear
@@ -103,7 +106,7 @@ class CutileGeGLUMLP(nn.Module):
     has_backward = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, gelu_tanh_and_mul_fused(linear(self.gate_up_proj, x)))
+        return glu_linear(self.down_proj, linear(self.gate_up_proj, x), gelu=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ and the compiler's choices (TMA, tensor-core precision) are the GPU tests' busin
 from __future__ import annotations
 
 import itertools
+import sys
 import types
 
 import cuda.tile as _ct
@@ -278,16 +279,25 @@ def _rebind(fn, env):
     return types.FunctionType(fn.__code__, env, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def _module_env(module, envs: dict) -> dict:
+    # The module's globals with ``ct`` the shim and each ``@ct.function`` rebound to run on NumPy,
+    # a function imported from another kernel module in that module's own globals.
+    env = envs.get(module.__name__)
+    if env is None:
+        env = envs[module.__name__] = dict(vars(module))
+        env["ct"] = _SHIM
+        for name, val in vars(module).items():
+            if getattr(val, "_cutile_function_wrapper", False):
+                home = sys.modules[val.__wrapped__.__module__]
+                env[name] = _rebind(val.__wrapped__, _module_env(home, envs))
+    return env
+
+
 def emulate(kernel, module):
     """A callable ``run(grid, args)`` executing ``kernel`` (a ``@ct.kernel`` of ``module``) on
     NumPy; ``args`` as ``ct.launch`` takes them (constants included), tensors as torch CPU tensors
     of a NumPy-convertible dtype."""
-    env = dict(vars(module))
-    env["ct"] = _SHIM
-    for name, val in vars(module).items():
-        if getattr(val, "_cutile_function_wrapper", False):
-            env[name] = _rebind(val.__wrapped__, env)
-    fn = _rebind(kernel._pyfunc, env)
+    fn = _rebind(kernel._pyfunc, _module_env(module, {}))
 
     def run(grid, args):
         global _block, _grid

@@ -4,7 +4,9 @@ the op, anything else to ``F.linear``), the kernel's logic through the NumPy int
 built tile (ragged N and K, bias), the build matrix, the patch (which modules, undo, the stock bytes
 on save, no graph break under ``torch.compile(fullgraph=True)``). GPU: against a float64 product
 on real projection shapes and the edges, an output poisoned with NaN first; fp16; a bias; a view
-for x; graph replay; an unaligned weight falls back and says so; a patched model's logits."""
+for x; graph replay; an unaligned weight falls back and says so; a patched model's logits.
+The gated MLP's down projection with its activation in the same launch (``gemv_swiglu``,
+``gemv_geglu``) likewise, and bit for bit the two launches it replaces."""
 
 from __future__ import annotations
 
@@ -145,6 +147,82 @@ def test_router_leaves_wide_projections_to_cublas():
 
 
 # ---------------------------------------------------------------------------------------------
+# The gated MLP's down projection: activation + GEMV in one launch
+# ---------------------------------------------------------------------------------------------
+
+GLU = {"gemv_swiglu": (False, cutile_kernels.silu_and_mul_fused_reference),
+       "gemv_geglu": (True, cutile_kernels.gelu_tanh_and_mul_fused_reference)}
+
+
+def _glu_operands(n, k, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(1, 1, 2 * k, generator=g)).to(dtype).to(device)  # gate/up row, gate first
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype).to(device)
+    return x, w
+
+
+@pytest.mark.parametrize("kernel", list(GLU))
+def test_glu_reference_is_the_activation_then_f_linear(kernel):
+    _, act = GLU[kernel]
+    x, w = _glu_operands(24, 32)
+    fn, ref = getattr(cutile_kernels, kernel), getattr(cutile_kernels, f"{kernel}_reference")
+    assert torch.equal(ref(x, w), F.linear(act(x), w))
+    assert torch.equal(fn(x, w), F.linear(act(x), w))  # CPU: the reference
+    with pytest.raises(ValueError, match="2K"):
+        fn(x[..., :48], w)
+    with pytest.raises(ValueError, match="exactly one row"):
+        fn(torch.cat([x, x], 1), w)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fn(x.double(), w)
+
+
+@pytest.mark.parametrize("n,k", [(24, 32), (37, 1040), (1, 16), (300, 2320)],
+                         ids=["small", "ragged-n-and-k", "one-output", "ragged-k-wide"])
+def test_emulated_glu_kernel_matches_on_every_tile(n, k):
+    """``gemv_glu_kernel`` on the CPU (NumPy interpreter, float32) for both activations and every
+    built tile: zero-padded gate/up tiles past K must add nothing, the store is bounds-checked."""
+    from cutile_numpy import emulate
+
+    x, w = _glu_operands(n, k)
+    run = emulate(kgemv.gemv_glu_kernel, kgemv)
+    for kernel, (gelu, act) in GLU.items():
+        want = F.linear(act(x.double()), w.double())[0].float()
+        for bn, bk in kgemv.TILES:
+            out = torch.full((1, n), float("nan"))
+            run((-(-n // bn),), (x[0].view(1, 2, k), w, out, bn, bk, kgemv.GLU[kernel]))
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=f"{kernel} tile {bn}x{bk}")
+
+
+def test_glu_variants_cover_the_chosen_tiles_in_both_dtypes():
+    built = {(s.kernel, s.params[0].dtype, s.params[0].ndim, s.constants["BN"], s.constants["BK"],
+              s.constants["GELU"]) for s in kgemv.VARIANTS if s.kernel in GLU}
+    for kernel, (gelu, _) in GLU.items():
+        for dtype in ("bfloat16", "float16"):
+            for n, k in [(2048, 8192), (1024, 3072), (1152, 6912), (7, 16)]:
+                assert (kernel, dtype, 3, *gops.tile_for(n, k), int(gelu)) in built
+
+
+def test_glu_router_fuses_a_traced_one_row_step_only():
+    """One bf16 row traced: one ``gemv_swiglu`` (``gemv_geglu``); three rows, float32, a bias or a
+    wide projection: our activation op, then the projection as :func:`linear` routes it; an
+    eager step: the activation op and F.linear, with the reference's values."""
+    x, w = _glu_operands(24, 32, torch.bfloat16)
+    for kernel, (gelu, act) in GLU.items():
+        act_op = "gelu_tanh_and_mul_fused" if gelu else "silu_and_mul_fused"
+        assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), x, w) == {kernel}
+        rows = torch.randn(1, 3, 64).to(torch.bfloat16)
+        assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), rows, w) == {act_op}
+        assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), x.float(), w.float()) == {act_op}
+        bias = torch.randn(24).to(torch.bfloat16)
+        assert _traced_ops(lambda a, b, c: gops.glu_linear(a, b, c, gelu=gelu), x, w, bias) == {act_op, "gemv"}
+        _, wide = _glu_operands(gops.TILE_BY_N[-1][0] + 8, 32, torch.bfloat16)
+        assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), x, wide) == {act_op}
+        dispatch.reset_stats()
+        assert torch.equal(gops.glu_linear(x, w, gelu=gelu), F.linear(act(x), w))
+        assert kernel not in dispatch.stats()["reference_calls"]
+
+
+# ---------------------------------------------------------------------------------------------
 # The patch
 # ---------------------------------------------------------------------------------------------
 
@@ -200,6 +278,41 @@ def test_patched_decode_step_compiles_without_a_graph_break():
         ref = model(ids, use_cache=False).logits
     assert graphs == 1 and "gemv" in ops
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("family,stacking,kernel", [("llama", "fused_gate_up", "gemv_swiglu"),
+                                                    ("gemma3_text", "fused_gate_up_geglu", "gemv_geglu")])
+def test_stacked_mlp_step_fuses_its_activation_into_the_down_projection(family, stacking, kernel):
+    """A one-token step of a model with stacked gate/up and patch ``gemv``, compiled with fullgraph:
+    each MLP's activation and down projection are one fused op (no separate activation op); the
+    logits are the eager step's. Without patch ``gemv`` the activation op stays."""
+    act_op = "gelu_tanh_and_mul_fused" if "geglu" in kernel else "silu_and_mul_fused"
+    model = tiny_model(family, seed=5).to(torch.bfloat16)
+    cutile_kernels.patch(model, names=[stacking, "gemv"])
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        got, ops, graphs = _compiled(lambda ids: model(ids, use_cache=False).logits, ids)
+        dispatch.reset_stats()
+        ref = model(ids, use_cache=False).logits
+        calls = dispatch.stats()["reference_calls"]  # the eager step: activation op, then F.linear
+        assert act_op in calls and kernel not in calls
+        assert graphs == 1 and kernel in ops and act_op not in ops
+        assert torch.equal(got, ref)
+        cutile_kernels.unpatch(model, names=["gemv"])
+        _, ops, _ = _compiled(lambda ids: model(ids, use_cache=False).logits, ids)
+    assert act_op in ops and kernel not in ops
+
+
+def test_hooked_down_projection_keeps_its_module_call():
+    """A forward hook on ``down_proj`` sees the activation's output: the fused op is not used there."""
+    model = tiny_model("llama", seed=6).to(torch.bfloat16)
+    cutile_kernels.patch(model, names=["fused_gate_up", "gemv"])
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    with torch.no_grad():
+        _, ops, _ = _compiled(lambda ids: model(ids, use_cache=False).logits, torch.tensor([[7]]))
+    assert "gemv_swiglu" in ops and "silu_and_mul_fused" in ops  # the other layers fuse; layer 0 does not
+    assert seen and seen[0][-1] == model.config.intermediate_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,3 +470,80 @@ def test_projections_stacked_or_unstacked_later_are_covered_too():
     assert uncovered() == [] and all(hasattr(layer.self_attn, "qkv_proj") for layer in model.model.layers)
     cutile_kernels.unpatch(model, names=["fused_qkv"])
     assert uncovered() == [] and all(hasattr(layer.self_attn, "k_proj") for layer in model.model.layers)
+
+
+#: (N, K) of down projections: Llama-3.2-1B, Qwen3-0.6B, Gemma-3-1B (K 6912: a multiple of 256, not
+#: of 512), N and K ragged on every tile, one output.
+GLU_GPU_SHAPES = [(2048, 8192), (1024, 3072), (1152, 6912), (1001, 2320), (1, 16)]
+
+
+def _launches(part: str) -> int:
+    return sum(v for key, v in dispatch.stats()["launches"].items() if part in key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(GLU))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", GLU_GPU_SHAPES, ids=str)
+def test_gpu_glu_matches_a_float64_product(shape, dtype, kernel, strict):
+    """One launch, no activation launch; as close to the float64 down projection of the rounded
+    activation as the stock two-step bf16/fp16 path."""
+    n, k = shape
+    _, act = GLU[kernel]
+    x, w = _glu_operands(n, k, dtype, "cuda", seed=n + k)
+    h = act(x)  # rounded to the dtype as stock rounds it
+    want = F.linear(h.double(), w.double())
+    # The caching allocator hands this freed block to the op's output: an unwritten element reads NaN.
+    poison = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
+    del poison
+    dispatch.reset_stats()
+    got = getattr(cutile_kernels, kernel)(x, w)
+    torch.cuda.synchronize()
+    assert got.shape == (1, 1, n) and torch.isfinite(got).all()
+    assert _launches("gemv_glu") == 1 and _launches("and_mul") == 0
+    assert _rel(got, want) <= max(1.5 * _rel(F.linear(h, w), want), 4e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_glu_is_the_two_launches_bit_for_bit_on_every_tile(strict):
+    """The fused kernel equals our activation kernel followed by the GEMV on the same tile, bit for
+    bit (same roundings, same order of sums), ragged N and K, every output written."""
+    n, k = 1001, 2320
+    x, w = _glu_operands(n, k, torch.bfloat16, "cuda", seed=9)
+    for kernel, (gelu, _) in GLU.items():
+        h = (cutile_kernels.gelu_tanh_and_mul_fused if gelu else cutile_kernels.silu_and_mul_fused)(x)
+        for tile in kgemv.TILES:
+            fused = torch.full((1, 1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            two = torch.full((1, 1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            assert gops.gemv_glu_into(kernel, x, w, fused, tile) and gops.gemv_into(h, w, None, two, tile)
+            torch.cuda.synchronize()
+            assert torch.isfinite(fused).all() and torch.equal(fused, two), (kernel, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,stacking", [("llama", "fused_gate_up"), ("gemma3_text", "fused_gate_up_geglu")])
+def test_gpu_stacked_mlp_model_in_a_cuda_graph_fuses_the_activation(family, stacking, strict):
+    """A one-token forward of a model with stacked gate/up and patch ``gemv``, captured in a CUDA
+    graph: the capture launches the fused down projection and no activation kernel; replayed, the
+    logits are as close to float64 as stock bf16's."""
+    stock = tiny_model(family, seed=7).to("cuda", torch.bfloat16)
+    ours = tiny_model(family, seed=7).to("cuda", torch.bfloat16)
+    cutile_kernels.patch(ours, names=[stacking, "gemv"])
+    ids = torch.tensor([[5]], device="cuda")
+    with torch.no_grad():
+        ref = tiny_model(family, seed=7).to("cuda", torch.float64)(ids, use_cache=False).logits
+        a = stock(ids, use_cache=False).logits
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ours(ids, use_cache=False)
+        torch.cuda.current_stream().wait_stream(side)
+        dispatch.reset_stats()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ours(ids, use_cache=False).logits
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert _launches("gemv_glu") == len(ours.model.layers) and _launches("and_mul") == 0
+    assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6

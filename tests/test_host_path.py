@@ -171,6 +171,18 @@ def test_ops_pack_what_a_full_pack_of_their_kernel_arguments_gives(fake_gpu):
     assert values == ArgPacker(_variant(symbol).params).values(laid)
 
 
+def test_fused_glu_gemv_plans_once_and_packs_its_views(fake_gpu):
+    """``gemv_swiglu``'s (1, 2, K) gate/up view: one plan for repeated calls (its layout is part of the
+    plan key), the call's own pointers packed each time."""
+    w = torch.randn(64, 512, dtype=BF16)
+    for _ in range(3):
+        x = torch.randn(1, 1, 1024, dtype=BF16)
+        out = cutile_kernels.gemv_swiglu(x, w)
+        symbol, values = fake_gpu[-1]
+        assert values == ArgPacker(_variant(symbol).params).values((x.view(1, 2, 512), w, out.view(1, 64)))
+    assert len(fake_gpu) == 3 and len(dispatch._PLANS) == 1
+
+
 def test_cached_plan_still_refuses_overlapping_inputs(fake_gpu):
     assert _run_rms(_rms_args(1, 2048))
     buf = torch.randn(4096, dtype=BF16)

@@ -9,6 +9,11 @@ microseconds per call). Each call reads another copy of the weight (copies total
 round robin), so that, as in a decode step, no weight comes from the 50 MB L2. Each tile's output is
 checked first against a float64 product on an output poisoned with NaN (relative L2 error < 4e-3, and
 no worse than 1.5x F.linear's own).
+
+Then the gated MLP's down projection on the routed tile: our activation kernel
+(``silu_and_mul_fused``) followed by the GEMV, two launches, against ``gemv_swiglu``, one, on the
+presets' down projections that the router sends to the GEMV (the fused output checked to equal the
+two launches' bit for bit first).
 """
 
 from __future__ import annotations
@@ -73,6 +78,36 @@ def _case(preset: str, name: str, n: int, k: int, tiles, dtype_name: str):
     return row
 
 
+def _glu_case(preset: str, n: int, k: int, dtype_name: str):
+    import torch
+
+    from cutile_kernels.ops.activation import silu_and_mul_fused
+    from cutile_kernels.ops.gemv import gemv_glu_into, gemv_into, tile_for
+    from cutile_kernels_tools.timing import graph_us
+
+    dtype = getattr(torch, dtype_name)
+    tile = tile_for(n, k)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    copies = max(1, min(64, ROTATION_BYTES // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5 for _ in range(copies)]
+    x = torch.randn(1, 1, 2 * k, device="cuda", dtype=dtype, generator=g)
+    fused = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
+    two = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
+    if not (gemv_glu_into("gemv_swiglu", x, ws[0], fused, tile) and gemv_into(silu_and_mul_fused(x), ws[0], None, two, tile)):
+        raise RuntimeError(f"{preset} down: no variant took the call")
+    if not (torch.isfinite(fused).all() and torch.equal(fused, two)):
+        raise RuntimeError(f"{preset} down: gemv_swiglu differs from silu_and_mul_fused + gemv")
+    it = [0]
+
+    def nxt():
+        it[0] = (it[0] + 1) % copies
+        return ws[it[0]]
+
+    return {"preset": preset, "N": n, "K": k, "tile": list(tile),
+            "two_us": round(graph_us(lambda: gemv_into(silu_and_mul_fused(x), nxt(), None, two, tile), reps=11), 2),
+            "fused_us": round(graph_us(lambda: gemv_glu_into("gemv_swiglu", x, nxt(), fused, tile), reps=11), 2)}
+
+
 def main():
     from cutile_kernels.kernel_src.gemv import TILES
 
@@ -89,9 +124,17 @@ def main():
         cells = " | ".join(f"{r['us'][t]:.2f}" for t in tags)
         print(f"| {r['preset']} | {r['proj']} | {r['N']} x {r['K']} ({r['weight_MB']}) | {r['us']['cublas']:.2f} "
               f"({r['TB/s']['cublas']}) | {cells} | {r['best']} ({r['TB/s'][r['best']]}) |")
+    from cutile_kernels.ops.gemv import tile_for
+
+    glu = [_glu_case(p, *SHAPES[p]["down"], args.dtype) for p in args.presets if tile_for(*SHAPES[p]["down"])]
+    print("\n| preset | down N x K | tile | silu_and_mul_fused + gemv us | gemv_swiglu us |")
+    print("|---|---|---|---|---|")
+    for r in glu:
+        print(f"| {r['preset']} | {r['N']} x {r['K']} | {r['tile'][0]}x{r['tile'][1]} | {r['two_us']:.2f} | "
+              f"{r['fused_us']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"gemv": rows, "glu": glu}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -624,6 +624,57 @@ def _gemv() -> list[Entry]:
                          uuid=f"{preset}/{name}/decode-b1")
                 for preset in WORKLOAD_PRESETS for name, n, k, b in _gemv_projections(preset) if b == bias]
         entries.append(Entry("gemv", d, rows, [SolutionSpec(kernel, "gemv")]))
+    return entries + _gemv_glu(ops)
+
+
+def _gemv_glu(ops) -> list[Entry]:
+    """Definitions of the gated MLP's down projection with its activation in the same launch
+    (``gemv_swiglu``: LlamaMLP's SiLU; ``gemv_geglu``: GemmaMLP's GELU-tanh), Workloads at the
+    presets' routed down projections (one decode row)."""
+    from cutile_kernels.ops.gemv import tile_for
+
+    act = _ops("activation")
+    imports = ("import torch", "import torch.nn.functional as F")
+    entries = []
+    for kernel, source, presets, acts in (
+            ("gemv_swiglu", f"{LLAMA}::LlamaMLP.forward", WORKLOAD_PRESETS,
+             [act.silu_and_mul_reference, act.silu_and_mul_fused_reference, ops.gemv_swiglu_reference]),
+            ("gemv_geglu", "src/transformers/models/gemma/modeling_gemma.py::GemmaMLP.forward", ("gemma-3-1b",),
+             [act.gelu_tanh_and_mul_fused_reference, ops.gemv_geglu_reference])):
+        what = "SiLU" if kernel == "gemv_swiglu" else "GELU-tanh"
+        routed = [p for p in presets if tile_for(model_shapes(p)["hidden"], model_shapes(p)["intermediate"])]
+        axes = {"one": AxisConst(value=1, description="one row: a batch-1 decode step's single token"),
+                "hidden_size": AxisVar(description="down_proj's output width N (<= 2048 where it runs)"),
+                "gate_up_size": AxisVar(description="2 x intermediate_size: the stacked [gate | up] row"),
+                "intermediate_size": AxisVar(description="down_proj's input width K (a multiple of 16)")}
+        d = Definition(
+            name=kernel, op_type="gemv_glu", axes=axes,
+            inputs={"x": TensorSpec(shape=["one", "gate_up_size"], dtype="bfloat16",
+                                    description="the stacked gate/up projection's output row: gate half first"),
+                    "weight": TensorSpec(shape=["hidden_size", "intermediate_size"], dtype="bfloat16",
+                                         description="down_proj.weight (row-major)")},
+            outputs={"out": TensorSpec(shape=["one", "hidden_size"], dtype="bfloat16",
+                                       description=f"down_proj({what}(gate) * up): the activation rounded as the "
+                                                   "stock MLP rounds it, float32 sums rounded once")},
+            reference=reference_source(
+                acts, ["x", "weight"], f"return {kernel}_reference(x, weight)",
+                _header(source, f"down_proj(act_fn(gate_proj(x)) * up_proj(x)) for one row with act_fn = {what}: the "
+                                "activation rounded to the input dtype, the product rounded, then the projection.",
+                        "cutile_kernels.ops.gemv"),
+                imports),
+            tags=["family:gemv", f"source:transformers@v{TRANSFORMERS_PIN}:{source}",
+                  *[f"model:{p}" for p in routed]],
+            description=(f"A gated MLP's down projection of one row with its {what} activation in the same launch "
+                         f"(transformers v{TRANSFORMERS_PIN}, {source}): batch-1 decode with stacked gate/up."),
+            constraints=["gate_up_size == 2 * intermediate_size", "intermediate_size % 16 == 0"],
+        )
+        rows = []
+        for preset in routed:
+            m = model_shapes(preset)
+            rows.append(Workload(axes={"hidden_size": m["hidden"], "gate_up_size": 2 * m["intermediate"],
+                                       "intermediate_size": m["intermediate"]},
+                                 inputs=_inputs(d), uuid=f"{preset}/mlp-down/decode-b1"))
+        entries.append(Entry("gemv", d, rows, [SolutionSpec(kernel, kernel)]))
     return entries
 
 

@@ -9,6 +9,12 @@ the order of the sum differs, so results match ``F.linear`` to the dtype's round
 of a 16-bit dtype, in a compiled or captured step, with an output width where the GEMV wins, goes to
 :func:`gemv`; everything else (prefill, a decode batch, float32, eager steps, wide projections) to
 ``F.linear`` (cuBLAS).
+
+:func:`gemv_swiglu` / :func:`gemv_geglu`: the down projection of a gated MLP on its stacked gate/up row,
+``F.linear(silu_and_mul_fused(x), weight)`` (GeGLU: ``gelu_tanh_and_mul_fused``) in one launch, the
+activation computed as the weight is swept (bit for bit the two launches it replaces, on the same
+tile). :func:`glu_linear` routes as :func:`linear` does; the fused MLP forwards (``layers/mlp.py``)
+call it through ``layers/_direct.glu_linear`` where the down projection carries patch ``gemv``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from .. import dispatch
 from ._dtypes import check_float
 from ._define import define_op
 from ..kernel_src.gemv import DTYPES as _DTYPE_NAMES
+from ..kernel_src.gemv import GLU
+from .activation import (gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference, silu_and_mul_fused,
+                         silu_and_mul_fused_reference)
 
 #: Dtypes the kernel is built for.
 DTYPES = tuple(getattr(torch, d) for d in _DTYPE_NAMES)
@@ -145,10 +154,145 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     step, 2026-12-03). Under ``torch.compile`` the choice is made while tracing (the row count is a
     static shape there).
     """
-    if (x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2
-            and tile_for(weight.shape[0], weight.shape[1]) is not None and weight.shape[1] % 16 == 0 and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-            and x.stride(-1) == 1 and weight.stride(-1) == 1 and type(weight) in _PLAIN and type(x) in _PLAIN
-            and (bias is None or type(bias) in _PLAIN)
-            and (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))):
+    if _routed(x, weight, bias):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _routed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # linear()'s conditions (see its docstring), for x of any last width (glu_linear's is 2K).
+    return (x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2
+            and tile_for(weight.shape[0], weight.shape[1]) is not None and weight.shape[1] % 16 == 0
+            and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+            and x.stride(-1) == 1 and weight.stride(-1) == 1 and type(weight) in _PLAIN and type(x) in _PLAIN
+            and (bias is None or type(bias) in _PLAIN)
+            and (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())))
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated MLP's down projection: activation and GEMV in one launch
+# ---------------------------------------------------------------------------------------------
+
+def gemv_swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``LlamaMLP.forward``'s last step on the stacked gate/up output ``x (..., 2K)`` (gate first):
+    ``down_proj(act_fn(gate) * up)`` with ``act_fn`` SiLU (transformers v5.22.2), i.e.
+    ``F.linear(silu_and_mul_fused_reference(x), weight)``."""
+    return F.linear(silu_and_mul_fused_reference(x), weight)
+
+
+def gemv_geglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`gemv_swiglu_reference` with GemmaMLP's ``gelu_pytorch_tanh``:
+    ``F.linear(gelu_tanh_and_mul_fused_reference(x), weight)``."""
+    return F.linear(gelu_tanh_and_mul_fused_reference(x), weight)
+
+
+def _glu_check(name: str):
+    def check(x: torch.Tensor, weight: torch.Tensor) -> None:
+        if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != 2 * weight.shape[1]:
+            raise ValueError(f"{name}: x {tuple(x.shape)} must be (..., 2K), the stacked gate/up row, for weight "
+                             f"{tuple(weight.shape)} (N, K)")
+        if x.numel() != x.shape[-1]:
+            raise ValueError(f"{name}: x {tuple(x.shape)} must hold exactly one row (its leading dimensions "
+                             "multiply to 1)")
+        if x.dtype != weight.dtype:
+            raise ValueError(f"{name}: x and weight must share a dtype; got {x.dtype}, {weight.dtype}")
+    return check
+
+
+def gemv_glu_into(kernel: str, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                  tile: tuple[int, int] | None = None) -> bool:
+    """Launch ``kernel`` (``"gemv_swiglu"`` or ``"gemv_geglu"``) on CUDA ``x`` (..., 2K) of one
+    contiguous row and ``weight`` (N, K) into a new ``out`` (..., N), with the (BN, BK) ``tile``
+    (default as :func:`gemv_into`). Returns False (nothing written, the reason logged) when no built
+    variant takes the call."""
+    n, k = weight.shape
+    bn, bk = tile or tile_for(n, k) or TILE_BY_N[-1][1]
+    grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
+    return dispatch.run(kernel, (("BN", bn), ("BK", bk)), (x, weight, out), 2, grid, _glu_rows)
+
+
+def _glu_rows(args: tuple) -> tuple:
+    # x (..., 2K) as the (1, 2, K) gate/up view, out (..., N) as (1, N). A module-level function:
+    # the layout is part of the plan cache's key, so a new lambda per call would re-plan every call.
+    x, weight, out = args
+    return (x.reshape(1, 2, weight.shape[1]), weight, out.reshape(1, out.shape[-1]))
+
+
+def _glu_cuda(kernel: str):
+    act = {"gemv_swiglu": silu_and_mul_fused, "gemv_geglu": gelu_tanh_and_mul_fused}[kernel]
+
+    def impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+        if n == 0:
+            return out
+        if k == 0:
+            return out.zero_()
+        if x.dtype not in DTYPES:
+            dispatch.fallback(kernel, f"dtype {x.dtype} (built: {', '.join(_DTYPE_NAMES)})")
+        elif not x.is_contiguous():
+            dispatch.fallback(kernel, "x is not one contiguous row")
+        elif gemv_glu_into(kernel, x, weight, out):
+            return out
+        # The two launches this one replaces (our activation kernel, then the GEMV or cuBLAS).
+        return linear(act(x), weight).contiguous()
+
+    impl.__name__ = f"_{kernel}_cuda"
+    return impl
+
+
+def _glu_fake(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_GLU_CHECKS = {kernel: _glu_check(kernel) for kernel in GLU}
+_GLU_OPS = {kernel: define_op(kernel, _glu_cuda(kernel), reference=ref, fake=_glu_fake, check=_GLU_CHECKS[kernel])
+            for kernel, ref in (("gemv_swiglu", gemv_swiglu_reference), ("gemv_geglu", gemv_geglu_reference))}
+assert set(_GLU_OPS) == set(GLU)
+
+
+def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP's down projection of one row, ``F.linear(silu(gate) * up, weight)``, in one launch.
+
+    Args:
+        x: ``(..., 2K)`` holding exactly one row: the stacked gate/up projection's output, gate first
+            (``fused_gate_up``'s layout). A strided row takes the fallback below.
+        weight: ``(N, K)``, ``down_proj.weight``, x's dtype.
+
+    Returns:
+        ``(..., N)`` of x's dtype: ``silu(gate)`` rounded to the dtype, times ``up`` rounded
+        (LlamaMLP's order, as ``silu_and_mul_fused``), then float32 sums rounded once.
+
+    On CUDA one cuTile launch for bfloat16 and float16 (aligned operands, K a multiple of 16, as
+    :func:`gemv`, x contiguous); otherwise, or with ``CUTILE_KERNELS_DISABLE=1``, the activation kernel
+    then the projection (on the CPU :func:`gemv_swiglu_reference`), logging the reason once. Under
+    ``torch.compile`` the custom op ``<namespace>::gemv_swiglu``.
+
+    Raises:
+        TypeError: a tensor is not floating point.
+        ValueError: x is not one row of width 2K, or the dtypes differ.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    check_float("gemv_swiglu", "x, weight", x, weight, kernel_dtypes=DTYPES)
+    _GLU_CHECKS["gemv_swiglu"](x, weight)
+    return _GLU_OPS["gemv_swiglu"].call_checked(x, weight)
+
+
+def gemv_geglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`gemv_swiglu` with GemmaMLP's GeGLU (``gelu_pytorch_tanh(gate) * up``, rounded as
+    ``gelu_tanh_and_mul_fused``). Shapes, dtypes and errors as :func:`gemv_swiglu`."""
+    check_float("gemv_geglu", "x, weight", x, weight, kernel_dtypes=DTYPES)
+    _GLU_CHECKS["gemv_geglu"](x, weight)
+    return _GLU_OPS["gemv_geglu"].call_checked(x, weight)
+
+
+def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               gelu: bool = False) -> torch.Tensor:
+    """``linear(act_and_mul(x), weight, bias)``: a gated MLP's down projection on its stacked gate/up
+    output ``x (..., 2K)``, ``act`` SiLU (``gelu=False``) or GELU-tanh. Where :func:`linear` would send
+    the projection to the GEMV (one contiguous 16-bit row, N <= 2048, compiled or captured) and there
+    is no bias, one :func:`gemv_swiglu` / :func:`gemv_geglu` launch; otherwise our activation kernel
+    (``silu_and_mul_fused`` / ``gelu_tanh_and_mul_fused``), then :func:`linear`. Returns ``(..., N)``."""
+    if bias is None and weight.dim() == 2 and x.shape[-1] == 2 * weight.shape[1] and _routed(x, weight, None):
+        return (gemv_geglu if gelu else gemv_swiglu)(x, weight)
+    return linear((gelu_tanh_and_mul_fused if gelu else silu_and_mul_fused)(x), weight, bias)
