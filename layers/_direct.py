@@ -25,7 +25,7 @@ from ..ops.activation import gelu_tanh_and_mul_fused, sigmoid_and_mul, silu_and_
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
-from ._patching import _unhooked
+from ._patching import _unhooked, swapped
 from .attention import static_kv_length
 from .linear import gemv_linear_forward
 from .norm import _float_norm_eps
@@ -78,17 +78,18 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gemv_patched(m: nn.Module) -> bool:
-    # An exact nn.Linear whose forward is the gemv patch's (bound on the instance).
-    return (type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD
-            and getattr(m.__dict__.get("forward"), "__func__", None) is gemv_linear_forward)
+    # An exact nn.Linear whose forward is the gemv patch's (bound on the instance); ``swapped``'s
+    # spelling, which dynamo evaluates while tracing.
+    return type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and swapped(m, gemv_linear_forward)
 
 
 def glu_linear(m: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
     """``m(act_and_mul(x))`` for the down projection ``m`` of a stacked gate/up MLP, ``x (..., 2I)``
     the gate/up output, ``act`` SiLU or (``gelu``) GELU-tanh. Where ``m`` carries patch ``gemv`` and
     nothing else would run on its call (no hooks; also while compiling, where the call is traced
-    away), :func:`~..ops.gemv.glu_linear`: one-row steps on the fused activation + GEMV kernel.
-    Otherwise our activation kernel, then :func:`linear`."""
+    away), :func:`~..ops.gemv.glu_linear`: one-row steps on the fused activation + GEMV kernel where
+    its tile table routes them (none yet), else the two launches. Otherwise our activation kernel,
+    then :func:`linear`."""
     if _gemv_patched(m) and _plain_call(m):
         return gemv_glu_linear(x, m.weight, m.bias, gelu)
     return linear(m, (gelu_tanh_and_mul_fused if gelu else silu_and_mul_fused)(x))

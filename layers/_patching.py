@@ -234,8 +234,15 @@ def own_forward_on_instance(m: nn.Module) -> bool:
 
 
 def swapped(m: nn.Module, forward) -> bool:
-    """Whether ``m``'s instance forward is ``forward`` bound to it (a patch's own swap)."""
-    return getattr(m.__dict__.get("forward"), "__func__", None) is forward
+    """Whether ``m``'s instance forward is ``forward`` bound to it (a patch's own swap). Spelled so that
+    torch 2.11's dynamo evaluates it as eager Python does inside a traced forward: there
+    ``getattr(m.__dict__.get("forward"), "__func__", None)`` gave None (Qwen3's compiled attention then
+    took the stock lines; H200 and CPU, 2026-12-03)."""
+    own = m.__dict__
+    if "forward" not in own:
+        return False
+    bound = own["forward"]
+    return isinstance(bound, types.MethodType) and bound.__func__ is forward
 
 
 def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict, done: str,

@@ -79,8 +79,9 @@ class CutileSwiGLUMLP(nn.Module):
     (``nn.Linear(I, H)``) from the module :func:`fuse_mlp` rewrote. Input ``(..., H)``, output
     ``(..., H)`` of the weights' dtype. The GEMMs are cuBLAS (``F.linear``); the activation is
     one cuTile pass over the two halves of the GEMM output (transformers' rounding order). With
-    patch ``gemv`` on ``down_proj``, a one-row compiled or captured step runs the activation and the
-    down projection as one launch (``gemv_swiglu``, :func:`._direct.glu_linear`).
+    patch ``gemv`` on ``down_proj``, a one-row compiled or captured step can run the activation and
+    the down projection as one launch (``gemv_swiglu``, :func:`._direct.glu_linear`) on the GEMV tiles
+    of ``ops.gemv.GLU_TILES`` (none yet).
     """
 
     gate_up_proj: nn.Linear
@@ -97,7 +98,7 @@ class CutileSwiGLUMLP(nn.Module):
 class CutileGeGLUMLP(nn.Module):
     """``LlamaMLP.forward`` with a ``gelu_pytorch_tanh`` ``act_fn`` (Gemma's MLP) on a stacked gate/up
     weight: ``down(gelu_tanh_and_mul(gate_up(x)))``. Shapes as :class:`CutileSwiGLUMLP`; with patch
-    ``gemv`` on ``down_proj`` a one-row compiled or captured step is one ``gemv_geglu`` launch."""
+    ``gemv`` on ``down_proj`` likewise ``gemv_geglu`` (on ``GLU_TILES``' tiles)."""
 
     gate_up_proj: nn.Linear
     down_proj: nn.Linear

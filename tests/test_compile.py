@@ -359,3 +359,35 @@ def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(varian
         compiled = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
     assert "rms_norm_gemma" in rec.ops
     torch.testing.assert_close(compiled, want)
+
+
+def test_patch_identity_checks_trace_as_they_run_eagerly():
+    """What the reproduced forwards ask while dynamo traces them: ``swapped`` (Qwen3's attention:
+    its own swap or a stacked class's forward) and ``_direct._gemv_patched`` answer as in eager
+    Python. Under torch 2.11, ``getattr(m.__dict__.get("forward"), "__func__", None)`` traced to None
+    and compiled Qwen3 steps took the stock q/k norm + RoPE lines (H200, 2026-12-03; reproduced and
+    fixed with torch 2.11 on the CPU)."""
+    from cutile_kernels.layers._direct import _gemv_patched
+    from cutile_kernels.layers._patching import swapped
+    from cutile_kernels.layers.models.qwen3 import fused_attention_forward
+
+    model = tiny_model("qwen3", seed=0)
+    cutile_kernels.patch(model)
+    attn, down, head = model.model.layers[0].self_attn, model.model.layers[0].mlp.down_proj, model.lm_head
+    attn.q_norm.forward = lambda x: x  # a plain function on an instance (as a user's wrapper)
+
+    def answers():
+        return (swapped(attn, fused_attention_forward), swapped(attn.q_norm, fused_attention_forward),
+                _gemv_patched(down), _gemv_patched(head))
+
+    traced = []
+
+    def probe(x):
+        traced.append(answers())
+        return x + 1
+
+    torch._dynamo.reset()
+    torch.compile(probe, backend="eager", fullgraph=True)(torch.ones(2))
+    torch._dynamo.reset()
+    assert answers() == (True, False, True, False)
+    assert traced == [answers()]

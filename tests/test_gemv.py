@@ -202,11 +202,17 @@ def test_glu_variants_cover_the_chosen_tiles_in_both_dtypes():
                 assert (kernel, dtype, 3, *gops.tile_for(n, k), int(gelu)) in built
 
 
-def test_glu_router_fuses_a_traced_one_row_step_only():
-    """One bf16 row traced: one ``gemv_swiglu`` (``gemv_geglu``); three rows, float32, a bias or a
-    wide projection: our activation op, then the projection as :func:`linear` routes it; an
-    eager step: the activation op and F.linear, with the reference's values."""
+def test_glu_router_fuses_a_traced_one_row_step_only(monkeypatch):
+    """With the fused kernel routed on every tile: one bf16 row traced is one ``gemv_swiglu``
+    (``gemv_geglu``); three rows, float32, a bias or a wide projection: our activation op, then the
+    projection as :func:`linear` routes it; an eager step: the activation op and F.linear, with the
+    reference's values. Routed on no tile (the shipped ``GLU_TILES``): the activation op, then the GEMV."""
     x, w = _glu_operands(24, 32, torch.bfloat16)
+    assert gops.GLU_TILES == ()
+    for gelu in (False, True):
+        act_op = "gelu_tanh_and_mul_fused" if gelu else "silu_and_mul_fused"
+        assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), x, w) == {act_op, "gemv"}
+    monkeypatch.setattr(gops, "GLU_TILES", kgemv.TILES)
     for kernel, (gelu, act) in GLU.items():
         act_op = "gelu_tanh_and_mul_fused" if gelu else "silu_and_mul_fused"
         assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), x, w) == {kernel}
@@ -282,10 +288,12 @@ def test_patched_decode_step_compiles_without_a_graph_break():
 
 @pytest.mark.parametrize("family,stacking,kernel", [("llama", "fused_gate_up", "gemv_swiglu"),
                                                     ("gemma3_text", "fused_gate_up_geglu", "gemv_geglu")])
-def test_stacked_mlp_step_fuses_its_activation_into_the_down_projection(family, stacking, kernel):
-    """A one-token step of a model with stacked gate/up and patch ``gemv``, compiled with fullgraph:
-    each MLP's activation and down projection are one fused op (no separate activation op); the
-    logits are the eager step's. Without patch ``gemv`` the activation op stays."""
+def test_stacked_mlp_step_fuses_its_activation_into_the_down_projection(family, stacking, kernel, monkeypatch):
+    """A one-token step of a model with stacked gate/up and patch ``gemv``, compiled with fullgraph,
+    the fused kernel routed on every tile: each MLP's activation and down projection are one fused op
+    (no separate activation op); the logits are the eager step's. Without patch ``gemv`` the
+    activation op stays."""
+    monkeypatch.setattr(gops, "GLU_TILES", kgemv.TILES)
     act_op = "gelu_tanh_and_mul_fused" if "geglu" in kernel else "silu_and_mul_fused"
     model = tiny_model(family, seed=5).to(torch.bfloat16)
     cutile_kernels.patch(model, names=[stacking, "gemv"])
@@ -303,8 +311,9 @@ def test_stacked_mlp_step_fuses_its_activation_into_the_down_projection(family, 
     assert act_op in ops and kernel not in ops
 
 
-def test_hooked_down_projection_keeps_its_module_call():
+def test_hooked_down_projection_keeps_its_module_call(monkeypatch):
     """A forward hook on ``down_proj`` sees the activation's output: the fused op is not used there."""
+    monkeypatch.setattr(gops, "GLU_TILES", kgemv.TILES)
     model = tiny_model("llama", seed=6).to(torch.bfloat16)
     cutile_kernels.patch(model, names=["fused_gate_up", "gemv"])
     seen = []
@@ -427,16 +436,18 @@ def test_gpu_router_runs_the_gemv_only_in_a_captured_step(strict):
     assert _rel(out, x.double() @ w.double().T) <= max(1.5 * _rel(eager, x.double() @ w.double().T), 4e-3)
 
 
-@pytest.mark.gpu
-def test_gpu_patched_model_in_a_cuda_graph_at_batch_one(strict):
-    """A one-token forward of the patched model captured in a CUDA graph runs our GEMV (the
-    capture launches it) and replays to logits as close to float64 as stock bf16's."""
-    stock = tiny_model("llama", seed=3).to("cuda", torch.bfloat16)
-    ours = tiny_model("llama", seed=3).to("cuda", torch.bfloat16)
-    cutile_kernels.patch(ours, names=["gemv"])
+def _captured_step(model: tuple, patches: list) -> tuple:
+    """A one-token forward of the tiny ``(family, seed)`` model in bf16 with ``patches``, run once
+    eagerly on a side stream, then captured in a CUDA graph (launch counts reset just before the
+    capture) and replayed into a NaN-filled output: (replayed logits, float64 stock logits, bf16
+    stock logits, the patched model)."""
+    family, seed = model
+    stock = tiny_model(family, seed=seed).to("cuda", torch.bfloat16)
+    ours = tiny_model(family, seed=seed).to("cuda", torch.bfloat16)
+    cutile_kernels.patch(ours, names=patches)
     ids = torch.tensor([[5]], device="cuda")
     with torch.no_grad():
-        ref = tiny_model("llama", seed=3).to("cuda", torch.float64)(ids, use_cache=False).logits
+        ref = tiny_model(family, seed=seed).to("cuda", torch.float64)(ids, use_cache=False).logits
         a = stock(ids, use_cache=False).logits
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -450,6 +461,14 @@ def test_gpu_patched_model_in_a_cuda_graph_at_batch_one(strict):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+    return out, ref, a, ours
+
+
+@pytest.mark.gpu
+def test_gpu_patched_model_in_a_cuda_graph_at_batch_one(strict):
+    """A one-token forward of the patched model captured in a CUDA graph runs our GEMV (the
+    capture launches it) and replays to logits as close to float64 as stock bf16's."""
+    out, ref, a, _ = _captured_step(("llama", 3), ["gemv"])
     assert _gemv_launches() > 0
     assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6
 
@@ -522,28 +541,11 @@ def test_gpu_glu_is_the_two_launches_bit_for_bit_on_every_tile(strict):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,stacking", [("llama", "fused_gate_up"), ("gemma3_text", "fused_gate_up_geglu")])
-def test_gpu_stacked_mlp_model_in_a_cuda_graph_fuses_the_activation(family, stacking, strict):
-    """A one-token forward of a model with stacked gate/up and patch ``gemv``, captured in a CUDA
-    graph: the capture launches the fused down projection and no activation kernel; replayed, the
-    logits are as close to float64 as stock bf16's."""
-    stock = tiny_model(family, seed=7).to("cuda", torch.bfloat16)
-    ours = tiny_model(family, seed=7).to("cuda", torch.bfloat16)
-    cutile_kernels.patch(ours, names=[stacking, "gemv"])
-    ids = torch.tensor([[5]], device="cuda")
-    with torch.no_grad():
-        ref = tiny_model(family, seed=7).to("cuda", torch.float64)(ids, use_cache=False).logits
-        a = stock(ids, use_cache=False).logits
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            ours(ids, use_cache=False)
-        torch.cuda.current_stream().wait_stream(side)
-        dispatch.reset_stats()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ours(ids, use_cache=False).logits
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+def test_gpu_stacked_mlp_model_in_a_cuda_graph_fuses_the_activation(family, stacking, strict, monkeypatch):
+    """A one-token forward of a model with stacked gate/up and patch ``gemv``, the fused kernel routed
+    on every tile, captured in a CUDA graph: the capture launches the fused down projection and no
+    activation kernel; replayed, the logits are as close to float64 as stock bf16's."""
+    monkeypatch.setattr(gops, "GLU_TILES", kgemv.TILES)
+    out, ref, a, ours = _captured_step((family, 7), [stacking, "gemv"])
     assert _launches("gemv_glu") == len(ours.model.layers) and _launches("and_mul") == 0
     assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6

@@ -13,8 +13,10 @@ of a 16-bit dtype, in a compiled or captured step, with an output width where th
 :func:`gemv_swiglu` / :func:`gemv_geglu`: the down projection of a gated MLP on its stacked gate/up row,
 ``F.linear(silu_and_mul_fused(x), weight)`` (GeGLU: ``gelu_tanh_and_mul_fused``) in one launch, the
 activation computed as the weight is swept (bit for bit the two launches it replaces, on the same
-tile). :func:`glu_linear` routes as :func:`linear` does; the fused MLP forwards (``layers/mlp.py``)
-call it through ``layers/_direct.glu_linear`` where the down projection carries patch ``gemv``.
+tile). :func:`glu_linear` routes as :func:`linear` does, on the tiles of :data:`GLU_TILES` (none
+yet: the H200 rejected the fused kernel on Llama's shape); the fused MLP forwards
+(``layers/mlp.py``) call it through ``layers/_direct.glu_linear`` where the down projection carries
+patch ``gemv``.
 """
 
 from __future__ import annotations
@@ -286,13 +288,24 @@ def gemv_geglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _GLU_OPS["gemv_geglu"].call_checked(x, weight)
 
 
+#: The GEMV tiles on which :func:`glu_linear` fuses the activation into the down projection: none.
+#: On the H200 (2026-12-03, dev/microbench/gemv_bench.py, graph replays) the fused kernel lost on
+#: Llama-3.2-1B's down_proj (2048 x 8192, 16 x 256: 19.36 us against 13.29 for the activation
+#: kernel + GEMV; each block recomputes the activation of all K, 32 tiles deep) and the decode fast
+#: path went from 1.21-1.23 to 1.31-1.32 ms a step; on Qwen3-0.6B's (1024 x 3072, 8 x 512) it won,
+#: 5.89 against 6.66 us, not yet measured end to end. Add a tile here once the model bench accepts it.
+GLU_TILES: tuple = ()
+
+
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                gelu: bool = False) -> torch.Tensor:
     """``linear(act_and_mul(x), weight, bias)``: a gated MLP's down projection on its stacked gate/up
     output ``x (..., 2K)``, ``act`` SiLU (``gelu=False``) or GELU-tanh. Where :func:`linear` would send
-    the projection to the GEMV (one contiguous 16-bit row, N <= 2048, compiled or captured) and there
-    is no bias, one :func:`gemv_swiglu` / :func:`gemv_geglu` launch; otherwise our activation kernel
-    (``silu_and_mul_fused`` / ``gelu_tanh_and_mul_fused``), then :func:`linear`. Returns ``(..., N)``."""
-    if bias is None and weight.dim() == 2 and x.shape[-1] == 2 * weight.shape[1] and _routed(x, weight, None):
+    the projection to the GEMV (one contiguous 16-bit row, N <= 2048, compiled or captured) on a tile of
+    :data:`GLU_TILES`, and there is no bias, one :func:`gemv_swiglu` / :func:`gemv_geglu` launch;
+    otherwise our activation kernel (``silu_and_mul_fused`` / ``gelu_tanh_and_mul_fused``), then
+    :func:`linear`. Returns ``(..., N)``."""
+    if (bias is None and weight.dim() == 2 and x.shape[-1] == 2 * weight.shape[1]
+            and tile_for(weight.shape[0], weight.shape[1]) in GLU_TILES and _routed(x, weight, None)):
         return (gemv_geglu if gelu else gemv_swiglu)(x, weight)
     return linear((gelu_tanh_and_mul_fused if gelu else silu_and_mul_fused)(x), weight, bias)
