@@ -10,7 +10,7 @@ registered, no JIT trace is recording, and ``module.compile()`` did not install 
 ``forward`` itself; otherwise it makes the module call, so hooks (profilers, transformers' output
 capture) always run. Under ``torch.compile``
 the module calls stay (dynamo traces through them at no run-time cost), except the down projection
-that :func:`glu_linear` fuses with the MLP's activation (hookless, checked while tracing). :func:`linear` does the
+that :func:`glu_linear` calls without its module call (hookless, checked while tracing). :func:`linear` does the
 same for an exact ``nn.Linear``, whose forward is ``F.linear(x, weight, bias)``.
 """
 

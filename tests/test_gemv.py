@@ -292,13 +292,15 @@ def test_stacked_mlp_step_fuses_its_activation_into_the_down_projection(family, 
     """A one-token step of a model with stacked gate/up and patch ``gemv``, compiled with fullgraph,
     the fused kernel routed on every tile: each MLP's activation and down projection are one fused op
     (no separate activation op); the logits are the eager step's. Without patch ``gemv`` the
-    activation op stays."""
-    monkeypatch.setattr(gops, "GLU_TILES", kgemv.TILES)
+    activation op stays; so it does with the shipped (empty) ``GLU_TILES``, before the GEMV."""
     act_op = "gelu_tanh_and_mul_fused" if "geglu" in kernel else "silu_and_mul_fused"
     model = tiny_model(family, seed=5).to(torch.bfloat16)
     cutile_kernels.patch(model, names=[stacking, "gemv"])
     ids = torch.tensor([[7]])
     with torch.no_grad():
+        _, ops, _ = _compiled(lambda ids: model(ids, use_cache=False).logits, ids)
+        assert {act_op, "gemv"} <= ops and kernel not in ops
+        monkeypatch.setattr(gops, "GLU_TILES", kgemv.TILES)
         got, ops, graphs = _compiled(lambda ids: model(ids, use_cache=False).logits, ids)
         dispatch.reset_stats()
         ref = model(ids, use_cache=False).logits

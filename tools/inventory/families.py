@@ -630,7 +630,7 @@ def _gemv() -> list[Entry]:
 def _gemv_glu(ops) -> list[Entry]:
     """Definitions of the gated MLP's down projection with its activation in the same launch
     (``gemv_swiglu``: LlamaMLP's SiLU; ``gemv_geglu``: GemmaMLP's GELU-tanh), Workloads at the
-    presets' routed down projections (one decode row)."""
+    presets' down projections within the GEMV's width (one decode row)."""
     from cutile_kernels.ops.gemv import tile_for
 
     act = _ops("activation")
@@ -644,7 +644,7 @@ def _gemv_glu(ops) -> list[Entry]:
         what = "SiLU" if kernel == "gemv_swiglu" else "GELU-tanh"
         routed = [p for p in presets if tile_for(model_shapes(p)["hidden"], model_shapes(p)["intermediate"])]
         axes = {"one": AxisConst(value=1, description="one row: a batch-1 decode step's single token"),
-                "hidden_size": AxisVar(description="down_proj's output width N (<= 2048 where it runs)"),
+                "hidden_size": AxisVar(description="down_proj's output width N (the GEMV's: <= 2048)"),
                 "gate_up_size": AxisVar(description="2 x intermediate_size: the stacked [gate | up] row"),
                 "intermediate_size": AxisVar(description="down_proj's input width K (a multiple of 16)")}
         d = Definition(
@@ -665,7 +665,9 @@ def _gemv_glu(ops) -> list[Entry]:
             tags=["family:gemv", f"source:transformers@v{TRANSFORMERS_PIN}:{source}",
                   *[f"model:{p}" for p in routed]],
             description=(f"A gated MLP's down projection of one row with its {what} activation in the same launch "
-                         f"(transformers v{TRANSFORMERS_PIN}, {source}): batch-1 decode with stacked gate/up."),
+                         f"(transformers v{TRANSFORMERS_PIN}, {source}): batch-1 decode with stacked gate/up. "
+                         "Workloads at the presets' down projections within the GEMV's width; not routed in "
+                         "models (ops.gemv.GLU_TILES is empty: it lost to the two launches on Llama's shape)."),
             constraints=["gate_up_size == 2 * intermediate_size", "intermediate_size % 16 == 0"],
         )
         rows = []
