@@ -205,7 +205,7 @@ def no_network(monkeypatch):
 
 
 def test_cli_dry_run_summarizes_by_folder_and_the_plan_lists_every_file(fake_build, tmp_path, capsys, no_network):
-    # A real build is ~1000 cubins: the output gives each folder's count and size, upload.json each file.
+    # A real build is thousands of cubins: the output gives each folder's count and size, upload.json each file.
     out = tmp_path / "out"
     rc = cli(["publish", "--repo-id", "acme/cutile-kernels", "--dry-run", "--out", str(out), "--build", str(fake_build),
               "--inventory", str(tmp_path / "none")])
