@@ -150,8 +150,9 @@ def test_router_leaves_wide_projections_to_cublas():
 # The gated MLP's down projection: activation + GEMV in one launch
 # ---------------------------------------------------------------------------------------------
 
-GLU = {"gemv_swiglu": (False, cutile_kernels.silu_and_mul_fused_reference),
-       "gemv_geglu": (True, cutile_kernels.gelu_tanh_and_mul_fused_reference)}
+#: kernel -> (gelu, the activation's reference, the activation op it replaces)
+GLU = {"gemv_swiglu": (False, cutile_kernels.silu_and_mul_fused_reference, "silu_and_mul_fused"),
+       "gemv_geglu": (True, cutile_kernels.gelu_tanh_and_mul_fused_reference, "gelu_tanh_and_mul_fused")}
 
 
 def _glu_operands(n, k, dtype=torch.float32, device="cpu", seed=0):
@@ -163,7 +164,7 @@ def _glu_operands(n, k, dtype=torch.float32, device="cpu", seed=0):
 
 @pytest.mark.parametrize("kernel", list(GLU))
 def test_glu_reference_is_the_activation_then_f_linear(kernel):
-    _, act = GLU[kernel]
+    _, act, _ = GLU[kernel]
     x, w = _glu_operands(24, 32)
     fn, ref = getattr(cutile_kernels, kernel), getattr(cutile_kernels, f"{kernel}_reference")
     assert torch.equal(ref(x, w), F.linear(act(x), w))
@@ -185,7 +186,7 @@ def test_emulated_glu_kernel_matches_on_every_tile(n, k):
 
     x, w = _glu_operands(n, k)
     run = emulate(kgemv.gemv_glu_kernel, kgemv)
-    for kernel, (gelu, act) in GLU.items():
+    for kernel, (gelu, act, _) in GLU.items():
         want = F.linear(act(x.double()), w.double())[0].float()
         for bn, bk in kgemv.TILES:
             out = torch.full((1, n), float("nan"))
@@ -196,7 +197,7 @@ def test_emulated_glu_kernel_matches_on_every_tile(n, k):
 def test_glu_variants_cover_the_chosen_tiles_in_both_dtypes():
     built = {(s.kernel, s.params[0].dtype, s.params[0].ndim, s.constants["BN"], s.constants["BK"],
               s.constants["GELU"]) for s in kgemv.VARIANTS if s.kernel in GLU}
-    for kernel, (gelu, _) in GLU.items():
+    for kernel, (gelu, _, _) in GLU.items():
         for dtype in ("bfloat16", "float16"):
             for n, k in [(2048, 8192), (1024, 3072), (1152, 6912), (7, 16)]:
                 assert (kernel, dtype, 3, *gops.tile_for(n, k), int(gelu)) in built
@@ -209,12 +210,10 @@ def test_glu_router_fuses_a_traced_one_row_step_only(monkeypatch):
     reference's values. Routed on no tile (the shipped ``GLU_TILES``): the activation op, then the GEMV."""
     x, w = _glu_operands(24, 32, torch.bfloat16)
     assert gops.GLU_TILES == ()
-    for gelu in (False, True):
-        act_op = "gelu_tanh_and_mul_fused" if gelu else "silu_and_mul_fused"
+    for gelu, _, act_op in GLU.values():
         assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), x, w) == {act_op, "gemv"}
     monkeypatch.setattr(gops, "GLU_TILES", kgemv.TILES)
-    for kernel, (gelu, act) in GLU.items():
-        act_op = "gelu_tanh_and_mul_fused" if gelu else "silu_and_mul_fused"
+    for kernel, (gelu, act, act_op) in GLU.items():
         assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), x, w) == {kernel}
         rows = torch.randn(1, 3, 64).to(torch.bfloat16)
         assert _traced_ops(lambda a, b: gops.glu_linear(a, b, gelu=gelu), rows, w) == {act_op}
@@ -293,7 +292,7 @@ def test_stacked_mlp_step_fuses_its_activation_into_the_down_projection(family, 
     the fused kernel routed on every tile: each MLP's activation and down projection are one fused op
     (no separate activation op); the logits are the eager step's. Without patch ``gemv`` the
     activation op stays; so it does with the shipped (empty) ``GLU_TILES``, before the GEMV."""
-    act_op = "gelu_tanh_and_mul_fused" if "geglu" in kernel else "silu_and_mul_fused"
+    act_op = GLU[kernel][2]
     model = tiny_model(family, seed=5).to(torch.bfloat16)
     cutile_kernels.patch(model, names=[stacking, "gemv"])
     ids = torch.tensor([[7]])
@@ -337,9 +336,10 @@ GPU_SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1024, 20
               (4096, 2304), (1001, 2048), (2040, 2320), (1, 16)]
 
 
-def _gemv_launches() -> int:
-    """Launches of the GEMV kernels (with and without bias) since the last ``reset_stats``."""
-    return sum(v for key, v in dispatch.stats()["launches"].items() if "gemv" in key)
+def _launches(part: str) -> int:
+    """Launches since the last ``reset_stats`` of the variants whose symbol contains ``part``
+    (``"gemv"``: every GEMV kernel)."""
+    return sum(v for key, v in dispatch.stats()["launches"].items() if part in key)
 
 
 def _rel(got, want):
@@ -362,7 +362,7 @@ def test_gpu_matches_a_float64_product(shape, dtype, bias, strict):
     got = cutile_kernels.gemv(x, w, b)
     torch.cuda.synchronize()
     assert got.shape == (1, 1, n) and torch.isfinite(got).all()
-    assert _gemv_launches() == 1
+    assert _launches("gemv") == 1
     cublas = _rel(F.linear(x, w, b), want)
     assert _rel(got, want) <= max(1.5 * cublas, 4e-3)
 
@@ -417,7 +417,7 @@ def test_gpu_unaligned_operands_fall_back_and_say_so(caplog):
     assert "gemv" in caplog.text
     dispatch.reset_stats()
     got = cutile_kernels.gemv(x, wide[:, :k])  # rows 2 * (k + 16) bytes apart: still aligned
-    assert _gemv_launches() == 1
+    assert _launches("gemv") == 1
     assert _rel(got, x.double() @ wide[:, :k].double().T) < 4e-3
 
 
@@ -426,7 +426,7 @@ def test_gpu_router_runs_the_gemv_only_in_a_captured_step(strict):
     x, w, _ = _operands(2048, 2048, torch.bfloat16, "cuda")
     dispatch.reset_stats()
     eager = gops.linear(x, w)
-    assert _gemv_launches() == 0  # eager: F.linear
+    assert _launches("gemv") == 0  # eager: F.linear
     gops.gemv(x, w)  # load the kernel outside the capture
     dispatch.reset_stats()
     graph = torch.cuda.CUDAGraph()
@@ -434,7 +434,7 @@ def test_gpu_router_runs_the_gemv_only_in_a_captured_step(strict):
         out = gops.linear(x, w)
     graph.replay()
     torch.cuda.synchronize()
-    assert _gemv_launches() == 1
+    assert _launches("gemv") == 1
     assert _rel(out, x.double() @ w.double().T) <= max(1.5 * _rel(eager, x.double() @ w.double().T), 4e-3)
 
 
@@ -471,7 +471,7 @@ def test_gpu_patched_model_in_a_cuda_graph_at_batch_one(strict):
     """A one-token forward of the patched model captured in a CUDA graph runs our GEMV (the
     capture launches it) and replays to logits as close to float64 as stock bf16's."""
     out, ref, a, _ = _captured_step(("llama", 3), ["gemv"])
-    assert _gemv_launches() > 0
+    assert _launches("gemv") > 0
     assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6
 
 
@@ -498,10 +498,6 @@ def test_projections_stacked_or_unstacked_later_are_covered_too():
 GLU_GPU_SHAPES = [(2048, 8192), (1024, 3072), (1152, 6912), (1001, 2320), (1, 16)]
 
 
-def _launches(part: str) -> int:
-    return sum(v for key, v in dispatch.stats()["launches"].items() if part in key)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", list(GLU))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -510,7 +506,7 @@ def test_gpu_glu_matches_a_float64_product(shape, dtype, kernel, strict):
     """One launch, no activation launch; as close to the float64 down projection of the rounded
     activation as the stock two-step bf16/fp16 path."""
     n, k = shape
-    _, act = GLU[kernel]
+    _, act, _ = GLU[kernel]
     x, w = _glu_operands(n, k, dtype, "cuda", seed=n + k)
     h = act(x)  # rounded to the dtype as stock rounds it
     want = F.linear(h.double(), w.double())
@@ -531,8 +527,8 @@ def test_gpu_glu_is_the_two_launches_bit_for_bit_on_every_tile(strict):
     bit (same roundings, same order of sums), ragged N and K, every output written."""
     n, k = 1001, 2320
     x, w = _glu_operands(n, k, torch.bfloat16, "cuda", seed=9)
-    for kernel, (gelu, _) in GLU.items():
-        h = (cutile_kernels.gelu_tanh_and_mul_fused if gelu else cutile_kernels.silu_and_mul_fused)(x)
+    for kernel, (_, _, act_op) in GLU.items():
+        h = getattr(cutile_kernels, act_op)(x)
         for tile in kgemv.TILES:
             fused = torch.full((1, 1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             two = torch.full((1, 1, n), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -34,6 +34,22 @@ SHAPES = {
 ROTATION_BYTES = 256 << 20
 
 
+def _rotating_weights(n: int, k: int, dtype, g):
+    """Copies of an (N, K) weight totalling >= ROTATION_BYTES (at most 64) drawn from generator ``g``,
+    and ``nxt()`` handing them out round robin, so that a timed call reads its weight from HBM."""
+    import torch
+
+    copies = max(1, min(64, ROTATION_BYTES // (n * k * 2)))
+    ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5 for _ in range(copies)]
+    it = [0]
+
+    def nxt():
+        it[0] = (it[0] + 1) % copies
+        return ws[it[0]]
+
+    return ws, nxt
+
+
 def _case(preset: str, name: str, n: int, k: int, tiles, dtype_name: str):
     import torch
     import torch.nn.functional as F
@@ -43,20 +59,13 @@ def _case(preset: str, name: str, n: int, k: int, tiles, dtype_name: str):
 
     dtype = getattr(torch, dtype_name)
     g = torch.Generator(device="cuda").manual_seed(0)
-    copies = max(1, min(64, ROTATION_BYTES // (n * k * 2)))
-    ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5 for _ in range(copies)]
+    ws, nxt = _rotating_weights(n, k, dtype, g)
     x = torch.randn(1, 1, k, device="cuda", dtype=dtype, generator=g)
     out = torch.empty(1, 1, n, device="cuda", dtype=dtype)
     ref = (x.double() @ ws[0].double().T)
     cublas_rel = ((F.linear(x, ws[0]).double() - ref).norm() / ref.norm()).item()
     row = {"preset": preset, "proj": name, "N": n, "K": k, "dtype": dtype_name, "chosen": list(tile_for(n, k) or ["cublas"]),
            "weight_MB": round(n * k * 2 / 1e6, 1), "us": {}, "rel": {}}
-    it = [0]
-
-    def nxt():
-        it[0] = (it[0] + 1) % copies
-        return ws[it[0]]
-
     row["us"]["cublas"] = round(graph_us(lambda: F.linear(x, nxt()), reps=11), 2)
     for bn, bk in tiles:
         tag = f"{bn}x{bk}"
@@ -88,8 +97,7 @@ def _glu_case(preset: str, n: int, k: int, dtype_name: str):
     dtype = getattr(torch, dtype_name)
     tile = tile_for(n, k)
     g = torch.Generator(device="cuda").manual_seed(1)
-    copies = max(1, min(64, ROTATION_BYTES // (n * k * 2)))
-    ws = [torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k ** 0.5 for _ in range(copies)]
+    ws, nxt = _rotating_weights(n, k, dtype, g)
     x = torch.randn(1, 1, 2 * k, device="cuda", dtype=dtype, generator=g)
     fused = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
     two = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
@@ -97,12 +105,6 @@ def _glu_case(preset: str, n: int, k: int, dtype_name: str):
         raise RuntimeError(f"{preset} down: no variant took the call")
     if not (torch.isfinite(fused).all() and torch.equal(fused, two)):
         raise RuntimeError(f"{preset} down: gemv_swiglu differs from silu_and_mul_fused + gemv")
-    it = [0]
-
-    def nxt():
-        it[0] = (it[0] + 1) % copies
-        return ws[it[0]]
-
     return {"preset": preset, "N": n, "K": k, "tile": list(tile),
             "two_us": round(graph_us(lambda: gemv_into(silu_and_mul_fused(x), nxt(), None, two, tile), reps=11), 2),
             "fused_us": round(graph_us(lambda: gemv_glu_into("gemv_swiglu", x, nxt(), fused, tile), reps=11), 2)}
@@ -110,6 +112,7 @@ def _glu_case(preset: str, n: int, k: int, dtype_name: str):
 
 def main():
     from cutile_kernels.kernel_src.gemv import TILES
+    from cutile_kernels.ops.gemv import tile_for
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
@@ -124,8 +127,6 @@ def main():
         cells = " | ".join(f"{r['us'][t]:.2f}" for t in tags)
         print(f"| {r['preset']} | {r['proj']} | {r['N']} x {r['K']} ({r['weight_MB']}) | {r['us']['cublas']:.2f} "
               f"({r['TB/s']['cublas']}) | {cells} | {r['best']} ({r['TB/s'][r['best']]}) |")
-    from cutile_kernels.ops.gemv import tile_for
-
     glu = [_glu_case(p, *SHAPES[p]["down"], args.dtype) for p in args.presets if tile_for(*SHAPES[p]["down"])]
     print("\n| preset | down N x K | tile | silu_and_mul_fused + gemv us | gemv_swiglu us |")
     print("|---|---|---|---|---|")

@@ -642,7 +642,8 @@ def _gemv_glu(ops) -> list[Entry]:
             ("gemv_geglu", "src/transformers/models/gemma/modeling_gemma.py::GemmaMLP.forward", ("gemma-3-1b",),
              [act.gelu_tanh_and_mul_fused_reference, ops.gemv_geglu_reference])):
         what = "SiLU" if kernel == "gemv_swiglu" else "GELU-tanh"
-        routed = [p for p in presets if tile_for(model_shapes(p)["hidden"], model_shapes(p)["intermediate"])]
+        shapes = {p: model_shapes(p) for p in presets}
+        routed = [p for p, m in shapes.items() if tile_for(m["hidden"], m["intermediate"])]
         axes = {"one": AxisConst(value=1, description="one row: a batch-1 decode step's single token"),
                 "hidden_size": AxisVar(description="down_proj's output width N (the GEMV's: <= 2048)"),
                 "gate_up_size": AxisVar(description="2 x intermediate_size: the stacked [gate | up] row"),
@@ -670,12 +671,9 @@ def _gemv_glu(ops) -> list[Entry]:
                          "models (ops.gemv.GLU_TILES is empty: it lost to the two launches on Llama's shape)."),
             constraints=["gate_up_size == 2 * intermediate_size", "intermediate_size % 16 == 0"],
         )
-        rows = []
-        for preset in routed:
-            m = model_shapes(preset)
-            rows.append(Workload(axes={"hidden_size": m["hidden"], "gate_up_size": 2 * m["intermediate"],
-                                       "intermediate_size": m["intermediate"]},
-                                 inputs=_inputs(d), uuid=f"{preset}/mlp-down/decode-b1"))
+        rows = [Workload(axes={"hidden_size": shapes[p]["hidden"], "gate_up_size": 2 * shapes[p]["intermediate"],
+                               "intermediate_size": shapes[p]["intermediate"]},
+                         inputs=_inputs(d), uuid=f"{p}/mlp-down/decode-b1") for p in routed]
         entries.append(Entry("gemv", d, rows, [SolutionSpec(kernel, kernel)]))
     return entries
 

@@ -86,13 +86,18 @@ def gemv_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     into a new ``out`` (..., N) of x's dtype, with the (BN, BK) ``tile`` (default :func:`tile_for`'s,
     else the last of :data:`TILE_BY_N` for a wide weight called directly). Returns False (nothing
     written, the reason logged) when no built variant takes the call; the caller then falls back."""
+    if bias is None:
+        return _launch("gemv", (x, weight, out), weight, tile, _one_row)
+    return _launch("gemv_bias", (x, weight, bias, out), weight, tile, _one_row)
+
+
+def _launch(kernel: str, args: tuple, weight: torch.Tensor, tile: tuple[int, int] | None, layout) -> bool:
+    # One launch of a GEMV-family kernel over weight (N, K): a block per BN output rows; every
+    # argument but the last (the output) an input. The tile as gemv_into documents it.
     n, k = weight.shape
     bn, bk = tile or tile_for(n, k) or TILE_BY_N[-1][1]
-    want = (("BN", bn), ("BK", bk))
     grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
-    if bias is None:
-        return dispatch.run("gemv", want, (x, weight, out), 2, grid, _one_row)
-    return dispatch.run("gemv_bias", want, (x, weight, bias, out), 3, grid, _one_row)
+    return dispatch.run(kernel, (("BN", bn), ("BK", bk)), args, len(args) - 1, grid, layout)
 
 
 def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -207,10 +212,7 @@ def gemv_glu_into(kernel: str, x: torch.Tensor, weight: torch.Tensor, out: torch
     contiguous row and ``weight`` (N, K) into a new ``out`` (..., N), with the (BN, BK) ``tile``
     (default as :func:`gemv_into`). Returns False (nothing written, the reason logged) when no built
     variant takes the call."""
-    n, k = weight.shape
-    bn, bk = tile or tile_for(n, k) or TILE_BY_N[-1][1]
-    grid = lambda c: (-(-n // c["BN"]), 1, 1)  # noqa: E731
-    return dispatch.run(kernel, (("BN", bn), ("BK", bk)), (x, weight, out), 2, grid, _glu_rows)
+    return _launch(kernel, (x, weight, out), weight, tile, _glu_rows)
 
 
 def _glu_rows(args: tuple) -> tuple:
@@ -220,8 +222,12 @@ def _glu_rows(args: tuple) -> tuple:
     return (x.reshape(1, 2, weight.shape[1]), weight, out.reshape(1, out.shape[-1]))
 
 
+#: The activation op each fused kernel folds in: its fallback, and the first of the two launches it replaces.
+_ACTIVATION = {"gemv_swiglu": silu_and_mul_fused, "gemv_geglu": gelu_tanh_and_mul_fused}
+
+
 def _glu_cuda(kernel: str):
-    act = {"gemv_swiglu": silu_and_mul_fused, "gemv_geglu": gelu_tanh_and_mul_fused}[kernel]
+    act = _ACTIVATION[kernel]
 
     def impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape
@@ -305,7 +311,8 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     :data:`GLU_TILES`, and there is no bias, one :func:`gemv_swiglu` / :func:`gemv_geglu` launch;
     otherwise our activation kernel (``silu_and_mul_fused`` / ``gelu_tanh_and_mul_fused``), then
     :func:`linear`. Returns ``(..., N)``."""
+    kernel = "gemv_geglu" if gelu else "gemv_swiglu"
     if (bias is None and weight.dim() == 2 and x.shape[-1] == 2 * weight.shape[1]
             and tile_for(weight.shape[0], weight.shape[1]) in GLU_TILES and _routed(x, weight, None)):
         return (gemv_geglu if gelu else gemv_swiglu)(x, weight)
-    return linear((gelu_tanh_and_mul_fused if gelu else silu_and_mul_fused)(x), weight, bias)
+    return linear(_ACTIVATION[kernel](x), weight, bias)
