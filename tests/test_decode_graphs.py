@@ -896,3 +896,26 @@ def test_gpu_switching_back_to_eager(checkpoints):
     assert cutile_kernels.disable_decode_graphs(model)
     again = _generate(model, ids, new=16, cache_implementation="static", disable_compile=True)
     assert torch.equal(got.sequences, again.sequences)
+
+
+def test_a_filled_cache_is_checked_once_and_an_empty_one_every_time():
+    """The per-step cache check (``_graphable_cache``) remembers a filled static cache found
+    graphable and nothing else: an empty cache and another cache class keep their reasons, and the
+    addresses a graph is keyed on follow a layer's new tensors (beam search's reorder)."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama")
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    assert "empty" in dg._graphable_cache(cache)
+    assert "empty" in dg._graphable_cache(cache)  # not remembered
+    assert dg._graphable_cache(cache, filled=False) is None and "_cutile_graphable" not in vars(cache)
+    assert "DynamicCache" in dg._graphable_cache(DynamicCache(config=model.config))
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True)
+    assert dg._graphable_cache(cache) is None and vars(cache)["_cutile_graphable"] is True
+    assert dg._graphable_cache(cache) is None
+    before = dg._storage(cache)
+    assert before == tuple(p for layer in cache.layers for p in (layer.keys.data_ptr(), layer.values.data_ptr()))
+    cache.layers[1].keys = cache.layers[1].keys.clone()
+    after = dg._storage(cache)
+    assert after != before and after[2] == cache.layers[1].keys.data_ptr()
