@@ -122,13 +122,10 @@ def _graphable_cache(cache, filled: bool = True) -> str | None:
 
     Linear-attention layers (a hybrid model's, e.g. Qwen3.5) qualify: transformers allocates their
     states once and updates them in place (static addresses), unless they record past states for
-    a later ``crop``. A filled cache found graphable is remembered on the cache (its layers, their
-    classes and ``record_past`` are fixed at construction, and a layer stays initialized), so that
-    each replayed step does not walk its layers again."""
+    a later ``crop``. Asked at every step, not remembered: ``Cache.activate_past_recording()`` or a
+    replaced layer can change the answer between two steps."""
     from transformers.cache_utils import StaticCache
 
-    if cache.__dict__.get("_cutile_graphable", False):
-        return None
     if not isinstance(cache, StaticCache):
         return f"the cache is a {type(cache).__name__}, not a StaticCache"
     allowed = _layer_classes()
@@ -141,8 +138,6 @@ def _graphable_cache(cache, filled: bool = True) -> str | None:
                 return "a linear-attention layer records past states (its conv state grows)"
         elif filled and not layer.is_initialized:
             return "the static cache is empty (a decode step comes after a prefill)"
-    if filled:
-        cache._cutile_graphable = True
     return None
 
 
@@ -243,13 +238,10 @@ def _restore_updates(cache) -> None:
 
 def _storage(cache) -> tuple:
     """The addresses of every tensor the cache's layers hold: keys and values, or a linear-attention
-    layer's conv and recurrent states. (Which layers are which is found once per cache.)"""
-    kinds = cache.__dict__.get("_cutile_kinds")
-    if kinds is None:
-        kinds = cache._cutile_kinds = tuple((layer, _linear(layer)) for layer in cache.layers)
+    layer's conv and recurrent states (read from the live layers at every step)."""
     out = []
-    for layer, linear in kinds:
-        if linear:
+    for layer in cache.layers:
+        if _linear(layer):
             out += [t.data_ptr() for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
                     if t is not None]
         else:

@@ -37,6 +37,10 @@ FAMILIES = {
     # OLMo 2's float32-order norms and its float32-cos RoPE (its Llama-code MLP too);
     # Gemma's (1 + weight) norms by default, its GeGLU opt-in; Gemma 3's q/k norms, sliding windows.
     "olmo2": {},
+    # OLMo 3: OLMo 2's code with sliding-window layers (3 of 4 in the real models; here every second
+    # layer slides, so that even 2- and 3-layer models mix both kinds).
+    "olmo3": {"sliding_window": 4,
+              "layer_types": lambda n: ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]},
     "gemma": {},
     "gemma3_text": {"sliding_window": 4, "sliding_window_pattern": 2},
     # Gemma 2: its norms are GemmaRMSNorm's code; attention and final logit softcaps, sliding layers.
@@ -45,11 +49,13 @@ FAMILIES = {
 
 
 def config(model_type: str, layers: int = 3, **fields):
-    """The tiny config of ``model_type`` with ``layers`` decoder layers (``fields`` override)."""
+    """The tiny config of ``model_type`` with ``layers`` decoder layers (``fields`` override; a
+    callable value is called with ``layers``: a per-layer list)."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **{**_SMALL, **FAMILIES[model_type], "num_hidden_layers": layers,
-                                               **fields})
+    given = {**FAMILIES[model_type], **fields}
+    given = {k: v(layers) if callable(v) else v for k, v in given.items()}  # per-layer lists
+    return AutoConfig.for_model(model_type, **{**_SMALL, **given, "num_hidden_layers": layers})
 
 
 def model(model_type: str, dtype=torch.float32, layers: int = 3, attn: str | None = None, seed: int = 1234,

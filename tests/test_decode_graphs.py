@@ -898,24 +898,37 @@ def test_gpu_switching_back_to_eager(checkpoints):
     assert torch.equal(got.sequences, again.sequences)
 
 
-def test_a_filled_cache_is_checked_once_and_an_empty_one_every_time():
-    """The per-step cache check (``_graphable_cache``) remembers a filled static cache found
-    graphable and nothing else: an empty cache and another cache class keep their reasons, and the
-    addresses a graph is keyed on follow a layer's new tensors (beam search's reorder)."""
+def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
+    """The per-step cache check (``_graphable_cache``) and the addresses a graph is keyed on are read
+    afresh at every step: an empty cache and another cache class are refused, a filled one passes
+    until a layer is replaced by one of another class or a hybrid cache starts recording its past
+    (``activate_past_recording``), and the addresses follow a layer's new tensors (beam search's
+    reorder) and a replaced layer."""
+    import copy
+
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     model = tiny_model("llama")
     cache = StaticCache(config=model.config, max_cache_len=16)
-    assert "empty" in dg._graphable_cache(cache)
-    assert "empty" in dg._graphable_cache(cache)  # not remembered
-    assert dg._graphable_cache(cache, filled=False) is None and "_cutile_graphable" not in vars(cache)
+    assert "empty" in dg._graphable_cache(cache) and dg._graphable_cache(cache, filled=False) is None
     assert "DynamicCache" in dg._graphable_cache(DynamicCache(config=model.config))
     with torch.no_grad():
         model(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True)
-    assert dg._graphable_cache(cache) is None and vars(cache)["_cutile_graphable"] is True
     assert dg._graphable_cache(cache) is None
     before = dg._storage(cache)
     assert before == tuple(p for layer in cache.layers for p in (layer.keys.data_ptr(), layer.values.data_ptr()))
     cache.layers[1].keys = cache.layers[1].keys.clone()
-    after = dg._storage(cache)
-    assert after != before and after[2] == cache.layers[1].keys.data_ptr()
+    assert dg._storage(cache)[2] == cache.layers[1].keys.data_ptr() != before[2]
+    cache.layers[0] = copy.deepcopy(cache.layers[0])
+    assert dg._storage(cache)[0] == cache.layers[0].keys.data_ptr() != before[0]
+    cache.layers[2] = DynamicLayer()
+    assert "DynamicLayer" in dg._graphable_cache(cache)
+
+    hybrid = tiny_model("qwen3_5_text")
+    cache = StaticCache(config=hybrid.config, max_cache_len=16)
+    with torch.no_grad():
+        hybrid(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True)
+    assert dg._graphable_cache(cache) is None
+    cache.activate_past_recording()
+    assert "records past" in dg._graphable_cache(cache)

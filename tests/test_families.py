@@ -21,11 +21,11 @@ def test_families_are_found_by_name_and_claim_disjoint_model_types():
     claimed = models.claimed_model_types()
     assert len(claimed) == len(set(claimed))
     assert {"llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "gemma", "gemma2", "gemma3_text", "phi3",
-            "olmo2", "qwen3_5_text"} == set(claimed)
+            "olmo2", "olmo3", "qwen3_5_text"} == set(claimed)
     every = models.claimed_model_types(opt_in=True)
     assert len(every) == len(set(every)) and set(every) == set(claimed)  # no family is opt-in today
     assert models.family_of("mistral").name == "llama" and models.family_of("gemma3_text").name == "gemma"
-    assert models.family_of("phi3").name == "phi3" and models.family_of("gpt2") is None
+    assert models.family_of("phi3").name == "phi3" and models.family_of("olmo3").name == "olmo2" and models.family_of("gpt2") is None
 
 
 def test_every_family_pin_is_registered_once():

@@ -22,13 +22,13 @@ from cutile_kernels.layers.models import claimed_model_types
 CLAIMS = {
     "gemma2_attention": {"gemma2"},  # the one family here without an sdpa path
     "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3", "smollm3"},
-    "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "qwen3_5_text"},  # LlamaMLP
+    "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "qwen3_5_text"},  # LlamaMLP
     "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "smollm3", "phi3"},  # Llama's rotary
     "qk_norm_rope": {"qwen3"},  # Qwen3Attention's code only
     "fused_qkv": {"llama", "mistral", "qwen2", "gemma", "granite"},  # Llama-code attention (Qwen3's: qk_norm_rope)
     "rms_norm_gemma": {"gemma", "gemma2", "gemma3_text", "qwen3_5_text"},  # GemmaRMSNorm's code
-    "rms_norm_olmo2": {"olmo2"},  # Olmo2RMSNorm's code
-    "olmo2_norm_add": {"olmo2"},  # Olmo2DecoderLayer's code
+    "rms_norm_olmo2": {"olmo2", "olmo3"},  # Olmo2RMSNorm's code (Olmo3RMSNorm copies it)
+    "olmo2_norm_add": {"olmo2", "olmo3"},  # Olmo2DecoderLayer's code (Olmo3's is the same)
     "phi3_mlp": {"phi3"},
     "fused_gate_up_geglu": {"gemma", "gemma2", "gemma3_text"},  # LlamaMLP's code with GELUTanh
     "phi3_rope": {"phi3"},

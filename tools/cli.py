@@ -73,8 +73,8 @@ def _writable_dir(path: str) -> None:
 #: torch and transformers): ``--help`` answers in well under a second (a test keeps the two equal).
 DEFAULT_ARCHS_HELP = "sm_80 sm_90 sm_100 sm_120"
 #: ``presets.PRESETS``' names for the help text, for the same reason (a test keeps the two equal).
-PRESETS_HELP = ("tiny, llama-3.2-1b, qwen3-0.6b, qwen2.5-1.5b, mistral-7b-v0.3, gemma-3-1b, olmo-2-1b, phi-3-mini-4k, "
-                "gemma-2-2b, phi-4-mini, granite-3.3-2b, smollm3-3b, qwen3.5-0.8b, qwen3.5-27b")
+PRESETS_HELP = ("tiny, llama-3.2-1b, qwen3-0.6b, qwen2.5-1.5b, mistral-7b-v0.3, gemma-3-1b, olmo-2-1b, olmo-3-7b, "
+                "phi-3-mini-4k, gemma-2-2b, phi-4-mini, granite-3.3-2b, smollm3-3b, qwen3.5-0.8b, qwen3.5-27b")
 
 
 def _build(args) -> int:

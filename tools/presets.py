@@ -105,6 +105,21 @@ PRESETS = {
             "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000.0,
             "tie_word_embeddings": False, "use_cache": True, "vocab_size": 100352,
         }),
+        # allenai/Olmo-3-7B (Instruct, Think and Base share the architecture): the sizes of a public
+        # from-scratch reimplementation that loads its weights (rasbt/LLMs-from-scratch ch05/13_olmo3,
+        # found with the search tool, 2026-12-03): hidden 4096, MLP 11008, 32 layers of 32 heads
+        # without GQA, vocab 100278, 65536 positions, three sliding-window layers (window 4096) to one
+        # full (Olmo3Config's default layer_types), RoPE theta 5e5, eps 1e-6. Left out: the YaRN
+        # scaling of the full layers' RoPE (factor 8 over 8192 positions), which changes cos/sin values,
+        # not the work of a kernel.
+        Preset("olmo-3-7b", "allenai/Olmo-3-7B-Instruct", {
+            "model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": 100257, "pad_token_id": 100277,
+            "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 11008,
+            "max_position_embeddings": 65536, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 32, "rms_norm_eps": 1e-06, "rope_theta": 500000.0, "sliding_window": 4096,
+            "tie_word_embeddings": False, "use_cache": True, "vocab_size": 100278,
+        }),
         # microsoft/Phi-3-mini-4k-instruct: the sizes two public catalogues give for it (hidden 3072,
         # MLP 8192, 32 layers of 32 heads without GQA, vocab 32064, 4096 positions; found with the
         # search tool); the rest are transformers' Phi3Config defaults (rms_norm_eps 1e-5, RoPE theta

@@ -1,4 +1,4 @@
-"""The OLMo 2 family (OLMo 2; transformers 5.22.2).
+"""The OLMo 2 family (OLMo 2 and OLMo 3; transformers 5.22.2).
 
 What differs from the Llama code: the decoder normalises after attention and after the MLP
 (``post_attention_layernorm`` / ``post_feedforward_layernorm`` on the block outputs, before the
@@ -11,6 +11,12 @@ offset 0. The MLP is Llama's code, so ``fused_gate_up`` applies by default. Its
 cos/sin and casts each result back to q's dtype: the RoPE hub layer runs it on the rope kernel's
 float32-cos variants (``apply_rope_cast``). The opt-in patch ``olmo2_norm_add`` (below) runs each
 post-norm block's norm and residual add as one ``rms_norm_add_gemma`` launch.
+
+OLMo 3 (``modeling_olmo3.py``) is OLMo 2's code (``Olmo3RMSNorm``, ``apply_rotary_pos_emb``, the MLP
+and the decoder forward compile to OLMo 2's, so OLMo 2's pins gate it) with sliding-window layers
+(three of every four in the released 7B and 32B, a window of 4096) and a rotary embedding per layer
+type; those go through transformers' masks and caches, and through the decode fast path's sliding
+cache layers.
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ from . import Family
 
 FAMILY = Family(
     name="olmo2",
-    model_types=("olmo2",),
+    model_types=("olmo2", "olmo3"),
     pins=(Pin("olmo2", "Olmo2RMSNorm.forward", "192b385f090ad22f", "patch rms_norm_olmo2 (rms_norm_gemma kernel, offset 0)"),
           Pin("olmo2", "apply_rotary_pos_emb", "1e670b93dd6109e2",
               "rotary_pos_emb hub layer (rope kernel, float32 cos/sin)"),
           Pin("olmo2", "Olmo2DecoderLayer.forward", "4a69e6dc2cbadaf9",
               "patch olmo2_norm_add (its post-norm decoder forward)")),
-    presets=("olmo-2-1b",),
+    presets=("olmo-2-1b", "olmo-3-7b"),
     covered="every RMSNorm in OLMo 2's float32 order (q/k norms included), RoPE (float32 cos/sin), SwiGLU on fused gate/up",
     not_covered="GEMMs (cuBLAS), the post-norm residual adds (opt-in patch olmo2_norm_add fuses them into the "
                 "norms), attention (sdpa)",
