@@ -147,13 +147,13 @@ def emulated():
 # CPU
 # ---------------------------------------------------------------------------------------------
 
-# Sliding windows of 4 (Gemma 3's every second layer) and 6 (Mistral, every layer): 12 new tokens
-# after a 5-token prompt cross them.
+# Sliding windows of 4 (Gemma 3's and OLMo 3's every second layer) and 6 (Mistral, every layer): 12
+# new tokens after a 5-token prompt cross them.
 @pytest.mark.parametrize("model_type,fields", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6}),
                                                ("gemma3_text", {}), ("gemma2", {"sliding_window": 6}), ("phi3", {}),
-                                               ("qwen3_5_text", {})],
+                                               ("olmo3", {}), ("qwen3_5_text", {})],
                          ids=["llama", "qwen3", "mistral-window6", "gemma3-window4", "gemma2-window6", "phi3",
-                              "qwen3_5-linear-attention"])
+                              "olmo3-window4", "qwen3_5-linear-attention"])
 def test_generate_replays_and_matches_eager(model_type, fields, emulated):
     model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(3))
