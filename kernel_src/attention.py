@@ -253,7 +253,16 @@ PREFILL = {64: (1, 128, 64), 128: (1, 128, 64), 256: (1, 64, 64)}
 #: Decode / short-chunk tiles: 16 rows = HB query heads of one KV group x (16 // HB) queries.
 DECODE_ROWS = 16
 DECODE_HEADS = (1, 2, 4)
-DECODE_BN = {64: 128, 128: 128, 256: 64}
+#: Keys per tile of the decode tiles, two per padded head dim (H200 sweep of 64, 128 and 256 keys,
+#: dev/sweeps/decode_attention_sweep.py, 2026-12-04): the short tile for a cache of fewer than
+#: DECODE_LONG_KEYS slots and for a launch split over the KV (each split holds few tiles); the long
+#: tile, fewer dependent load round trips a block, for one unsplit pass over a long cache. At head
+#: dim 128, 64 keys beat the former 128 on every short or split case (e.g. Qwen3-0.6B's layout over
+#: 150 keys: 9.1 -> 8.4 us at batch 1, 10.1 -> 8.4 at 16); 256 keys beat both unsplit over 3000 of
+#: 4096 slots (Phi-4-mini's at batch 16: 181 -> 122 us; Llama-3.2-1B's: 34.8 -> 29.8).
+DECODE_BN = {64: 128, 128: 64, 256: 64}
+DECODE_BN_LONG = {64: 256, 128: 256, 256: 64}
+DECODE_LONG_KEYS = 2048
 #: Query rows per block of the combine kernel.
 COMBINE_BS = 16
 DTYPES = ("bfloat16", "float16")
@@ -284,7 +293,8 @@ def _matrix() -> list[VariantSpec]:
         d = DTYPE_TAGS[dtype]
         for dp in HEAD_DIMS:
             configs = [(PREFILL[dp], "attention_prefill_kernel")]
-            configs += [((hb, DECODE_ROWS // hb, DECODE_BN[dp]), "attention_kernel") for hb in DECODE_HEADS]
+            configs += [((hb, DECODE_ROWS // hb, bn), "attention_kernel") for hb in DECODE_HEADS
+                        for bn in sorted({DECODE_BN[dp], DECODE_BN_LONG[dp]})]
             for (hb, bs, bn), function in configs:
                 consts = {"D": dp, "HB": hb, "BS": bs, "BN": bn}
                 specs.append(VariantSpec("attention", "attention", function,

@@ -108,7 +108,9 @@ DTYPES = ("bfloat16", "float16")
 #: (dev/microbench/gemv_bench.py, 2026-12-03) fewer, fatter blocks won: about one block per SM with the
 #: whole K each (8 x 512 for N <= 1024, 16 x 256 up to 2048). Swept and dropped: 4 x 1024, 8 x 1024,
 #: 16 x 512 (never the best by more than 3 %) and 32 x 256 (best on the wide projections, ahead of
-#: cuBLAS on two of them by 7-13 %, behind on gate/up and lm_head; not routed, so not built).
+#: cuBLAS on two of them by 7-13 %, behind on gate/up and lm_head; not routed, so not built). Swept
+#: again with a ``latency`` hint on the weight load, a per-tile row sum with wider tiles, two blocks a
+#: multiprocessor and eight warps (dev/sweeps/gemv_sweep.py, 2026-12-04): none better by more than 4 %.
 TILES = ((8, 512), (16, 256))
 
 

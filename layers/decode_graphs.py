@@ -146,11 +146,9 @@ def _sliding(layer) -> bool:
 
 
 def _sliding_layers(cache) -> list:
-    """The sliding-window layers of ``cache`` (found once per cache: the step asks every time)."""
-    found = cache.__dict__.get("_cutile_sliding")
-    if found is None:
-        found = cache._cutile_sliding = [layer for layer in cache.layers if _sliding(layer)]
-    return found
+    """The sliding-window layers of ``cache`` as it is now (read at every step, not remembered: a
+    layer replaced since would otherwise keep its old object's window state in the graph key)."""
+    return [layer for layer in cache.layers if _sliding(layer)]
 
 
 def _full_layer(cache):

@@ -265,9 +265,17 @@ def test_emulator_flags_undefined_behaviour():
 
 def test_tiles_and_splits():
     assert attn_ops.tiles_for(64, 2048, 4) == (64, 1, 128, 64)
-    assert attn_ops.tiles_for(80, 1, 4) == (128, 4, 4, 128)       # decode: 4 heads of a group x 4 queries
-    assert attn_ops.tiles_for(128, 7, 6) == (128, 2, 8, 128)      # group 6: 2 heads per tile
-    assert attn_ops.tiles_for(128, 16, 1) == (128, 1, 16, 128)
+    assert attn_ops.tiles_for(80, 1, 4) == (128, 4, 4, 64)        # decode: 4 heads of a group x 4 queries
+    assert attn_ops.tiles_for(128, 7, 6) == (128, 2, 8, 64)       # group 6: 2 heads per tile
+    assert attn_ops.tiles_for(128, 16, 1) == (128, 1, 16, 64)
+    assert attn_ops.tiles_for(64, 1, 4) == (64, 4, 4, 128)
+    # Keys per decode tile: the long tile only for one unsplit pass over a long cache.
+    assert attn_ops.decode_bn(128, keys=2047, splits=1) == 64
+    assert attn_ops.decode_bn(128, keys=2048, splits=1) == 256
+    assert attn_ops.decode_bn(128, keys=8192, splits=4) == 64
+    assert attn_ops.decode_bn(64, keys=4096, splits=1) == 256
+    assert attn_ops.decode_bn(64, keys=169, splits=1) == 128
+    assert attn_ops.decode_bn(256, keys=4096, splits=1) == 64
     assert attn_ops.tiles_for(32, 17, 2) == (64, 1, 128, 64)
     assert attn_ops.tiles_for(256, 5000, 8)[0] == 256
     assert attn_ops.tiles_for(512, 1, 1) is None
@@ -760,23 +768,28 @@ def test_gemma2_attention_follows_a_switch_back_to_eager():
 
 def test_matrix_is_moderate_and_covers_the_dispatch():
     specs = kattn.VARIANTS
-    assert len(specs) <= 40
+    assert len(specs) <= 48
     tags = {(s.kernel, s.tag) for s in specs}
     assert len(tags) == len(specs)
     for dtype in ("bfloat16", "float16"):
         for head_dim in (32, 64, 80, 96, 128, 256):
             for sq in (1, 7, 16, 17, 2048):
                 for group in (1, 2, 3, 4, 6, 8, 32):
-                    want = dict(zip(("D", "HB", "BS", "BN"), attn_ops.tiles_for(head_dim, sq, group)))
-                    assert any(s.kernel == "attention" and s.constants == want
-                               and s.params[0].dtype == dtype for s in specs), (dtype, head_dim, sq, group)
+                    dp, hb, bs, bn = attn_ops.tiles_for(head_dim, sq, group)
+                    bns = {bn}
+                    if sq <= attn_ops.DECODE_MAX_SQ:
+                        bns = {attn_ops.decode_bn(dp, keys, splits) for keys in (100, 5000) for splits in (1, 4)}
+                    for bn in bns:
+                        want = {"D": dp, "HB": hb, "BS": bs, "BN": bn}
+                        assert any(s.kernel == "attention" and s.constants == want
+                                   and s.params[0].dtype == dtype for s in specs), (dtype, head_dim, sq, group, bn)
         for dp in kattn.HEAD_DIMS:
             assert any(s.kernel == "attention_combine" and s.constants["D"] == dp and s.params[2].dtype == dtype
                        for s in specs)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tag", ["bf16.d128.h1.m128.n64", "fp16.d64.h4.m4.n128"])
+@pytest.mark.parametrize("tag", ["bf16.d128.h1.m128.n64", "fp16.d64.h4.m4.n128", "bf16.d128.h2.m8.n256"])
 def test_variants_compile_for_sm90(tag):
     from cutile_kernels_build import aot
 
@@ -800,6 +813,7 @@ GPU_CASES = (
     [(1, h, 2048, 2048, torch.bfloat16) for h in FAMILY_HEADS[:4]]
     + [(1, h, 4099, 4099, torch.bfloat16) for h in FAMILY_HEADS[:2]]
     + [(b, h, 1, skv, torch.bfloat16) for h in FAMILY_HEADS for b, skv in ((1, 4096), (16, 1000))]
+    + [(16, h, 1, 2500, d) for h in FAMILY_HEADS[:5] for d in (torch.bfloat16, torch.float16)]  # the long tile
     + [(2, h, 7, 300, torch.bfloat16) for h in FAMILY_HEADS]
     + [(2, h, 333, 333, d) for h in FAMILY_HEADS[4:] for d in (torch.bfloat16, torch.float16)]
     + [(3, (16, 8, 128), 1, 1, torch.float16), (1, (32, 8, 64), 1, 129, torch.float16)]
@@ -1085,3 +1099,21 @@ def test_prefill_sweep_candidates_include_what_ships():
                    for s in specs)
     for _, function, _ in attention_sweep.FUNCTIONS[2:]:
         assert getattr(attention_variants, function)._pyfunc is src.attention_kernel._pyfunc
+
+
+def test_decode_sweep_candidates_include_what_ships():
+    """dev/sweeps/decode_attention_sweep.py (run on the GPU by hand) times every decode tile the
+    router can pick (both keys-per-tile choices) beside the other candidates, one tag each, and its
+    eight-warp variant is the shipped device code with another hint."""
+    from dev.sweeps import attention_variants, decode_attention_sweep
+    from cutile_kernels.kernel_src import attention as src
+
+    specs = decode_attention_sweep.candidates()
+    assert len({s.tag for s in specs}) == len(specs)
+    for dp in (64, 128):
+        for hb in src.DECODE_HEADS:
+            for bn in (src.DECODE_BN[dp], src.DECODE_BN_LONG[dp]):
+                want = {"D": dp, "HB": hb, "BS": src.DECODE_ROWS // hb, "BN": bn}
+                assert any(s.function == "attention_kernel" and s.module == "attention" and s.constants == want
+                           for s in specs), want
+    assert attention_variants.attention_w8_kernel._pyfunc is src.attention_kernel._pyfunc

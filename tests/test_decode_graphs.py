@@ -903,7 +903,7 @@ def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
     afresh at every step: an empty cache and another cache class are refused, a filled one passes
     until a layer is replaced by one of another class or a hybrid cache starts recording its past
     (``activate_past_recording``), and the addresses follow a layer's new tensors (beam search's
-    reorder) and a replaced layer."""
+    reorder) and a replaced layer, as the window state in the key follows a replaced sliding layer."""
     import copy
 
     from transformers import DynamicCache
@@ -924,6 +924,17 @@ def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
     assert dg._storage(cache)[0] == cache.layers[0].keys.data_ptr() != before[0]
     cache.layers[2] = DynamicLayer()
     assert "DynamicLayer" in dg._graphable_cache(cache)
+
+    # A replaced sliding-window layer: the graph key's window state is the new layer's.
+    windowed = tiny_model("olmo3")
+    cache = StaticCache(config=windowed.config, max_cache_len=16)
+    with torch.no_grad():
+        windowed(torch.randint(1, 256, (1, 2)), past_key_values=cache, use_cache=True)
+    graphs = dg.DecodeGraphs(windowed)
+    assert graphs._key(cache, ())[2] == (False, False)  # two sliding layers of 4 slots, 2 filled
+    cache.layers[0] = copy.deepcopy(cache.layers[0])
+    cache.layers[0].cumulative_length_int = cache.layers[0].max_cache_len
+    assert graphs._key(cache, ())[2] == (True, False)
 
     hybrid = tiny_model("qwen3_5_text")
     cache = StaticCache(config=hybrid.config, max_cache_len=16)

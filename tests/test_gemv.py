@@ -547,3 +547,25 @@ def test_gpu_stacked_mlp_model_in_a_cuda_graph_fuses_the_activation(family, stac
     out, ref, a, ours = _captured_step((family, 7), [stacking, "gemv"])
     assert _launches("gemv_glu") == len(ours.model.layers) and _launches("and_mul") == 0
     assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6
+
+
+def test_sweep_candidates_include_what_ships_and_compute_the_product():
+    """dev/sweeps/gemv_sweep.py (run on the GPU by hand) times the shipped tiles beside its
+    candidates, one tag each; the candidates' device code (latency hint, per-tile row sum) is the
+    same product, checked here in the CPU emulator on N and K that are not multiples of the tile."""
+    from cutile_numpy import emulate
+
+    from dev.sweeps import gemv_sweep, gemv_variants
+
+    specs = gemv_sweep.candidates()
+    assert len({s.tag for s in specs}) == len(specs)
+    for bn, bk in kgemv.TILES:
+        assert any(s.function == "gemv_kernel" and s.module == "gemv" and s.constants == {"BN": bn, "BK": bk}
+                   for s in specs)
+    n, k = 40, 272
+    x, w, _ = _operands(n, k, bias=False)
+    want = (x[0].double() @ w.double().T).float()
+    for kernel in (gemv_variants.gemv_lat_kernel, gemv_variants.gemv_rowsum_kernel):
+        out = torch.full((1, n), float("nan"))
+        emulate(kernel, gemv_variants)((-(-n // 16),), (x[0], w, out, 16, 128, 4))
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=str(kernel._pyfunc.__name__))

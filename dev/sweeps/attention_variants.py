@@ -7,3 +7,5 @@ from cutile_kernels.kernel_src.attention import attention_kernel
 attention_w8_occ2_kernel = attention_kernel.replace_hints(num_worker_warps=8, occupancy=2)
 #: Blocks launched in clusters of two (TileGym's Hopper attention tiles use num_ctas up to 2).
 attention_w8_cta2_kernel = attention_kernel.replace_hints(num_worker_warps=8, num_ctas=2)
+#: Eight warps, the compiler's occupancy (the decode tile sweep, decode_attention_sweep.py).
+attention_w8_kernel = attention_kernel.replace_hints(num_worker_warps=8)

@@ -32,7 +32,8 @@ from .. import dispatch
 from ._dtypes import check_float
 from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.attention import COMBINE_BS, DECODE_BN, DECODE_HEADS, DECODE_ROWS, HEAD_DIMS, PREFILL
+from ..kernel_src.attention import (COMBINE_BS, DECODE_BN, DECODE_BN_LONG, DECODE_HEADS, DECODE_LONG_KEYS, DECODE_ROWS,
+                                    HEAD_DIMS, PREFILL)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 #: Query lengths up to this take the decode tiles (query heads of a group packed into one tile).
@@ -132,8 +133,9 @@ def tiles_for(head_dim: int, sq: int, group: int) -> tuple | None:
     """The (D, HB, BS, BN) tile constants for a call, or None when no variant takes the head dim.
 
     Decode and short chunks (``Sq <= 16``) pack ``HB`` query heads of a KV group into one 16-row
-    tile (``HB`` the largest built value dividing the group size); longer queries take the
-    prefill tiles, one head per block.
+    tile (``HB`` the largest built value dividing the group size), with the short tile's keys
+    (:func:`decode_bn` may widen them for a launch); longer queries take the prefill tiles, one head
+    per block.
     """
     dp = max(HEAD_DIMS[0], next_power_of_2(head_dim))
     if dp not in HEAD_DIMS:
@@ -142,6 +144,15 @@ def tiles_for(head_dim: int, sq: int, group: int) -> tuple | None:
         hb = max(h for h in DECODE_HEADS if group % h == 0)
         return (dp, hb, DECODE_ROWS // hb, DECODE_BN[dp])
     return (dp,) + PREFILL[dp]
+
+
+def decode_bn(dp: int, keys: int, splits: int) -> int:
+    """Keys per tile of a decode-tile launch over ``keys`` cache slots (k's length: the static
+    cache's size, not its filled count, so that a captured graph keeps one tile) in ``splits`` KV
+    splits: the long tile (``DECODE_BN_LONG``) for one unsplit pass over at least
+    ``DECODE_LONG_KEYS`` slots, the short one (``DECODE_BN``) otherwise (H200 sweep: see
+    ``kernel_src/attention.py``)."""
+    return DECODE_BN_LONG[dp] if splits == 1 and keys >= DECODE_LONG_KEYS else DECODE_BN[dp]
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,7 +217,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     decode-sized queries) the split launch then
     ``attention_combine``. ``sms`` defaults to the device's multiprocessor count. ``kv_len`` is
     for the decode tiles (``Sq <= DECODE_MAX_SQ``) only; their splits are chosen for k's whole
-    length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles.
+    length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles;
+    their keys per tile follow (:func:`decode_bn`).
     """
     B, Hq, Sq, D = q.shape
     Skv = k.shape[2]
@@ -228,6 +240,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         if Sq <= DECODE_MAX_SQ:
             sms = sms if sms is not None else _sm_count(q.device.index or 0)
             splits = num_splits(q_blocks * B * (Hq // hb), Skv, sms)
+    if Sq <= DECODE_MAX_SQ:
+        bn = decode_bn(dp, Skv, splits)
     want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
     scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(kv_len is not None),
                int(bool(causal)), splits)

@@ -1,0 +1,144 @@
+"""Decode attention tile sweep over a static cache (a microbenchmark can reject, never accept).
+
+    python -m dev.sweeps.decode_attention_sweep export --out .sweep-decode   # CPU: compile the candidates (sm_90)
+    python -m dev.sweeps.decode_attention_sweep run --dir .sweep-decode --json out.json   # GPU: check, then time
+
+Why: in the Llama-3.2-1B fast-path profile (H200, 2026-12-03) the decode attention took 8.0 us a
+layer at batch 1 over ~150 filled slots: 8 blocks (one per KV head, its four query heads packed),
+two KV tiles of 128 keys each, a chain of dependent loads rather than a bandwidth limit. The
+candidates vary the keys per tile (BN 64, 128, 256: one tile covers 256 keys, fewer round trips)
+and the warps (4, 8), on the query-head packing (HB) the shipped router picks for each model.
+
+``run`` builds, for the presets' head layouts, a bf16 static cache with ``filled`` of its ``slots``
+written (the length read on the device, as the fast path passes it), poisons the output with NaN,
+checks each candidate against float32 attention over the filled keys (relative L2 < 1e-2), and times
+it as CUDA-graph replays: one split, and the router's split count where it chooses more than one
+(the shipped combine kernel then runs after the candidate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+from cutile_kernels_tools.timing import graph_us
+
+#: (function, module, label)
+FUNCTIONS = [("attention_kernel", "attention", "w4"), ("attention_w8_kernel", "dev.sweeps.attention_variants", "w8")]
+BNS = (64, 128, 256)
+#: preset -> (query heads, KV heads, head_dim)
+SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128), "phi-4-mini": (24, 8, 128),
+          "olmo-2-1b": (16, 16, 128)}
+#: (filled, slots) of the static cache
+LENGTHS = ((150, 169), (700, 1024), (3000, 4096))
+
+
+def candidates():
+    from cutile_kernels.kernel_src import attention
+    from cutile_kernels.kernel_src._spec import VariantSpec
+
+    out = []
+    for dp in (64, 128):
+        for hb in attention.DECODE_HEADS:
+            for bn in BNS:
+                for function, module, label in FUNCTIONS:
+                    consts = {"D": dp, "HB": hb, "BS": attention.DECODE_ROWS // hb, "BN": bn}
+                    out.append(VariantSpec("attention", module, function,
+                                           f"bf16.d{dp}.h{hb}.m{consts['BS']}.n{bn}.{label}",
+                                           attention._attention_params("bfloat16", consts)))
+    return out
+
+
+def export(out: str) -> None:
+    """Compile every candidate for sm_90 into the build ``out``; report the ones that fail."""
+    from cutile_kernels_build import BuildError, build
+
+    kept, failed = [], {}
+    for spec in candidates():
+        try:  # a failed build leaves the previous one intact; compiled variants are reused
+            build(out, archs=["sm_90"], specs=kept + [spec])
+            kept.append(spec)
+        except BuildError as exc:
+            failed[spec.tag] = str(exc).splitlines()[0][-160:]
+    print(json.dumps({"compiled": [s.tag for s in kept], "failed": failed}, indent=1))
+
+
+def run(sweep_dir: str, json_out: str | None) -> None:
+    import torch
+    from cutile_kernels import dispatch, registry
+    from cutile_kernels.launcher import Launcher
+    ops = importlib.import_module("cutile_kernels.ops.attention")  # the module; ops.attention is the op
+
+    reg = registry.Registry(registry.package_dir_of(Path(sweep_dir)))
+    launcher = Launcher()
+    variants = list(reg.variants("attention", "sm_90"))
+    rows = []
+    for preset, (hq, hkv, D) in SHAPES.items():
+        _, hb_shipped, _, bn_shipped = ops.tiles_for(D, 1, hq // hkv)
+        for B in (1, 16):
+            for filled, slots in LENGTHS:
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q = torch.randn(B, 1, hq, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                k = torch.randn(B, hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                v = torch.randn(B, hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                n = torch.tensor([filled], device="cuda")
+                scale = D ** -0.5
+                kf = k[:, :, :filled].float().repeat_interleave(hq // hkv, 1)
+                vf = v[:, :, :filled].float().repeat_interleave(hq // hkv, 1)
+                ref = torch.softmax(q.float() @ kf.transpose(-1, -2) * scale, -1) @ vf
+                out = torch.empty(B, 1, hq, D, device="cuda", dtype=torch.bfloat16)
+                auto = ops.launches(q, k, v, None, out, scale, True, kv_len=n)[0][2][-1]
+                base = {"preset": preset, "B": B, "filled": filled, "slots": slots, "auto_splits": auto,
+                        "shipped": f"h{hb_shipped}.n{bn_shipped}"}
+                for splits in sorted({1, auto}):
+                    plan = ops.launches(q, k, v, None, out, scale, True, splits=splits, kv_len=n)
+                    args = plan[0][2]
+                    for variant in variants:
+                        c = variant.constants
+                        if c["D"] != D or c["HB"] != hb_shipped:
+                            continue
+                        grid = (splits, B * hq // c["HB"], 1)
+
+                        def call(variant=variant, grid=grid, args=args, plan=plan):
+                            launcher.launch(variant, grid, args, 0)
+                            for step in plan[1:]:
+                                dispatch.run(*step)
+
+                        row = {**base, "splits": splits, "tag": variant.tag}
+                        out.fill_(float("nan"))
+                        call()
+                        got = out.transpose(1, 2).float()
+                        row["rel"] = ((got - ref).norm() / ref.norm()).item()
+                        row["ok"] = bool(torch.isfinite(got).all()) and row["rel"] < 1e-2
+                        if row["ok"]:
+                            row["us"] = round(graph_us(call, reps=11), 2)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    print("\n| preset | B | filled/slots | splits | shipped tile us | best candidate us |")
+    print("|---|---|---|---|---|---|")
+    keys = sorted({(r["preset"], r["B"], r["filled"], r["slots"], r["splits"]) for r in rows},
+                  key=lambda t: (list(SHAPES).index(t[0]), t[1:]))
+    for key in keys:
+        mine = [r for r in rows if (r["preset"], r["B"], r["filled"], r["slots"], r["splits"]) == key and r.get("ok")]
+        if not mine:
+            continue
+        ship = [r for r in mine if f".n{r['shipped'].split('.n')[1]}.w4" in r["tag"]]
+        best = min(mine, key=lambda r: r["us"])
+        print(f"| {key[0]} | {key[1]} | {key[2]}/{key[3]} | {key[4]} | {ship[0]['us'] if ship else '-'} | "
+              f"{best['tag']} {best['us']} |")
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--out", default=".sweep-decode")
+    r = sub.add_parser("run")
+    r.add_argument("--dir", default=".sweep-decode")
+    r.add_argument("--json")
+    a = p.parse_args()
+    export(a.out) if a.cmd == "export" else run(a.dir, a.json)

@@ -1,0 +1,142 @@
+"""GEMV (one-row projection) candidate sweep against cuBLAS (a microbenchmark can reject, never accept).
+
+    python -m dev.sweeps.gemv_sweep export --out .sweep-gemv      # CPU: compile the candidates (sm_90)
+    python -m dev.sweeps.gemv_sweep run --dir .sweep-gemv --json out.json   # GPU: check, then time
+
+(from the checkout's root: the variants live in ``dev.sweeps.gemv_variants``).
+
+Why: the shipped GEMV (``kernel_src/gemv.py``) peaks near 3 TB/s on the H200 where cuBLAS reaches
+3.6-4.1 TB/s on wide weights (dev/microbench/gemv_bench.py, 2026-12-03), and in the Llama-3.2-1B
+fast-path profile it is the second-largest kernel time (231 us of a 1157 us replay, o_proj and
+down_proj), with the stacked q/k/v still on cuBLAS at ~2 TB/s (97 us). A one-row projection is a
+stream of the weight: what limits it is the bytes each multiprocessor has in flight. The candidates
+vary that: the tile, the ``latency`` hint of the weight load, a per-tile row sum (a (BN,)
+accumulator, so wider tiles fit in registers), two blocks a multiprocessor, eight warps.
+
+``run`` takes every candidate on the presets' projections (``gemv_bench.SHAPES``, each call reading
+another copy of the weight so that nothing comes from L2), poisons the output with NaN, checks it
+against a float64 product (relative L2 error < 4e-3 and within 1.5x F.linear's own), and times it as
+CUDA-graph replays next to ``F.linear`` (cuBLAS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cutile_kernels_tools.timing import graph_us
+
+#: (function, module, label, tiles, latencies): the shipped kernel first (no latency hint).
+EXP = "dev.sweeps.gemv_variants"
+FUNCTIONS = [
+    ("gemv_kernel", "gemv", "base", ((8, 512), (16, 256), (32, 256), (16, 512)), (None,)),
+    ("gemv_lat_kernel", EXP, "lat", ((8, 512), (16, 256), (16, 512)), (4, 8)),
+    ("gemv_rowsum_kernel", EXP, "rowsum", ((8, 512), (8, 1024), (16, 512), (16, 1024), (32, 512)), (2, 4, 8)),
+    ("gemv_rowsum_occ2_kernel", EXP, "rowsum.occ2", ((8, 512), (16, 512), (8, 1024)), (4,)),
+    ("gemv_rowsum_w8_kernel", EXP, "rowsum.w8", ((16, 1024), (32, 512), (32, 1024)), (4,)),
+]
+
+
+def candidates():
+    from cutile_kernels.kernel_src import gemv
+    from cutile_kernels.kernel_src._spec import ConstParam, VariantSpec
+
+    out = []
+    for function, module, label, tiles, lats in FUNCTIONS:
+        for bn, bk in tiles:
+            for lat in lats:
+                params = gemv._params("gemv", "bfloat16", {"BN": bn, "BK": bk})
+                tag = f"bf16.bn{bn}.bk{bk}.{label}"
+                if lat is not None:
+                    params, tag = params + (ConstParam("LAT", lat),), f"{tag}.lat{lat}"
+                out.append(VariantSpec("gemv", module, function, tag, params))
+    return out
+
+
+def export(out: str) -> None:
+    """Compile every candidate for sm_90 into the build ``out``; report the ones that fail."""
+    from cutile_kernels_build import BuildError, build
+
+    kept, failed = [], {}
+    for spec in candidates():
+        try:  # a failed build leaves the previous one intact; compiled variants are reused
+            build(out, archs=["sm_90"], specs=kept + [spec])
+            kept.append(spec)
+        except BuildError as exc:
+            failed[spec.tag] = str(exc).splitlines()[0][-160:]
+    print(json.dumps({"compiled": [s.tag for s in kept], "failed": failed}, indent=1))
+
+
+def run(sweep_dir: str, json_out: str | None) -> None:
+    import torch
+    import torch.nn.functional as F
+    from cutile_kernels import registry
+    from cutile_kernels.launcher import Launcher
+
+    from dev.microbench.gemv_bench import SHAPES, _rotating_weights
+
+    reg = registry.Registry(registry.package_dir_of(Path(sweep_dir)))
+    launcher = Launcher()
+    variants = list(reg.variants("gemv", "sm_90"))
+    rows = []
+    for preset, projections in SHAPES.items():
+        for proj, (n, k) in projections.items():
+            g = torch.Generator(device="cuda").manual_seed(0)
+            ws, nxt = _rotating_weights(n, k, torch.bfloat16, g)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ ws[0].double().T
+            cublas_rel = ((F.linear(x, ws[0]).double() - ref).norm() / ref.norm()).item()
+            base = {"preset": preset, "proj": proj, "N": n, "K": k, "MB": round(n * k * 2 / 1e6, 1)}
+            us = graph_us(lambda: F.linear(x, nxt()), reps=11)
+            rows.append({**base, "tag": "cublas", "us": round(us, 2), "TB/s": round(n * k * 2 / us / 1e6, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+            for variant in variants:
+                grid = (-(-n // variant.constants["BN"]), 1, 1)
+                row = {**base, "tag": variant.tag}
+                out.fill_(float("nan"))
+                try:
+                    launcher.launch(variant, grid, (x, ws[0], out), 0)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - a candidate that cannot launch is reported
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                rel = ((out.double() - ref).norm() / ref.norm()).item()
+                row["rel"] = rel
+                row["ok"] = bool(torch.isfinite(out).all()) and rel < 4e-3 and rel <= 1.5 * cublas_rel + 1e-6
+                if row["ok"]:
+                    t = graph_us(lambda v=variant, grid=grid: launcher.launch(v, grid, (x, nxt(), out), 0), reps=11)
+                    row.update(us=round(t, 2), **{"TB/s": round(n * k * 2 / t / 1e6, 2)})
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del ws
+    print("\n| preset | proj | N x K (MB) | cuBLAS us (TB/s) | shipped best us | best candidate us (TB/s) |")
+    print("|---|---|---|---|---|---|")
+    for preset, projections in SHAPES.items():
+        for proj in projections:
+            mine = [r for r in rows if r["preset"] == preset and r["proj"] == proj]
+            cub = next(r for r in mine if r["tag"] == "cublas")
+            ok = [r for r in mine if r.get("ok")]
+            shipped = [r for r in ok if r["tag"].endswith(".base")]
+            best = min(ok, key=lambda r: r["us"]) if ok else None
+            sb = min(shipped, key=lambda r: r["us"]) if shipped else None
+            print(f"| {preset} | {proj} | {cub['N']} x {cub['K']} ({cub['MB']}) | {cub['us']} ({cub['TB/s']}) | "
+                  f"{sb['tag'] + ' ' + str(sb['us']) if sb else '-'} | "
+                  f"{best['tag'] + ' ' + str(best['us']) + ' (' + str(best['TB/s']) + ')' if best else '-'} |")
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--out", default=".sweep-gemv")
+    r = sub.add_parser("run")
+    r.add_argument("--dir", default=".sweep-gemv")
+    r.add_argument("--json")
+    a = p.parse_args()
+    export(a.out) if a.cmd == "export" else run(a.dir, a.json)
