@@ -259,7 +259,9 @@ DECODE_HEADS = (1, 2, 4)
 #: tile, fewer dependent load round trips a block, for one unsplit pass over a long cache. At head
 #: dim 128, 64 keys beat the former 128 on every short or split case (e.g. Qwen3-0.6B's layout over
 #: 150 keys: 9.1 -> 8.4 us at batch 1, 10.1 -> 8.4 at 16); 256 keys beat both unsplit over 3000 of
-#: 4096 slots (Phi-4-mini's at batch 16: 181 -> 122 us; Llama-3.2-1B's: 34.8 -> 29.8).
+#: 4096 slots (Phi-4-mini's at batch 16: 181 -> 122 us; Llama-3.2-1B's: 34.8 -> 29.8). At 1024 slots
+#: the two were mixed (256 ahead by 10-11 % for Llama's and Phi-4-mini's layouts, 64 by 8 % for
+#: OLMo 2's) and nothing between 1024 and 4096 was timed: the 2048 threshold is a choice.
 DECODE_BN = {64: 128, 128: 64, 256: 64}
 DECODE_BN_LONG = {64: 256, 128: 256, 256: 64}
 DECODE_LONG_KEYS = 2048

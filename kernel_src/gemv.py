@@ -110,7 +110,9 @@ DTYPES = ("bfloat16", "float16")
 #: 16 x 512 (never the best by more than 3 %) and 32 x 256 (best on the wide projections, ahead of
 #: cuBLAS on two of them by 7-13 %, behind on gate/up and lm_head; not routed, so not built). Swept
 #: again with a ``latency`` hint on the weight load, a per-tile row sum with wider tiles, two blocks a
-#: multiprocessor and eight warps (dev/sweeps/gemv_sweep.py, 2026-12-04): none better by more than 4 %.
+#: multiprocessor and eight warps (dev/sweeps/gemv_sweep.py, 2026-12-04): none better by more than 4 %
+#: on the projections the router sends here (the row sum won 3-6 % on lm_head and Gemma-2-2B's down_proj,
+#: which stay on cuBLAS, faster still).
 TILES = ((8, 512), (16, 256))
 
 

@@ -164,6 +164,10 @@ EMULATED = [
     (1, 8, 1, 1, 1000, 64, {"sms": 132}),          # split-KV chosen by the grid heuristic
     (2, 8, 8, 4, 500, 128, {"splits": 7, "window": 100}),
     (1, 2, 2, 5, 5, 64, {"causal": False}),
+    # The long decode tile (256 keys: one unsplit pass over >= 2048 slots), a partial last tile.
+    (1, 4, 2, 1, 2100, 128, {"splits": 1}),
+    (1, 4, 2, 1, 2100, 128, {"splits": 1, "window": 300}),
+    (1, 4, 2, 3, 2100, 64, {"splits": 1, "softcap": 5.0}),
 ]
 
 
@@ -215,6 +219,7 @@ KV_LEN_CASES = [
     (2, 4, 2, 4, 500, 77, 64, {}),                      # a chunk of 4 queries, causal from kv_len
     (1, 4, 4, 3, 200, 90, 96, {"window": 20}),          # window counted from kv_len
     (2, 4, 2, 1, 300, 40, 64, {"mask": True}),          # with a padding mask over every slot
+    (1, 4, 2, 1, 2048, 1500, 64, {"splits": 1}),        # the long tile (256 keys), its tail partly filled
 ]
 
 
@@ -238,7 +243,7 @@ def test_emulated_kernel_reads_only_the_filled_keys(case):
     ref = cutile_kernels.attention_reference(q, k, v, mask, 0.2, kv_len=kv_len, **kw)
     torch.testing.assert_close(ref, want, rtol=1e-6, atol=1e-6)  # the reference's own kv_len path
     if "splits" in extra:
-        assert kernels == ["attention", "attention_combine"]
+        assert kernels == ["attention", "attention_combine"][:1 + (extra["splits"] > 1)]
 
 
 def test_kv_len_must_be_a_device_tensor():
@@ -320,6 +325,12 @@ def test_launch_plan_layout_and_decode_split():
     prefill = attn_ops.launches(*make_qkv(B, Hq, Hkv, 2048, 2048, D, torch.float32), None,
                                 torch.empty(B, 2048, Hq, D), 0.125, sms=132)
     assert len(prefill) == 1 and prefill[0][2][-1] == 1  # prefill never splits
+    # Keys per decode tile: the long tile for one unsplit pass over a long cache (batch 16: 128
+    # blocks, no split), the short one for a short cache; at head dim 128 the short tile is 64.
+    for Hkv_, D_, skv, bn in ((8, 64, 4096, 256), (8, 64, 169, 128), (8, 128, 4096, 256), (8, 128, 169, 64)):
+        q16, k16, v16 = make_qkv(16, Hq, Hkv_, 1, skv, D_, torch.float32)
+        (plan16,) = attn_ops.launches(q16, k16, v16, None, torch.empty(16, 1, Hq, D_), 0.125, sms=132)
+        assert dict(plan16[1])["BN"] == bn and plan16[2][-1] == 1, (D_, skv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -813,7 +824,9 @@ GPU_CASES = (
     [(1, h, 2048, 2048, torch.bfloat16) for h in FAMILY_HEADS[:4]]
     + [(1, h, 4099, 4099, torch.bfloat16) for h in FAMILY_HEADS[:2]]
     + [(b, h, 1, skv, torch.bfloat16) for h in FAMILY_HEADS for b, skv in ((1, 4096), (16, 1000))]
-    + [(16, h, 1, 2500, d) for h in FAMILY_HEADS[:5] for d in (torch.bfloat16, torch.float16)]  # the long tile
+    # 2500 keys at batch 16: the long tile where the grid is wide enough (no split), the short one
+    # split where it is not (one KV head of eight query heads).
+    + [(16, h, 1, 2500, d) for h in FAMILY_HEADS[:5] + [(8, 8, 80)] for d in (torch.bfloat16, torch.float16)]
     + [(2, h, 7, 300, torch.bfloat16) for h in FAMILY_HEADS]
     + [(2, h, 333, 333, d) for h in FAMILY_HEADS[4:] for d in (torch.bfloat16, torch.float16)]
     + [(3, (16, 8, 128), 1, 1, torch.float16), (1, (32, 8, 64), 1, 129, torch.float16)]

@@ -115,6 +115,13 @@ def test_new_families_have_the_presets_shapes():
                                                             "head_dim": 128, "q_len": 2048, "kv_len": 2048}
     assert len(attn) == 4 * (1 + 2 * len(fam.DECODE_KV_LENS))
     assert attn[0].uuid == "llama-3.2-1b/decode-b16/kv2048"  # the boundaries' base, on purpose
+    # OLMo 3 runs OLMo 2's norm and RoPE code: its preset's shapes are Workloads of those kernels.
+    norm = {w.uuid: w for w in inventory.Inventory.load(INVENTORY).workloads["rms_norm_gemma"]}
+    assert norm["olmo-3-7b/k_norm/decode-b16"].axes == {"num_tokens": 16, "hidden_size": 32 * 128}  # 32 KV heads
+    assert norm["olmo-3-7b/hidden/prefill-2048"].inputs["offset"].value == 0.0
+    assert "olmo-3-7b/hidden/decode-b1" in _workload_axes("rms_norm_add_gemma")
+    assert _workload_axes("rope_cast")["olmo-3-7b/decode-b16"] == {"batch": 16, "seq_len": 1, "num_q_heads": 32,
+                                                                   "num_kv_heads": 32, "head_dim": 128}
 
 
 def test_new_definitions_reproduce_transformers():

@@ -101,6 +101,11 @@ def _kernels(run, n: int, top: int) -> float:
     return total
 
 
+#: The decode tiles' keys per tile by padded head dim before 2026-12-04 (what ``--ab-splits`` compares
+#: against counted its KV tiles in these).
+PREVIOUS_DECODE_BN = {64: 128, 128: 128, 256: 64}
+
+
 def _previous_num_splits(bn: int):
     """The split-KV choice before 2026-12-03, with ``num_splits``'s arguments, for ``--ab-splits``:
     no split from one block per SM up; below that, enough splits for ``2 * sms`` blocks with at least
@@ -166,7 +171,8 @@ def main(argv=None) -> None:
             mods = [m for n, m in list(sys.modules.items()) if n.endswith(".ops.attention") and hasattr(m, "num_splits")]
             cfg = model.config.get_text_config()
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            previous = _previous_num_splits(mods[0].tiles_for(head_dim, 1, 1)[3])  # the decode tiles' BN
+            dp = mods[0].tiles_for(head_dim, 1, 1)[0]
+            previous = _previous_num_splits(PREVIOUS_DECODE_BN[dp])
             chosen = [m.num_splits for m in mods]
             for m in mods:
                 m.num_splits = previous

@@ -23,6 +23,25 @@ SLOTS = (169, 392, 1024, 4096)
 FORCED = (1, 2, 3, 4, 8, 16)
 
 
+def decode_inputs(B: int, Hq: int, Hkv: int, D: int, slots: int, filled: int):
+    """A bf16 decode step over a static cache on the GPU: (q (B, Hq, 1, D) as a transposed view of
+    the projection, k and v (B, Hkv, slots, D), kv_len (1,) = ``filled``, scale, float32 attention
+    over the filled keys (B, Hq, 1, D), an output buffer (B, 1, Hq, D))."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    k = torch.randn(B, Hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, Hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    n = torch.tensor([filled], device="cuda")
+    scale = D ** -0.5
+    kf = k[:, :, :filled].float().repeat_interleave(Hq // Hkv, 1)
+    vf = v[:, :, :filled].float().repeat_interleave(Hq // Hkv, 1)
+    ref = torch.softmax(q.float() @ kf.transpose(-1, -2) * scale, -1) @ vf
+    out = torch.empty(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, n, scale, ref, out
+
+
 def _case(shape, B, slots):
     import importlib
 
@@ -33,16 +52,7 @@ def _case(shape, B, slots):
     ops = importlib.import_module("cutile_kernels.ops.attention")  # the module; ops.attention is the op
     Hq, Hkv, D = SHAPES[shape]
     filled = slots * 3 // 4
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-    k = torch.randn(B, Hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(B, Hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    n = torch.tensor([filled], device="cuda")
-    scale = D ** -0.5
-    kf = k[:, :, :filled].float().repeat_interleave(Hq // Hkv, 1)
-    vf = v[:, :, :filled].float().repeat_interleave(Hq // Hkv, 1)
-    ref = torch.softmax(q.float() @ kf.transpose(-1, -2) * scale, -1) @ vf  # (B, Hq, 1, D)
-    out = torch.empty(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v, n, scale, ref, out = decode_inputs(B, Hq, Hkv, D, slots, filled)
     auto = ops.launches(q, k, v, None, out, scale, True, kv_len=n)
     auto_splits = auto[0][2][-1]  # the launch's last scalar
     row = {"shape": shape, "B": B, "slots": slots, "filled": filled, "auto_splits": auto_splits, "us": {}}

@@ -21,13 +21,14 @@ replays next to ``F.scaled_dot_product_attention`` (causal, GQA). FLOPs count th
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
 from pathlib import Path
 
 from cutile_kernels_tools.timing import graph_us
+
+from dev.sweeps._common import main, write_rows
 
 #: (BS query rows, BN keys) per tile, per padded head dim.
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128)]
@@ -53,20 +54,6 @@ def candidates():
                 out.append(VariantSpec("attention", module, function, f"bf16.d{dp}.h1.m{bs}.n{bn}.{label}",
                                        attention._attention_params("bfloat16", consts)))
     return out
-
-
-def export(out: str) -> None:
-    """Compile every candidate for sm_90 into the build ``out``; report the ones that fail."""
-    from cutile_kernels_build import BuildError, build
-
-    kept, failed = [], {}
-    for spec in candidates():
-        try:  # a failed build leaves the previous one intact; compiled variants are reused
-            build(out, archs=["sm_90"], specs=kept + [spec])
-            kept.append(spec)
-        except BuildError as exc:
-            failed[spec.tag] = str(exc).splitlines()[0][-160:]
-    print(json.dumps({"compiled": [s.tag for s in kept], "failed": failed}, indent=1))
 
 
 def run(sweep_dir: str, json_out: str | None) -> None:
@@ -126,17 +113,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
         if mine:
             best = min(mine, key=lambda r: r["us"])
             print(f"  {name}: {best['tag']} {best['us']} us ({best['TFLOPs']} TFLOP/s); sdpa {base['us']} us")
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=1))
+    write_rows(rows, json_out)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export")
-    e.add_argument("--out", default=".sweep-attn")
-    r = sub.add_parser("run")
-    r.add_argument("--dir", default=".sweep-attn")
-    r.add_argument("--json")
-    a = p.parse_args()
-    export(a.out) if a.cmd == "export" else run(a.dir, a.json)
+    main(__doc__, ".sweep-attn", candidates, run)

@@ -18,12 +18,13 @@ it as CUDA-graph replays: one split, and the router's split count where it choos
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 from pathlib import Path
 
 from cutile_kernels_tools.timing import graph_us
+
+from dev.sweeps._common import main, write_rows
 
 #: (function, module, label)
 FUNCTIONS = [("attention_kernel", "attention", "w4"), ("attention_w8_kernel", "dev.sweeps.attention_variants", "w8")]
@@ -51,24 +52,12 @@ def candidates():
     return out
 
 
-def export(out: str) -> None:
-    """Compile every candidate for sm_90 into the build ``out``; report the ones that fail."""
-    from cutile_kernels_build import BuildError, build
-
-    kept, failed = [], {}
-    for spec in candidates():
-        try:  # a failed build leaves the previous one intact; compiled variants are reused
-            build(out, archs=["sm_90"], specs=kept + [spec])
-            kept.append(spec)
-        except BuildError as exc:
-            failed[spec.tag] = str(exc).splitlines()[0][-160:]
-    print(json.dumps({"compiled": [s.tag for s in kept], "failed": failed}, indent=1))
-
-
 def run(sweep_dir: str, json_out: str | None) -> None:
     import torch
     from cutile_kernels import dispatch, registry
     from cutile_kernels.launcher import Launcher
+
+    from dev.microbench.decode_splits import decode_inputs
     ops = importlib.import_module("cutile_kernels.ops.attention")  # the module; ops.attention is the op
 
     reg = registry.Registry(registry.package_dir_of(Path(sweep_dir)))
@@ -76,23 +65,14 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     variants = list(reg.variants("attention", "sm_90"))
     rows = []
     for preset, (hq, hkv, D) in SHAPES.items():
-        _, hb_shipped, _, bn_shipped = ops.tiles_for(D, 1, hq // hkv)
+        dp, hb_shipped = ops.tiles_for(D, 1, hq // hkv)[:2]
         for B in (1, 16):
             for filled, slots in LENGTHS:
-                g = torch.Generator(device="cuda").manual_seed(0)
-                q = torch.randn(B, 1, hq, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-                k = torch.randn(B, hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                v = torch.randn(B, hkv, slots, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                n = torch.tensor([filled], device="cuda")
-                scale = D ** -0.5
-                kf = k[:, :, :filled].float().repeat_interleave(hq // hkv, 1)
-                vf = v[:, :, :filled].float().repeat_interleave(hq // hkv, 1)
-                ref = torch.softmax(q.float() @ kf.transpose(-1, -2) * scale, -1) @ vf
-                out = torch.empty(B, 1, hq, D, device="cuda", dtype=torch.bfloat16)
+                q, k, v, n, scale, ref, out = decode_inputs(B, hq, hkv, D, slots, filled)
                 auto = ops.launches(q, k, v, None, out, scale, True, kv_len=n)[0][2][-1]
-                base = {"preset": preset, "B": B, "filled": filled, "slots": slots, "auto_splits": auto,
-                        "shipped": f"h{hb_shipped}.n{bn_shipped}"}
+                base = {"preset": preset, "B": B, "filled": filled, "slots": slots, "auto_splits": auto}
                 for splits in sorted({1, auto}):
+                    shipped = f".h{hb_shipped}.m{16 // hb_shipped}.n{ops.decode_bn(dp, slots, splits)}.w4"  # the router's
                     plan = ops.launches(q, k, v, None, out, scale, True, splits=splits, kv_len=n)
                     args = plan[0][2]
                     for variant in variants:
@@ -106,7 +86,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                             for step in plan[1:]:
                                 dispatch.run(*step)
 
-                        row = {**base, "splits": splits, "tag": variant.tag}
+                        row = {**base, "splits": splits, "tag": variant.tag, "shipped": variant.tag.endswith(shipped)}
                         out.fill_(float("nan"))
                         call()
                         got = out.transpose(1, 2).float()
@@ -116,7 +96,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                             row["us"] = round(graph_us(call, reps=11), 2)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-    print("\n| preset | B | filled/slots | splits | shipped tile us | best candidate us |")
+    print("\n| preset | B | filled/slots | splits | the router's tile us | best candidate us |")
     print("|---|---|---|---|---|---|")
     keys = sorted({(r["preset"], r["B"], r["filled"], r["slots"], r["splits"]) for r in rows},
                   key=lambda t: (list(SHAPES).index(t[0]), t[1:]))
@@ -124,21 +104,12 @@ def run(sweep_dir: str, json_out: str | None) -> None:
         mine = [r for r in rows if (r["preset"], r["B"], r["filled"], r["slots"], r["splits"]) == key and r.get("ok")]
         if not mine:
             continue
-        ship = [r for r in mine if f".n{r['shipped'].split('.n')[1]}.w4" in r["tag"]]
+        ship = [r for r in mine if r["shipped"]]
         best = min(mine, key=lambda r: r["us"])
         print(f"| {key[0]} | {key[1]} | {key[2]}/{key[3]} | {key[4]} | {ship[0]['us'] if ship else '-'} | "
               f"{best['tag']} {best['us']} |")
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=1))
+    write_rows(rows, json_out)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export")
-    e.add_argument("--out", default=".sweep-decode")
-    r = sub.add_parser("run")
-    r.add_argument("--dir", default=".sweep-decode")
-    r.add_argument("--json")
-    a = p.parse_args()
-    export(a.out) if a.cmd == "export" else run(a.dir, a.json)
+    main(__doc__, ".sweep-decode", candidates, run)

@@ -21,11 +21,12 @@ CUDA-graph replays next to ``F.linear`` (cuBLAS).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from cutile_kernels_tools.timing import graph_us
+
+from dev.sweeps._common import main, write_rows
 
 #: (function, module, label, tiles, latencies): the shipped kernel first (no latency hint).
 EXP = "dev.sweeps.gemv_variants"
@@ -52,20 +53,6 @@ def candidates():
                     params, tag = params + (ConstParam("LAT", lat),), f"{tag}.lat{lat}"
                 out.append(VariantSpec("gemv", module, function, tag, params))
     return out
-
-
-def export(out: str) -> None:
-    """Compile every candidate for sm_90 into the build ``out``; report the ones that fail."""
-    from cutile_kernels_build import BuildError, build
-
-    kept, failed = [], {}
-    for spec in candidates():
-        try:  # a failed build leaves the previous one intact; compiled variants are reused
-            build(out, archs=["sm_90"], specs=kept + [spec])
-            kept.append(spec)
-        except BuildError as exc:
-            failed[spec.tag] = str(exc).splitlines()[0][-160:]
-    print(json.dumps({"compiled": [s.tag for s in kept], "failed": failed}, indent=1))
 
 
 def run(sweep_dir: str, json_out: str | None) -> None:
@@ -126,17 +113,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             print(f"| {preset} | {proj} | {cub['N']} x {cub['K']} ({cub['MB']}) | {cub['us']} ({cub['TB/s']}) | "
                   f"{sb['tag'] + ' ' + str(sb['us']) if sb else '-'} | "
                   f"{best['tag'] + ' ' + str(best['us']) + ' (' + str(best['TB/s']) + ')' if best else '-'} |")
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=1))
+    write_rows(rows, json_out)
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export")
-    e.add_argument("--out", default=".sweep-gemv")
-    r = sub.add_parser("run")
-    r.add_argument("--dir", default=".sweep-gemv")
-    r.add_argument("--json")
-    a = p.parse_args()
-    export(a.out) if a.cmd == "export" else run(a.dir, a.json)
+    main(__doc__, ".sweep-gemv", candidates, run)

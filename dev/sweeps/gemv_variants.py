@@ -10,7 +10,8 @@ ZERO = ct.PaddingMode.ZERO
 @ct.kernel
 def gemv_lat_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int], LAT: ct.Constant[int]):
     """The shipped kernel (a (BN, BK) float32 product tile summed once at the end) with
-    ``latency=LAT`` on the weight load: how many loads the compiler keeps in flight ahead."""
+    ``latency=LAT`` on the weight load: how many loads the compiler keeps in flight ahead.
+    x: (1, K), weight: (N, K), out: (1, N), one 16-bit dtype. Grid: (cdiv(N, BN),)."""
     bid = ct.bid(0)
     acc = ct.zeros((BN, BK), dtype=ct.float32)
     for j in range(ct.cdiv(weight.shape[1], BK)):
@@ -23,7 +24,8 @@ def gemv_lat_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int], 
 @ct.kernel
 def gemv_rowsum_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int], LAT: ct.Constant[int]):
     """Each weight tile's products summed along K as it is loaded: a (BN,) accumulator instead of
-    (BN, BK), so wider tiles (more bytes in flight a block) fit in registers."""
+    (BN, BK), so wider tiles (more bytes in flight a block) fit in registers. Arguments and grid as
+    :func:`gemv_lat_kernel`."""
     bid = ct.bid(0)
     acc = ct.zeros((BN,), dtype=ct.float32)
     for j in range(ct.cdiv(weight.shape[1], BK)):

@@ -325,11 +325,11 @@ def _norm_definitions() -> list[Definition]:
 
 
 #: Presets whose norms compute Gemma's order (rms_norm_gemma's Workloads), and their offsets.
-FLOAT_NORM_PRESETS = {"gemma-3-1b": 1.0, "olmo-2-1b": 0.0}
+FLOAT_NORM_PRESETS = {"gemma-3-1b": 1.0, "olmo-2-1b": 0.0, "olmo-3-7b": 0.0}
 #: Presets whose decoder fuses the residual add into a Gemma-order norm (add_rms_norm_gemma's).
 FUSED_FLOAT_NORM_PRESETS = {"qwen3.5-0.8b": 1.0, "qwen3.5-27b": 1.0}
 #: Presets whose post-norm blocks fuse the norm and the residual add (rms_norm_add_gemma's).
-POST_NORM_PRESETS = {"olmo-2-1b": 0.0}
+POST_NORM_PRESETS = {"olmo-2-1b": 0.0, "olmo-3-7b": 0.0}
 
 
 def preset_norm_shapes(preset: str) -> list[tuple[str, int, int, float]]:
@@ -345,7 +345,7 @@ def preset_norm_shapes(preset: str) -> list[tuple[str, int, int, float]]:
         if cfg["model_type"] in ("qwen3", "gemma3_text"):  # per-head q/k norms
             out.append((f"q_norm/{phase}", tokens * cfg["num_attention_heads"], cfg["head_dim"], eps))
             out.append((f"k_norm/{phase}", tokens * cfg["num_key_value_heads"], cfg["head_dim"], eps))
-        elif cfg["model_type"] == "olmo2":  # q/k norms over the whole projections, before the head split
+        elif cfg["model_type"] in ("olmo2", "olmo3"):  # q/k norms over the whole projections, before the head split
             head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
             out.append((f"q_norm/{phase}", tokens, cfg["num_attention_heads"] * head_dim, eps))
             out.append((f"k_norm/{phase}", tokens, cfg["num_key_value_heads"] * head_dim, eps))

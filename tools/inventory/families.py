@@ -289,8 +289,8 @@ def _rope_rows(d: Definition, presets) -> list[Workload]:
     return rows
 
 
-#: OLMo 2's presets, for the Workloads of its RoPE.
-OLMO2_PRESETS = ("olmo-2-1b",)
+#: The presets running OLMo 2's RoPE code (OLMo 3's is the same), for the Workloads of its RoPE.
+OLMO2_PRESETS = ("olmo-2-1b", "olmo-3-7b")
 
 
 def _rope_cast() -> Entry:

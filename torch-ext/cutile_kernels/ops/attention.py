@@ -240,7 +240,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         if Sq <= DECODE_MAX_SQ:
             sms = sms if sms is not None else _sm_count(q.device.index or 0)
             splits = num_splits(q_blocks * B * (Hq // hb), Skv, sms)
-    if Sq <= DECODE_MAX_SQ:
+    if Sq <= DECODE_MAX_SQ:  # the keys per tile depend on the split count, known only now
         bn = decode_bn(dp, Skv, splits)
     want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
     scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(kv_len is not None),
