@@ -24,6 +24,23 @@ def export_specs(specs, out: str) -> None:
     print(json.dumps({"compiled": [s.tag for s in kept], "failed": failed}, indent=1))
 
 
+def launched(launch, row: dict, rows: list) -> bool:
+    """Run ``launch()`` (one candidate's first launch) and wait for it; a candidate that cannot
+    launch is reported instead: its error goes into ``row``, which is appended to ``rows`` and
+    printed, and False is returned (the caller skips its check and timing)."""
+    import torch
+
+    try:
+        launch()
+        torch.cuda.synchronize()
+        return True
+    except Exception as exc:  # noqa: BLE001 - a candidate that cannot launch is reported
+        row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return False
+
+
 def write_rows(rows: list, json_out: str | None) -> None:
     """The sweep's rows as a JSON file, when one was asked for."""
     if json_out:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from cutile_kernels_tools.timing import graph_us
 
-from dev.sweeps._common import main, write_rows
+from dev.sweeps._common import launched, main, write_rows
 
 #: (BS query rows, BN keys) per tile, per padded head dim.
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128)]
@@ -89,13 +89,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             grid = (-(-S // c["BS"]), B * hq // c["HB"], 1)
             out.fill_(float("nan"))
             row = {"shape": name, "tag": variant.tag}
-            try:
-                launcher.launch(variant, grid, args, 0)
-                torch.cuda.synchronize()
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot launch is reported
-                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            if not launched(lambda v=variant, grid=grid: launcher.launch(v, grid, args, 0), row, rows):
                 continue
             got = out.transpose(1, 2).double()
             row["unwritten"] = int(torch.isnan(got).sum().item())

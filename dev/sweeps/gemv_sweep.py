@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cutile_kernels_tools.timing import graph_us
 
-from dev.sweeps._common import main, write_rows
+from dev.sweeps._common import launched, main, write_rows
 
 #: (function, module, label, tiles, latencies): the shipped kernel first (no latency hint).
 EXP = "dev.sweeps.gemv_variants"
@@ -83,13 +83,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                 grid = (-(-n // variant.constants["BN"]), 1, 1)
                 row = {**base, "tag": variant.tag}
                 out.fill_(float("nan"))
-                try:
-                    launcher.launch(variant, grid, (x, ws[0], out), 0)
-                    torch.cuda.synchronize()
-                except Exception as exc:  # noqa: BLE001 - a candidate that cannot launch is reported
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:200]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                if not launched(lambda v=variant, grid=grid, w=ws[0]: launcher.launch(v, grid, (x, w, out), 0), row, rows):
                     continue
                 rel = ((out.double() - ref).norm() / ref.norm()).item()
                 row["rel"] = rel
