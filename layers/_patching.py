@@ -20,6 +20,7 @@ undoes it first and re-applies it after, and the checkpoint has the stock keys a
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from collections import Counter
 from dataclasses import dataclass, field
@@ -245,6 +246,38 @@ def swapped(m: nn.Module, forward) -> bool:
     return isinstance(bound, types.MethodType) and bound.__func__ is forward
 
 
+#: Instance attribute set by :func:`swap_forwards`: the name of the module whose globals the swapped
+#: module's stock forward reads (its modeling module), for :func:`modeling_globals`.
+MODELING_ATTR = "_cutile_modeling"
+
+
+def _stock_forward(m: nn.Module):
+    # A stacked class (patch fused_qkv) keeps its stock class, whose forward is the stock one.
+    cls = type(m)
+    return getattr(cls, "_cutile_qkv_unfused_class", cls).forward
+
+
+def _modeling_name(m: nn.Module) -> str | None:
+    fwd = _stock_forward(m)
+    name = getattr(fwd, "__module__", None)
+    mod = sys.modules.get(name) if isinstance(name, str) else None
+    return name if mod is not None and getattr(fwd, "__globals__", None) is vars(mod) else None
+
+
+def modeling_globals(m: nn.Module) -> dict:
+    """The globals of the module that defines ``m``'s stock forward (its modeling module: the attention
+    registry, eager attention and RoPE functions that forward reads), for a reproduced forward to
+    read as the stock one does. Under ``torch.compile`` it is found through ``sys.modules`` by the
+    name :func:`swap_forwards` stored on the instance, which dynamo guards as it guards a global:
+    ``type(m).forward.__globals__`` made a guard check of a compiled 28-layer Qwen3 step some 30 us
+    slower (torch 2.11, dev/diagnostics/guards.py). Falls back to that where no name was stored (a
+    module stacked by ``fused_qkv`` without a swapped forward)."""
+    own = m.__dict__  # indexed, not .get(): how torch 2.11's dynamo evaluates it right (see swapped)
+    if MODELING_ATTR in own:
+        return sys.modules[own[MODELING_ATTR]].__dict__
+    return _stock_forward(m).__globals__
+
+
 def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict, done: str,
                   prepare=None, replaceable=None) -> Counter:
     """The mechanism of the patches that replace a module's forward: bind ``forward`` to every
@@ -275,6 +308,9 @@ def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict
         if prepare is not None:
             prepare(m)
         m.forward = types.MethodType(forward, m)
+        modeling = _modeling_name(m)
+        if modeling is not None:
+            m.__dict__[MODELING_ATTR] = modeling
         new[name] += 1
     for name, n in new.items():
         logger.info("cutile_kernels: patch %s: %s", patch_name, done.format(n=n, cls=name))
@@ -289,7 +325,7 @@ def restore_forwards(model: nn.Module, patch_name: str, forward, attrs=(), noun:
     n = 0
     for _, m in model.named_modules():
         if swapped(m, forward):
-            for attr in ("forward", *attrs):
+            for attr in ("forward", MODELING_ATTR, *attrs):
                 m.__dict__.pop(attr, None)
             n += 1
     if n:

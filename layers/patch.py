@@ -190,7 +190,7 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     # The attention and MLP forwards without the module calls when no hook would run (_direct); a
     # stock attention of a verified class through its reproduction, whose projections skip theirs.
     cls = type(attn)
-    parts = (stock_forward_parts(cls, cls.forward) if "forward" not in attn.__dict__ and direct_ok(attn)
+    parts = (stock_forward_parts(cls, cls.forward) if direct_ok(attn) and "forward" not in attn.__dict__
              else None)
     if parts is not None:
         hidden_states, _ = reproduced_forward(attn, *parts, hidden_states=hidden_states, attention_mask=attention_mask,

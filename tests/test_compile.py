@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections import Counter
 
 import pytest
@@ -227,6 +228,38 @@ def test_static_cache_generate_compiles_the_decode_step_without_breaks(model_typ
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
         torch.testing.assert_close(g, w)
+
+
+#: Guard sources that cost a compiled call's host-side guard check far more than their number says
+#: (torch 2.11, the H200's: a Qwen3 step's check 352 us against stock's 67 before they went;
+#: dev/diagnostics/guards.py): a child module class's ``__call__`` (``_direct._plain_call``) and a
+#: forward's ``__globals__`` reached through its class (the reproduced attention forwards).
+_COSTLY_GUARDS = (re.compile(r"^type\(L\['self'\]\._modules.*\)\.__call__$"), re.compile(r"\.forward\.__globals__"))
+
+
+def _costly_guards(model) -> set[str]:
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    ids = torch.randint(1, 256, (2, 5))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        explained = torch._dynamo.explain(model.forward)(ids[:, :1], past_key_values=cache, use_cache=True,
+                                                         cache_position=torch.tensor([5]))
+    torch._dynamo.reset()
+    return {g.name for g in explained.out_guards if any(p.search(g.name) for p in _COSTLY_GUARDS)}
+
+
+@pytest.mark.parametrize("model_type", CLAIMED)
+def test_compiled_decode_step_adds_no_costly_guards(model_type, variant, monkeypatch, no_breaks):
+    """Every compiled call checks its guards on the host before the CUDA graph replays, so a guard
+    our forwards add is paid on each decode step. The kernelized and patched model's decode step
+    holds none of the costly kinds that the stock model's lacks: our helpers decide
+    ``torch.compiler.is_compiling()`` before their eager-only checks, and the reproduced forwards
+    reach their modeling module through ``sys.modules`` (``_patching.modeling_globals``)."""
+    stock = _costly_guards(tiny_model(model_type))
+    ours = _costly_guards(_kernelize_on_cpu(tiny_model(model_type), variant, monkeypatch))
+    assert ours <= stock, sorted(ours - stock)[:5]
 
 
 @pytest.mark.parametrize("model_type", ["olmo2"])

@@ -97,6 +97,28 @@ def test_a_forward_hook_on_a_child_runs_and_its_edit_counts(target, ids):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("target", ["o_proj", "down_proj", "mlp"])
+def test_a_forward_hook_on_a_child_runs_under_torch_compile(target, ids):
+    """While dynamo traces, the helpers skip their eager-only checks (``_plain_call`` keeps only the
+    hook checks) but never a hook: the compiled forward runs it as eager stock does."""
+    stock, ours = _pair()
+    for model in (stock, ours):
+        layer = model.model.layers[1]
+        child = layer.mlp if target == "mlp" else getattr(layer.mlp if target == "down_proj" else layer.self_attn,
+                                                           target)
+        child.register_forward_hook(lambda module, args, out: out * 0.5)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            want = stock(ids).logits
+            got = torch.compile(ours, backend="eager", fullgraph=True)(ids).logits
+            unhooked = torch.compile(_pair()[1], backend="eager", fullgraph=True)(ids).logits
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(unhooked, want)  # the hook changes the logits: it ran
+
+
 def test_a_global_hook_sees_the_same_module_calls_as_in_stock(ids):
     stock, ours = _pair()
     # (transformers' hub functions such as apply_rotary_pos_emb are modules outside the model)

@@ -714,3 +714,43 @@ def test_patch_after_a_cpu_use_kernels_load_takes_the_modules_kernels_left_stock
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, stock(ids).logits)
+
+
+def test_swapped_forwards_find_their_modeling_module_by_name():
+    """A reproduced forward reads its modeling module's globals (attention registry, eager path, RoPE)
+    through the module name the swap stored on the instance (cheap guards under torch.compile);
+    unpatching drops the name with the forward."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from cutile_kernels.layers._patching import MODELING_ATTR, modeling_globals
+    from families import model as tiny_model
+
+    model = tiny_model("qwen3")
+    cutile_kernels.patch(model)
+    attn = model.model.layers[0].self_attn
+    assert attn.__dict__[MODELING_ATTR] == modeling_qwen3.__name__
+    assert modeling_globals(attn) is vars(modeling_qwen3)
+    patcher.unpatch(model)
+    assert MODELING_ATTR not in attn.__dict__ and "forward" not in attn.__dict__
+    assert modeling_globals(attn) is vars(modeling_qwen3)  # from the class, as before the patch
+
+
+def test_modeling_globals_are_the_stock_forwards_not_the_classes_module():
+    """The globals are those the stock forward reads: a subclass defined elsewhere that inherits the
+    forward reads Qwen3's module; a forward whose globals are not its module's (made with exec)
+    stores no name and keeps its own globals."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from cutile_kernels.layers._patching import _modeling_name, modeling_globals
+    from families import model as tiny_model
+
+    attn = tiny_model("qwen3").model.layers[0].self_attn
+    attn.__class__ = type("ElsewhereAttention", (modeling_qwen3.Qwen3Attention,), {"__module__": __name__})
+    assert _modeling_name(attn) == modeling_qwen3.__name__
+
+    scope = {"__name__": modeling_qwen3.__name__}
+    exec("def forward(self, *args, **kwargs):\n    return None", scope)
+    attn.__class__ = type("ExecAttention", (modeling_qwen3.Qwen3Attention,), {"forward": scope["forward"]})
+    assert scope["forward"].__module__ == modeling_qwen3.__name__
+    assert _modeling_name(attn) is None
+    assert modeling_globals(attn) is scope

@@ -10,7 +10,13 @@ lists can be read side by side (the compiled step's list also has the greedy pic
 A step much slower than its replay is host-bound. ``--ab-cache-kernel`` also captures the same step
 with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and times the two graphs'
 replays in alternating rounds, in one process: the whole model's step with and without
-``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03. On the GPU machine::
+``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03. For a compiled path
+``--ab-guards`` times the step with dynamo's guard check and without it
+(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
+entries apart), in alternating rounds: what the guards cost the step on this host.
+``--bind-instances`` binds each decoder module's own class forward to the instance first (as
+``kernels.kernelize`` and our patches bind theirs; nothing else changes): on a stock path, what
+that binding alone costs a compiled step. On the GPU machine::
 
     python3 dev/diagnostics/graph_step.py llama-3.2-1b --path cutile-graphs --batch 1 16 --ab-cache-kernel
 """
@@ -19,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -118,17 +126,46 @@ def _previous_num_splits(bn: int):
     return choose
 
 
+def _bind_instances(model) -> int:
+    """Bind its class's own forward to every module under the decoder stack that has none on the
+    instance (the same code: only where dynamo finds the forward changes); returns how many."""
+    import types
+
+    n = 0
+    for m in model.model.modules():
+        if "forward" not in m.__dict__ and m is not model.model:
+            m.forward = types.MethodType(type(m).forward, m)
+            n += 1
+    return n
+
+
 def _compiled(model, args) -> None:
     """The compiled decode step of the bench (``tools/bench/worker.Decoder``), timed and profiled."""
     from cutile_kernels_tools.bench.worker import Decoder
 
     for batch in args.batch:
-        dec = Decoder(model, batch, args.prompt, 2 * args.steps + 20, "cuda", True, seed=0)
+        rounds = 10 if args.ab_guards else 0
+        dec = Decoder(model, batch, args.prompt, (2 + rounds) * args.steps + 20, "cuda", True, seed=0)
         dec.prefill()
         for _ in range(5):  # compile and record the graphs
             dec.step()
         step_ms = statistics.median(dec.step() for _ in range(args.steps))
-        print(json.dumps({"model": args.model, "path": args.path, "batch": batch, "step_ms": step_ms}))
+        row = {"model": args.model, "path": args.path, "batch": batch, "step_ms": step_ms}
+        if rounds:
+            times = ([], [])
+            for _ in range(rounds):  # alternating, each round args.steps // 2 steps a side
+                times[0].extend(dec.step() for _ in range(args.steps // 2))
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    times[1].extend(dec.step() for _ in range(args.steps // 2))
+            row.update(ab_step_ms_guards=statistics.median(times[0]), ab_step_ms_no_guards=statistics.median(times[1]))
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from guards import check_us
+
+            with torch.inference_mode():  # the steps' mode; one eager step writes the next position
+                pos = torch.tensor([dec.pos], device="cuda")
+                row["guard_check_us_per_entry"] = check_us(
+                    model, (dec.next,), dict(past_key_values=dec.cache, use_cache=True, cache_position=pos), 200)
+        print(json.dumps(row))
         _kernels(dec.step, 5, args.top)
 
 
@@ -144,6 +181,10 @@ def main(argv=None) -> None:
                     help="also time the step with transformers' cache writes, alternating with ours")
     ap.add_argument("--ab-splits", action="store_true",
                     help="also time the step captured with the previous split-KV choice, alternating with ours")
+    ap.add_argument("--ab-guards", action="store_true",
+                    help="compiled paths: also time the step without dynamo's guard check, alternating")
+    ap.add_argument("--bind-instances", action="store_true",
+                    help="bind every decoder module's own class forward to its instance first")
     args = ap.parse_args(argv)
 
     from cutile_kernels.layers import decode_graphs as dg
@@ -152,6 +193,8 @@ def main(argv=None) -> None:
 
     ckpt, _ = presets.resolve(args.model, device="cuda")
     model = paths.load(args.path, ckpt, torch.bfloat16, "cuda")
+    if args.bind_instances:
+        print(json.dumps({"bound_instances": _bind_instances(model)}))
     if paths.spec(args.path).compile:
         return _compiled(model, args)
     graphs = getattr(model, dg.ATTR)
@@ -165,8 +208,6 @@ def main(argv=None) -> None:
             ours, theirs = _alternating((entry, cache), (stock_entry, stock_cache), args.steps)
             row.update(ab_replay_ms_kv_append=ours, ab_replay_ms_stock_writes=theirs, ab_step_ms_stock_writes=stock_step)
         if args.ab_splits:
-            import sys
-
             # this package's ops and the hub build's copy of them, whichever the model calls
             mods = [m for n, m in list(sys.modules.items()) if n.endswith(".ops.attention") and hasattr(m, "num_splits")]
             cfg = model.config.get_text_config()

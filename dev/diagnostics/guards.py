@@ -13,7 +13,10 @@ on the step's arguments (median of ``--checks``, right after the model's compile
 patches change globals another's guards read, so the three cannot be interleaved). The check time
 drifts with the process's history: for timing, run each model in a process of its own, in turns::
 
-    python dev/diagnostics/guards.py [--model-type qwen3] [--layers 28] [--batch 16] [--only ours]
+    python dev/diagnostics/guards.py [--model-type qwen3] [--layers 28] [--batch 16] [--only ours] [--patches gemv]
+
+``--patches`` names the patches of ``ours`` (one at a time finds the costly ones); :func:`check_us`
+also times a real model's compiled step (``graph_step.py --ab-guards``).
 
 Needs a build (``cutile-kernels build``; ``CUTILE_KERNELS_BUILD_DIR``) for the hub layers.
 """
@@ -38,8 +41,9 @@ def tiny_model(model_type: str, layers: int):
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
-def kernelized(model, patches: bool):
-    """Our hub layers from the build (capability faked), then the default patches when ``patches``."""
+def kernelized(model, patches: bool, names=None):
+    """Our hub layers from the build (capability faked), then when ``patches`` the default patches,
+    or those in ``names``."""
     import kernels
     import kernels.layer.repos as repos
     from kernels import LocalLayerRepository, Mode
@@ -55,13 +59,12 @@ def kernelized(model, patches: bool):
                for name, cls in hub._mapping_in_build(variant).items()}
     with kernels.use_kernel_mapping(mapping, inherit_mapping=False):
         kernels.kernelize(model, mode=Mode.INFERENCE, device="cuda", use_fallback=True)
-    cutile_kernels.patch(model, names=None if patches else [])
+    cutile_kernels.patch(model, names=(names or None) if patches else [])
     return model
 
 
 def measure(model, batch: int, checks: int) -> dict:
     """Guards by kind and the median microseconds of one guard check of the compiled decode step."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=64)
@@ -73,33 +76,54 @@ def measure(model, batch: int, checks: int) -> dict:
         explained = torch._dynamo.explain(model.forward)(ids[:, :1], **kwargs)
         torch._dynamo.reset()
         torch.compile(model.forward, backend="eager", fullgraph=True)(ids[:, :1], **kwargs)
-        # The frame dynamo compiled: the outermost of forward's decorator chain with a cache entry.
-        fn, code = type(model).forward, None
-        while fn is not None and code is None:
-            code = fn.__code__ if _debug_get_cache_entry_list(fn.__code__) else None
-            fn = getattr(fn, "__wrapped__", None)
-        frame = {}
+        entries = check_us(model, (ids[:, :1],), kwargs, checks)
+    kinds = Counter(g.create_fn_name() for g in explained.out_guards)
+    return {"guards": len(explained.out_guards), "graph_breaks": explained.graph_break_count, "kinds": kinds,
+            "check_us": entries[0]}
 
-        def trace(f, event, arg):
-            if event == "call" and f.f_code is code and not frame:
-                frame.update(f.f_locals)
 
-        sys.settrace(trace)
-        model.forward(ids[:, :1], **kwargs)
+def check_us(model, args: tuple, kwargs: dict, checks: int) -> list[float]:
+    """The median microseconds of one guard check of each cache entry that dynamo holds for
+    ``model.forward``'s compiled frame (most recent first, the order dynamo tries them in), on the
+    frame of an eager ``model.forward(*args, **kwargs)`` call (which runs once: it writes a cache
+    position). Call in the grad mode of the compiled calls: grad mode is guarded too.
+
+    Raises:
+        RuntimeError: no compiled frame, or the newest entry's guards fail on these arguments.
+    """
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    # The frame dynamo compiled: the outermost of forward's decorator chain with a cache entry.
+    fn, code = type(model).forward, None
+    while fn is not None and code is None:
+        code = fn.__code__ if _debug_get_cache_entry_list(fn.__code__) else None
+        fn = getattr(fn, "__wrapped__", None)
+    if code is None:
+        raise RuntimeError("no compiled frame of this model's forward")
+    frame = {}
+
+    def trace(f, event, arg):
+        if event == "call" and f.f_code is code and not frame:
+            frame.update(f.f_locals)
+
+    sys.settrace(trace)
+    try:
+        model.forward(*args, **kwargs)
+    finally:
         sys.settrace(None)
-        manager = _debug_get_cache_entry_list(code)[0].guard_manager
-        # Timed here, right after this model's compile: the next model's kernelize and patches change
-        # globals these guards read (a check that fails returns early and would time nothing).
+    # Timed right after the compile: another model's kernelize and patches change globals these
+    # guards read (a check that fails returns early and would time nothing).
+    out = []
+    for i, entry in enumerate(_debug_get_cache_entry_list(code)):
         times = []
         for _ in range(checks):
             t0 = time.perf_counter()
-            passed = manager.check(frame)  # under no_grad, as traced: grad mode is guarded too
+            passed = entry.guard_manager.check(frame)
             times.append(time.perf_counter() - t0)
-            if not passed:
-                raise RuntimeError("the guards fail on the step they were built for")
-    kinds = Counter(g.create_fn_name() for g in explained.out_guards)
-    return {"guards": len(explained.out_guards), "graph_breaks": explained.graph_break_count, "kinds": kinds,
-            "check_us": statistics.median(times) * 1e6}
+        if i == 0 and not passed:
+            raise RuntimeError("the guards fail on the step they were built for")
+        out.append(statistics.median(times) * 1e6)
+    return out
 
 
 #: The models compared: stock, stock with our hub layers, ours (hub layers and patches).
@@ -112,13 +136,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--checks", type=int, default=2000)
+    ap.add_argument("--patches", nargs="+", help="the patches of `ours` (default: the default patches)")
     ap.add_argument("--only", choices=MODELS, help="measure this model alone (a fresh process for each is the fairer timing)")
     args = ap.parse_args(argv)
     rows = {}
     for name in [args.only] if args.only else MODELS:
         model = tiny_model(args.model_type, args.layers)
         if name != "stock":
-            model = kernelized(model, patches=name == "ours")
+            model = kernelized(model, patches=name == "ours", names=args.patches)
         rows[name] = r = measure(model, args.batch, args.checks)
         print(f"{name:10s} {r['guards']:6d} guards, {r['graph_breaks']} graph breaks, one check {r['check_us']:.0f} us",
               flush=True)

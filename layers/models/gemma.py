@@ -25,7 +25,7 @@ from torch import nn
 
 from ...ops.norm import add_rms_norm_gemma
 from .._direct import attend, gemma_qk_norm_rope, linear
-from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
+from .._patching import Patch, _unhooked, modeling_globals, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
 from ..attention import NAME as CUTILE_ATTENTION
 from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
@@ -259,7 +259,7 @@ def qk_norm_rope_attention_forward(self, hidden_states, position_embeddings=None
     update, the attention interface with the sliding window and ``o_proj`` are the stock lines
     (``_direct.attend``). Same arguments and result; q and k leave contiguous where stock keeps
     the projection's layout (same values). A call whose norms have hooks runs the stock lines."""
-    glob = type(self).forward.__globals__  # the class's modeling module: its RoPE, attention registry, eager path
+    glob = modeling_globals(self)  # the stock forward's module: its attention registry, eager path, RoPE
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 

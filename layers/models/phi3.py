@@ -30,7 +30,7 @@ from ...ops.activation import silu_and_mul
 from ...ops.rope import apply_rope
 from .._direct import attend, linear
 from .._match import same_code
-from .._patching import Patch, restore_forwards, swap_forwards
+from .._patching import Patch, modeling_globals, restore_forwards, swap_forwards
 from .._pins import TRANSFORMERS, Pin, holds
 from ..rope import partial_rope_attention_verdict
 from . import Family
@@ -115,7 +115,7 @@ def rope_attention_forward(self, hidden_states, position_embeddings, attention_m
     """``Phi3Attention.forward`` (5.22.2) with ``apply_rotary_pos_emb`` as one ``apply_rope`` launch
     for q and k (partial rotary: the first ``cos.shape[-1]`` elements of each head). Same arguments
     and result."""
-    glob = type(self).forward.__globals__  # the class's modeling module: its attention registry and eager path
+    glob = modeling_globals(self)  # the stock forward's module: its attention registry, eager path, RoPE
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 

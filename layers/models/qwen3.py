@@ -35,8 +35,7 @@ from torch import nn
 
 from ...ops.qk_norm_rope import qk_norm_rope
 from .._direct import attend, linear
-from .._match import same_code
-from .._patching import Patch, _unhooked, restore_forwards, swap_forwards, swapped
+from .._patching import Patch, _unhooked, modeling_globals, restore_forwards, swap_forwards, swapped
 from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
 from .._pins import Pin, forward_verdict
 from ..norm import is_llama_norm
@@ -96,9 +95,9 @@ def fused_attention_forward(self, hidden_states, position_embeddings, attention_
     fusable = swapped(self, fused_attention_forward) and _norms_fusable(self)
     if not (fusable or stacked):
         return cls.forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
-    # The class's modeling module (its attention registry, eager path and RoPE); for a stacked
+    # The stock forward's module (its attention registry, eager path and RoPE); for a stacked
     # class, the stock class's.
-    glob = getattr(cls, "_cutile_qkv_unfused_class", cls).forward.__globals__
+    glob = modeling_globals(self)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 

@@ -35,7 +35,7 @@ from ...ops.norm import add_rms_norm_gemma
 from ...ops.rope import apply_rope
 from .._direct import attend, gemma_qk_norm_rope, linear
 from .._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
-from .._patching import Patch, _unhooked, own_forward_on_instance, restore_forwards, swap_forwards
+from .._patching import Patch, _unhooked, modeling_globals, own_forward_on_instance, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
 from ..gated_delta import STACKED_NAME, CutileGatedDeltaNet, computes_gated_deltanet
 from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
@@ -172,7 +172,7 @@ def rope_attention_forward(self, hidden_states, position_embeddings, attention_m
     ``cos.shape[-1]`` elements of each head rotate, the rest pass through), instead of about
     fourteen. The output gate and the rest are the stock lines. Same arguments and result. A call
     whose norms have hooks runs the norm modules and one ``apply_rope`` instead."""
-    glob = type(self).forward.__globals__  # the class's modeling module: its attention registry and eager path
+    glob = modeling_globals(self)  # the stock forward's module: its attention registry, eager path, RoPE
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
