@@ -37,6 +37,9 @@ _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hook
                  _module._global_backward_hooks, _module._global_backward_pre_hooks)
 _tracing = torch._C._get_tracing_state
 _compiling = torch.compiler.is_compiling
+# Dynamo only: a non-strict torch.export also "compiles" but runs this Python with fx's module call,
+# whose module stack it records.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 # What a call runs when nobody replaced it: a class with its own __call__ (a checkpointing
 # wrapper), torch.fx's symbolic trace (it patches Module.__call__) or code that replaces
 # nn.Linear.forward for every Linear must keep being called.
@@ -54,7 +57,7 @@ def _plain_call(m: nn.Module) -> bool:
     # of it; JIT tracing does not run there): the checks below would be guards paid on the host by
     # every compiled call, the class's __call__ most of all (torch 2.11, a 28-layer tiny Qwen3's
     # fused MLP + GEMV: 111 us a guard check with them, 83 without).
-    return _compiling() or not (m._compiled_call_impl is not None or _tracing()
+    return _dynamo_compiling() or not (m._compiled_call_impl is not None or _tracing()
                                 or type(m).__call__ is not _MODULE_CALL)
 
 

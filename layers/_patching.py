@@ -258,6 +258,8 @@ def _stock_forward(m: nn.Module):
 
 
 def _modeling_name(m: nn.Module) -> str | None:
+    # Only where the name leads back to the very globals the forward reads: a forward made by exec or
+    # copied into another namespace keeps __module__ but not that module's globals.
     fwd = _stock_forward(m)
     name = getattr(fwd, "__module__", None)
     mod = sys.modules.get(name) if isinstance(name, str) else None
@@ -279,13 +281,15 @@ def modeling_globals(m: nn.Module) -> dict:
 
 
 def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict, done: str,
-                  prepare=None, replaceable=None) -> Counter:
+                  prepare=None, replaceable=None, modeling: bool = False) -> Counter:
     """The mechanism of the patches that replace a module's forward: bind ``forward`` to every
     module of ``model`` that ``candidate(m)`` selects, is not swapped yet, has ``verdict(m)`` None
     (else the string says why not) and whose instance forward nobody else replaced (e.g.
     accelerate's device hooks; its class's own forward bound there, :func:`own_forward_on_instance`,
     is no replacement) unless ``replaceable(that forward)`` says it may go (a hub layer of
-    ours that would run the stock code anyway); ``prepare(m)`` runs first on each. Logs per class
+    ours that would run the stock code anyway); ``prepare(m)`` runs first on each. With
+    ``modeling``, each swapped module also keeps the name of its stock forward's module, for
+    ``forward`` to read through :func:`modeling_globals`. Logs per class
     what was done (``done`` formatted with ``n`` and ``cls``) and what was left alone and why.
 
     Returns:
@@ -308,9 +312,9 @@ def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict
         if prepare is not None:
             prepare(m)
         m.forward = types.MethodType(forward, m)
-        modeling = _modeling_name(m)
-        if modeling is not None:
-            m.__dict__[MODELING_ATTR] = modeling
+        module_name = _modeling_name(m) if modeling else None
+        if module_name is not None:
+            m.__dict__[MODELING_ATTR] = module_name
         new[name] += 1
     for name, n in new.items():
         logger.info("cutile_kernels: patch %s: %s", patch_name, done.format(n=n, cls=name))

@@ -250,15 +250,26 @@ def _costly_guards(model) -> set[str]:
     return {g.name for g in explained.out_guards if any(p.search(g.name) for p in _COSTLY_GUARDS)}
 
 
-@pytest.mark.parametrize("model_type", CLAIMED)
-def test_compiled_decode_step_adds_no_costly_guards(model_type, variant, monkeypatch, no_breaks):
+#: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
+_OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope"), ("qwen3", "fused_qkv")]
+
+
+@pytest.mark.parametrize("model_type,opt_in", [(m, None) for m in CLAIMED] + _OPT_IN_FORWARDS)
+def test_compiled_decode_step_adds_no_costly_guards(model_type, opt_in, variant, monkeypatch, no_breaks):
     """Every compiled call checks its guards on the host before the CUDA graph replays, so a guard
     our forwards add is paid on each decode step. The kernelized and patched model's decode step
-    holds none of the costly kinds that the stock model's lacks: our helpers decide
-    ``torch.compiler.is_compiling()`` before their eager-only checks, and the reproduced forwards
-    reach their modeling module through ``sys.modules`` (``_patching.modeling_globals``)."""
+    (the default patches, and the opt-in ones with their own attention forwards) holds none of the
+    costly kinds that the stock model's lacks: our helpers decide ``torch.compiler.is_compiling()``
+    before their eager-only checks, and the reproduced forwards reach their modeling module through
+    ``sys.modules`` (``_patching.modeling_globals``)."""
+    patches = None
+    if opt_in is not None:
+        patches = [name for name, p in patcher.PATCHES.items() if p.default] + [opt_in]
     stock = _costly_guards(tiny_model(model_type))
-    ours = _costly_guards(_kernelize_on_cpu(tiny_model(model_type), variant, monkeypatch))
+    model = _kernelize_on_cpu(tiny_model(model_type), variant, monkeypatch, patches=patches)
+    if opt_in is not None:
+        assert opt_in in patcher.applied(model)
+    ours = _costly_guards(model)
     assert ours <= stock, sorted(ours - stock)[:5]
 
 

@@ -295,3 +295,16 @@ def test_a_replaced_linear_forward_runs(monkeypatch):
     monkeypatch.setattr(nn.Linear, "forward", counted)
     _direct.linear(lin, torch.randn(2, 4))
     assert seen == [1]
+
+
+def test_a_non_strict_export_keeps_the_down_projection_module_call(ids):
+    """``torch.export`` without dynamo (``strict=False``) runs this Python with fx's module call and
+    reports ``is_compiling()``; only dynamo's tracing skips ``_plain_call``'s checks, so the exported
+    graph still records the fused MLP's down projection as a module (what module-name based tools,
+    e.g. quantizers' per-module configs, select by)."""
+    _, ours = _pair()
+    with torch.no_grad():
+        exported = torch.export.export(ours, (ids,), {"use_cache": False}, strict=False)
+    stacks = [node.meta.get("nn_module_stack", {}) for node in exported.graph.nodes]
+    paths = {path for stack in stacks for path, _ in stack.values()}
+    assert any(path.endswith("layers.1.mlp.down_proj") for path in paths), sorted(paths)[:10]

@@ -143,6 +143,9 @@ def _compiled(model, args) -> None:
     """The compiled decode step of the bench (``tools/bench/worker.Decoder``), timed and profiled."""
     from cutile_kernels_tools.bench.worker import Decoder
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from guards import check_us
+
     for batch in args.batch:
         rounds = 10 if args.ab_guards else 0
         dec = Decoder(model, batch, args.prompt, (2 + rounds) * args.steps + 20, "cuda", True, seed=0)
@@ -158,9 +161,6 @@ def _compiled(model, args) -> None:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                     times[1].extend(dec.step() for _ in range(args.steps // 2))
             row.update(ab_step_ms_guards=statistics.median(times[0]), ab_step_ms_no_guards=statistics.median(times[1]))
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from guards import check_us
-
             with torch.inference_mode():  # the steps' mode; one eager step writes the next position
                 pos = torch.tensor([dec.pos], device="cuda")
                 row["guard_check_us_per_entry"] = check_us(

@@ -285,7 +285,8 @@ def patch_gemma3_qk_norm_rope(model: nn.Module) -> int:
     new = swap_forwards(model, "gemma3_qk_norm_rope", qk_norm_rope_attention_forward,
                         lambda m: all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
                                                               "k_norm")),
-                        _attention_verdict, "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch")
+                        _attention_verdict, "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch",
+                        modeling=True)
     return sum(new.values())
 
 

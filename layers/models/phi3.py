@@ -141,7 +141,7 @@ def patch_phi3_rope(model: nn.Module) -> int:
     new = swap_forwards(model, "phi3_rope", rope_attention_forward,
                         lambda m: hasattr(m, "qkv_proj") and hasattr(m, "o_proj"),
                         lambda m: attention_verdict(type(m)),
-                        "RoPE of q and k of {n} {cls} on one cuTile launch")
+                        "RoPE of q and k of {n} {cls} on one cuTile launch", modeling=True)
     return sum(new.values())
 
 

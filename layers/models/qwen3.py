@@ -139,7 +139,7 @@ def patch_qk_norm_rope(model: nn.Module) -> int:
     new = swap_forwards(model, "qk_norm_rope", fused_attention_forward,
                         lambda m: hasattr(m, "o_proj") and (all(hasattr(m, a) for a in _ATTRS) or hasattr(m, FUSED_NAME)),
                         _attention_verdict,
-                        "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch")
+                        "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch", modeling=True)
     return sum(new.values())
 
 

@@ -203,7 +203,7 @@ def patch_qwen3_5_rope(model: nn.Module) -> int:
     new = swap_forwards(model, "qwen3_5_rope", rope_attention_forward,
                         lambda m: all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm")),
                         _rope_attention_verdict,
-                        "q/k norms and partial RoPE of {n} {cls} on one cuTile launch")
+                        "q/k norms and partial RoPE of {n} {cls} on one cuTile launch", modeling=True)
     return sum(new.values())
 
 
