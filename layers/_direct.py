@@ -12,8 +12,8 @@ capture) always run. Under ``torch.compile``
 the module calls stay (dynamo traces through them at no run-time cost), except the down projection
 that :func:`glu_linear` calls without its module call (hookless, checked while tracing); the helpers
 test ``torch.compiler.is_compiling()`` (``_plain_call``: dynamo's alone) before their eager-only
-checks, which dynamo would otherwise turn into guards that every compiled call checks on the host. :func:`linear` does the
-same for an exact ``nn.Linear``, whose forward is ``F.linear(x, weight, bias)``.
+checks, which dynamo would otherwise turn into guards that every compiled call checks on the host.
+:func:`linear` does the same for an exact ``nn.Linear``, whose forward is ``F.linear(x, weight, bias)``.
 """
 
 from __future__ import annotations

@@ -251,10 +251,14 @@ def swapped(m: nn.Module, forward) -> bool:
 MODELING_ATTR = "_cutile_modeling"
 
 
+def stock_class(m: nn.Module) -> type:
+    """``type(m)``, or for a module whose q/k/v ``fused_qkv`` stacked, the stock class it was switched
+    from (whose forward is the stock one)."""
+    return getattr(type(m), "_cutile_qkv_unfused_class", type(m))
+
+
 def _stock_forward(m: nn.Module):
-    # A stacked class (patch fused_qkv) keeps its stock class, whose forward is the stock one.
-    cls = type(m)
-    return getattr(cls, "_cutile_qkv_unfused_class", cls).forward
+    return stock_class(m).forward
 
 
 def _modeling_name(m: nn.Module) -> str | None:

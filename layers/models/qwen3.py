@@ -35,7 +35,7 @@ from torch import nn
 
 from ...ops.qk_norm_rope import qk_norm_rope
 from .._direct import attend, linear
-from .._patching import Patch, _unhooked, modeling_globals, restore_forwards, swap_forwards, swapped
+from .._patching import Patch, _unhooked, modeling_globals, restore_forwards, stock_class, swap_forwards, swapped
 from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
 from .._pins import Pin, forward_verdict
 from ..norm import is_llama_norm
@@ -125,7 +125,7 @@ def fused_attention_forward(self, hidden_states, position_embeddings, attention_
 
 def _attention_verdict(m: nn.Module) -> str | None:
     # A stacked module (fused_qkv) is judged by its stock class: its class forward is ours.
-    why = attention_verdict(getattr(type(m), "_cutile_qkv_unfused_class", type(m)))
+    why = attention_verdict(stock_class(m))
     if why is None and not (is_llama_norm(getattr(m, "q_norm", None)) and is_llama_norm(getattr(m, "k_norm", None))):
         why = "its q_norm / k_norm are not Llama-formula RMSNorms"
     return why
