@@ -17,7 +17,7 @@ from .gated_delta import (CutileCausalConv1dFn, CutileCausalConv1dUpdate, Cutile
 from .norm import CutileRMSNorm, CutileRMSNormGated, CutileZeroCenteredRMSNorm
 from .rope import CutileRotaryPosEmb
 
-# attn_implementation="cutile" works as soon as the package is imported.
+# attn_implementation="cutile" (and "cutile_kernel") work as soon as the package is imported.
 register_attention()
 
 

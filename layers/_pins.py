@@ -98,7 +98,8 @@ def register(*pins: Pin) -> None:
 # `pins check`; nothing asks them at run time. The families' own pins are in layers/models/.
 register(
     Pin("integrations.sdpa_attention", "sdpa_attention_forward", "c356aebf5d0f5113",
-        "attn_implementation='cutile' (cutile_attention_forward takes sdpa's arguments and masks)", gates=False),
+        "attn_implementation='cutile' (cutile_attention_forward takes sdpa's arguments and masks, and hands it "
+        "the calls route() gives sdpa)", gates=False),
     Pin("integrations.hub_kernels", "kernelize", "e45cac02bd1557ef", "kernel_config() through from_pretrained (the swap "
         "after CutileKernelConfig.create_compatible_mapping)", gates=False),
     Pin("integrations.hub_kernels", "register_kernel_replacements_and_fusions", "98c8832e89270c64",

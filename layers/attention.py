@@ -1,14 +1,27 @@
 """``attn_implementation="cutile"``: the cuTile attention kernel as a transformers attention function.
 
-:func:`register_attention` (run when ``cutile_kernels`` is imported) registers
-:func:`cutile_attention_forward` with ``AttentionInterface`` and transformers' own ``sdpa_mask``
-with ``AttentionMaskInterface`` under the name ``"cutile"``, so that::
+:func:`register_attention` (run when ``cutile_kernels`` is imported) registers two attention
+functions with ``AttentionInterface``, each with transformers' own ``sdpa_mask`` in
+``AttentionMaskInterface``, so that::
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="cutile", ...)
 
-builds exactly the masks ``"sdpa"`` would, and attends with the kernel. The default patch
-``gemma2_attention`` (``models/gemma.py``) switches Gemma 2, which transformers can only run
-eagerly, to it.
+builds exactly the masks ``"sdpa"`` would:
+
+* ``"cutile"`` (:func:`cutile_attention_forward`, what the default patch ``cutile_attention``
+  (``models/__init__.py``) and ``gemma2_attention`` (``models/gemma.py``) switch models to): our
+  kernel where it is faster than transformers' sdpa on the H200, sdpa where it is not, as a
+  declared route (:func:`route`). Ours: decode (``Sq <= DECODE_MAX_SQ``) over a static cache
+  (``cutile_kv_len``: only the filled slots are read; or sdpa's boolean mask, whose hidden tiles
+  are skipped, where sdpa expands the mask and reads every slot: 3-36x, H200 2026-12-02b call 4),
+  decode of a padded batch (a boolean mask), and every call with a logit softcap (sdpa has none).
+  sdpa's (cuDNN / flash, 2-5x our prefill kernel and 1.2-2.5x our decode kernel over an unmasked
+  DynamicCache): prefill (``Sq > DECODE_MAX_SQ``), unmasked decode without a filled length, every
+  call off the GPU or in a dtype or head dim the kernel has no variant for, and what the kernel does
+  not take (dropout, additive masks, ``position_bias``), sdpa's arguments passed as they came.
+* ``"cutile_kernel"`` (:func:`cutile_kernel_attention_forward`): the kernel on every call it can
+  take (what the kernel's tests and sweeps run, and a kernel author's switch to time the prefill
+  kernel inside a model); what it cannot take goes to the model's eager attention.
 
 How transformers' arguments map onto the kernel (``ops.attention``), mirroring
 ``sdpa_attention_forward`` (integrations/sdpa_attention.py, v5.22.2):
@@ -26,8 +39,9 @@ How transformers' arguments map onto the kernel (``ops.attention``), mirroring
   only the filled slots, the count read on the device (so a replayed CUDA graph follows it), and
   the empty slots of the static cache cost nothing.
 * anything else (an additive float mask, per-head masks, dropout while training, attention sinks,
-  ``position_bias``): the model's own ``eager_attention_forward`` with an additive mask, and one
-  warning per reason (an error under ``CUTILE_KERNELS_STRICT=1``).
+  ``position_bias``): under ``"cutile"`` sdpa where it takes them (not attention sinks), else the
+  model's own ``eager_attention_forward`` with an additive mask; one warning per reason (an error
+  under ``CUTILE_KERNELS_STRICT=1``).
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ import sys
 import torch
 
 from .. import dispatch
-from ..ops.attention import DECODE_MAX_SQ, attention, visible_mask
+from ..ops.attention import DECODE_MAX_SQ, HEAD_DIMS, KERNEL_DTYPES, attention, prepare, visible_mask
 from ._pins import Pin, holds, register
 
 logger = logging.getLogger("cutile_kernels")
@@ -56,7 +70,7 @@ def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
     """``{"cutile_kv_len": length}`` for the attention call of ``module`` (after its cache update)
     when the model attends with ``"cutile"`` and the module's cache layer is a ``StaticLayer``
     (the pinned one): its ``cumulative_length``, a device tensor. Else ``{}``."""
-    if _STATIC_LAYER is None or getattr(module.config, "_attn_implementation", None) != NAME:
+    if _STATIC_LAYER is None or getattr(module.config, "_attn_implementation", None) not in NAMES:
         return {}
     layers = getattr(past_key_values, "layers", None)
     idx = getattr(module, "layer_idx", None)
@@ -69,16 +83,27 @@ def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
 #: check runs inside a forward), else None.
 _STATIC_LAYER = None
 
-#: The name to pass as ``attn_implementation``.
+#: The name to pass as ``attn_implementation``: our kernel where it is faster, sdpa elsewhere.
 NAME = "cutile"
+#: The name of the kernel on every call it can take.
+KERNEL_NAME = "cutile_kernel"
+#: Both names (a model attending with either runs our attention forwards' filled-length path).
+NAMES = (NAME, KERNEL_NAME)
+
+#: transformers' ``sdpa_attention_forward`` (bound by :func:`register_attention`).
+_SDPA = None
+#: Devices on which :func:`route` may choose the kernel (the CPU tests add "cpu").
+_KERNEL_DEVICES = ("cuda",)
 
 _UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "position_bias"}
+#: Arguments transformers' sdpa attention would ignore (so it cannot take the call either).
+_SINK_KWARGS = ("s_aux", "sinks")
 
 
 def _eager_fallback(module, query, key, value, attention_mask, reason: str, causal: bool, **kwargs):
     """The model's own eager attention (transformers' Llama one if its module has none), with the
     mask made additive and, when there is none, the causal / window mask sdpa would apply."""
-    dispatch.fallback("attention", reason)
+    _announce(reason)
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         if kwargs.get("softcap"):  # Llama's eager attention has no softcap: it would be wrong
@@ -98,6 +123,12 @@ def _eager_fallback(module, query, key, value, attention_mask, reason: str, caus
     return eager(module, query, key, value, mask, **kwargs)
 
 
+def _announce(reason: str) -> None:
+    # Eager only: dynamo cannot trace the logging (fullgraph would fail, else the graph would break).
+    if not torch.compiler.is_compiling():
+        dispatch.fallback("attention", reason)
+
+
 @functools.lru_cache(maxsize=None)
 def _no_weights_warning() -> None:
     # Once a process, as sdpa's: the model's output then holds no attention weights.
@@ -110,29 +141,8 @@ def _bool_mask_fits(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) 
             and mask.shape[1] == 1 and mask.shape[2] == query.shape[2] and mask.shape[3] == key.shape[2])
 
 
-def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                             sliding_window: int | None = None, softcap: float | None = None,
-                             is_causal: bool | None = None, cutile_kv_len: torch.Tensor | None = None,
-                             **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention for transformers' ``AttentionInterface`` (the signature of ``sdpa_attention_forward``).
-
-    Args:
-        module: the attention module (its ``is_causal`` and ``training`` are read).
-        query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)``, the cache already updated.
-        attention_mask: None or what ``sdpa_mask`` built (see the module docstring).
-        scaling: logit scale (default ``1 / sqrt(D)``).
-        dropout: attention dropout; > 0 while training takes the eager fallback.
-        sliding_window: the layer's window (Mistral, Qwen2/3 sliding layers), or None.
-        softcap: logit soft-cap (Gemma 2 style), or None.
-        is_causal: overrides ``module.is_causal``.
-        cutile_kv_len: a static cache layer's filled length (one int64 on the device), from
-            :func:`static_kv_length`: the keys past it are not read.
-
-    Returns:
-        ``(attn_output, None)``, ``attn_output`` the contiguous ``(B, Sq, Hq, D)`` tensor.
-    """
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+def _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs) -> str | None:
+    """Why the kernel cannot take this call, or None."""
     reason = None
     if dropout and module.training:
         reason = "attention dropout while training"
@@ -146,6 +156,36 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                   "(B, 1, Sq, Skv) masks)")
     if query.shape[3] != value.shape[3] or query.shape[3] != key.shape[3]:
         reason = "query, key and value head dims differ"
+    return reason
+
+
+def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: float | None,
+          cutile_kv_len: torch.Tensor | None) -> bool:
+    """Whether ``"cutile"`` gives a call the kernel takes to the kernel (True) or to transformers'
+    sdpa (False), by the H200 measurements in the module docstring: the kernel for a logit softcap
+    (sdpa has none) and for decode (``query`` ``(B, H, Sq, D)`` with ``Sq <= DECODE_MAX_SQ``) with a
+    boolean mask or a static cache's filled length; sdpa for prefill and unmasked decode over a
+    DynamicCache; sdpa for every call off the GPU (where the op would compute its reference: a
+    CPU model keeps stock's exact numbers) or in a dtype or head dim the kernel has no variant for
+    (float32, head_dim > 256), but a softcap's. Device, dtype, shapes and None-ness only: under
+    torch.compile it is decided at trace time."""
+    if softcap:
+        return True
+    if query.device.type not in _KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES or query.shape[3] > HEAD_DIMS[-1]:
+        return False
+    return query.shape[2] <= DECODE_MAX_SQ and (attention_mask is not None or cutile_kv_len is not None)
+
+
+def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
+            cutile_kv_len, routed: bool, kwargs: dict) -> tuple[torch.Tensor, None]:
+    reason = _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs)
+    sdpa_takes = not softcap and not any(kwargs.get(k) is not None for k in _SINK_KWARGS)
+    if routed and sdpa_takes and (reason is not None or not route(query, attention_mask, softcap, cutile_kv_len)):
+        if reason is not None:
+            _announce(f"{reason}; transformers' sdpa attends")
+        return _SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     is_causal=is_causal, sliding_window=sliding_window, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if reason is not None:
         return _eager_fallback(module, query, key, value, attention_mask, reason, causal, scaling=scaling,
                                dropout=dropout, sliding_window=sliding_window, softcap=softcap, **kwargs)
@@ -166,15 +206,85 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.transpose(1, 2), None
 
 
+def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             sliding_window: int | None = None, softcap: float | None = None,
+                             is_causal: bool | None = None, cutile_kv_len: torch.Tensor | None = None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """``"cutile"``: attention for transformers' ``AttentionInterface`` (the signature of
+    ``sdpa_attention_forward``), our kernel where :func:`route` says it is faster, transformers'
+    ``sdpa_attention_forward`` (v5.22.2) elsewhere.
+
+    Args:
+        module: the attention module (its ``is_causal``, ``training`` and, for sdpa,
+            ``num_key_value_groups`` are read).
+        query: ``(B, Hq, Sq, D)``; key, value: ``(B, Hkv, Skv, D)``, the cache already updated;
+            bfloat16, float16 or float32.
+        attention_mask: None or what ``sdpa_mask`` built (see the module docstring).
+        scaling: logit scale (default ``1 / sqrt(D)``).
+        dropout: attention dropout; > 0 while training goes to sdpa.
+        sliding_window: the layer's window (Mistral, Qwen2/3 sliding layers), or None.
+        softcap: logit soft-cap (Gemma 2 style), or None: always the kernel (sdpa has none).
+        is_causal: overrides ``module.is_causal``.
+        cutile_kv_len: a static cache layer's filled length (one int64 on the device), from
+            :func:`static_kv_length`: the keys past it are not read.
+
+    Returns:
+        ``(attn_output, None)``, ``attn_output`` the contiguous ``(B, Sq, Hq, D)`` tensor.
+
+    Raises:
+        NotImplementedError: a softcap with inputs the kernel cannot take, in a module without an
+            eager attention of its own. ``FallbackError`` under ``CUTILE_KERNELS_STRICT=1`` for
+            inputs the kernel cannot take (not for :func:`route`'s choice of sdpa).
+    """
+    return _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
+                   cutile_kv_len, True, kwargs)
+
+
+def cutile_kernel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                                    scaling: float | None = None, dropout: float = 0.0,
+                                    sliding_window: int | None = None, softcap: float | None = None,
+                                    is_causal: bool | None = None, cutile_kv_len: torch.Tensor | None = None,
+                                    **kwargs) -> tuple[torch.Tensor, None]:
+    """``"cutile_kernel"``: :func:`cutile_attention_forward` with the kernel on every call it can take
+    (prefill and unmasked decode too); what it cannot take goes to the model's own eager attention.
+    Arguments, returns and errors as there."""
+    return _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
+                   cutile_kv_len, False, kwargs)
+
+
+def prepare_devices(model: torch.nn.Module) -> None:
+    """``ops.attention.prepare`` on every GPU holding a parameter of ``model`` (at patch time: a
+    compiled decode step whose first kernel call runs in torch.compile's CUDA-graph warm-up then
+    keeps no array of ours in the graphs' pool)."""
+    for device in {p.device for p in model.parameters() if p.device.type == "cuda"}:
+        prepare(device)
+
+
+def kernel_missing_on(model: torch.nn.Module) -> str | None:
+    """Why the kernel cannot run on a GPU holding ``model`` (no built variant for its compute
+    capability and no JIT toolchain), or None (also for a model off the GPU: ``route`` keeps it on
+    sdpa there)."""
+    for device in {p.device for p in model.parameters() if p.device.type == "cuda"}:
+        if not dispatch.runs_on(device):
+            return f"no build of ours runs on {device} (compute capability " \
+                   f"{torch.cuda.get_device_capability(device)}) and cuda.tile cannot JIT here"
+    return None
+
+
 def register_attention() -> None:
-    """Register ``"cutile"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
-    (idempotent; runs when ``cutile_kernels`` is imported)."""
+    """Register ``"cutile"`` and ``"cutile_kernel"`` with transformers' ``AttentionInterface`` and
+    ``AttentionMaskInterface`` (idempotent; runs when ``cutile_kernels`` is imported)."""
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, cutile_attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    global _STATIC_LAYER
+    global _SDPA, _STATIC_LAYER
+    _SDPA = sdpa_attention_forward
+    for name, forward in ((NAME, cutile_attention_forward), (KERNEL_NAME, cutile_kernel_attention_forward)):
+        AttentionInterface.register(name, forward)
+        AttentionMaskInterface.register(name, sdpa_mask)
     from transformers.cache_utils import StaticLayer
 
     _STATIC_LAYER = StaticLayer if holds(PIN.name) else None

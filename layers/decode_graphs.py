@@ -72,7 +72,7 @@ from transformers.utils import ModelOutput
 from .. import dispatch
 from ..ops.kv_cache import kv_append
 from ._pins import Pin, holds, register
-from .attention import NAME as ATTENTION_NAME
+from .attention import NAMES as ATTENTION_NAMES
 from .attention import PIN as STATIC_UPDATE_PIN
 
 #: The transformers code the decode graphs reproduce (gating) or follow.
@@ -620,7 +620,7 @@ class _Session:
         mask function, another attention's masks) keeps the host masks, said once."""
         model = self.graphs.model
         config = model.config.get_text_config(decoder=True)
-        if model.config._attn_implementation not in ("sdpa", ATTENTION_NAME) or \
+        if model.config._attn_implementation not in ("sdpa", *ATTENTION_NAMES) or \
                 getattr(config, "attention_chunk_size", None):
             return None
         source = _full_layer(cache)

@@ -386,12 +386,13 @@ def _source_attention_registered(request, monkeypatch):
     """The tests here patch this package's op (``attn_ops``); a test that ran before them in the
     process and kernelized imported the build's copy of the package, whose function is then the one
     registered as ``"cutile"``. Each test (but the one that checks the registration) gets this
-    package's function registered."""
+    package's functions registered."""
     from transformers import AttentionInterface
 
     if request.function.__name__ == "test_registered_with_transformers":
         return
     monkeypatch.setitem(AttentionInterface._global_mapping, lattn.NAME, lattn.cutile_attention_forward)
+    monkeypatch.setitem(AttentionInterface._global_mapping, lattn.KERNEL_NAME, lattn.cutile_kernel_attention_forward)
 
 
 def _module(groups, causal=True, training=False):
@@ -404,18 +405,28 @@ def test_registered_with_transformers():
 
     # This package's function, or a build copy's: kernelize imports the build's copy of the
     # package, which registers its own (the same code) when an earlier test of the process ran it.
-    registered = AttentionInterface._global_mapping["cutile"]
-    assert registered is lattn.cutile_attention_forward or (
-        registered.__qualname__ == "cutile_attention_forward" and registered.__module__.endswith(".layers.attention")
-        and registered.__code__.co_code == lattn.cutile_attention_forward.__code__.co_code)
-    assert ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["cutile"] is sdpa_mask
+    for name, forward in (("cutile", lattn.cutile_attention_forward),
+                          ("cutile_kernel", lattn.cutile_kernel_attention_forward)):
+        registered = AttentionInterface._global_mapping[name]
+        assert registered is forward or (
+            registered.__qualname__ == forward.__qualname__ and registered.__module__.endswith(".layers.attention")
+            and registered.__code__.co_code == forward.__code__.co_code)
+        assert ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[name] is sdpa_mask
 
 
+def _route_as_on_a_gpu(monkeypatch):
+    """``"cutile"`` routes as on a GPU in a 16-bit model (the tests' float64 calls included)."""
+    monkeypatch.setattr(lattn, "_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(lattn, "KERNEL_DTYPES", (*lattn.KERNEL_DTYPES, torch.float32, torch.float64))
+
+
+@pytest.mark.parametrize("forward", ["cutile", "cutile_kernel"])
 @pytest.mark.parametrize("kind", ["prefill", "decode", "static-cache prefill", "padded", "window, no mask",
                                   "padded static decode"])
-def test_attention_function_matches_sdpa_forward(kind):
+def test_attention_function_matches_sdpa_forward(kind, forward, monkeypatch):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    _route_as_on_a_gpu(monkeypatch)  # "cutile" then gives the padded decodes to the kernel
     B, Hq, Hkv, D = 2, 4, 2, 32
     mask, window = None, None
     if kind == "prefill":
@@ -434,30 +445,178 @@ def test_attention_function_matches_sdpa_forward(kind):
         Sq, Skv = 1, 16
         mask = hf_mask(B, Sq, Skv, 7, left_padding(B, 8, [0, 4]))
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
-    got, w = lattn.cutile_attention_forward(_module(Hq // Hkv), q, k, v, mask, scaling=0.2, sliding_window=window)
+    fn = {"cutile": lattn.cutile_attention_forward, "cutile_kernel": lattn.cutile_kernel_attention_forward}[forward]
+    got, w = fn(_module(Hq // Hkv), q, k, v, mask, scaling=0.2, sliding_window=window)
     want, _ = sdpa_attention_forward(_module(Hq // Hkv), q, k, v, mask, scaling=0.2)
     assert w is None and got.shape == (B, Sq, Hq, D) and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_unsupported_inputs_take_eager_and_say_so(caplog, monkeypatch):
+    """``"cutile_kernel"``: what the kernel cannot take goes to the model's eager attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q, k, v = make_qkv(2, 4, 2, 5, 5, 16)
     boolean = hf_mask(2, 5, 5, 0, left_padding(2, 5, [0, 2]))
     additive = torch.zeros(boolean.shape, dtype=torch.float64).masked_fill(~boolean, torch.finfo(torch.float64).min)
     with caplog.at_level("WARNING", logger="cutile_kernels"):
-        got, _ = lattn.cutile_attention_forward(_module(2), q, k, v, additive, scaling=0.25)
+        got, _ = lattn.cutile_kernel_attention_forward(_module(2), q, k, v, additive, scaling=0.25)
     want, _ = sdpa_attention_forward(_module(2), q, k, v, additive, scaling=0.25)
     rows = boolean.any(-1)[:, 0]  # padding queries see nothing: eager averages, sdpa gives NaN there
     torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-6)  # eager: float32 softmax
     assert "falls back" in caplog.text and "float64" in caplog.text
     # Dropout while training: eager with dropout (p=1 drops everything: zeros prove it ran).
-    got, _ = lattn.cutile_attention_forward(_module(2, training=True), q, k, v, None, scaling=0.25, dropout=1.0)
+    got, _ = lattn.cutile_kernel_attention_forward(_module(2, training=True), q, k, v, None, scaling=0.25,
+                                                   dropout=1.0)
     assert torch.equal(got, torch.zeros_like(got))
     monkeypatch.setenv("CUTILE_KERNELS_STRICT", "1")
-    with pytest.raises(cutile_kernels.FallbackError, match="sinks"):
-        lattn.cutile_attention_forward(_module(2), q, k, v, None, s_aux=torch.zeros(4))
+    for fn in (lattn.cutile_kernel_attention_forward, lattn.cutile_attention_forward):  # sdpa has no sinks either
+        with pytest.raises(cutile_kernels.FallbackError, match="sinks"):
+            fn(_module(2), q, k, v, None, s_aux=torch.zeros(4))
+
+
+@pytest.fixture
+def route_spy(monkeypatch):
+    """Counts the calls ``"cutile"`` gives the kernel (the op) and transformers' sdpa attention."""
+    calls = {"kernel": 0, "sdpa": 0}
+    op, sdpa = lattn.attention, lattn._SDPA
+
+    def kernel(*args, **kwargs):
+        calls["kernel"] += 1
+        return op(*args, **kwargs)
+
+    def via_sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(lattn, "attention", kernel)
+    monkeypatch.setattr(lattn, "_SDPA", via_sdpa)
+    _route_as_on_a_gpu(monkeypatch)
+    return calls
+
+
+def test_route_keeps_sdpa_where_the_kernel_has_no_variant(route_spy, monkeypatch):
+    """Off the GPU, in float32 / float64 or past head_dim 256 only a softcap (which sdpa lacks) takes
+    the op (its reference, or its fallback, there)."""
+    q, k, v = make_qkv(2, 4, 2, 1, 12, 16)
+    mask = hf_mask(2, 1, 12, 11, left_padding(2, 12, [0, 3]))
+    length = torch.tensor(12)
+    assert lattn.route(q, mask, None, length)  # as on a GPU, in a dtype the kernel takes
+    assert not lattn.route(make_qkv(2, 4, 2, 1, 12, 512)[0], mask, None, length)  # head_dim 512
+    monkeypatch.setattr(lattn, "KERNEL_DTYPES", (torch.bfloat16, torch.float16))
+    assert not lattn.route(q, mask, None, length)  # float64
+    assert lattn.route(q.to(torch.bfloat16), mask, None, length)
+    monkeypatch.setattr(lattn, "_KERNEL_DEVICES", ("cuda",))
+    assert not lattn.route(q.to(torch.bfloat16), mask, None, length)  # a CPU tensor
+    lattn.cutile_attention_forward(_module(2), q, k, v, mask, scaling=0.25)
+    lattn.cutile_attention_forward(_module(2), q, k, v, mask, scaling=0.25, softcap=0.5)
+    assert route_spy == {"kernel": 1, "sdpa": 1}
+
+
+@pytest.mark.parametrize("kind,want", [
+    ("prefill", "sdpa"), ("padded prefill", "sdpa"), ("decode", "sdpa"), ("padded decode", "kernel"),
+    ("static decode, mask", "kernel"), ("static decode, filled length", "kernel"),
+    ("static decode, filled length, no mask", "kernel"), ("16-query chunk, mask", "kernel"),
+    ("17-query chunk, mask", "sdpa"), ("softcap prefill", "kernel"), ("softcap decode", "kernel")])
+def test_route_sends_each_call_where_it_is_fastest(kind, want, route_spy):
+    """``"cutile"`` hands the calls the kernel is slower on (H200) to sdpa and keeps the rest, and
+    both give the reference's values."""
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    Sq = {"prefill": 20, "padded prefill": 20, "softcap prefill": 20, "16-query chunk, mask": 16,
+          "17-query chunk, mask": 17}.get(kind, 1)
+    Skv = 24 if "static" in kind else (Sq + 7 if Sq > 1 else 12)
+    seen = Skv if "static" not in kind else 10
+    pads = [0, 3] if "padded" in kind else [0, 0]
+    mask = None
+    if ("mask" in kind and "no mask" not in kind) or "padded" in kind or kind == "static decode, filled length":
+        mask = hf_mask(B, Sq, Skv, seen - Sq, left_padding(B, seen, pads))
+    length = {"cutile_kv_len": torch.tensor(seen)} if "filled length" in kind else {}
+    softcap = 0.3 if "softcap" in kind else None
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    got, _ = lattn.cutile_attention_forward(_module(Hq // Hkv), q, k, v, mask, scaling=0.25, softcap=softcap,
+                                            **length)
+    assert route_spy == {"kernel": int(want == "kernel"), "sdpa": int(want == "sdpa")}
+    causal = mask is None
+    if causal and Skv > Sq > 1:  # sdpa's upper-left causal mask: the first Sq keys
+        k, v = k[:, :, :Sq], v[:, :, :Sq]
+    ref = attn_ops.attention_reference(q, k, v, mask, 0.25, causal and Sq > 1, None, softcap,
+                                       kv_len=length.get("cutile_kv_len"))
+    rows = torch.ones(B, Sq, dtype=torch.bool) if mask is None else mask.any(-1)[:, 0]
+    torch.testing.assert_close(got[rows], ref.transpose(1, 2)[rows], rtol=1e-10, atol=1e-10)
+
+
+def test_route_hands_what_the_kernel_cannot_take_to_sdpa(caplog, monkeypatch, route_spy):
+    """``"cutile"``: an additive mask, dropout while training or a position bias go to sdpa (which
+    takes them), said once; an error under ``CUTILE_KERNELS_STRICT=1``."""
+    q, k, v = make_qkv(2, 4, 2, 1, 5, 16)
+    boolean = hf_mask(2, 1, 5, 4, left_padding(2, 5, [0, 2]))
+    additive = torch.zeros(boolean.shape, dtype=torch.float64).masked_fill(~boolean, torch.finfo(torch.float64).min)
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        got, _ = lattn.cutile_attention_forward(_module(2), q, k, v, additive, scaling=0.25)
+    want, _ = lattn._SDPA(_module(2), q, k, v, boolean, scaling=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert "transformers' sdpa attends" in caplog.text and "float64" in caplog.text
+    bias = torch.randn(1, 4, 1, 5, dtype=torch.float64)
+    got, _ = lattn.cutile_attention_forward(_module(2), q, k, v, None, scaling=0.25, position_bias=bias)
+    # Dropout while training reaches sdpa (p = 1 drops every weight: zeros prove it).
+    got, _ = lattn.cutile_attention_forward(_module(2, training=True), q, k, v, boolean, dropout=1.0)
+    assert torch.equal(got, torch.zeros_like(got))
+    assert route_spy == {"kernel": 0, "sdpa": 4}
+    monkeypatch.setenv("CUTILE_KERNELS_STRICT", "1")
+    with pytest.raises(cutile_kernels.FallbackError, match="dropout"):
+        lattn.cutile_attention_forward(_module(2, training=True), q, k, v, boolean, dropout=0.5)
+
+
+def test_stand_ins_are_kept_only_when_prepared(monkeypatch):
+    """A launch's stand-in arrays are made per launch unless ``prepare`` made them for the device
+    (nothing kept from inside a call: it may run in torch.compile's CUDA-graph warm-up); prepare
+    does nothing off the GPU; the attention patches call it for a model attending with ours."""
+    import families
+
+    from cutile_kernels.layers import models
+
+    monkeypatch.setattr(attn_ops, "_DUMMIES", {})
+    cpu = torch.device("cpu")
+    a, b = attn_ops._dummy("lse", cpu), attn_ops._dummy("lse", cpu)
+    assert a is not b and a.shape == (1, 1, 1) and a.dtype == torch.float32 and not a.any()
+    assert attn_ops._dummy("part", cpu, 128).shape == (1, 1, 1, 128)
+    assert attn_ops._dummy("kv_len", cpu).dtype == torch.int64 and attn_ops._dummy("mask", cpu).dtype == torch.int8
+    attn_ops.prepare("cpu")
+    assert attn_ops._DUMMIES == {}
+    prepared = []
+    monkeypatch.setattr(models, "prepare_devices", prepared.append)
+    switched, kernel_only, eager = families.model("llama"), families.model("llama", attn="cutile_kernel"), \
+        families.model("llama", attn="eager")
+    for m in (switched, kernel_only, eager):
+        models.patch_cutile_attention(m)
+    assert prepared == [switched, kernel_only] and switched.config._attn_implementation == "cutile"
+    assert kernel_only.config._attn_implementation == "cutile_kernel" and eager.config._attn_implementation == "eager"
+
+
+def test_cutile_attention_patch_steps_aside_for_continuous_batching_and_missing_builds(monkeypatch, caplog):
+    """transformers' continuous batching refuses attention implementations but sdpa, eager and
+    flash: a switched model attends with sdpa again when it starts (said); unpatch removes the
+    hook. A GPU without a build of ours (and no JIT) keeps sdpa."""
+    import families
+
+    from cutile_kernels.layers import models
+
+    model = families.model("llama", layers=2)
+    seen = []
+    monkeypatch.setattr(type(model), "init_continuous_batching",
+                        lambda self, *a, **k: seen.append(self.config._attn_implementation) or "manager",
+                        raising=False)
+    assert models.patch_cutile_attention(model) == 2 and model.config._attn_implementation == "cutile"
+    with caplog.at_level("WARNING", logger="cutile_kernels"):
+        assert model.init_continuous_batching() == "manager"
+    assert seen == ["sdpa"] and "continuous batching takes sdpa" in caplog.text
+    assert models.unpatch_cutile_attention(model) == 0 and "init_continuous_batching" not in model.__dict__
+    assert models.patch_cutile_attention(model) == 2  # again, on sdpa
+    assert models.unpatch_cutile_attention(model) == 2 and model.config._attn_implementation == "sdpa"
+    assert "init_continuous_batching" not in model.__dict__
+    monkeypatch.setattr(models, "kernel_missing_on", lambda m: "no build of ours runs on cuda:0")
+    assert models.sdpa_attention_verdict(model) == "no build of ours runs on cuda:0"
+    assert models.patch_cutile_attention(model) == 0 and model.config._attn_implementation == "sdpa"
 
 
 def test_output_attentions_warns_once_that_there_are_no_weights(caplog):
@@ -465,11 +624,11 @@ def test_output_attentions_warns_once_that_there_are_no_weights(caplog):
     that falls back to eager (which returns weights) does not warn."""
     import families
 
-    model = families.model("llama", attn="cutile")
+    model = families.model("llama", attn="cutile_kernel")
     lattn._no_weights_warning.cache_clear()
     q, k, v = make_qkv(1, 4, 2, 5, 5, 16)
     with caplog.at_level("WARNING", logger="cutile_kernels"):
-        _, weights = lattn.cutile_attention_forward(_module(2, training=True), q, k, v, None, scaling=0.25,
+        _, weights = lattn.cutile_kernel_attention_forward(_module(2, training=True), q, k, v, None, scaling=0.25,
                                                     dropout=0.5, output_attentions=True)
     assert weights is not None and "no attention weights" not in caplog.text
     ids = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(3))
@@ -504,8 +663,9 @@ def small_configs():
     }
 
 
-def build_models(cfg, dtype, device, seed=0):
-    """The stock (sdpa) and cutile versions of one randomly initialised model."""
+def build_models(cfg, dtype, device, seed=0, attn="cutile_kernel"):
+    """The stock (sdpa) and ours (``attn``: by default the kernel on every call it takes) versions
+    of one randomly initialised model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -517,9 +677,9 @@ def build_models(cfg, dtype, device, seed=0):
             for name, p in stock.named_parameters():
                 if "norm" in name and p.dim() == 1:
                     p.copy_(1 + 0.2 * torch.randn_like(p))
-        ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="cutile", dtype=torch.float32)
+        ours = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn, dtype=torch.float32)
     ours.load_state_dict(stock.state_dict())
-    assert ours.config._attn_implementation == "cutile" and stock.config._attn_implementation == "sdpa"
+    assert ours.config._attn_implementation == attn and stock.config._attn_implementation == "sdpa"
     assert all(getattr(m, "config", stock.config)._attn_implementation == "sdpa" for m in stock.modules())
     return stock.to(device=device, dtype=dtype).eval(), ours.to(device=device, dtype=dtype).eval()
 
@@ -647,6 +807,25 @@ def test_patched_model_passes_the_static_cache_length(family, monkeypatch):
             assert len(lengths) == len(calls) == 6 * cfg.num_hidden_layers
             assert sorted({n for n, _ in lengths}) == list(range(11, 17)), lengths
             assert {s for _, s in lengths} == {16}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+def test_cpu_routed_model_matches_stock(family, route_spy):
+    """``"cutile"`` routing as on a GPU: a padded batch's prefill (more than 16 queries) on sdpa,
+    its decode steps (a padding mask; a static cache's filled length) on the op (its reference
+    here); logits and generate() over both caches as stock's."""
+    cfg = small_configs()[family]
+    stock, ours = build_models(cfg, torch.float32, "cpu", attn="cutile")
+    ids, mask = padded_batch(cfg.vocab_size, [20, 13, 5], "cpu")
+    want, got = forward_logits(stock, ids, mask), forward_logits(ours, ids, mask)
+    assert route_spy == {"kernel": 0, "sdpa": cfg.num_hidden_layers}
+    torch.testing.assert_close(valid(got, mask), valid(want, mask), rtol=1e-4, atol=1e-4)
+    for cache in ("dynamic", "static"):
+        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
+        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
+        assert torch.equal(seq_o, seq_s), cache
+        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+    assert route_spy["kernel"] == 2 * 5 * cfg.num_hidden_layers  # 5 decode steps a generate, both caches
 
 
 def test_tiny_preset_loads_with_cutile_attention(tmp_path):

@@ -337,7 +337,7 @@ def test_cuda_attribution_from_profiler_events():
 def test_path_specs_and_the_without_form(capsys):
     from cutile_kernels_tools.bench import paths
 
-    assert paths.spec("cutile-attn").attn == "cutile" and paths.spec("cutile-attn").ours
+    assert paths.spec("cutile-attn").attn == "cutile_kernel" and paths.spec("cutile-attn").ours
     assert paths.spec("cutile").attn is None and paths.spec("stock").exclude == ()
     s = paths.spec("cutile~fused_gate_up")
     assert s.ours and s.exclude == ("fused_gate_up",) and s.name == "cutile~fused_gate_up"
@@ -358,13 +358,14 @@ def test_path_specs_and_the_without_form(capsys):
     assert paths.spec("stock-graphs").graphs and not paths.spec("stock-graphs").ours
     # decode_graphs=True applies DECODE_GRAPH_PATCHES: the graph paths leave them out with ~, not add them
     assert paths.spec("cutile-graphs~fused_qkv").exclude == ("fused_qkv",)
-    assert paths.spec("cutile-graphs-sdpa~gemma_add_norm~fused_qkv").exclude == ("gemma_add_norm", "fused_qkv")
+    assert paths.spec("cutile-graphs-sdpa~gemma_add_norm~fused_qkv").exclude == (
+        "cutile_attention", "gemma_add_norm", "fused_qkv")  # the base's own exclusion kept
     with pytest.raises(KeyError, match="no opt-in patch"):
         paths.spec("cutile-graphs+fused_qkv")
     with pytest.raises(KeyError, match="is opt-in"):
         paths.spec("cutile-compile~fused_qkv")
     ca = paths.spec("cutile-compile-attn+fused_qkv")  # compiled, with our attention, and a patch
-    assert ca.compile and ca.attn == "cutile" and ca.ours and ca.include == ("fused_qkv",) and not ca.graphs
+    assert ca.compile and ca.attn == "cutile_kernel" and ca.ours and ca.include == ("fused_qkv",) and not ca.graphs
     assert paths.spec("cutile-compile").attn is None
     assert not paths.spec("cutile~fused_gate_up").graphs and paths.spec("cutile~fused_gate_up").attn is None
     for bad in ("cutile~nope", "stock~fused_gate_up", "stock-compile~RMSNorm", "cutile~", "cutile+", "cutile~RMSNorm~",

@@ -770,9 +770,12 @@ def _load(path, attn, graphs: bool, include=(), exclude=("gemv",)):
     """The checkpoint kernelized, with decode graphs or not; the eager one gets the patches that
     ``decode_graphs=True`` adds, so that both compute the same (some are not bit for bit stock).
     Patch ``gemv`` is left out by default: it runs only in captured steps (an eager step keeps
-    ``F.linear``), so with it the two would differ in rounding (its own test below)."""
+    ``F.linear``), so with it the two would differ in rounding (its own test below). ``attn="sdpa"``
+    keeps sdpa (without the default patch ``cutile_attention``)."""
     from transformers import AutoModelForCausalLM
 
+    if attn == "sdpa":
+        exclude = (*exclude, "cutile_attention")
     if not graphs:
         include = [*include, *DECODE_GRAPH_PATCHES]
     return AutoModelForCausalLM.from_pretrained(

@@ -21,6 +21,7 @@ from cutile_kernels.layers.models import claimed_model_types
 #: code identity per class, so it also takes unclaimed families that copy the code it reproduces.
 CLAIMS = {
     "gemma2_attention": {"gemma2"},  # the one family here without an sdpa path
+    "cutile_attention": set(families.FAMILIES) - {"gemma2"},  # every claimed family attending with sdpa
     "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3", "smollm3"},
     "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "qwen3_5_text"},  # LlamaMLP
     "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "smollm3", "phi3"},  # Llama's rotary

@@ -4,13 +4,16 @@
 
 Shapes of Llama-3.2-1B (32 query / 8 KV heads, head_dim 64) and Qwen3-0.6B (16 / 8, 128), bf16.
 Both sides are timed as a model calls them, through transformers' attention-function signature
-(``cutile_attention_forward`` vs ``sdpa_attention_forward``: q a transposed projection, K/V cache
+(``cutile_kernel_attention_forward``, the kernel on every call, vs ``sdpa_attention_forward``; the
+``"cutile"`` column of the JSON is the kernel, ``route`` says which of the two ``"cutile"`` runs:
+q a transposed projection, K/V cache
 tensors, output the contiguous (B, S, H, D) tensor), plus torch SDPA's best case for prefill
 (``is_causal=True, enable_gqa=True``: cuDNN / flash):
 
 * ``prefill``: 1 x 2048 causal, no mask; and 4 x 1024 left-padded (boolean mask: sdpa then
   repeats K/V to the query heads and runs its masked kernel);
 * ``decode-dynamic``: b = 1 and 16, one query over KV 128 .. 4096, no mask (DynamicCache);
+* ``decode-padded``: the same with left padding (a boolean mask: a padded batch's eager decode);
 * ``decode-static``: the same over a 4096-slot static cache, the unfilled slots masked (what
   ``generate(cache_implementation="static")`` passes); ours with the filled length on the device
   (``cutile_kv_len``, as our reproduced attention forwards pass it) and with the mask alone.
@@ -63,7 +66,7 @@ def _mask(B, Sq, Skv, q_offset, seen, pads):
 def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes, filled=None):
     import torch
     import torch.nn.functional as F
-    from cutile_kernels.layers.attention import cutile_attention_forward
+    from cutile_kernels.layers.attention import cutile_kernel_attention_forward, route
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     Hq, Hkv, D = SHAPES[shape]
@@ -74,11 +77,11 @@ def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes, filled=None):
     # is what transformers' own forwards give us (cutile-mask-only).
     length = {} if filled is None else {"cutile_kv_len": torch.tensor(filled, device="cuda")}
     paths = {
-        "cutile": lambda: cutile_attention_forward(module, q, k, v, mask, scaling=scale, **length),
+        "cutile": lambda: cutile_kernel_attention_forward(module, q, k, v, mask, scaling=scale, **length),
         "sdpa": lambda: sdpa_attention_forward(module, q, k, v, mask, scaling=scale),
     }
     if filled is not None:
-        paths["cutile-mask-only"] = lambda: cutile_attention_forward(module, q, k, v, mask, scaling=scale)
+        paths["cutile-mask-only"] = lambda: cutile_kernel_attention_forward(module, q, k, v, mask, scaling=scale)
     if mask is None and Sq == Skv:
         paths["torch-sdpa-causal-gqa"] = lambda: F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -87,7 +90,8 @@ def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes, filled=None):
     rel = ((ours[rows] - stock[rows]).norm() / stock[rows].norm()).item()
     assert rel < 2e-2, f"{name} {shape}: cutile differs from sdpa by {rel:.3g}"
     row = {"case": name, "shape": shape, "B": B, "Sq": Sq, "Skv": Skv, "filled": filled, "masked": mask is not None,
-           "rel_diff_vs_sdpa": rel}
+           "rel_diff_vs_sdpa": rel,
+           "route": "kernel" if route(q, mask, None, length.get("cutile_kv_len")) else "sdpa"}
     for path, fn in paths.items():
         us = events_us(fn, reps=11, inner=10, warmup=0)
         gus = graph_us(fn, reps=11)
@@ -111,6 +115,9 @@ def run():
             for kv in KV_LENGTHS:
                 cases.append(_case(f"decode-dynamic-b{B}", shape, B, 1, kv, None, B * kv,
                                    lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2))
+                pads = [(b % 4) * kv // 16 for b in range(B)] if B > 1 else [kv // 16]
+                cases.append(_case(f"decode-padded-b{B}", shape, B, 1, kv, _mask(B, 1, kv, kv - 1, kv, pads),
+                                   B * kv - sum(pads), lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2))
                 mask = _mask(B, 1, STATIC_SLOTS, kv - 1, kv, [0] * B)
                 cases.append(_case(f"decode-static-b{B}", shape, B, 1, STATIC_SLOTS, mask, B * kv,
                                    lambda hkv, d, B=B, kv=kv: 2 * B * hkv * kv * d * 2, filled=kv))
@@ -119,15 +126,15 @@ def run():
 
 def _table(cases):
     lines = ["| case | shape | KV (filled) | cutile us (graph) | sdpa us (graph) | speedup | cutile TFLOP/s | cutile GB/s | "
-             "torch causal GQA us | cutile mask only, graph us |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "torch causal GQA us | cutile mask only, graph us | \"cutile\" runs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         best = c.get("torch-sdpa-causal-gqa", {}).get("graph_us", "")
         mask_only = c.get("cutile-mask-only", {}).get("graph_us", "")
         lines.append(f"| {c['case']} | {c['shape']} | {c['Skv']} ({c.get('filled') or c['Skv']}) | "
                      f"{c['cutile']['us']} ({c['cutile']['graph_us']}) | "
                      f"{c['sdpa']['us']} ({c['sdpa']['graph_us']}) | {c['speedup_graph']} | "
-                     f"{c['cutile']['TFLOPs']} | {c['cutile']['GBps']} | {best} | {mask_only} |")
+                     f"{c['cutile']['TFLOPs']} | {c['cutile']['GBps']} | {best} | {mask_only} | {c['route']} |")
     return "\n".join(lines)
 
 

@@ -28,9 +28,10 @@ from .._direct import attend, gemma_qk_norm_rope, linear
 from .._patching import Patch, _unhooked, modeling_globals, restore_forwards, swap_forwards
 from .._pins import Pin, forward_verdict
 from ..attention import NAME as CUTILE_ATTENTION
+from ..attention import prepare_devices
 from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
 from ..rope import llama_rope_function
-from . import Family
+from . import Family, attention_modules
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -49,9 +50,10 @@ FAMILY = Family(
               "patch gemma2_attention (the attention interface gets its softcap, window and scaling)")),
     presets=("gemma-3-1b", "gemma-2-2b"),
     covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); Gemma 2's attention with "
-            "its softcap and windows (patch gemma2_attention); opt-in "
+            "its softcap and windows (patch gemma2_attention); Gemma 1 and 3's static-cache and padded decode "
+            "attention (patch cutile_attention); opt-in "
             "(include=['fused_gate_up_geglu']): GeGLU on one fused gate/up GEMM",
-    not_covered="embedding scale, the final logit softcap, Gemma 1 and 3's attention (sdpa), the residual adds "
+    not_covered="embedding scale, the final logit softcap, Gemma 1 and 3's prefill attention (sdpa), the residual adds "
                 "(opt-in patch gemma_add_norm fuses one per layer), Gemma 3's q/k norms + RoPE as one launch "
                 "(opt-in patch gemma3_qk_norm_rope), GEMMs",
     default=True,
@@ -86,11 +88,6 @@ def gemma2_attention_verdict(cls: type) -> str | None:
     return forward_verdict(cls, ATTN2_PIN, Gemma2Attention.forward)
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    # transformers names its attention classes "...Attention"; each must pass the verdict.
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
-
-
 def eager_gemma2_verdict(model: nn.Module) -> str | None:
     """Why ``model`` keeps its attention implementation under patch ``gemma2_attention``, or None
     when it takes ours: a transformers decoder-only model without sub-models (a multimodal wrapper's
@@ -107,7 +104,7 @@ def eager_gemma2_verdict(model: nn.Module) -> str | None:
         return f"it attends with {impl!r}, not eager"
     if getattr(cls, "_supports_sdpa", True):
         return "its class supports sdpa, so eager attention was asked for"
-    attn = _attention_modules(model)
+    attn = attention_modules(model)
     if not attn:
         return "it has no attention module"
     for m in attn:
@@ -136,8 +133,9 @@ def patch_gemma2_attention(model: nn.Module) -> int:
         return 0
     before = model.config._attn_implementation
     model.set_attn_implementation(CUTILE_ATTENTION)
+    prepare_devices(model)
     model.__dict__[_SWITCHED] = before
-    n = len(_attention_modules(model))
+    n = len(attention_modules(model))
     logger.info("cutile_kernels: patch gemma2_attention: %s attends with %r instead of eager (%d attention modules)",
                 type(model).__name__, CUTILE_ATTENTION, n)
     return n
@@ -150,7 +148,7 @@ def unpatch_gemma2_attention(model: nn.Module) -> int:
     if before is None or model.config._attn_implementation != CUTILE_ATTENTION:
         return 0
     model.set_attn_implementation(before)
-    return len(_attention_modules(model))
+    return len(attention_modules(model))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ FAMILY = Family(
     name="granite",
     model_types=("granite",),
     presets=("granite-3.3-2b",),
-    covered="RMSNorm, RoPE, SwiGLU on fused gate/up (Llama's code); opt-in: fused q/k/v, RoPE cos/sin",
-    not_covered="the scaled residual adds (left unfused), embedding and logit multipliers, attention (sdpa), GEMMs",
+    covered="RMSNorm, RoPE, SwiGLU on fused gate/up (Llama's code), static-cache and padded decode attention "
+            "(patch cutile_attention); opt-in: fused q/k/v, RoPE cos/sin",
+    not_covered="the scaled residual adds (left unfused), embedding and logit multipliers, prefill attention (sdpa), "
+                "GEMMs",
 )

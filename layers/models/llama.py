@@ -35,7 +35,7 @@ FAMILY = Family(
             "inference_mode (its layer loop, verified when patched)", gates=False),
     ),
     presets=("llama-3.2-1b", "mistral-7b-v0.3", "qwen2.5-1.5b"),
-    covered="RMSNorm (fused with the residual add), RoPE, SwiGLU on fused gate/up, fused q/k/v, attention "
-            "(opt-in: attn_implementation='cutile'), RoPE cos/sin (opt-in)",
-    not_covered="GEMMs (cuBLAS), embedding, sampling",
+    covered="RMSNorm (fused with the residual add), RoPE, SwiGLU on fused gate/up, fused q/k/v, static-cache and "
+            "padded decode attention (patch cutile_attention), RoPE cos/sin (opt-in)",
+    not_covered="GEMMs (cuBLAS), embedding, sampling, prefill and unpadded DynamicCache decode attention (sdpa)",
 )

@@ -41,9 +41,10 @@ FAMILY = Family(
           Pin("olmo2", "Olmo2DecoderLayer.forward", "4a69e6dc2cbadaf9",
               "patch olmo2_norm_add (its post-norm decoder forward)")),
     presets=("olmo-2-1b", "olmo-3-7b"),
-    covered="every RMSNorm in OLMo 2's float32 order (q/k norms included), RoPE (float32 cos/sin), SwiGLU on fused gate/up",
+    covered="every RMSNorm in OLMo 2's float32 order (q/k norms included), RoPE (float32 cos/sin), SwiGLU on fused "
+            "gate/up, static-cache and padded decode attention (patch cutile_attention)",
     not_covered="GEMMs (cuBLAS), the post-norm residual adds (opt-in patch olmo2_norm_add fuses them into the "
-                "norms), attention (sdpa)",
+                "norms), prefill attention (sdpa)",
     default=True,
 )
 

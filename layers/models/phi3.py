@@ -44,9 +44,9 @@ FAMILY = Family(
           Pin("phi3", "Phi3Attention.forward", "3d29f7a1c8d3bd49", "patch phi3_rope (its reproduced forward)"),
           Pin("phi3", "apply_rotary_pos_emb", "53f4abb0b4b23f1f", "patch phi3_rope (rope kernel, partial rotary)")),
     presets=("phi-3-mini-4k", "phi-4-mini"),
-    covered="RMSNorm (Llama's code), partial RoPE of q and k in one launch; opt-in (include=['phi3_mlp']): SwiGLU "
-            "on the fused gate/up output",
-    not_covered="GEMMs (cuBLAS), attention (sdpa), the residual adds",
+    covered="RMSNorm (Llama's code), partial RoPE of q and k in one launch, static-cache and padded decode "
+            "attention (patch cutile_attention); opt-in (include=['phi3_mlp']): SwiGLU on the fused gate/up output",
+    not_covered="GEMMs (cuBLAS), prefill attention (sdpa), the residual adds",
     default=True,
 )
 

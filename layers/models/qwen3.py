@@ -54,7 +54,7 @@ FAMILY = Family(
     pins=(Pin("qwen3", "Qwen3Attention.forward", "457e3a53f1f0cfb6", "patch qk_norm_rope (its fused forward)"),),
     presets=("qwen3-0.6b",),
     covered="the Llama family's kernels, and q_norm + k_norm + RoPE on one launch (qk_norm_rope)",
-    not_covered="GEMMs (cuBLAS), embedding, sampling",
+    not_covered="GEMMs (cuBLAS), embedding, sampling, prefill and unpadded DynamicCache decode attention (sdpa)",
 )
 
 _ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -68,7 +68,7 @@ FAMILY = Family(
             "RMSNorms (hub layer RMSNormZeroCentered), the post-attention one fused with the residual add; "
             "the attention's q/k norms and partial RoPE in one launch and its output gate in one; three input "
             "projections as one GEMM",
-    not_covered="the MLP block's residual add, the embedding, eager attention (sdpa), GEMMs",
+    not_covered="the MLP block's residual add, the embedding, prefill attention (sdpa), GEMMs",
     default=True,
 )
 

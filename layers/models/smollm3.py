@@ -16,6 +16,7 @@ FAMILY = Family(
     name="smollm3",
     model_types=("smollm3",),
     presets=("smollm3-3b",),
-    covered="RMSNorm fused with the residual adds, RoPE on the RoPE layers, SwiGLU on fused gate/up",
-    not_covered="q/k/v projections (its own attention forward), attention (sdpa), GEMMs",
+    covered="RMSNorm fused with the residual adds, RoPE on the RoPE layers, SwiGLU on fused gate/up, static-cache "
+            "and padded decode attention (patch cutile_attention)",
+    not_covered="q/k/v projections (its own attention forward), prefill attention (sdpa), GEMMs",
 )

@@ -15,16 +15,19 @@
 ``liger``          Liger-Kernel's patches applied to the loaded model, when it is installed
 ``tilegym``        NVIDIA TileGym's monkey patch (cuTile backend), applied before loading, when it
                    is installed (it pins an older transformers: what fails is reported)
-``cutile``         ours: ``use_kernels=True, kernel_config=cutile_kernels.kernel_config()``
-                   (attention stays transformers' sdpa)
-``cutile-attn``    ours with our attention kernel too: ``attn_implementation="cutile"``
-``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only)
-``cutile-compile-attn``  the same with our attention (``attn_implementation="cutile"``; where our
-                   attention forwards run, its decode tiles read only the static cache's filled
-                   slots, where sdpa masks every slot)
+``cutile``         ours: ``use_kernels=True, kernel_config=cutile_kernels.kernel_config()``; its
+                   default patch ``cutile_attention`` attends with ``"cutile"`` (our kernel for
+                   static-cache and padded decode, transformers' sdpa for prefill and unmasked
+                   DynamicCache decode); ``cutile~cutile_attention`` keeps sdpa throughout
+``cutile-attn``    ours with our attention kernel on every call it takes, prefill too
+                   (``attn_implementation="cutile_kernel"``): what the kernel alone gives
+``cutile-compile`` ours with StaticCache and the compiled decode step (CUDA only); its decode
+                   attention reads only the static cache's filled slots where our attention
+                   forwards run (sdpa masks every slot)
+``cutile-compile-attn``  the same with ``"cutile_kernel"`` (prefill in our kernel too)
 ``cutile-graphs``  ours with the decode fast path (``kernel_config(decode_graphs=True)``: StaticCache,
                    each decode step a replayed CUDA graph, no torch.compile) and our attention
-``cutile-graphs-sdpa``  the same with transformers' sdpa attention
+``cutile-graphs-sdpa``  the same with transformers' sdpa attention (without ``cutile_attention``)
 ``stock-graphs``   transformers with the same decode graphs (``enable_decode_graphs``), no kernels
                    of ours: what capturing alone gives
 ``cutile~NAME``    ours without one default patch or hub layer ``NAME``, and ``cutile+NAME`` ours
@@ -67,7 +70,7 @@ class PathSpec:
         """Why this path cannot run here, or None."""
         if (self.compile or self.graphs) and not device.startswith("cuda"):
             return "compiled and decode-graph paths use CUDA graphs: CUDA only"
-        if self.attn == "cutile" and not device.startswith("cuda"):
+        if self.attn == "cutile_kernel" and not device.startswith("cuda"):
             return "our attention kernel needs CUDA (on a CPU it would time the eager fallback)"
         if self.fla and not _fla_available():
             return f"flash-linear-attention is not installed (nor in ${FLA_DIR_ENV})"
@@ -90,16 +93,16 @@ PATHS = {p.name: p for p in [
     PathSpec("cutile", "cutile-kernels: use_kernels=True with our kernel_config", ours=True),
     PathSpec("cutile+fla", "cutile-kernels where flash-linear-attention is importable (its chunked delta rule, "
              "which our prefill layer leaves it; the rest ours)", ours=True, fla=True),
-    PathSpec("cutile-attn", "cutile-kernels with attn_implementation='cutile' (our attention kernel)", ours=True,
-             attn="cutile"),
+    PathSpec("cutile-attn", "cutile-kernels with attn_implementation='cutile_kernel' (our attention kernel on every "
+             "call, prefill too)", ours=True, attn="cutile_kernel"),
     PathSpec("cutile-compile", "cutile-kernels + StaticCache + torch.compile(reduce-overhead) decode",
              compile=True, ours=True),
-    PathSpec("cutile-compile-attn", "cutile-kernels + our attention + StaticCache + torch.compile(reduce-overhead) "
-             "decode", compile=True, ours=True, attn="cutile"),
+    PathSpec("cutile-compile-attn", "cutile-kernels + our attention kernel on every call + StaticCache + "
+             "torch.compile(reduce-overhead) decode", compile=True, ours=True, attn="cutile_kernel"),
     PathSpec("cutile-graphs", "cutile-kernels decode fast path: StaticCache, CUDA-graph decode steps (no compile), "
              "our attention", graphs=True, ours=True, attn="cutile"),
     PathSpec("cutile-graphs-sdpa", "cutile-kernels decode fast path with transformers' sdpa attention", graphs=True,
-             ours=True),
+             ours=True, exclude=("cutile_attention",)),
     PathSpec("stock-graphs", "transformers with cutile-kernels' decode graphs only (StaticCache, CUDA-graph decode "
              "steps)", graphs=True),
 ]}
@@ -156,8 +159,9 @@ def spec(name: str) -> PathSpec:
     what = "with the opt-in patch or hub layer" if sep == WITH else "without"
     return PathSpec(name, f"{PATHS[base].description}, {what} {', '.join(map(repr, parts))}",
                     compile=PATHS[base].compile, graphs=PATHS[base].graphs, attn=PATHS[base].attn, ours=True,
-                    include=parts if sep == WITH else (),
-                    exclude=parts if sep == WITHOUT else ())
+                    include=PATHS[base].include + (parts if sep == WITH else ()),
+                    exclude=PATHS[base].exclude + tuple(p for p in parts
+                                                        if sep == WITHOUT and p not in PATHS[base].exclude))
 
 
 #: A folder holding the ``fla`` package, for a machine where it is not installed in the environment.

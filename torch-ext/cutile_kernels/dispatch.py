@@ -135,6 +135,13 @@ def _arch_of(device_index: int) -> tuple[tuple[int, int], str | None]:
     return cap, _registry.registry().arch_for(cap)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether kernels can launch on CUDA ``device``: a built arch's cubins run on its compute
+    capability, or cuda.tile can JIT (:func:`jit_available`)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _arch_of(index)[1] is not None or jit_available()
+
+
 def jit_available() -> bool:
     """True when cuda.tile can JIT-compile here: its ``tileiras`` toolchain is found and
     ``CUTILE_KERNELS_JIT`` is not set to 0/false/no/off."""

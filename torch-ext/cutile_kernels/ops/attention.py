@@ -176,19 +176,44 @@ def num_splits(blocks: int, keys: int, sms: int) -> int:
     return max(1, min(sms // blocks, keys // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
+#: (kind, device, padded head dim or 0) -> a stand-in array made by :func:`prepare`.
 _DUMMIES: dict = {}
+_DUMMY_KINDS = {"mask": ((1, 1, 1), torch.int8), "part": ((1, 1, 1, None), torch.float32),
+                "lse": ((1, 1, 1), torch.float32), "kv_len": ((1,), torch.int64)}
 
 
-def _dummy(kind: str, device: torch.device, dp: int = 64) -> torch.Tensor:
+def _new_dummy(kind: str, device: torch.device, dp: int) -> torch.Tensor:
+    shape, dtype = _DUMMY_KINDS[kind]
+    return torch.zeros(tuple(dp if n is None else n for n in shape), dtype=dtype, device=device)
+
+
+def _dummy(kind: str, device: torch.device, dp: int = 0) -> torch.Tensor:
     # Stand-ins for the arrays a launch does not read (no mask) or write (no split): the kernel
-    # branches on a scalar and never touches them.
-    key = (kind, device, dp)
+    # branches on a scalar and never touches them. Never kept from inside a call (see prepare).
+    key = (kind, device, dp if kind == "part" else 0)
     t = _DUMMIES.get(key)
-    if t is None:
-        shape, dtype = {"mask": ((1, 1, 1), torch.int8), "part": ((1, 1, 1, dp), torch.float32),
-                        "lse": ((1, 1, 1), torch.float32), "kv_len": ((1,), torch.int64)}[kind]
-        t = _DUMMIES[key] = torch.zeros(shape, dtype=dtype, device=device)
-    return t
+    return _new_dummy(kind, device, key[2]) if t is None else t
+
+
+def prepare(device: torch.device | str) -> None:
+    """Make the kernel's stand-in arrays (for the mask, filled length and split buffers a launch
+    does not use) on ``device`` once, so that launches there allocate none.
+
+    Called when a model is switched to our attention (``layers/models``' ``cutile_attention`` and
+    ``gemma2_attention`` patches), outside any forward: an array first made and kept inside a call
+    would be made inside torch.compile's CUDA-graph warm-up when the first kernel call is a compiled
+    decode step (prefill on sdpa), and kept, would sit in the graphs' memory pool (cudagraph trees
+    then refuse to record: "tensors in the cudagraph pool not tracked as outputs"; H200,
+    2026-12-04). Without it each launch makes its own (a few microseconds of host time). Idempotent.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    for kind in _DUMMY_KINDS:
+        for dp in (HEAD_DIMS if kind == "part" else (0,)):
+            _DUMMIES.setdefault((kind, device, dp), _new_dummy(kind, device, dp))
 
 
 def kernel_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
