@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of one session as stages, several per device call (each call has 600 s):
 #
-#   tests      the `gpu`-marked tests ($TESTS, default: all of tests/), $TESTS_LIMIT s (default 240)
+#   tests      the `gpu`-marked tests ($TESTS, default: all of tests/; $TESTS_K a `-k` expression, which
+#              $TESTS cannot carry: it is split at spaces), $TESTS_LIMIT s (default 240)
 #   attention  the attention microbenchmark (dev/microbench/attention_bench.py)
 #   gemv       one-row projections, every built GEMV tile against cuBLAS on the presets' shapes
 #              (dev/microbench/gemv_bench.py); gemv.log holds the table
@@ -28,6 +29,7 @@
 #              come back
 #   bench      `cutile-kernels bench` of $PRESETS (default: llama-3.2-1b qwen3-0.6b), paths
 #              $PATHS (default: stock cutile), decode b=1 and 16, $ROUNDS rounds (default 3); one .tgz per preset
+#              (a bench its limit cut leaves bench.partial.json: the timing rounds it finished)
 #   staticgen  transformers' `generate(..., cache_implementation="static")` (its own compile) of $PRESETS
 #              (default: llama-3.2-1b qwen3-0.6b), paths $PATHS (default: stock cutile) in alternating
 #              processes, $ROUNDS rounds (benchmarks/static_generate.py $STATICGEN_ARGS); staticgen.log,
@@ -59,7 +61,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 for stage in "$@"; do
   case "$stage" in
     tests)
-      cd "$root" && step tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests} ;;
+      cd "$root" && step tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+          ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests} ;;
     attention)
       cd "$root/dev/microbench" && step attention 100 python3 attention_bench.py --json /tmp/attention-bench.json ;;
     gemv)

@@ -112,12 +112,34 @@ def test_gate_uses_paired_top5_test():
     assert "stock" not in bench.gate(paths, {"stock": stock, "cutile": stock})
 
 
+def test_a_bench_cut_short_leaves_its_rounds(preset_cache, tmp_path, monkeypatch):
+    """A bench killed before its report (a device call's time limit) keeps what it measured: after
+    each timing round the rounds so far are in bench.partial.json; the report replaces it."""
+    from cutile_kernels_tools.bench import report as report_out, runner
+
+    seen = []
+    real = runner._write_partial
+    monkeypatch.setattr(runner, "_write_partial", lambda *a: (real(*a), seen.append(
+        json.loads((tmp_path / "out" / runner.PARTIAL).read_text())))[0])
+    monkeypatch.setattr(report_out, "write", lambda report, out: (_ for _ in ()).throw(KeyboardInterrupt))
+    settings = bench.BenchSettings.for_cpu(paths=["stock", "cutile"], decode_steps=2, repeats=1, rounds=2)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run("tiny", settings, out_dir=str(tmp_path / "out"), progress=False)
+    assert [p["partial"]["timing_rounds_done"] for p in seen] == [1, 2]
+    last = json.loads((tmp_path / "out" / runner.PARTIAL).read_text())
+    assert set(last["paths"]) == {"stock", "cutile"}
+    assert all(len(p["prefill_ms"]["round_medians"]) == 2 and p["prefill_ms"]["median"] > 0
+               for p in last["paths"].values())
+    assert len(seen[0]["paths"]["stock"]["prefill_ms"]["round_medians"]) == 1
+
+
 def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     from cutile_kernels_tools.bench.schema import BenchReport
 
     out = tmp_path / "out"
     rc = cli.main(["bench", "--out", str(out), "--quiet", "--decode-steps", "3", "--repeats", "2"])
     assert rc == 0
+    assert not (out / "bench.partial.json").exists()  # replaced by the report
     report = json.loads((out / "bench.json").read_text())
     BenchReport.model_validate(report)
     assert report["schema"] == bench.SCHEMA

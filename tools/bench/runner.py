@@ -194,13 +194,32 @@ def _one_shot(tmp: Path, kind: str, checkpoint: Path, s: BenchSettings) -> dict:
     return result
 
 
+#: Written to ``out_dir`` after each timing round and removed once the report is: what a bench
+#: killed before its end (a time limit) had measured, its paths' rounds so far.
+PARTIAL = "bench.partial.json"
+
+
+def _write_partial(report: dict, setups: dict, rounds: dict, s: BenchSettings, out_dir: str, done: int) -> None:
+    from . import worker
+
+    paths = dict(report["paths"])
+    for name, rs in rounds.items():
+        if rs:
+            paths[name] = worker.combine_rounds(setups[name], rs, asdict(s))
+    partial = {**report, "paths": paths, "partial": {"timing_rounds_done": done, "timing_rounds": s.rounds}}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / PARTIAL).write_text(json.dumps(partial, indent=1, default=str))
+
+
 def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None = None, progress: bool = True) -> dict:
     """Run the bench on a preset name or checkpoint directory; returns the report (see module doc).
 
     Every path gets its own worker process, set up one after another (load, logits, coverage,
     rehearsal); then, after ``s.warm_rounds`` untimed rounds, the paths are timed in ``s.rounds``
     alternating rounds, the order rotated each round, so that a drift of the machine's clocks or of
-    a neighbour's load falls on all of them.
+    a neighbour's load falls on all of them. With ``out_dir``, :data:`PARTIAL` there holds the
+    rounds done so far until the report replaces it (no gates, no ratios: the raw rounds).
     """
     from tqdm import tqdm
 
@@ -251,6 +270,8 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
                         report["paths"][name] = result
                         del rounds[name]
                     bar.update()
+                if out_dir is not None and r >= 0:
+                    _write_partial(report, setups, rounds, s, out_dir, r + 1)
             for name in runnable:
                 if name in rounds:
                     result = workers[name].call("finish")
@@ -270,6 +291,7 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
         from . import report as report_out
 
         report_out.write(report, Path(out_dir))
+        (Path(out_dir) / PARTIAL).unlink(missing_ok=True)
     return report
 
 
