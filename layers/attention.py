@@ -171,7 +171,8 @@ def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: flo
     torch.compile it is decided at trace time."""
     if softcap:
         return True
-    if query.device.type not in _KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES or query.shape[3] > HEAD_DIMS[-1]:
+    if (query.device.type not in _KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES
+            or query.shape[3] > HEAD_DIMS[-1]):
         return False
     return query.shape[2] <= DECODE_MAX_SQ and (attention_mask is not None or cutile_kv_len is not None)
 

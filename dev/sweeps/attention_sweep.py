@@ -8,9 +8,9 @@
 Why: on the H200 our prefill kernel (one query head per block, 128 query rows x 64 keys per tile,
 two warpgroups) took 127 us against sdpa's 58 us at Llama-3.2-1B's 1 x 2048 and 293 vs 52 us at
 head_dim 128 (benchmarks/results/h200-2026-11-30c/attention-bench.log), which keeps
-``attn_implementation="cutile"`` handing prefill to sdpa (our kernel runs it under ``"cutile_kernel"``). The candidates vary the query rows (BS) and keys
-(BN) per tile, the warps, the occupancy and the cluster size; ``export`` keeps the ones tileiras
-compiles and lists the rest.
+``attn_implementation="cutile"`` handing prefill to sdpa (our kernel runs it under
+``"cutile_kernel"``). The candidates vary the query rows (BS) and keys (BN) per tile, the warps,
+the occupancy and the cluster size; ``export`` keeps the ones tileiras compiles and lists the rest.
 
 ``run`` takes each candidate on the models' prefill shapes (q, k, v as transformers passes them:
 transposed views of the projections), poisons the output with NaN, checks it against a float64
