@@ -721,6 +721,14 @@ def generate_scores(model, ids, mask, cache, steps=6):
     return out.sequences, torch.stack(out.scores, 1).float()
 
 
+def assert_generate_matches(stock, ours, ids, mask, cache):
+    """generate() over ``cache``: ``ours`` gives ``stock``'s tokens, and its scores within 1e-4."""
+    seq_s, sc_s = generate_scores(stock, ids, mask, cache)
+    seq_o, sc_o = generate_scores(ours, ids, mask, cache)
+    assert torch.equal(seq_o, seq_s), cache
+    torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+
+
 def generate_errors(ref, models, ids, mask, cache, steps=8):
     """{name: relative L2 error of each generate() step's scores against the float32 ``ref``
     model's teacher-forced logits of the same sequence} for ``models`` {name: model} (GPU)."""
@@ -772,10 +780,7 @@ def test_cpu_model_matches_stock(family, cpu_path):
     torch.testing.assert_close(valid(chunked, mask), valid(want, mask), rtol=1e-4, atol=1e-4)
     # generate() with a DynamicCache and a StaticCache: same tokens and scores as stock.
     for cache in ("dynamic", "static"):
-        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
-        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
-        assert torch.equal(seq_o, seq_s), cache
-        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+        assert_generate_matches(stock, ours, ids, mask, cache)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -796,10 +801,7 @@ def test_patched_model_passes_the_static_cache_length(family, monkeypatch):
     ids, mask = padded_batch(cfg.vocab_size, [11, 7, 3], "cpu")
     for cache in ("dynamic", "static"):
         calls.clear()
-        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
-        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
-        assert torch.equal(seq_o, seq_s), cache
-        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+        assert_generate_matches(stock, ours, ids, mask, cache)
         lengths = [c for c in calls if c is not None]
         if cache == "dynamic":
             assert not lengths
@@ -821,10 +823,7 @@ def test_cpu_routed_model_matches_stock(family, route_spy):
     assert route_spy == {"kernel": 0, "sdpa": cfg.num_hidden_layers}
     torch.testing.assert_close(valid(got, mask), valid(want, mask), rtol=1e-4, atol=1e-4)
     for cache in ("dynamic", "static"):
-        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
-        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
-        assert torch.equal(seq_o, seq_s), cache
-        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+        assert_generate_matches(stock, ours, ids, mask, cache)
     assert route_spy["kernel"] == 2 * 5 * cfg.num_hidden_layers  # 5 decode steps a generate, both caches
 
 
@@ -875,10 +874,7 @@ def test_gemma2_attention_patch_runs_gemma2_with_softcap_and_windows(cpu_path):
     alone = forward_logits(ours, ids[:1], mask[:1])  # one row without padding: the kernel's own masks
     torch.testing.assert_close(alone, want[:1], rtol=1e-4, atol=1e-4)
     for cache in ("dynamic", "static"):
-        seq_s, sc_s = generate_scores(stock, ids, mask, cache)
-        seq_o, sc_o = generate_scores(ours, ids, mask, cache)
-        assert torch.equal(seq_o, seq_s), cache
-        torch.testing.assert_close(sc_o, sc_s, rtol=1e-4, atol=1e-4)
+        assert_generate_matches(stock, ours, ids, mask, cache)
     assert cutile_kernels.patch(ours, names=["gemma2_attention"]).changed == {"gemma2_attention": 0}  # idempotent
     assert cutile_kernels.unpatch(ours).changed == {"gemma2_attention": 3}
     assert ours.config._attn_implementation == "eager"

@@ -73,10 +73,36 @@ def modules() -> list:
     return [importlib.import_module(f"{__name__}.{name}") for name in discover()]
 
 
+# The three helpers here are defined before the family modules are imported: Gemma's uses them.
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The attention modules of ``model``: transformers names their classes ``...Attention``
-    (defined before the family modules are imported: they use it)."""
+    """The attention modules of ``model``: transformers names their classes ``...Attention``."""
     return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+
+
+def switchable_verdict(model: nn.Module, impl: str) -> str | None:
+    """What both attention-switching patches (``cutile_attention``, Gemma's ``gemma2_attention``)
+    ask first: why ``model`` is not a transformers decoder-only model without sub-models (a
+    multimodal wrapper's sub-configs would not all switch) attending with ``impl``, or None."""
+    cls, cfg = type(model), getattr(model, "config", None)
+    if not hasattr(cls, "set_attn_implementation") or cfg is None:
+        return "it is not a transformers PreTrainedModel"
+    if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
+        return "it is an encoder-decoder or holds sub-models"
+    current = getattr(cfg, "_attn_implementation", None)
+    if current != impl:
+        return f"it attends with {current!r}, not {impl}"
+    return None
+
+
+def switch_back(model: nn.Module, marker: str) -> int:
+    """Undo an attention switch recorded under ``model.__dict__[marker]`` (the implementation the
+    model had): that implementation again, unless the model was switched away from ``"cutile"``
+    since. Returns the attention modules switched back."""
+    before = model.__dict__.pop(marker, None)
+    if before is None or model.config._attn_implementation != CUTILE_ATTENTION:
+        return 0
+    model.set_attn_implementation(before)
+    return len(attention_modules(model))
 
 
 #: family name -> Family, of every family module.
@@ -116,16 +142,11 @@ def sdpa_attention_verdict(model: nn.Module) -> str | None:
     sub-configs would not all switch), attending with ``"sdpa"``, of a ``model_type`` a family here
     claims (tested with our attention), whose every attention module is causal, on no GPU our kernel
     cannot run on."""
-    cls, cfg = type(model), getattr(model, "config", None)
-    if not hasattr(cls, "set_attn_implementation") or cfg is None:
-        return "it is not a transformers PreTrainedModel"
-    if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
-        return "it is an encoder-decoder or holds sub-models"
-    impl = getattr(cfg, "_attn_implementation", None)
-    if impl != "sdpa":
-        return f"it attends with {impl!r}, not sdpa"
-    if family_of(getattr(cfg, "model_type", None)) is None:
-        return f"no family here claims model_type {getattr(cfg, 'model_type', None)!r}"
+    why = switchable_verdict(model, "sdpa")
+    if why is not None:
+        return why
+    if family_of(getattr(model.config, "model_type", None)) is None:
+        return f"no family here claims model_type {getattr(model.config, 'model_type', None)!r}"
     attn = attention_modules(model)
     if not attn:
         return "it has no attention module"
@@ -186,11 +207,7 @@ def unpatch_cutile_attention(model: nn.Module) -> int:
     """Undo :func:`patch_cutile_attention`: the implementation the model had, unless it was switched
     away since. Returns the attention modules switched back."""
     model.__dict__.pop("init_continuous_batching", None)
-    before = model.__dict__.pop(_SWITCHED, None)
-    if before is None or model.config._attn_implementation != CUTILE_ATTENTION:
-        return 0
-    model.set_attn_implementation(before)
-    return len(attention_modules(model))
+    return switch_back(model, _SWITCHED)
 
 
 #: This module's patch rows (gathered by ``layers/_registry.py``).
@@ -199,4 +216,5 @@ PATCH_ROWS = [Patch("cutile_attention", apply=patch_cutile_attention, undo=unpat
                                 "padded decode), sdpa elsewhere")]
 
 __all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "discover", "family_of",
-           "modules", "patch_cutile_attention", "sdpa_attention_verdict", "unpatch_cutile_attention"]
+           "modules", "patch_cutile_attention", "sdpa_attention_verdict", "switch_back", "switchable_verdict",
+           "unpatch_cutile_attention"]

@@ -31,7 +31,7 @@ from ..attention import NAME as CUTILE_ATTENTION
 from ..attention import prepare_devices
 from ..norm import _float_norm_eps, computes_gemma_rms_norm, gemma_qk_norms_verdict
 from ..rope import llama_rope_function
-from . import Family, attention_modules
+from . import Family, attention_modules, switch_back, switchable_verdict
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -94,15 +94,10 @@ def eager_gemma2_verdict(model: nn.Module) -> str | None:
     sub-configs would not all switch), attending with ``"eager"`` because its class has no sdpa path
     (``_supports_sdpa`` False: a class that has one attends eagerly because it was asked to), whose
     every attention module is causal and has ``Gemma2Attention.forward``'s code (pinned)."""
-    cls, cfg = type(model), getattr(model, "config", None)
-    if not hasattr(cls, "set_attn_implementation") or cfg is None:
-        return "it is not a transformers PreTrainedModel"
-    if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
-        return "it is an encoder-decoder or holds sub-models"
-    impl = getattr(cfg, "_attn_implementation", None)
-    if impl != "eager":
-        return f"it attends with {impl!r}, not eager"
-    if getattr(cls, "_supports_sdpa", True):
+    why = switchable_verdict(model, "eager")
+    if why is not None:
+        return why
+    if getattr(type(model), "_supports_sdpa", True):
         return "its class supports sdpa, so eager attention was asked for"
     attn = attention_modules(model)
     if not attn:
@@ -144,11 +139,7 @@ def patch_gemma2_attention(model: nn.Module) -> int:
 def unpatch_gemma2_attention(model: nn.Module) -> int:
     """Undo :func:`patch_gemma2_attention`: the implementation the model had, unless it was switched
     away since. Returns the attention modules switched back."""
-    before = model.__dict__.pop(_SWITCHED, None)
-    if before is None or model.config._attn_implementation != CUTILE_ATTENTION:
-        return 0
-    model.set_attn_implementation(before)
-    return len(attention_modules(model))
+    return switch_back(model, _SWITCHED)
 
 
 # ---------------------------------------------------------------------------------------------
