@@ -256,9 +256,18 @@ def cutile_kernel_attention_forward(module: torch.nn.Module, query: torch.Tensor
 
 
 def prepare_devices(model: torch.nn.Module) -> None:
-    """``ops.attention.prepare`` on every GPU holding a parameter of ``model`` (at patch time: a
-    compiled decode step whose first kernel call runs in torch.compile's CUDA-graph warm-up then
-    keeps no array of ours in the graphs' pool)."""
+    """At patch time, for a model switched to our attention: this copy's attention forwards
+    registered (:func:`register_attention`), then ``ops.attention.prepare`` on every GPU holding a
+    parameter of ``model``, so that the forwards transformers calls launch with stand-in arrays
+    made outside any forward (a compiled decode step whose first kernel call runs in torch.compile's
+    CUDA-graph warm-up then keeps no array of ours in the graphs' pool) and allocate none per call.
+
+    Registering again matters when a process holds two copies of this package: the source package
+    and the build variant ``kernels`` loads at kernelize (``_cutile_kernels_cuda_<hash>``), each
+    with its own arrays; the one imported last registers its forwards on import. With the patch's
+    copy's arrays prepared and the other copy's forwards registered, each attention call made three
+    arrays of its own: 48 fill kernels a compiled Llama-3.2-1B decode step (H200, 2026-12-04)."""
+    register_attention()
     for device in {p.device for p in model.parameters() if p.device.type == "cuda"}:
         prepare(device)
 

@@ -434,6 +434,42 @@ def test_gpu_compiled_decode_whose_first_kernel_call_is_compiled(prepared, check
         assert not any(c for c in caches)
 
 
+@pytest.mark.gpu
+def test_gpu_attention_calls_launch_with_the_arrays_the_patch_made(checkpoints, strict, monkeypatch):
+    """The forwards transformers calls for ``"cutile"`` belong to the copy of the package whose
+    stand-in arrays the patch made (the source package and the build variant ``kernels`` loads each
+    have their own): a decode step over a static cache launches none of the fill kernels that the
+    same step launches with that copy's arrays cleared (three a call: 48 a Llama-3.2-1B step on the
+    H200 before the patch registered its own copy)."""
+    import sys
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AttentionInterface, StaticCache
+
+    model = _load(checkpoints["llama"])
+    forward = AttentionInterface._global_mapping["cutile"]
+    ops = sys.modules[forward.__module__.rsplit(".layers.", 1)[0] + ".ops.attention"]
+    assert any(key[1] == torch.device("cuda", 0) for key in ops._DUMMIES)
+    ids = torch.randint(1, 256, (2, 21), device="cuda")
+
+    def fills() -> int:
+        cache = StaticCache(config=model.config, max_cache_len=40)
+        with torch.inference_mode():
+            model(ids, past_key_values=cache, use_cache=True)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model(ids[:, :1], past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        assert any(n.startswith("attention_kernel") for n in names)
+        return sum("FillFunctor" in n for n in names)
+
+    prepared = fills()
+    monkeypatch.setattr(ops, "_DUMMIES", {})
+    assert fills() - prepared >= 2 * model.config.num_hidden_layers
+
+
 def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(variant, monkeypatch, no_breaks):
     # Qwen3_5RMSNorm is decorated "RMSNormZeroCentered": kernelize rebinds it after the patches ran
     # (so rms_norm_gemma cannot keep it); our hub layer for that name runs the same kernel (on the

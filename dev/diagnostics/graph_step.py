@@ -13,7 +13,8 @@ replays in alternating rounds, in one process: the whole model's step with and w
 ``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03. For a compiled path
 ``--ab-guards`` times the step with dynamo's guard check and without it
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
-entries apart), in alternating rounds: what the guards cost the step on this host.
+entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
+host time to submit a compiled step against its kernels' span on the GPU (host-bound or not).
 ``--bind-instances`` binds each decoder module's own class forward to the instance first (as
 ``kernels.kernelize`` and our patches bind theirs; nothing else changes): on a stock path, what
 that binding alone costs a compiled step. On the GPU machine::
@@ -139,6 +140,42 @@ def _bind_instances(model) -> int:
     return n
 
 
+def _host_and_span(dec, steps: int) -> dict:
+    """Medians over ``steps`` compiled steps of the host time to submit one (the step's call, the
+    greedy pick and the position tensor, no synchronisation), of its GPU span (first kernel start
+    to last kernel end, torch.profiler) and of its kernels' summed time: a step whose host time
+    reaches its span is host-bound; a span well over the kernels' sum is gaps between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    host, spans, busy = [], [], []
+    with torch.inference_mode():
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pos = torch.tensor([dec.pos], device="cuda")
+            out = dec.step_fn(dec.next, past_key_values=dec.cache, use_cache=True, cache_position=pos)
+            dec.next = out.logits[:, -1:].argmax(-1).clone()
+            host.append((time.perf_counter() - t0) * 1e3)
+            dec.pos += 1
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                dec.step()
+            torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                     and not e.name.startswith(("Memcpy", "Memset")))
+    # a synchronisation separates the steps: the steps - 1 widest gaps between kernels split them
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - kernels[i - 1][1])[-(steps - 1):]
+    bounds = [0, *sorted(gaps), len(kernels)]
+    for a, b in zip(bounds, bounds[1:]):
+        group = kernels[a:b]
+        spans.append(max(e for _, e in group) - group[0][0])
+        busy.append(sum(e - s for s, e in group))
+    return {"host_ms": statistics.median(host), "gpu_span_ms": statistics.median(spans) / 1e3,
+            "gpu_kernels_ms": statistics.median(busy) / 1e3}
+
+
 def _compiled(model, args) -> None:
     """The compiled decode step of the bench (``tools/bench/worker.Decoder``), timed and profiled."""
     from cutile_kernels_tools.bench.worker import Decoder
@@ -148,12 +185,14 @@ def _compiled(model, args) -> None:
 
     for batch in args.batch:
         rounds = 10 if args.ab_guards else 0
-        dec = Decoder(model, batch, args.prompt, (2 + rounds) * args.steps + 20, "cuda", True, seed=0)
+        dec = Decoder(model, batch, args.prompt, (4 + rounds) * args.steps + 20, "cuda", True, seed=0)
         dec.prefill()
         for _ in range(5):  # compile and record the graphs
             dec.step()
         step_ms = statistics.median(dec.step() for _ in range(args.steps))
         row = {"model": args.model, "path": args.path, "batch": batch, "step_ms": step_ms}
+        if args.host:
+            row.update(_host_and_span(dec, args.steps))
         if rounds:
             times = ([], [])
             for _ in range(rounds):  # alternating, each round args.steps // 2 steps a side
@@ -183,6 +222,8 @@ def main(argv=None) -> None:
                     help="also time the step captured with the previous split-KV choice, alternating with ours")
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
+    ap.add_argument("--host", action="store_true",
+                    help="compiled paths: also the host time to submit a step and the step's GPU span")
     ap.add_argument("--bind-instances", action="store_true",
                     help="bind every decoder module's own class forward to its instance first")
     args = ap.parse_args(argv)
