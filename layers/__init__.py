@@ -17,8 +17,9 @@ from .gated_delta import (CutileCausalConv1dFn, CutileCausalConv1dUpdate, Cutile
 from .norm import CutileRMSNorm, CutileRMSNormGated, CutileZeroCenteredRMSNorm
 from .rope import CutileRotaryPosEmb
 
-# attn_implementation="cutile" (and "cutile_kernel") work as soon as the package is imported.
-register_attention()
+# attn_implementation="cutile" (and "cutile_kernel") work as soon as the package is imported; a
+# copy imported after another (the build variant kernels loads) keeps the first one's forwards.
+register_attention(replace=False)
 
 
 def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = False):

@@ -262,11 +262,11 @@ def prepare_devices(model: torch.nn.Module) -> None:
     made outside any forward (a compiled decode step whose first kernel call runs in torch.compile's
     CUDA-graph warm-up then keeps no array of ours in the graphs' pool) and allocate none per call.
 
-    Registering again matters when a process holds two copies of this package: the source package
+    Registering here matters when a process holds two copies of this package: the source package
     and the build variant ``kernels`` loads at kernelize (``_cutile_kernels_cuda_<hash>``), each
-    with its own arrays; the one imported last registers its forwards on import. With the patch's
-    copy's arrays prepared and the other copy's forwards registered, each attention call made three
-    arrays of its own: 48 fill kernels a compiled Llama-3.2-1B decode step (H200, 2026-12-04)."""
+    with its own arrays. With the patch's copy's arrays prepared and the other copy's forwards
+    registered (the build's import registered its own then), each attention call made three arrays
+    of its own: 48 fill kernels a compiled Llama-3.2-1B decode step (H200, 2026-12-04)."""
     register_attention()
     for device in {p.device for p in model.parameters() if p.device.type == "cuda"}:
         prepare(device)
@@ -283,18 +283,29 @@ def kernel_missing_on(model: torch.nn.Module) -> str | None:
     return None
 
 
-def register_attention() -> None:
+def _another_copys(forward) -> bool:
+    # Our forward as another copy of this package defines it (same name, other module).
+    return (getattr(forward, "__qualname__", None) == cutile_attention_forward.__qualname__
+            and getattr(forward, "__module__", "").endswith(".layers.attention")
+            and forward is not cutile_attention_forward)
+
+
+def register_attention(replace: bool = True) -> None:
     """Register ``"cutile"`` and ``"cutile_kernel"`` with transformers' ``AttentionInterface`` and
-    ``AttentionMaskInterface`` (idempotent; runs when ``cutile_kernels`` is imported)."""
+    ``AttentionMaskInterface`` (idempotent). Runs when ``cutile_kernels`` is imported with
+    ``replace=False``: a second copy of the package imported later (the build variant ``kernels``
+    loads at kernelize, ``_cutile_kernels_cuda_<hash>``) leaves the first copy's forwards
+    registered; the attention patches register their own copy's (:func:`prepare_devices`)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     global _SDPA, _STATIC_LAYER
     _SDPA = sdpa_attention_forward
-    for name, forward in ((NAME, cutile_attention_forward), (KERNEL_NAME, cutile_kernel_attention_forward)):
-        AttentionInterface.register(name, forward)
-        AttentionMaskInterface.register(name, sdpa_mask)
+    if replace or not _another_copys(AttentionInterface._global_mapping.get(NAME)):
+        for name, forward in ((NAME, cutile_attention_forward), (KERNEL_NAME, cutile_kernel_attention_forward)):
+            AttentionInterface.register(name, forward)
+            AttentionMaskInterface.register(name, sdpa_mask)
     from transformers.cache_utils import StaticLayer
 
     _STATIC_LAYER = StaticLayer if holds(PIN.name) else None

@@ -223,25 +223,31 @@ def test_kernels_kernelize_maps_every_rmsnorm(ckpt, variant, build_pkg, monkeypa
     assert build_pkg.stats()["fallbacks"] == {}
 
 
-def test_switching_to_our_attention_registers_the_patching_copy(build_pkg):
+def test_switching_to_our_attention_registers_the_patching_copy(build_pkg, monkeypatch):
     """A process holding the source package and the build variant ``kernels`` loads has two copies
-    of our attention, each keeping its own stand-in arrays and registering its forwards when
-    imported (the build's last, at kernelize): the patch that switches a model registers its own
-    copy's forwards again, the copy whose arrays it prepares (on the H200 the build's forwards ran
-    with the source's arrays prepared, three fills a call)."""
+    of our attention, each keeping its own stand-in arrays: the copy imported second keeps the first
+    one's forwards registered, and the patch that switches a model registers its own copy's forwards
+    again, the copy whose arrays it prepares (on the H200 the build's forwards, registered by its
+    import, ran with the source's arrays prepared: three fills a call)."""
     from families import model as family_model
     from transformers import AttentionInterface
 
     from cutile_kernels.layers import attention as ours
     from cutile_kernels.layers import models
 
+    mapping = AttentionInterface._global_mapping
+    for name in ours.NAMES:  # restored after the test
+        monkeypatch.setitem(mapping, name, mapping[name])
     theirs = build_pkg.layers.attention
     assert theirs is not ours
-    theirs.register_attention()  # as the build's import does
-    assert AttentionInterface._global_mapping[ours.NAME] is theirs.cutile_attention_forward
+    ours.register_attention()
+    theirs.register_attention(replace=False)  # what the build's import does
+    assert mapping[ours.NAME] is ours.cutile_attention_forward
+    theirs.register_attention()  # what its patches would do
+    assert mapping[ours.NAME] is theirs.cutile_attention_forward
     assert models.patch_cutile_attention(family_model("llama", layers=2)) == 2
-    assert AttentionInterface._global_mapping[ours.NAME] is ours.cutile_attention_forward
-    assert AttentionInterface._global_mapping[ours.KERNEL_NAME] is ours.cutile_kernel_attention_forward
+    assert mapping[ours.NAME] is ours.cutile_attention_forward
+    assert mapping[ours.KERNEL_NAME] is ours.cutile_kernel_attention_forward
 
 
 def test_kernels_kernelize_training_keeps_original(ckpt, variant, monkeypatch):

@@ -141,10 +141,11 @@ def _bind_instances(model) -> int:
 
 
 def _host_and_span(dec, steps: int) -> dict:
-    """Medians over ``steps`` compiled steps of the host time to submit one (the step's call, the
-    greedy pick and the position tensor, no synchronisation), of its GPU span (first kernel start
-    to last kernel end, torch.profiler) and of its kernels' summed time: a step whose host time
-    reaches its span is host-bound; a span well over the kernels' sum is gaps between kernels."""
+    """Medians over ``steps`` compiled steps of the host time to submit one (the position tensor,
+    whose small host-to-device copy waits for an idle stream, the step's call and the greedy pick;
+    no synchronisation after them), of its GPU span (first kernel start to last kernel end,
+    torch.profiler) and of its kernels' summed time: a step whose host time reaches its span is
+    host-bound; a span well over the kernels' sum is gaps between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     host, spans, busy = [], [], []
@@ -162,14 +163,18 @@ def _host_and_span(dec, steps: int) -> dict:
                 torch.cuda.synchronize()
                 dec.step()
             torch.cuda.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-                     and not e.name.startswith(("Memcpy", "Memset")))
-    # a synchronisation separates the steps: the steps - 1 widest gaps between kernels split them
-    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - kernels[i - 1][1])[-(steps - 1):]
-    bounds = [0, *sorted(gaps), len(kernels)]
-    for a, b in zip(bounds, bounds[1:]):
-        group = kernels[a:b]
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    groups = []  # each step starts with its position's host-to-device copy
+    for start, end, name in events:
+        if name.startswith("Memcpy HtoD"):
+            groups.append([])
+        elif groups and not name.startswith(("Memcpy", "Memset")):
+            groups[-1].append((start, end))
+    groups = [g for g in groups if g]
+    if len(groups) != steps:
+        raise RuntimeError(f"--host: {len(groups)} steps found in the profile of {steps}")
+    for group in groups:
         spans.append(max(e for _, e in group) - group[0][0])
         busy.append(sum(e - s for s, e in group))
     return {"host_ms": statistics.median(host), "gpu_span_ms": statistics.median(spans) / 1e3,
@@ -185,7 +190,7 @@ def _compiled(model, args) -> None:
 
     for batch in args.batch:
         rounds = 10 if args.ab_guards else 0
-        dec = Decoder(model, batch, args.prompt, (4 + rounds) * args.steps + 20, "cuda", True, seed=0)
+        dec = Decoder(model, batch, args.prompt, (2 + 2 * args.host + rounds) * args.steps + 20, "cuda", True, seed=0)
         dec.prefill()
         for _ in range(5):  # compile and record the graphs
             dec.step()

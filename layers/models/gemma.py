@@ -120,6 +120,7 @@ def patch_gemma2_attention(model: nn.Module) -> int:
     switched (0: already switched, or left alone with a log line)."""
     if _SWITCHED in model.__dict__:
         if model.config._attn_implementation == CUTILE_ATTENTION:
+            prepare_devices(model)  # as patch_cutile_attention: this copy's forwards, their arrays
             return 0
         del model.__dict__[_SWITCHED]  # switched away since (e.g. to eager for attention weights)
     why = eager_gemma2_verdict(model)
