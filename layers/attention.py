@@ -255,6 +255,10 @@ def cutile_kernel_attention_forward(module: torch.nn.Module, query: torch.Tensor
                    cutile_kv_len, False, kwargs)
 
 
+def _gpus(model: torch.nn.Module) -> set:
+    return {p.device for p in model.parameters() if p.device.type == "cuda"}
+
+
 def prepare_devices(model: torch.nn.Module) -> None:
     """At patch time, for a model switched to our attention: this copy's attention forwards
     registered (:func:`register_attention`), then ``ops.attention.prepare`` on every GPU holding a
@@ -268,7 +272,7 @@ def prepare_devices(model: torch.nn.Module) -> None:
     registered (the build's import registered its own then), each attention call made three arrays
     of its own: 48 fill kernels a compiled Llama-3.2-1B decode step (H200, 2026-12-04)."""
     register_attention()
-    for device in {p.device for p in model.parameters() if p.device.type == "cuda"}:
+    for device in _gpus(model):
         prepare(device)
 
 
@@ -276,7 +280,7 @@ def kernel_missing_on(model: torch.nn.Module) -> str | None:
     """Why the kernel cannot run on a GPU holding ``model`` (no built variant for its compute
     capability and no JIT toolchain), or None (also for a model off the GPU: ``route`` keeps it on
     sdpa there)."""
-    for device in {p.device for p in model.parameters() if p.device.type == "cuda"}:
+    for device in _gpus(model):
         if not dispatch.runs_on(device):
             return f"no build of ours runs on {device} (compute capability " \
                    f"{torch.cuda.get_device_capability(device)}) and cuda.tile cannot JIT here"
