@@ -447,9 +447,8 @@ def test_gpu_attention_calls_launch_with_the_arrays_the_patch_made(checkpoints, 
     from torch.profiler import ProfilerActivity, profile
     from transformers import AttentionInterface, StaticCache
 
-    for name, mod in list(sys.modules.items()):  # no copy's arrays made before this model's patch
-        if name.endswith(".ops.attention") and hasattr(mod, "_DUMMIES"):
-            monkeypatch.setattr(mod, "_DUMMIES", {})
+    for c in _stand_in_caches():  # no copy's arrays made before this model's patch
+        c.clear()
     model = _load(checkpoints["llama"])
     forward = AttentionInterface._global_mapping["cutile"]
     ops = sys.modules[forward.__module__.rsplit(".layers.", 1)[0] + ".ops.attention"]

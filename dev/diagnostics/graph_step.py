@@ -141,28 +141,20 @@ def _bind_instances(model) -> int:
 
 
 def _host_and_span(dec, steps: int) -> dict:
-    """Medians over ``steps`` compiled steps of the host time to submit one (the position tensor,
-    whose small host-to-device copy waits for an idle stream, the step's call and the greedy pick;
-    no synchronisation after them), of its GPU span (first kernel start to last kernel end,
+    """Medians over ``steps`` compiled steps of the host time to submit one (the bench's
+    ``Timer.host_ms`` of ``Decoder.step``: the position tensor, the step's call and the greedy pick,
+    before waiting for the GPU), of its GPU span (first kernel start to last kernel end,
     torch.profiler) and of its kernels' summed time: a step whose host time reaches its span is
     host-bound; a span well over the kernels' sum is gaps between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     host, spans, busy = [], [], []
-    with torch.inference_mode():
+    for _ in range(steps):  # each step waits for the GPU at its end: the next starts on an idle stream
+        dec.step()
+        host.append(dec.timer.host_ms)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            pos = torch.tensor([dec.pos], device="cuda")
-            out = dec.step_fn(dec.next, past_key_values=dec.cache, use_cache=True, cache_position=pos)
-            dec.next = out.logits[:, -1:].argmax(-1).clone()
-            host.append((time.perf_counter() - t0) * 1e3)
-            dec.pos += 1
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                torch.cuda.synchronize()
-                dec.step()
-            torch.cuda.synchronize()
+            dec.step()
     events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     groups = []  # each step starts with its position's host-to-device copy
