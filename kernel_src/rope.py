@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ConstParam, VariantSpec, array
+from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ArrayParam, ConstParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -47,10 +47,11 @@ def _rounded_mul(a, b, dtype):
 
 
 @ct.function
-def _rotate(x, out, b, h, s, c1, c2, s1, s2, rdtype, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
+def _rotate(x, out, b, h, s, os, c1, c2, s1, s2, rdtype, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
             HEADS: ct.Constant[int]):
-    # x, out: (B, H, S, 2, R/2); (b, h, s) index tiles of (1, HEADS, ROWS); c*, s*: (1, ROWS, BLOCK)
-    # float32 tiles of cos and sin, shared by the HEADS heads; rdtype: what each op rounds to.
+    # x: (B, H, S, 2, R/2), out: (B, H, S or L, 2, R/2); (b, h, s) index tiles of (1, HEADS, ROWS) of
+    # x, (b, h, os) of out; c*, s*: (1, ROWS, BLOCK) float32 tiles of cos and sin, shared by the
+    # HEADS heads; rdtype: what each op rounds to.
     shape = (1, HEADS, ROWS, 1, BLOCK)
     x1 = ct.reshape(ct.load(x, index=(b, h, s, 0, 0), shape=shape, padding_mode=ZERO),
                     (HEADS, ROWS, BLOCK)).astype(ct.float32)
@@ -58,8 +59,8 @@ def _rotate(x, out, b, h, s, c1, c2, s1, s2, rdtype, BLOCK: ct.Constant[int], RO
                     (HEADS, ROWS, BLOCK)).astype(ct.float32)
     o1 = _rounded_mul(x1, c1, rdtype) - _rounded_mul(x2, s1, rdtype)
     o2 = _rounded_mul(x2, c2, rdtype) + _rounded_mul(x1, s2, rdtype)
-    ct.store(out, index=(b, h, s, 0, 0), tile=ct.reshape(o1.astype(out.dtype), shape))
-    ct.store(out, index=(b, h, s, 1, 0), tile=ct.reshape(o2.astype(out.dtype), shape))
+    ct.store(out, index=(b, h, os, 0, 0), tile=ct.reshape(o1.astype(out.dtype), shape))
+    ct.store(out, index=(b, h, os, 1, 0), tile=ct.reshape(o2.astype(out.dtype), shape))
 
 
 @ct.function
@@ -89,9 +90,42 @@ def rope_kernel(q, k, cos, sin, q_out, k_out, BLOCK: ct.Constant[int], ROWS: ct.
     s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
     q_tiles = ct.cdiv(q.shape[1], HEADS)
     if h < q_tiles:
-        _rotate(q, q_out, b, h, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+        _rotate(q, q_out, b, h, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
     else:
-        _rotate(k, k_out, b, h - q_tiles, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+        _rotate(k, k_out, b, h - q_tiles, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+
+
+@ct.kernel
+def rope_append_kernel(q, k, v, cos, sin, keys, values, length, q_out, BLOCK: ct.Constant[int],
+                       ROWS: ct.Constant[int], HEADS: ct.Constant[int]):
+    """RoPE of q and k as :func:`rope_kernel`, with the rotated k and the unchanged v written into a
+    static KV cache at the device-side length (``kernel_src/kv_cache.py``'s slots) instead of a
+    k_out: the decode step's RoPE and cache write in one launch.
+
+    q, q_out: (B, Hq, S, 2, D/2); k, v: (B, Hkv, S, 2, D/2); cos, sin: (B or 1, S, 2, D/2) (the
+    whole head rotated: R = D); keys, values: (B, Hkv, L, 2, D/2), the cache; length: (1,) int64,
+    the slot of position 0. ROWS must be 1 (a block's tile is one position, so that a slot is a tile
+    index); slots >= L are not written. Grid: (S, cdiv(Hq, HEADS) + cdiv(Hkv, HEADS), B).
+    """
+    s = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    cb = b % cos.shape[0]
+    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
+    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
+    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
+    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    q_tiles = ct.cdiv(q.shape[1], HEADS)
+    if h < q_tiles:
+        _rotate(q, q_out, b, h, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+    else:
+        hk = h - q_tiles
+        slot = ct.gather(length, 0).astype(ct.int32) + s
+        if slot < keys.shape[2]:  # a tile wholly past the cache's end is not stored (undefined)
+            _rotate(k, keys, b, hk, s, slot, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+            shape = (1, HEADS, ROWS, 2, BLOCK)
+            ct.store(values, index=(b, hk, slot, 0, 0), tile=ct.load(v, index=(b, hk, s, 0, 0), shape=shape,
+                                                                      padding_mode=ZERO))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +178,26 @@ def tile_matrix(kernel: str, function: str, params, dtypes=("bfloat16", "float16
     return specs
 
 
+def _append_params(dtype: str, layout: str, consts: dict):
+    # q, k, v, cos, sin, keys, values, length, q_out, all but the length in ``layout`` (a head half
+    # not a multiple of 16 elements, e.g. head_dim 80, takes the generic one).
+    params = [array(a, dtype, 5, layout) for a in ("q", "k", "v")]
+    params += [array(a, dtype, 4, layout) for a in ("cos", "sin")]
+    params += [array(a, dtype, 5, layout) for a in ("keys", "values")]
+    params += [ArrayParam("length", "int64", 1), array("q_out", dtype, 5, layout)]
+    params += [ConstParam(k, v) for k, v in consts.items()]
+    return tuple(params)
+
+
+#: The decode tiles (one position a block) of :func:`rope_append_kernel`, per dtype, layout and BLOCK.
+APPEND_VARIANTS: list[VariantSpec] = [
+    VariantSpec("rope_append", "rope", "rope_append_kernel", f"{DTYPE_TAGS[dtype]}.h{block}.t{HEADS}x1.{layout}",
+                _append_params(dtype, layout, {"BLOCK": block, "ROWS": 1, "HEADS": HEADS}))
+    for dtype in DECODE_DTYPES for layout in LAYOUTS for block in BLOCKS
+]
+
 #: Every variant of this family, in the runtime's order of preference (aligned before generic).
 #: OLMo 2's float32 cos/sin after them (the runtime takes the first whose dtypes fit).
 VARIANTS: list[VariantSpec] = (tile_matrix("rope", "rope_kernel", _params)
-                               + tile_matrix("rope", "rope_kernel", _float_cos_params, ("bfloat16", "float16"), "c32"))
+                               + tile_matrix("rope", "rope_kernel", _float_cos_params, ("bfloat16", "float16"), "c32")
+                               + APPEND_VARIANTS)

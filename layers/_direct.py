@@ -29,8 +29,10 @@ from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
 from ._patching import _unhooked, swapped
 from .attention import static_kv_length
+from .decode_graphs import ROPE_UPDATE
 from .linear import gemv_linear_forward
 from .norm import _float_norm_eps
+from .rope import CutileRotaryPosEmb, computes_llama_rope
 
 # The registries torch mutates in place (register_module_forward_hook & co.).
 _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks,
@@ -120,9 +122,39 @@ def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: 
     return qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight, _float_norm_eps(qn), cos, sin, 1.0)
 
 
+_OUR_ROPE = CutileRotaryPosEmb.forward.__qualname__
+
+
+def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.Tensor, key_states: torch.Tensor,
+                   value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE of q and k and the cache update of attention module ``self`` as one launch, where the
+    decode graphs armed its cache layer (``decode_graphs.ROPE_UPDATE``: a full-attention static
+    layer they write with our kernel) and ``rope``, the ``apply_rotary_pos_emb`` its forward calls,
+    is the ``kernels`` hub module running our RoPE on Llama's formula (bound by ``kernelize``: by
+    name, as it may be the build's copy) with nothing else on its call (no hooks). Shapes as
+    ``apply_rotary_pos_emb`` and ``Cache.update`` take them.
+
+    Returns ``(q_rot, keys, values)`` (the cache written and advanced), or None: the caller runs
+    RoPE and ``past_key_values.update`` as the stock forward does. Never while compiling (the
+    decode graphs replay eager steps)."""
+    if _compiling() or past_key_values is None or getattr(past_key_values, "offloading", False):
+        return None  # an offloaded cache's update also moves layers (Cache.update): left to it
+    layers = getattr(past_key_values, "layers", None)
+    idx = getattr(self, "layer_idx", None)
+    if layers is None or idx is None or idx >= len(layers):
+        return None
+    update = layers[idx].__dict__.get(ROPE_UPDATE)
+    if update is None or not isinstance(rope, nn.Module) or not direct_ok(rope):
+        return None
+    bound = getattr(rope.__dict__.get("forward"), "__func__", None)
+    if getattr(bound, "__qualname__", None) != _OUR_ROPE or not computes_llama_rope(type(rope)):
+        return None
+    return update(query_states, key_states, value_states, cos, sin)
+
+
 def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor, key_states: torch.Tensor,
            value_states: torch.Tensor, attention_mask, past_key_values, kwargs: dict, window: dict,
-           gate: torch.Tensor | None = None):
+           gate: torch.Tensor | None = None, cache_written: bool = False):
     """The tail of transformers' Llama-style attention forward after RoPE, as the reproduced forwards
     (``qkv``, ``qwen3``, ``phi3``, ``qwen3_5``) run it: the KV cache update, the attention function
     the config names (``glob``: the class's modeling module, read as its forward reads it), then
@@ -132,10 +164,13 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     ``(B, S, heads * head_dim)``: the output gate of gated attention (Qwen3.5's ``attn_output *
     torch.sigmoid(gate)`` before ``o_proj``), on the ``sigmoid_and_mul`` kernel. With our
     attention over a static cache layer, the layer's filled length goes along
-    (:func:`.attention.static_kv_length`). Returns ``(attn_output (B, S, hidden), attn_weights)``."""
+    (:func:`.attention.static_kv_length`). ``cache_written``: ``key_states`` / ``value_states`` are
+    already the cache layer's tensors, updated (:func:`rope_and_cache`). Returns ``(attn_output (B,
+    S, hidden), attn_weights)``."""
     length = {}
     if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if not cache_written:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
         length = static_kv_length(self, past_key_values)
 
     attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(

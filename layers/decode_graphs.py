@@ -71,6 +71,7 @@ from transformers.utils import ModelOutput
 
 from .. import dispatch
 from ..ops.kv_cache import kv_append
+from ..ops.rope import rope_append
 from ._pins import Pin, holds, register
 from .attention import NAMES as ATTENTION_NAMES
 from .attention import PIN as STATIC_UPDATE_PIN
@@ -184,6 +185,23 @@ def _kernel_static_update(layer, key_states, value_states, *args, **kwargs):
     return layer.keys, layer.values
 
 
+#: Attribute that :func:`_make_capturable` sets on a full-attention layer it gives
+#: :func:`_kernel_static_update`: ``(q, k, v, cos, sin) -> (q_rot, keys, values)``, RoPE (Llama's
+#: formula) with the layer's update as one launch (:func:`_kernel_rope_update`). The reproduced
+#: attention forwards take it when their RoPE is ours (``layers/_direct.py``, ``rope_and_cache``).
+ROPE_UPDATE = "_cutile_rope_update"
+
+
+def _kernel_rope_update(layer, query_states, key_states, value_states, cos, sin):
+    """Llama's RoPE of q and k, then :func:`_kernel_static_update`'s writes of the rotated keys and
+    the values and its advance, on one ``rope_append`` launch for a decode step (instead of RoPE's
+    and ``kv_append``'s). Returns ``(q_rot, keys, values)`` as RoPE and ``update`` return them."""
+    q_rot = rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
+                        layer.cumulative_length)
+    layer.cumulative_length.add_(key_states.shape[-2])
+    return q_rot, layer.keys, layer.values
+
+
 def _kernel_sliding_update(layer, key_states, value_states, *args, **kwargs):
     """``StaticSlidingWindowLayer.update`` (pinned) with the writes of a window that does not fill
     past its end as one ``kv_append`` launch (transformers: ``arange``, an add and two
@@ -224,6 +242,7 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
                                                  layer)
         elif full_ok and layer.is_initialized and layer.keys.shape == layer.values.shape:
             layer.update = functools.partial(_kernel_static_update, layer)
+            setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_update, layer))
     return True
 
 
@@ -231,6 +250,7 @@ def _restore_updates(cache) -> None:
     """Undo :func:`_make_capturable`: the layers' own ``update`` again."""
     for layer in cache.layers:
         layer.__dict__.pop("update", None)
+        layer.__dict__.pop(ROPE_UPDATE, None)
     cache._cutile_capturable = False
 
 

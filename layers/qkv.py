@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ._direct import attend, call, linear
+from ._direct import attend, call, linear, rope_and_cache
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
 from ._patching import Patch, own_forward_on_instance, swapped
@@ -275,14 +275,19 @@ def _attend(self, glob, window, input_shape, query_states, key_states, value_sta
     # The stock forward from RoPE on, its globals read as it reads them.
     cos, sin = position_embeddings
     rope = glob["apply_rotary_pos_emb"]  # a kernels hub function is an nn.Module
-    query_states, key_states = (call(rope, query_states, key_states, cos, sin) if isinstance(rope, nn.Module)
-                                else rope(query_states, key_states, cos, sin))
+    # A decode-graph step: RoPE and the cache write in one launch where the cache layer allows it.
+    written = rope_and_cache(self, rope, past_key_values, query_states, key_states, value_states, cos, sin)
+    if written is not None:
+        query_states, key_states, value_states = written
+    else:
+        query_states, key_states = (call(rope, query_states, key_states, cos, sin) if isinstance(rope, nn.Module)
+                                    else rope(query_states, key_states, cos, sin))
 
     # Passed as the stock forward passes it (a second sliding_window in kwargs raises, as there).
     extra = {} if window == _NO_WINDOW else {"sliding_window": getattr(self.config, "sliding_window", None)
                                              if window == _CONFIG_WINDOW else self.sliding_window}
     return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
-                  kwargs, extra)
+                  kwargs, extra, cache_written=written is not None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,8 @@ lists can be read side by side (the compiled step's list also has the greedy pic
 A step much slower than its replay is host-bound. ``--ab-cache-kernel`` also captures the same step
 with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and times the two graphs'
 replays in alternating rounds, in one process: the whole model's step with and without
-``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03. For a compiled path
+``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03;
+``--ab-rope-append`` with RoPE and the cache write as two launches (no ``rope_append``). For a compiled path
 ``--ab-guards`` times the step with dynamo's guard check and without it
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
 entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
@@ -217,6 +218,8 @@ def main(argv=None) -> None:
                     help="also time the step with transformers' cache writes, alternating with ours")
     ap.add_argument("--ab-splits", action="store_true",
                     help="also time the step captured with the previous split-KV choice, alternating with ours")
+    ap.add_argument("--ab-rope-append", action="store_true",
+                    help="also time the step with RoPE and kv_append as two launches, alternating with ours")
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
     ap.add_argument("--host", action="store_true",
@@ -262,6 +265,20 @@ def main(argv=None) -> None:
                     m.num_splits = f
             ours, theirs = _alternating((entry, cache), (old_entry, old_cache), args.steps)
             row.update(ab_replay_ms_splits_now=ours, ab_replay_ms_splits_before=theirs, ab_step_ms_splits_before=old_step)
+        if args.ab_rope_append:
+            # Every loaded copy arms its layers under another attribute name, which the attention
+            # forwards do not look up: a graph captured now runs RoPE and kv_append apart.
+            mods = [m for n, m in list(sys.modules.items()) if n.endswith(".layers.decode_graphs")]
+            names = [m.ROPE_UPDATE for m in mods]
+            for m in mods:
+                m.ROPE_UPDATE = "_cutile_rope_update_unused"
+            try:
+                two_entry, two_cache, two_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
+            finally:
+                for m, name in zip(mods, names):
+                    m.ROPE_UPDATE = name
+            ours, theirs = _alternating((entry, cache), (two_entry, two_cache), args.steps)
+            row.update(ab_replay_ms_rope_append=ours, ab_replay_ms_two_launches=theirs, ab_step_ms_two_launches=two_step)
         _rewind(cache)
         print(json.dumps(row))
         _kernels(entry.graph.replay, 5, args.top)

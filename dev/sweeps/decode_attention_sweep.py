@@ -26,8 +26,12 @@ from cutile_kernels_tools.timing import graph_us
 
 from dev.sweeps._common import main, write_rows
 
-#: (function, module, label)
-FUNCTIONS = [("attention_kernel", "attention", "w4"), ("attention_w8_kernel", "dev.sweeps.attention_variants", "w8")]
+#: (function, module, label, extra constants). Eight warps (``attention_w8_kernel``) lost at every
+#: shape on 2026-12-04; the loads issued ahead (``attention_pf_kernel``, with and without TMA) are
+#: the candidates now.
+FUNCTIONS = [("attention_kernel", "attention", "w4", {}),
+             ("attention_pf_kernel", "dev.sweeps.attention_variants", "pf1", {"TMA": 1}),
+             ("attention_pf_kernel", "dev.sweeps.attention_variants", "pf0", {"TMA": 0})]
 BNS = (64, 128, 256)
 #: preset -> (query heads, KV heads, head_dim)
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128), "phi-4-mini": (24, 8, 128),
@@ -44,8 +48,8 @@ def candidates():
     for dp in (64, 128):
         for hb in attention.DECODE_HEADS:
             for bn in BNS:
-                for function, module, label in FUNCTIONS:
-                    consts = {"D": dp, "HB": hb, "BS": attention.DECODE_ROWS // hb, "BN": bn}
+                for function, module, label, extra in FUNCTIONS:
+                    consts = {"D": dp, "HB": hb, "BS": attention.DECODE_ROWS // hb, "BN": bn, **extra}
                     out.append(VariantSpec("attention", module, function,
                                            f"bf16.d{dp}.h{hb}.m{consts['BS']}.n{bn}.{label}",
                                            attention._attention_params("bfloat16", consts)))

@@ -58,7 +58,7 @@ def entries() -> list[Entry]:
     """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's), attention,
     qk_norm_rope, kv_cache, then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
     return [*_activation(), _rope(), _rope_cast(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(), _kv_append(),
-            *_gemv(), *_gated_deltanet()]
+            _rope_append(), *_gemv(), *_gated_deltanet()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -566,6 +566,58 @@ def _kv_append() -> Entry:
             "_op(keys, values, k, v, torch.tensor(length, device=keys.device))\n"
             "return keys, values\n")
     return Entry("kv_cache", d, rows, [SolutionSpec("kv_append", "kv_append", body=body)])
+
+
+def _rope_append() -> Entry:
+    rope, kv = _ops("rope"), _ops("kv_cache")
+    src = f"{LLAMA}::apply_rotary_pos_emb + {CACHE_UTILS}::StaticLayer.update"
+    axes, spec, (q_shape, k_shape, cs) = _qk_axes("head dimension, all of it rotated (partial_rotary_factor 1)")
+    axes["cache_len"] = AxisVar(description="the static cache's slots (max_cache_len)")
+    cache = ["batch", "num_kv_heads", "cache_len", "head_dim"]
+    d = Definition(
+        name="rope_append", op_type="rope_kv_cache_append", axes=axes,
+        inputs={"q": spec(q_shape, "queries after q_proj, heads before positions"),
+                "k": spec(k_shape, "keys after k_proj, likewise"), "v": spec(k_shape, "values after v_proj"),
+                "cos": spec(cs, "cos of the rotary angles per position (model dtype)"),
+                "sin": spec(cs, "sin of the rotary angles, likewise"),
+                "keys": spec(cache, "the layer's key cache before the step"),
+                "values": spec(cache, "the layer's value cache before the step"),
+                "length": TensorSpec(shape=None, dtype="int64", description="slots already filled "
+                                                                            "(cumulative_length): the first written")},
+        outputs={"q_embed": spec(q_shape, "q * cos + rotate_half(q) * sin, every op rounded to the dtype"),
+                 "keys_out": spec(cache, "keys with k * cos + rotate_half(k) * sin written at slots length .. "
+                                         "length + seq_len - 1"),
+                 "values_out": spec(cache, "values with v written likewise")},
+        reference=reference_source(
+            [rope._rotate_half, rope._rotate, rope.apply_rope_reference, kv.kv_append_reference,
+             rope.rope_append_reference], ["q", "k", "v", "cos", "sin", "keys", "values", "length"],
+            "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
+            "q_embed = torch.empty_like(q)\n"
+            "rope_append_reference(q, k, v, cos, sin, keys, values, torch.tensor(length, device=keys.device), q_embed)\n"
+            "return q_embed, keys, values",
+            _header(src, "RoPE of q and k as apply_rotary_pos_emb (each op rounded to the dtype), then the "
+                         "rotated keys and the values copied into the cache at cumulative_length + arange(seq_len).",
+                    "cutile_kernels.ops.rope")),
+        tags=_tags("rope", src),
+        description=(f"A decode step's rotary position embedding of q and k with the layer's static KV cache "
+                     f"writes (transformers v{TRANSFORMERS_PIN}, {src}): the step the decode graphs run as one "
+                     "launch."),
+        constraints=["head_dim % 2 == 0", f"seq_len + {MAX_FILLED} <= cache_len"],
+    )
+    rows = []
+    for preset in WORKLOAD_PRESETS:
+        m = model_shapes(preset)
+        for phase in ("decode-b1", "decode-b16"):
+            batch, seq = PHASES[phase]
+            filled, slots = KV_APPEND_CACHE[phase]
+            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
+                                       "num_kv_heads": m["kv_heads"], "cache_len": slots, "head_dim": m["head_dim"]},
+                                 inputs=_inputs(d, length=filled), uuid=f"{preset}/{phase}"))
+    body = ("import torch\n\n"
+            "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
+            "q_embed = _op(q, k, v, cos, sin, keys, values, torch.tensor(length, device=keys.device))\n"
+            "return q_embed, keys, values\n")
+    return Entry("rope", d, rows, [SolutionSpec("rope_append", "rope_append", body=body)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.rope import BLOCKS, ROWS
 from ..registry import DECODE_TORCH_DTYPES
+from .kv_cache import _check as kv_check
+from .kv_cache import kv_append, kv_append_reference
 
 MIN_BLOCK = min(BLOCKS)
 
@@ -313,3 +315,114 @@ def apply_rope_cast(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     """
     check_float("apply_rope_cast", "q, k, cos, sin", q, k, cos, sin)
     return _apply(_rope_cast, apply_rope_cast_reference, q, k, cos, sin, unsqueeze_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE and the static KV cache write of a decode step in one launch
+# ---------------------------------------------------------------------------------------------
+
+APPEND_KERNEL = "rope_append"
+
+
+def rope_append_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, q_out: torch.Tensor) -> None:
+    """:func:`apply_rope_reference` of q and k, then ``StaticLayer.update``'s writes of the rotated k
+    and of v (:func:`~.kv_cache.kv_append_reference`): ``q_out`` receives the rotated q. Shapes as
+    :func:`rope_append`."""
+    q_rot, k_rot = apply_rope_reference(q, k, cos, sin)
+    q_out.copy_(q_rot)
+    kv_append_reference(keys, values, k_rot, v, length)
+
+
+def _append_check(q, k, v, cos, sin, keys, values, length, q_out) -> None:
+    _check(q, k, cos, sin)
+    kv_check(keys, values, k, v, length)
+    if q_out.shape != q.shape or q_out.dtype != _result_dtype(q.dtype, cos.dtype, sin.dtype):
+        raise ValueError(f"rope_append: q_out {tuple(q_out.shape)} {q_out.dtype} must have q's shape "
+                         f"{tuple(q.shape)} and the result dtype {_result_dtype(q.dtype, cos.dtype, sin.dtype)}")
+    if keys.dtype != _result_dtype(k.dtype, cos.dtype, sin.dtype):
+        raise ValueError(f"rope_append: the cache ({keys.dtype}) must hold the rotated keys' dtype "
+                         f"{_result_dtype(k.dtype, cos.dtype, sin.dtype)}")
+
+
+def _append_layout(args: tuple) -> tuple:
+    # Every tensor but the length as (..., 2, D/2) halves (R = D here).
+    d = args[0].shape[-1]
+    return tuple(t if i == 7 else _halves(t, d) for i, t in enumerate(args))
+
+
+def _unfused_reason(q, k, cos, keys) -> str | None:
+    # Why the one-launch kernel does not take the call (the two launches do), or None.
+    (_, _, s, d), rot = q.shape, cos.shape[-1]
+    if rot != d:
+        return f"partial rotary ({rot} of {d} elements)"
+    if len({q.dtype, k.dtype, cos.dtype, keys.dtype}) != 1 or q.dtype not in DECODE_TORCH_DTYPES:
+        return f"dtypes q {q.dtype}, cos {cos.dtype}, cache {keys.dtype} (one of bfloat16/float16 taken)"
+    if _want(rot // 2, s, q.dtype) != _tiles(rot // 2)[1]:
+        return f"{s} positions (a prefill: RoPE's wider tile, then the cache write)"
+    return None
+
+
+def _rope_append_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, q_out: torch.Tensor) -> None:
+    (b, hq, s, d), hk = q.shape, k.shape[1]
+    if s == 0:
+        return
+    why = _unfused_reason(q, k, cos, keys)
+    if why is None:
+        grid = lambda c: (s, _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
+        if dispatch.run(APPEND_KERNEL, _tiles(d // 2)[1], (q, k, v, cos, sin, keys, values, length.view(1), q_out), 8,
+                        grid, _append_layout):
+            return
+    elif s < _tiles(cos.shape[-1] // 2)[2]:  # a decode step the one launch does not serve: said once
+        dispatch.fallback(APPEND_KERNEL, f"{why}: RoPE and the cache write as two launches")
+    # Two launches: RoPE into a new k, then the cache write (each with its own fallback).
+    k_rot = _empty_like_layout(k, _result_dtype(k.dtype, cos.dtype, sin.dtype))
+    if not rope_into(q, k, cos, sin, q_out, k_rot):
+        _copy_reference(q, k, cos, sin, q_out, k_rot)
+    kv_append(keys, values, k_rot, v, length)
+
+
+def _rope_append_fake(q, k, v, cos, sin, keys, values, length, q_out) -> None:
+    return None
+
+
+_rope_append = define_op(APPEND_KERNEL, _rope_append_cuda, reference=rope_append_reference, fake=_rope_append_fake,
+                         check=_append_check, cpu=rope_append_reference, backward=None,
+                         mutates_args=("keys", "values", "q_out"))
+
+
+def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """RoPE of a decode step's q and k with the rotated k and v written into a static KV cache: what
+    :func:`apply_rope` followed by transformers' ``StaticLayer.update`` (cache_utils.py, v5.22.2;
+    its writes, :func:`~.kv_cache.kv_append`) compute, in one launch.
+
+    Args:
+        q: ``(B, Hq, S, D)`` queries, any strides (views of a stacked projection are fine).
+        k, v: ``(B, Hkv, S, D)`` new keys (rotated here) and values.
+        cos, sin: ``(B or 1, S, R)`` as the model's rotary embedding returns them.
+        keys, values: ``(B, Hkv, L, D)`` the cache layer's tensors, written at slots
+            ``length + [0, S)`` (slots ``>= L`` are not written, as :func:`~.kv_cache.kv_append`).
+        length: one int64 element on the cache's device: the first slot (read on the device, not
+            advanced: the caller adds ``S``, as ``update`` does).
+
+    Returns:
+        The rotated q: a new tensor of q's shape and memory order (as :func:`apply_rope`).
+
+    The one launch (cuTile ``rope_append_kernel``) takes bfloat16 or float16 with q, k, v, cos,
+    sin and the cache of one dtype, the whole head rotated (``R == D <= 256``) and a decode step
+    (fewer positions than RoPE's prefill tile). Other calls run the RoPE kernel and the cache-write
+    kernel (two launches, each with its own fallback; a decode step says why once); on other
+    devices :func:`rope_append_reference`. Under ``torch.compile`` the custom op
+    ``<namespace>::rope_append`` (mutating the cache and a new q). No gradient.
+
+    Raises:
+        TypeError: a tensor is not floating point, or ``length`` is not a tensor.
+        ValueError: shapes or dtypes do not match (RoPE's and the cache write's checks).
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    check_float("rope_append", "q, k, v, cos, sin, keys, values", q, k, v, cos, sin, keys, values)
+    q_out = _empty_like_layout(q, _result_dtype(q.dtype, cos.dtype, sin.dtype))
+    _rope_append(q, k, v, cos, sin, keys, values, length, q_out)
+    return q_out
