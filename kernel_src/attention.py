@@ -25,7 +25,9 @@ Key ``j`` is visible to query ``i`` when every enabled condition holds (the same
 A row with no visible key gets a zero output (as torch's SDPA math path). The query heads of a
 KV group are packed into one tile (``HB`` heads x ``BS`` query rows = ``HB * BS`` rows), so one
 block reads each K/V tile once for all of them: that is what makes decode (``Sq`` = 1) fill a
-tensor-core tile. ``HB`` must divide ``Hq // Hkv``. Every tile dimension is a power of two: the
+tensor-core tile. ``HB`` must divide ``Hq // Hkv``, or (one KV head, ``Hkv`` = 1) exceed ``Hq``'s
+last block: the host runs a group whose size no ``HB`` divides (Phi-4-mini's 3, Qwen2.5's 6 and 7)
+as ``B * Hkv`` batches of one KV head, each block's head rows past ``Hq`` zero-padded and not stored. Every tile dimension is a power of two: the
 head dim is loaded as ``D = next_power_of_2(head_dim)`` lanes with zero padding (zeros add
 nothing to ``<q, k>``; the padded output lanes are not stored).
 
@@ -165,7 +167,7 @@ def attention_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap:
     part (num_splits, B * Hq, Sq, D) and lse (num_splits, B * Hq, Sq) float32 receive each split's
     normalised output and log2-sum-exp instead of o; the splits share the KV tiles of the first
     Skv keys evenly (a split with none writes zeros and -inf).
-    Grid: (cdiv(Sq, BS) * num_splits, B * Hq // HB).
+    Grid: (cdiv(Sq, BS) * num_splits, B * cdiv(Hq, HB)); with num_splits > 1, HB divides Hq.
     """
     _attention_block(q, k, v, mask, o, part, lse, _kv_length(k, kv_len, has_len), scale, softcap, window, has_mask,
                      has_len, causal, num_splits, D, HB, BS, BN)
@@ -188,7 +190,7 @@ def _attention_block(q, k, v, mask, o, part, lse, skv, scale, softcap, window, h
     # One (query block, batch x head block[, KV split]) of attention_kernel over the first skv keys.
     qb = ct.bid(0) // num_splits
     split = ct.bid(0) % num_splits
-    nhb = q.shape[1] // HB
+    nhb = ct.cdiv(q.shape[1], HB)  # a last head block past Hq (a padded group) loads zeros, stores nothing
     b = ct.bid(1) // nhb
     hb = ct.bid(1) % nhb
     j_lo, j_hi = _kv_tile_range(qb, q.shape[2], skv, causal, window, BS, BN)

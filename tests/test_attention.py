@@ -168,6 +168,14 @@ EMULATED = [
     (1, 4, 2, 1, 2100, 128, {"splits": 1}),
     (1, 4, 2, 1, 2100, 128, {"splits": 1, "window": 300}),
     (1, 4, 2, 3, 2100, 64, {"splits": 1, "softcap": 5.0}),
+    # Groups no HB divides: Phi-4-mini's 3 (one block of 4 head rows a KV head), Qwen2.5's 6 and 7
+    # (two blocks, the last one's rows past the group padded); where the views do not merge (two
+    # rows of several positions) or a split is chosen, the divisor's tiles.
+    (2, 6, 2, 1, 300, 128, {}),
+    (1, 12, 2, 5, 40, 64, {}),
+    (3, 14, 2, 1, 100, 64, {"window": 30}),
+    (2, 6, 2, 4, 50, 64, {}),
+    (1, 3, 1, 1, 1000, 128, {"sms": 132}),
 ]
 
 
@@ -220,6 +228,8 @@ KV_LEN_CASES = [
     (1, 4, 4, 3, 200, 90, 96, {"window": 20}),          # window counted from kv_len
     (2, 4, 2, 1, 300, 40, 64, {"mask": True}),          # with a padding mask over every slot
     (1, 4, 2, 1, 2048, 1500, 64, {"splits": 1}),        # the long tile (256 keys), its tail partly filled
+    (2, 24, 8, 1, 300, 150, 128, {}),                   # Phi-4-mini's group of 3, one KV head a batch
+    (2, 6, 1, 1, 200, 77, 64, {"mask": True}),          # group 6 with a padding mask (per row: no merge)
 ]
 
 
@@ -294,6 +304,24 @@ def test_tiles_and_splits():
     assert attn_ops.num_splits(blocks=1, keys=392, sms=132) == 1           # too short to split
     assert attn_ops.num_splits(blocks=1, keys=511, sms=132) == 1
     assert attn_ops.num_splits(blocks=1, keys=512, sms=132) == 2
+
+
+def test_groups_no_tile_divides_run_as_batches_of_one_kv_head():
+    assert [attn_ops.padded_heads(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 12)] == [None, None, 4, None, 4, 4, 4, None, None]
+    q, k, v = make_qkv(16, 24, 8, 1, 169, 128, torch.float32)  # Phi-4-mini's heads, batch 16
+    out = torch.empty(16, 1, 24, 128)
+    (plan,) = attn_ops.launches(q, k, v, None, out, 0.1, sms=132)
+    _, want, args, _, grid = plan
+    assert dict(want)["HB"] == 4 and dict(want)["BS"] == 4 and grid({}) == (1, 16 * 8, 1)
+    assert args[0].shape == (128, 3, 1, 128) and args[1].shape == (128, 1, 169, 128)
+    assert args[5].shape == (128, 3, 1, 128) and args[5].data_ptr() == out.data_ptr()
+    # A mask per row, or rows of several positions: the divisor's tiles (HB 1).
+    mask = hf_mask(16, 1, 169, 168, left_padding(16, 169, [0] * 15 + [3]))
+    (plan,) = attn_ops.launches(q, k, v, mask, out, 0.1, sms=132)
+    assert dict(plan[1])["HB"] == 1 and plan[4]({}) == (1, 16 * 24, 1)
+    q4, k4, v4 = make_qkv(2, 24, 8, 4, 169, 128, torch.float32)
+    (plan,) = attn_ops.launches(q4, k4, v4, None, torch.empty(2, 4, 24, 128), 0.1, sms=132)
+    assert dict(plan[1])["HB"] == 1
 
 
 def test_kernel_mask_views_without_copies():
@@ -991,9 +1019,10 @@ def test_variants_compile_for_sm90(tag):
 # GPU: the kernels against float64, outputs poisoned first
 # ---------------------------------------------------------------------------------------------
 
-#: (Hq, Hkv, head_dim): Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-1.5B, Mistral-7B, one KV head, 80, 96, 256.
+#: (Hq, Hkv, head_dim): Llama-3.2-1B, Qwen3-0.6B, Qwen2.5-1.5B, Mistral-7B, one KV head, 80, 96, 256,
+#: Phi-4-mini (a group of 3: decode as batches of one KV head, ops.attention.padded_heads).
 FAMILY_HEADS = [(32, 8, 64), (16, 8, 128), (12, 2, 128), (32, 8, 128), (8, 1, 128), (16, 1, 64),
-                (8, 8, 80), (12, 4, 96), (8, 2, 256)]
+                (8, 8, 80), (12, 4, 96), (8, 2, 256), (24, 8, 128)]
 
 GPU_CASES = (
     [(1, h, 2048, 2048, torch.bfloat16) for h in FAMILY_HEADS[:4]]

@@ -69,21 +69,22 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     variants = list(reg.variants("attention", "sm_90"))
     rows = []
     for preset, (hq, hkv, D) in SHAPES.items():
-        dp, hb_shipped = ops.tiles_for(D, 1, hq // hkv)[:2]
+        dp = ops.tiles_for(D, 1, hq // hkv)[0]
         for B in (1, 16):
             for filled, slots in LENGTHS:
                 q, k, v, n, scale, ref, out = decode_inputs(B, hq, hkv, D, slots, filled)
                 auto = ops.launches(q, k, v, None, out, scale, True, kv_len=n)[0][2][-1]
                 base = {"preset": preset, "B": B, "filled": filled, "slots": slots, "auto_splits": auto}
                 for splits in sorted({1, auto}):
-                    shipped = f".h{hb_shipped}.m{16 // hb_shipped}.n{ops.decode_bn(dp, slots, splits)}.w4"  # the router's
                     plan = ops.launches(q, k, v, None, out, scale, True, splits=splits, kv_len=n)
                     args = plan[0][2]
+                    hb_shipped = dict(plan[0][1])["HB"]  # a group no HB divides runs padded (ops.padded_heads)
+                    shipped = f".h{hb_shipped}.m{16 // hb_shipped}.n{ops.decode_bn(dp, slots, splits)}.w4"  # the router's
                     for variant in variants:
                         c = variant.constants
                         if c["D"] != D or c["HB"] != hb_shipped:
                             continue
-                        grid = (splits, B * hq // c["HB"], 1)
+                        grid = (splits, args[0].shape[0] * -(-args[0].shape[1] // c["HB"]), 1)
 
                         def call(variant=variant, grid=grid, args=args, plan=plan):
                             launcher.launch(variant, grid, args, 0)

@@ -146,6 +146,29 @@ def tiles_for(head_dim: int, sq: int, group: int) -> tuple | None:
     return (dp,) + PREFILL[dp]
 
 
+@functools.lru_cache(maxsize=None)
+def padded_heads(group: int) -> int | None:
+    """The query heads a decode tile packs for a KV group of ``group`` heads that no built ``HB``
+    divides (Phi-4-mini's 3, Qwen2.5's 6 and 7): the group padded up to a power of two, at most the
+    largest built ``HB``, where that reads each KV head's keys in fewer blocks than the largest
+    divisor does (3: one block instead of three); else None. The call then runs as ``B * Hkv``
+    batches of one KV head (:func:`launches`), the padded head rows loaded as zeros and not stored."""
+    divisor = max(h for h in DECODE_HEADS if group % h == 0)
+    pad = min(max(DECODE_HEADS), next_power_of_2(group))
+    return pad if -(-group // pad) < group // divisor else None
+
+
+def _one_kv_head_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor):
+    # q, o (B, Hq, Sq, D) and k, v (B, Hkv, Skv, D) as B * Hkv batches of one KV head: views, or None
+    # where the batch and head strides do not merge (q of several positions and rows; a strided k).
+    (B, Hq, Sq, D), Hkv = q.shape, k.shape[1]
+    try:
+        return (q.view(B * Hkv, Hq // Hkv, Sq, D), k.view(B * Hkv, 1, k.shape[2], D),
+                v.view(B * Hkv, 1, v.shape[2], D), o.view(B * Hkv, Hq // Hkv, Sq, D))
+    except RuntimeError:
+        return None
+
+
 def decode_bn(dp: int, keys: int, splits: int) -> int:
     """Keys per tile of a decode-tile launch over ``keys`` cache slots (k's length: the static
     cache's size, not its filled count, so that a captured graph keeps one tile) in ``splits`` KV
@@ -243,7 +266,10 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     ``attention_combine``. ``sms`` defaults to the device's multiprocessor count. ``kv_len`` is
     for the decode tiles (``Sq <= DECODE_MAX_SQ``) only; their splits are chosen for k's whole
     length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles;
-    their keys per tile follow (:func:`decode_bn`).
+    their keys per tile follow (:func:`decode_bn`). A decode-sized call whose KV group no built
+    ``HB`` divides (:func:`padded_heads`) runs unsplit as ``B * Hkv`` batches of one KV head where
+    the views allow it (one position, or batch 1) and the mask is shared by the batch; otherwise
+    with the largest divisor.
     """
     B, Hq, Sq, D = q.shape
     Skv = k.shape[2]
@@ -260,17 +286,25 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         m = _dummy("mask", q.device)
     n = _dummy("kv_len", q.device) if kv_len is None else kv_len.view(1)
     q_blocks = -(-Sq // bs)
+    if Sq <= DECODE_MAX_SQ:
+        sms = sms if sms is not None else _sm_count(q.device.index or 0)
+        # A group no HB divides, unsplit, mask shared by the batch: B * Hkv batches of one KV head.
+        pad = padded_heads(Hq // k.shape[1]) if splits in (None, 1) and m.shape[0] == 1 else None
+        views = _one_kv_head_views(q, k, v, o) if pad else None
+        if views is not None:
+            pad_blocks = -(-Sq // (DECODE_ROWS // pad))
+            if splits == 1 or num_splits(pad_blocks * B * k.shape[1] * -(-(Hq // k.shape[1]) // pad), Skv, sms) == 1:
+                (q, k, v, o), hb, bs, q_blocks, splits = views, pad, DECODE_ROWS // pad, pad_blocks, 1
     if splits is None:
         splits = 1
         if Sq <= DECODE_MAX_SQ:
-            sms = sms if sms is not None else _sm_count(q.device.index or 0)
             splits = num_splits(q_blocks * B * (Hq // hb), Skv, sms)
     if Sq <= DECODE_MAX_SQ:  # the keys per tile depend on the split count, known only now
         bn = decode_bn(dp, Skv, splits)
     want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
     scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(kv_len is not None),
                int(bool(causal)), splits)
-    grid = (q_blocks * splits, B * (Hq // hb), 1)
+    grid = (q_blocks * splits, q.shape[0] * -(-q.shape[1] // hb), 1)
     if splits == 1:
         args = (q, k, v, m, n, o, _dummy("part", q.device, dp), _dummy("lse", q.device)) + scalars
         return [("attention", want, args, 5, lambda consts: grid)]
