@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
+from transformers.cache_utils import Cache
 
 from ..ops.activation import gelu_tanh_and_mul_fused, sigmoid_and_mul, silu_and_mul_fused
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
@@ -123,6 +124,7 @@ def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: 
 
 
 _OUR_ROPE = CutileRotaryPosEmb.forward.__qualname__
+_CACHE_UPDATE = Cache.update
 
 
 def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.Tensor, key_states: torch.Tensor,
@@ -136,9 +138,13 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
 
     Returns ``(q_rot, keys, values)`` (the cache written and advanced), or None: the caller runs
     RoPE and ``past_key_values.update`` as the stock forward does. Never while compiling (the
-    decode graphs replay eager steps)."""
-    if _compiling() or past_key_values is None or getattr(past_key_values, "offloading", False):
-        return None  # an offloaded cache's update also moves layers (Cache.update): left to it
+    decode graphs replay eager steps), for a cache class with an ``update`` of its own or an
+    offloaded cache (``Cache.update`` does more than the layer's update then), nor where the layer
+    declines (``decode_graphs._kernel_rope_update``: its ``update`` replaced since, a gradient
+    asked for, shapes RoPE's kernel does not take)."""
+    if (_compiling() or past_key_values is None or type(past_key_values).update is not _CACHE_UPDATE
+            or getattr(past_key_values, "offloading", False)):
+        return None
     layers = getattr(past_key_values, "layers", None)
     idx = getattr(self, "layer_idx", None)
     if layers is None or idx is None or idx >= len(layers):

@@ -71,7 +71,7 @@ from transformers.utils import ModelOutput
 
 from .. import dispatch
 from ..ops.kv_cache import kv_append
-from ..ops.rope import rope_append
+from ..ops.rope import rope_append, rope_append_takes
 from ._pins import Pin, holds, register
 from .attention import NAMES as ATTENTION_NAMES
 from .attention import PIN as STATIC_UPDATE_PIN
@@ -195,7 +195,13 @@ ROPE_UPDATE = "_cutile_rope_update"
 def _kernel_rope_update(layer, query_states, key_states, value_states, cos, sin):
     """Llama's RoPE of q and k, then :func:`_kernel_static_update`'s writes of the rotated keys and
     the values and its advance, on one ``rope_append`` launch for a decode step (instead of RoPE's
-    and ``kv_append``'s). Returns ``(q_rot, keys, values)`` as RoPE and ``update`` return them."""
+    and ``kv_append``'s). Returns ``(q_rot, keys, values)`` as RoPE and ``update`` return them, or
+    None (nothing done) where the layer's ``update`` is no longer the one armed with it or
+    ``rope_append`` does not compute what the two steps would (:func:`~..ops.rope.rope_append_takes`)."""
+    update = layer.__dict__.get("update")
+    if (getattr(update, "func", None) is not _kernel_static_update or update.args[0] is not layer
+            or not rope_append_takes(query_states, key_states, value_states, cos, sin, layer.keys)):
+        return None
     q_rot = rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
                         layer.cumulative_length)
     layer.cumulative_length.add_(key_states.shape[-2])

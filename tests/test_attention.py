@@ -230,6 +230,7 @@ KV_LEN_CASES = [
     (1, 4, 2, 1, 2048, 1500, 64, {"splits": 1}),        # the long tile (256 keys), its tail partly filled
     (2, 24, 8, 1, 300, 150, 128, {}),                   # Phi-4-mini's group of 3, one KV head a batch
     (2, 6, 1, 1, 200, 77, 64, {"mask": True}),          # group 6 with a padding mask (per row: no merge)
+    (3, 12, 2, 1, 200, 77, 64, {"shared_mask": True}),  # group 6, a mask shared by the batch: batches of one KV head
 ]
 
 
@@ -243,6 +244,10 @@ def test_emulated_kernel_reads_only_the_filled_keys(case):
     mask = None
     if extra.get("mask"):
         mask = hf_mask(B, Sq, Skv, n - Sq, left_padding(B, n, [0, 7][:B]))
+    if extra.get("shared_mask"):  # one row for the batch (stride 0), hiding slots 3..9 of every row
+        shared = left_padding(1, n, [0])
+        shared[:, 3:10] = False
+        mask = hf_mask(1, Sq, Skv, n - Sq, shared).expand(B, 1, Sq, Skv)
     kw = {"causal": mask is None, "window": extra.get("window")}
     kv_len = torch.tensor(n)
     got, kernels = emulated_attention(q, k, v, mask, 0.2, splits=extra.get("splits"), sms=extra.get("sms", 132),
@@ -1034,6 +1039,9 @@ GPU_CASES = (
     + [(2, h, 7, 300, torch.bfloat16) for h in FAMILY_HEADS]
     + [(2, h, 333, 333, d) for h in FAMILY_HEADS[4:] for d in (torch.bfloat16, torch.float16)]
     + [(3, (16, 8, 128), 1, 1, torch.float16), (1, (32, 8, 64), 1, 129, torch.float16)]
+    # Groups of 6 and 7 that run as batches of one KV head (unsplit at these sizes): a last head
+    # block half past the group.
+    + [(16, (12, 2, 128), 1, 300, torch.bfloat16), (8, (28, 4, 128), 1, 300, torch.bfloat16)]
     + [(1, (8, 2, 64), 20, 5, torch.bfloat16)]  # more queries than keys: the first rows see nothing
 )
 

@@ -5,7 +5,8 @@ across the cache, padded head-dim lanes, one KV head, a full cache); the decode 
 layers with it and the reproduced attention forward takes it only with our Llama RoPE; generate
 over the emulated graphs gives eager's tokens. GPU: the kernel against float64 and bit for bit
 against the two launches it replaces, on real-model head layouts, poisoned outputs, stacked q/k/v
-views, fp16, in a replayed CUDA graph; the decode fast path on a kernelized Llama."""
+views, fp16, in a replayed CUDA graph (the decode fast path's GPU tests, tests/test_decode_graphs.py,
+run it inside kernelized Llama and Mistral checkpoints)."""
 
 from __future__ import annotations
 
@@ -176,8 +177,13 @@ def test_rope_and_cache_takes_only_our_llama_rope(our_llama_rope):
     got = _direct.rope_and_cache(attn, our_llama_rope, cache, q, k, v, cos, sin)
     assert got is not None and torch.equal(got[0], want_q)
     assert got[1] is layer.keys and torch.equal(layer.keys[:, :, 2:3], want_k) and int(layer.cumulative_length) == 3
-    stock = modeling_llama.apply_rotary_pos_emb.__class__.forward  # the Func's own forward (the stock code)
-    assert _direct.rope_and_cache(attn, stock, cache, q, k, v, cos, sin) is None
+    ours = our_llama_rope.__dict__.pop("forward")  # the hub module with its own forward (the stock code)
+    try:
+        assert _direct.rope_and_cache(attn, our_llama_rope, cache, q, k, v, cos, sin) is None
+    finally:
+        our_llama_rope.forward = ours
+    plain = modeling_llama.rotate_half  # not a module at all
+    assert _direct.rope_and_cache(attn, plain, cache, q, k, v, cos, sin) is None
     handle = our_llama_rope.register_forward_hook(lambda *a: None)
     try:
         assert _direct.rope_and_cache(attn, our_llama_rope, cache, q, k, v, cos, sin) is None
@@ -193,6 +199,33 @@ def test_rope_and_cache_takes_only_our_llama_rope(our_llama_rope):
         olmo.__dict__.pop("forward", None)
     dg._restore_updates(cache)
     assert _direct.rope_and_cache(attn, our_llama_rope, cache, q, k, v, cos, sin) is None  # disarmed
+    assert int(layer.cumulative_length) == 3  # no declined call wrote or advanced anything
+
+
+def test_rope_and_cache_declines_what_the_two_steps_would_do_otherwise(our_llama_rope):
+    """None, nothing written, where the one launch would not do what RoPE and the cache's update
+    do: a gradient asked for (the op has none), the layer's update replaced after arming, a cache
+    class with its own update, mismatched dtypes."""
+    attn = types.SimpleNamespace(layer_idx=0)
+    q, k, v, cos, sin = _step(1, 4, 2, 1, 8, pos0=2)
+    cache, layer = _armed_layer()
+    with torch.enable_grad():
+        assert _direct.rope_and_cache(attn, our_llama_rope, cache, q.requires_grad_(), k, v, cos, sin) is None
+    q = q.detach()
+    assert _direct.rope_and_cache(attn, our_llama_rope, cache, q, k, v, cos.double(), sin.double()) is None
+    layer.update = lambda *a, **kw: None  # someone else's update since
+    assert _direct.rope_and_cache(attn, our_llama_rope, cache, q, k, v, cos, sin) is None
+
+    class OwnUpdate(StaticCache):
+        def update(self, *args, **kwargs):
+            return super().update(*args, **kwargs)
+
+    own = OwnUpdate(config=tiny_model("llama").config, max_cache_len=16)
+    own.layers[0].update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+    dg._make_capturable(own)
+    assert dg.ROPE_UPDATE in vars(own.layers[0])
+    assert _direct.rope_and_cache(attn, our_llama_rope, own, q, k, v, cos, sin) is None
+    assert int(layer.cumulative_length) == 2 and int(own.layers[0].cumulative_length) == 2
 
 
 def test_generate_over_emulated_graphs_takes_one_launch_and_matches_eager(our_llama_rope):
@@ -274,7 +307,7 @@ def test_gpu_graph_replay_writes_at_the_length_it_finds(strict):
     with torch.cuda.graph(graph):
         out = cutile_kernels.rope_append(q, k, v, cos, sin, keys, values, length)
         length.add_(1)
-    keys.zero_()
+    keys.zero_(), values.zero_()
     length.fill_(0)
     for step in range(5):
         k.copy_(torch.randn_like(k))
@@ -283,7 +316,8 @@ def test_gpu_graph_replay_writes_at_the_length_it_finds(strict):
         torch.cuda.synchronize()
         want_q, want_k = cutile_kernels.apply_rope(q, k, cos, sin)
         assert torch.equal(out, want_q) and torch.equal(keys[:, :, step:step + 1], want_k) and int(length) == step + 1
-    assert not keys[:, :, 5:].any()
+        assert torch.equal(values[:, :, step:step + 1], v)
+    assert not keys[:, :, 5:].any() and not values[:, :, 5:].any()
 
 
 @pytest.mark.gpu

@@ -268,8 +268,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles;
     their keys per tile follow (:func:`decode_bn`). A decode-sized call whose KV group no built
     ``HB`` divides (:func:`padded_heads`) runs unsplit as ``B * Hkv`` batches of one KV head where
-    the views allow it (one position, or batch 1) and the mask is shared by the batch; otherwise
-    with the largest divisor.
+    the views allow it (one position, or batch 1), the mask is shared by the batch, and no split is
+    asked for or chosen for that grid (:func:`num_splits`); otherwise with the largest divisor.
     """
     B, Hq, Sq, D = q.shape
     Skv = k.shape[2]
@@ -287,7 +287,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     n = _dummy("kv_len", q.device) if kv_len is None else kv_len.view(1)
     q_blocks = -(-Sq // bs)
     if Sq <= DECODE_MAX_SQ:
-        sms = sms if sms is not None else _sm_count(q.device.index or 0)
+        if splits is None:
+            sms = sms if sms is not None else _sm_count(q.device.index or 0)
         # A group no HB divides, unsplit, mask shared by the batch: B * Hkv batches of one KV head.
         pad = padded_heads(Hq // k.shape[1]) if splits in (None, 1) and m.shape[0] == 1 else None
         views = _one_kv_head_views(q, k, v, o) if pad else None

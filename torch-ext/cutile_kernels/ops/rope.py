@@ -12,6 +12,7 @@ kernel.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -322,6 +323,24 @@ def apply_rope_cast(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
 # ---------------------------------------------------------------------------------------------
 
 APPEND_KERNEL = "rope_append"
+#: Reasons :func:`rope_append` took two launches for a decode step, logged once each.
+_SAID: set = set()
+logger = logging.getLogger("cutile_kernels")
+
+
+def rope_append_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      keys: torch.Tensor) -> bool:
+    """Whether :func:`rope_append` computes what :func:`apply_rope` followed by the cache write would
+    for these arguments: shapes in RoPE's kernel contract with the cache's (B, Hkv, D), and no
+    gradient asked for (the op has none; ``apply_rope`` keeps one). A caller that gets False runs
+    the two steps itself."""
+    if _mismatch(q, k, cos, sin) is not None or v.shape != k.shape or keys.dim() != 4:
+        return False
+    if k.shape[:2] != keys.shape[:2] or k.shape[3] != keys.shape[3]:
+        return False
+    if not v.dtype == keys.dtype == _result_dtype(k.dtype, cos.dtype, sin.dtype):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)))
 
 
 def rope_append_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -374,8 +393,9 @@ def _rope_append_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         if dispatch.run(APPEND_KERNEL, _tiles(d // 2)[1], (q, k, v, cos, sin, keys, values, length.view(1), q_out), 8,
                         grid, _append_layout):
             return
-    elif s < _tiles(cos.shape[-1] // 2)[2]:  # a decode step the one launch does not serve: said once
-        dispatch.fallback(APPEND_KERNEL, f"{why}: RoPE and the cache write as two launches")
+    elif s < _tiles(cos.shape[-1] // 2)[2] and why not in _SAID:  # a decode step the one launch does not serve
+        _SAID.add(why)  # not a fallback: our two kernels run (each says so if it cannot)
+        logger.info("cutile_kernels: rope_append runs RoPE and the cache write as two launches: %s", why)
     # Two launches: RoPE into a new k, then the cache write (each with its own fallback).
     k_rot = _empty_like_layout(k, _result_dtype(k.dtype, cos.dtype, sin.dtype))
     if not rope_into(q, k, cos, sin, q_out, k_rot):
