@@ -244,7 +244,8 @@ def test_amdahl_and_coverage_summary():
     # one phase's share of non-GEMM time: ours 10 of the 20 us outside the GEMMs
     share = coverage.phase_share(records, {"sym_ours"})
     assert share == {"device_us": 100.0, "launches": 4, "non_gemm_us": 20.0, "ours_us": 10.0,
-                     "ours_non_gemm_share": 0.5}
+                     "ours_non_gemm_share": 0.5,
+                     "uncovered": [{"kernel": "ew", "op": "aten::mul", "count": 1, "us": 10.0, "non_gemm_share": 0.5}]}
     assert coverage.phase_share(records[1:3], {"sym_ours"})["ours_non_gemm_share"] == 0.0  # GEMMs only
     from cutile_kernels_tools.bench.report import _phase_line
 

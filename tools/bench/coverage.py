@@ -257,17 +257,31 @@ def summarize(records: list[dict], ours, speedup: float = 2.0, top: int = 15) ->
     }
 
 
-def phase_share(records: list[dict], ours) -> dict:
+def phase_share(records: list[dict], ours, top: int = 8) -> dict:
     """One phase's (a prefill, or the decode steps) device time and the share of its non-GEMM time
-    spent in our kernels: the figure the families' coverage targets name (GEMMs stay on cuBLAS)."""
+    spent in our kernels: the figure the families' coverage targets name (GEMMs stay on cuBLAS);
+    and that phase's ``top`` non-GEMM kernels not ours, most time first (kernel, its launching op
+    with the most time, launches, microseconds, share of the phase's non-GEMM time): what a kernel
+    would have to take over to raise the share."""
     total = sum(r["us"] for r in records)
     by_class = defaultdict(float)
+    left = defaultdict(lambda: {"count": 0, "us": 0.0, "ops": defaultdict(float)})
     for r in records:
-        by_class[kernel_class(r["kernel"], r["op"], ours)] += r["us"]
+        cls = kernel_class(r["kernel"], r["op"], ours)
+        by_class[cls] += r["us"]
+        if cls not in ("gemm", "ours"):
+            k = left[r["kernel"]]
+            k["count"] += 1
+            k["us"] += r["us"]
+            k["ops"][r["op"] or "?"] += r["us"]
     non_gemm = total - by_class.get("gemm", 0.0)
+    uncovered = [{"kernel": name, "op": max(k["ops"], key=k["ops"].get), "count": k["count"], "us": k["us"],
+                  "non_gemm_share": k["us"] / non_gemm if non_gemm > 0 else 0.0}
+                 for name, k in sorted(left.items(), key=lambda kv: -kv[1]["us"])[:top]]
     return {"device_us": total, "launches": len(records), "non_gemm_us": non_gemm,
             "ours_us": by_class.get("ours", 0.0),
-            "ours_non_gemm_share": by_class.get("ours", 0.0) / non_gemm if non_gemm > 0 else 0.0}
+            "ours_non_gemm_share": by_class.get("ours", 0.0) / non_gemm if non_gemm > 0 else 0.0,
+            "uncovered": uncovered}
 
 
 def _module_kind(name: str | None) -> str:

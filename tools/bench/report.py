@@ -79,6 +79,7 @@ def markdown(report: dict, plots: list[str]) -> str:
             lines.append(f"| `{row['kernel'][:80]}` | {'yes' if row['ours'] else ''} | {row['count']} | "
                          f"{row['us']:.1f} | {row['share']:.1%} | {', '.join(row['ops'])} | "
                          f"{', '.join(row['modules'])} | {row['ceiling']:.3f} |")
+        lines += _phase_uncovered(cov)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     for key in ("note", "ungated"):
@@ -225,6 +226,19 @@ def plot_breakdown(report: dict, path: Path) -> Path | None:
     """Device time by kernel class, one stacked bar per profiled path, the legend beside them."""
     made = breakdown_figure(report)
     return None if made is None else _save(made[0], made[1], path)
+
+
+def _phase_uncovered(cov: dict) -> list[str]:
+    """Per phase, the non-GEMM kernels not ours with the most time (what the coverage share misses)."""
+    lines = []
+    for name, label in (("prefill", "the prefill"), ("decode", "the decode steps")):
+        rows = ((cov.get("phases") or {}).get(name) or {}).get("uncovered") or []
+        if rows:
+            lines += ["", f"Non-GEMM time of {label} not in our kernels, most first:", "",
+                      "| kernel | op | launches | us | share of non-GEMM |", "|---|---|---|---|---|"]
+            lines += [f"| `{r['kernel'][:80]}` | {r['op']} | {r['count']} | {r['us']:.1f} | {r['non_gemm_share']:.1%} |"
+                      for r in rows]
+    return lines
 
 
 def _phase_line(cov: dict) -> str:

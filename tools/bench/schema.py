@@ -52,12 +52,23 @@ class KernelRow(_Model):
     ceiling: float = Field(description="Amdahl ceiling 1 / (1 - share + share / amdahl_speedup)")
 
 
+class PhaseKernel(_Model):
+    kernel: str
+    op: str = Field(description="the aten op that launched it for the most time ('?' when unknown)")
+    count: int
+    us: float = Field(description="device microseconds in this phase")
+    non_gemm_share: float = Field(description="us / the phase's non_gemm_us")
+
+
 class PhaseShare(_Model):
     device_us: float
     launches: int
     non_gemm_us: float = Field(description="device microseconds outside GEMM kernels")
     ours_us: float
     ours_non_gemm_share: float = Field(description="ours_us / non_gemm_us")
+    uncovered: list[PhaseKernel] = Field(
+        default_factory=list, description="the phase's non-GEMM kernels not ours, most time first (reports before "
+                                          "2026-12-04 have none)")
 
 
 class Coverage(_Model):
