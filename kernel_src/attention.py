@@ -27,9 +27,10 @@ KV group are packed into one tile (``HB`` heads x ``BS`` query rows = ``HB * BS`
 block reads each K/V tile once for all of them: that is what makes decode (``Sq`` = 1) fill a
 tensor-core tile. ``HB`` must divide ``Hq // Hkv``, or (one KV head, ``Hkv`` = 1) exceed ``Hq``'s
 last block: the host runs a group whose size no ``HB`` divides (Phi-4-mini's 3, Qwen2.5's 6 and 7)
-as ``B * Hkv`` batches of one KV head, each block's head rows past ``Hq`` zero-padded and not stored. Every tile dimension is a power of two: the
-head dim is loaded as ``D = next_power_of_2(head_dim)`` lanes with zero padding (zeros add
-nothing to ``<q, k>``; the padded output lanes are not stored).
+as ``B * Hkv`` batches of one KV head, each block's head rows past ``Hq`` zero-padded and not
+stored. Every tile dimension is a power of two: the head dim is loaded as ``D =
+next_power_of_2(head_dim)`` lanes with zero padding (zeros add nothing to ``<q, k>``; the padded
+output lanes are not stored).
 
 Split-KV (decode over long contexts): with ``num_splits > 1`` a block handles one slice of its
 KV tiles and writes the slice's normalised float32 output and log2-sum-exp (``part``, ``lse``);

@@ -13,7 +13,8 @@ from .norm import (add_rms_norm, add_rms_norm_gemma, add_rms_norm_gemma_referenc
                    rms_norm_add_gemma, rms_norm_add_gemma_reference, rms_norm_gated, rms_norm_gated_reference,
                    rms_norm_gemma, rms_norm_gemma_reference, rms_norm_reference)
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_gemma, qk_norm_rope_gemma_reference, qk_norm_rope_reference
-from .rope import apply_rope, apply_rope_cast, apply_rope_cast_reference, apply_rope_reference, rope_append, rope_append_reference
+from .rope import (apply_rope, apply_rope_cast, apply_rope_cast_reference, apply_rope_reference, rope_append,
+                   rope_append_reference)
 from .rope_cos_sin import rope_cos_sin, rope_cos_sin_reference
 
 __all__ = ["attention", "attention_reference", "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_update",
