@@ -116,6 +116,14 @@ def test_reference_matches_sdpa_on_padding_and_static_cache_masks():
                                rtol=1e-12, atol=1e-12)
 
 
+def test_no_key_at_all_gives_zeros():
+    """A cache with no key (Skv = 0): every query sees nothing, so zeros, as sdpa gives."""
+    q, k, v = make_qkv(1, 2, 1, 3, 0, 64, torch.float32)
+    got = cutile_kernels.attention(q, k, v, causal=False)
+    assert got.shape == (1, 2, 3, 64) and torch.equal(got, torch.zeros_like(got))
+    torch.testing.assert_close(got, sdpa_gqa(q, k, v), rtol=0, atol=0)
+
+
 def test_reference_softcap_and_empty_rows():
     q, k, v = make_qkv(1, 2, 1, 4, 6, 8, scale=3.0)
     cap = 2.5

@@ -92,6 +92,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         if softcap:
             s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~vis[:, 0], float("-inf"))
+        if Skv == 0:  # no key at all: every query sees nothing (zeros, as the kernel path and sdpa)
+            out[:, :, h] = 0
+            continue
         mx = s.amax(-1, keepdim=True)
         e = torch.exp(s - torch.where(torch.isinf(mx), torch.zeros_like(mx), mx))
         den = e.sum(-1, keepdim=True)

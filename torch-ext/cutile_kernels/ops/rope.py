@@ -423,7 +423,8 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         k, v: ``(B, Hkv, S, D)`` new keys (rotated here) and values.
         cos, sin: ``(B or 1, S, R)`` as the model's rotary embedding returns them.
         keys, values: ``(B, Hkv, L, D)`` the cache layer's tensors, written at slots
-            ``length + [0, S)`` (slots ``>= L`` are not written, as :func:`~.kv_cache.kv_append`).
+            ``length + [0, S)`` (on CUDA slots ``>= L`` are not written, as :func:`~.kv_cache.kv_append`;
+            the reference raises there, as ``StaticLayer.update``'s ``index_copy_`` does).
         length: one int64 element on the cache's device: the first slot (read on the device, not
             advanced: the caller adds ``S``, as ``update`` does).
 
@@ -435,7 +436,8 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     (fewer positions than RoPE's prefill tile). Other calls run the RoPE kernel and the cache-write
     kernel (two launches, each with its own fallback; a decode step says why once); on other
     devices :func:`rope_append_reference`. Under ``torch.compile`` the custom op
-    ``<namespace>::rope_append`` (mutating the cache and a new q). No gradient.
+    ``<namespace>::rope_append`` (mutating the cache and a new q), which has no backward (the
+    fast path's decode steps run without autograd; the CPU reference records the stock ops').
 
     Raises:
         TypeError: a tensor is not floating point, or ``length`` is not a tensor.
