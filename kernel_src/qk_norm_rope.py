@@ -15,7 +15,7 @@ i.e. per head row ``x`` of D elements, with ``round`` = round to the input dtype
     out = rope(n, cos, sin)                                        # each op rounded as torch (rope.py)
 
 The device code is norm.py's helpers (``_sum_sq``, ``_inv_rms``, ``_scale``) and rope.py's
-(``_half``, ``_rounded_mul``), so the two formulas are the ones those kernels already reproduce;
+(``_cos_sin``, ``_rounded_mul``), so the two formulas are the ones those kernels already reproduce;
 the only new thing is that the normalised head never leaves the registers. Full rotary only
 (cos/sin as wide as the head); partial rotary is a declared fallback on the host (for this
 kernel: ``qk_norm_rope_gemma`` below rotates part of the head).
@@ -48,7 +48,7 @@ from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, 
 # The helpers are the norm and rope kernels' own (one formula each); the builder hashes these
 # modules into this family's variants (KERNEL_DEPENDS), so a change there rebuilds this kernel.
 from .norm import _inv_rms, _scale, _scale_float, _sum_sq
-from .rope import BLOCKS, HEADS, ROWS, _half, _rounded_mul, tile_matrix
+from .rope import BLOCKS, HEADS, ROWS, _cos_sin, _rounded_mul, tile_matrix
 
 ZERO = ct.PaddingMode.ZERO
 RN = ct.RoundingMode.RN  # read by norm.py's helpers when they are compiled in this module's scope
@@ -91,11 +91,7 @@ def qk_norm_rope_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps: f
     s = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
-    cb = b % cos.shape[0]  # cos/sin of batch 1 serve every row
-    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
-    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
-    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
-    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, s, BLOCK, ROWS)
     q_tiles = ct.cdiv(q.shape[1], HEADS)
     if h < q_tiles:
         _norm_rotate(q, q_weight, q_out, b, h, s, c1, c2, s1, s2, eps, BLOCK, ROWS, HEADS)
@@ -170,11 +166,7 @@ def qk_norm_rope_gemma_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, 
     s = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
-    cb = b % cos.shape[0]
-    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
-    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
-    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
-    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, s, BLOCK, ROWS)
     q_tiles = ct.cdiv(q.shape[1], HEADS)
     if h < q_tiles:
         _norm_rotate_float(q, q_weight, q_out, b, h, s, c1, c2, s1, s2, eps, offset, BLOCK, CHUNKS, ROWS, HEADS)

@@ -70,6 +70,15 @@ def _half(t, b, s, i, BLOCK: ct.Constant[int], ROWS: ct.Constant[int]):
     return ct.reshape(tile, (1, ROWS, BLOCK)).astype(ct.float32)
 
 
+@ct.function
+def _cos_sin(cos, sin, b, s, BLOCK: ct.Constant[int], ROWS: ct.Constant[int]):
+    # The halves (cos1, cos2, sin1, sin2) of ROWS positions' cos/sin for batch row b as float32
+    # (1, ROWS, BLOCK) tiles; cos/sin of batch 1 serve every row (position_ids of batch 1).
+    cb = b % cos.shape[0]
+    return (_half(cos, cb, s, 0, BLOCK, ROWS), _half(cos, cb, s, 1, BLOCK, ROWS),
+            _half(sin, cb, s, 0, BLOCK, ROWS), _half(sin, cb, s, 1, BLOCK, ROWS))
+
+
 @ct.kernel
 def rope_kernel(q, k, cos, sin, q_out, k_out, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
                 HEADS: ct.Constant[int]):
@@ -83,11 +92,7 @@ def rope_kernel(q, k, cos, sin, q_out, k_out, BLOCK: ct.Constant[int], ROWS: ct.
     s = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
-    cb = b % cos.shape[0]  # cos/sin of batch 1 serve every row (position_ids of batch 1)
-    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
-    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
-    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
-    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, s, BLOCK, ROWS)
     q_tiles = ct.cdiv(q.shape[1], HEADS)
     if h < q_tiles:
         _rotate(q, q_out, b, h, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
@@ -110,11 +115,7 @@ def rope_append_kernel(q, k, v, cos, sin, keys, values, length, q_out, BLOCK: ct
     s = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
-    cb = b % cos.shape[0]
-    c1 = _half(cos, cb, s, 0, BLOCK, ROWS)
-    c2 = _half(cos, cb, s, 1, BLOCK, ROWS)
-    s1 = _half(sin, cb, s, 0, BLOCK, ROWS)
-    s2 = _half(sin, cb, s, 1, BLOCK, ROWS)
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, s, BLOCK, ROWS)
     q_tiles = ct.cdiv(q.shape[1], HEADS)
     if h < q_tiles:
         _rotate(q, q_out, b, h, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
