@@ -29,7 +29,7 @@ from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
 from ._patching import _unhooked, swapped
-from .attention import static_kv_length
+from .attention import cache_layer, static_kv_length
 from .decode_graphs import ROPE_UPDATE
 from .linear import gemv_linear_forward
 from .norm import _float_norm_eps
@@ -145,11 +145,8 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
     if (_compiling() or past_key_values is None or type(past_key_values).update is not _CACHE_UPDATE
             or getattr(past_key_values, "offloading", False)):
         return None
-    layers = getattr(past_key_values, "layers", None)
-    idx = getattr(self, "layer_idx", None)
-    if layers is None or idx is None or idx >= len(layers):
-        return None
-    update = layers[idx].__dict__.get(ROPE_UPDATE)
+    layer = cache_layer(self, past_key_values)
+    update = None if layer is None else layer.__dict__.get(ROPE_UPDATE)
     if update is None or not isinstance(rope, nn.Module) or not direct_ok(rope):
         return None
     bound = getattr(rope.__dict__.get("forward"), "__func__", None)

@@ -66,17 +66,26 @@ PIN = Pin("cache_utils", "StaticLayer.update", "3f3c0040cf17c086",
 register(PIN)
 
 
+def cache_layer(module: torch.nn.Module, past_key_values):
+    """The layer of ``past_key_values`` (a transformers ``Cache``) that attention module ``module``
+    writes (its ``layer_idx``), or None (no cache, no such layer, a module without an index)."""
+    layers = getattr(past_key_values, "layers", None)
+    idx = getattr(module, "layer_idx", None)
+    if layers is None or idx is None or idx >= len(layers):
+        return None
+    return layers[idx]
+
+
 def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
     """``{"cutile_kv_len": length}`` for the attention call of ``module`` (after its cache update)
     when the model attends with ``"cutile"`` and the module's cache layer is a ``StaticLayer``
     (the pinned one): its ``cumulative_length``, a device tensor. Else ``{}``."""
     if _STATIC_LAYER is None or getattr(module.config, "_attn_implementation", None) not in NAMES:
         return {}
-    layers = getattr(past_key_values, "layers", None)
-    idx = getattr(module, "layer_idx", None)
-    if layers is None or idx is None or idx >= len(layers) or type(layers[idx]) is not _STATIC_LAYER:
+    layer = cache_layer(module, past_key_values)
+    if type(layer) is not _STATIC_LAYER:
         return {}
-    return {"cutile_kv_len": layers[idx].cumulative_length}
+    return {"cutile_kv_len": layer.cumulative_length}
 
 
 #: transformers' StaticLayer while :data:`PIN` holds (set by :func:`register_attention`, so that no

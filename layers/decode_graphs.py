@@ -200,7 +200,7 @@ def _kernel_rope_update(layer, query_states, key_states, value_states, cos, sin)
     ``rope_append`` does not compute what the two steps would (:func:`~..ops.rope.rope_append_takes`)."""
     update = layer.__dict__.get("update")
     if (getattr(update, "func", None) is not _kernel_static_update or update.args[0] is not layer
-            or not rope_append_takes(query_states, key_states, value_states, cos, sin, layer.keys)):
+            or not rope_append_takes(query_states, key_states, value_states, cos, sin, layer.keys, layer.values)):
         return None
     q_rot = rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
                         layer.cumulative_length)

@@ -36,16 +36,23 @@ def kv_append_reference(keys: torch.Tensor, values: torch.Tensor, k: torch.Tenso
     values.index_copy_(2, slots, v)
 
 
-def _check(keys, values, k, v, length) -> None:
+def mismatch(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why new rows ``k``, ``v`` do not fit the cache ``keys``, ``values`` (shapes as
+    :func:`kv_append` takes them, one dtype), or None if they do."""
     if keys.dim() != 4 or keys.shape != values.shape:
-        raise ValueError(f"kv_append: keys {tuple(keys.shape)} and values {tuple(values.shape)} must be one "
-                         "(B, H, L, D) shape")
+        return f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must be one (B, H, L, D) shape"
     if k.shape != v.shape or k.dim() != 4 or k.shape[:2] != keys.shape[:2] or k.shape[3] != keys.shape[3]:
-        raise ValueError(f"kv_append: k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, H, S, D) with the "
-                         f"cache's B, H and D {tuple(keys.shape)}")
+        return (f"k {tuple(k.shape)} and v {tuple(v.shape)} must be (B, H, S, D) with the cache's B, H and D "
+                f"{tuple(keys.shape)}")
     if len({keys.dtype, values.dtype, k.dtype, v.dtype}) != 1:
-        raise ValueError(f"kv_append: keys, values, k and v must share a dtype; got {keys.dtype}, {values.dtype}, "
-                         f"{k.dtype}, {v.dtype}")
+        return f"keys, values, k and v must share a dtype; got {keys.dtype}, {values.dtype}, {k.dtype}, {v.dtype}"
+    return None
+
+
+def _check(keys, values, k, v, length) -> None:
+    why = mismatch(keys, values, k, v)
+    if why is not None:
+        raise ValueError(f"kv_append: {why}")
     if not isinstance(length, torch.Tensor):
         raise TypeError(f"kv_append: length must be a one-element int64 tensor on the cache's device, not a "
                         f"{type(length).__name__} (a host number would freeze in a captured graph)")

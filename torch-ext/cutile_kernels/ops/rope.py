@@ -24,6 +24,7 @@ from ..kernel_src.rope import BLOCKS, ROWS
 from ..registry import DECODE_TORCH_DTYPES
 from .kv_cache import _check as kv_check
 from .kv_cache import kv_append, kv_append_reference
+from .kv_cache import mismatch as kv_mismatch
 
 MIN_BLOCK = min(BLOCKS)
 
@@ -329,16 +330,14 @@ logger = logging.getLogger("cutile_kernels")
 
 
 def rope_append_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      keys: torch.Tensor) -> bool:
+                      keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether :func:`rope_append` computes what :func:`apply_rope` followed by the cache write would
-    for these arguments: shapes in RoPE's kernel contract with the cache's (B, Hkv, D), and no
-    gradient asked for (the op has none; ``apply_rope`` keeps one). A caller that gets False runs
-    the two steps itself."""
-    if _mismatch(q, k, cos, sin) is not None or v.shape != k.shape or keys.dim() != 4:
+    for these arguments: shapes in RoPE's kernel contract and in the cache write's
+    (:func:`~.kv_cache.mismatch`), the cache of the rotated keys' dtype, and no gradient asked for
+    (the op has none; ``apply_rope`` keeps one). A caller that gets False runs the two steps itself."""
+    if _mismatch(q, k, cos, sin) is not None or kv_mismatch(keys, values, k, v) is not None:
         return False
-    if k.shape[:2] != keys.shape[:2] or k.shape[3] != keys.shape[3]:
-        return False
-    if not v.dtype == keys.dtype == _result_dtype(k.dtype, cos.dtype, sin.dtype):
+    if keys.dtype != _result_dtype(k.dtype, cos.dtype, sin.dtype):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)))
 
