@@ -213,6 +213,22 @@ def attribute(events, device: str) -> list[dict]:
     return records
 
 
+def _by_kernel(records: list[dict], ours) -> dict:
+    """Kernel name -> launches, microseconds, and microseconds per launching op and per module
+    (layers folded); our kernels' op is ``cutile_kernels::<kernel>`` where the profiler could not
+    correlate the launch and ``ours`` names them (see :func:`summarize`)."""
+    per_kernel = defaultdict(lambda: {"count": 0, "us": 0.0, "ops": defaultdict(float), "modules": defaultdict(float)})
+    for r in records:
+        k = per_kernel[r["kernel"]]
+        k["count"] += 1
+        k["us"] += r["us"]
+        op = r["op"] or (f"cutile_kernels::{ours[r['kernel']]}" if isinstance(ours, dict) and r["kernel"] in ours
+                         else None)
+        k["ops"][op or "?"] += r["us"]
+        k["modules"][_module_kind(r["module"])] += r["us"]
+    return per_kernel
+
+
 def summarize(records: list[dict], ours, speedup: float = 2.0, top: int = 15) -> dict:
     """Coverage from kernel records: totals, our share of time and launches, the time breakdown by
     class, and the top uncovered kernels with their ops, modules and Amdahl ceiling at ``speedup``.
@@ -222,19 +238,11 @@ def summarize(records: list[dict], ours, speedup: float = 2.0, top: int = 15) ->
     (driver-API launches are not linked to an op). Each kernel name gets the ops that launched it
     most, so one elementwise kernel launched from several places lists several ops."""
     total_us = sum(r["us"] for r in records) or 1e-9
-    per_kernel = defaultdict(lambda: {"count": 0, "us": 0.0, "ops": defaultdict(float), "modules": defaultdict(float)})
     by_class = defaultdict(float)
     for r in records:
-        k = per_kernel[r["kernel"]]
-        k["count"] += 1
-        k["us"] += r["us"]
-        op = r["op"] or (f"cutile_kernels::{ours[r['kernel']]}" if isinstance(ours, dict) and r["kernel"] in ours
-                         else None)
-        k["ops"][op or "?"] += r["us"]
-        k["modules"][_module_kind(r["module"])] += r["us"]
         by_class[kernel_class(r["kernel"], r["op"], ours)] += r["us"]
     rows = []
-    for name, k in per_kernel.items():
+    for name, k in _by_kernel(records, ours).items():
         f = k["us"] / total_us
         rows.append({
             "kernel": name, "ours": name in ours, "count": k["count"], "us": k["us"], "share": f,
@@ -265,15 +273,13 @@ def phase_share(records: list[dict], ours, top: int = 8) -> dict:
     would have to take over to raise the share."""
     total = sum(r["us"] for r in records)
     by_class = defaultdict(float)
-    left = defaultdict(lambda: {"count": 0, "us": 0.0, "ops": defaultdict(float)})
+    rest = []  # the records of kernels neither GEMMs nor ours
     for r in records:
         cls = kernel_class(r["kernel"], r["op"], ours)
         by_class[cls] += r["us"]
         if cls not in ("gemm", "ours"):
-            k = left[r["kernel"]]
-            k["count"] += 1
-            k["us"] += r["us"]
-            k["ops"][r["op"] or "?"] += r["us"]
+            rest.append(r)
+    left = _by_kernel(rest, ours)
     non_gemm = total - by_class.get("gemm", 0.0)
     uncovered = [{"kernel": name, "op": max(k["ops"], key=k["ops"].get), "count": k["count"], "us": k["us"],
                   "non_gemm_share": k["us"] / non_gemm if non_gemm > 0 else 0.0}
