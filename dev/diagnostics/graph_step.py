@@ -26,6 +26,7 @@ that binding alone costs a compiled step. On the GPU machine::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -63,6 +64,20 @@ def _captured(model, graphs, batch: int, args, cache_kernel: bool):
     entry = next(e for k, e in graphs.entries.items() if k[0] == id(cache) and e.graph is not None)
     cache._lengths = [int(layer.cumulative_length) for layer in cache.layers]
     return entry, cache, statistics.median(ev_ms), statistics.median(host_ms)
+
+
+@contextlib.contextmanager
+def _set_in(modules, name: str, value):
+    """``name`` set to ``value`` in each of ``modules`` (every loaded copy of a package module: the
+    source package and the build variant ``kernels`` loads), put back on exit."""
+    before = [getattr(m, name) for m in modules]
+    for m in modules:
+        setattr(m, name, value)
+    try:
+        yield
+    finally:
+        for m, v in zip(modules, before):
+            setattr(m, name, v)
 
 
 def _rewind(cache) -> None:
@@ -255,28 +270,16 @@ def main(argv=None) -> None:
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
             dp = mods[0].tiles_for(head_dim, 1, 1)[0]
             previous = _previous_num_splits(PREVIOUS_DECODE_BN[dp])
-            chosen = [m.num_splits for m in mods]
-            for m in mods:
-                m.num_splits = previous
-            try:  # a graph captured now keeps the previous choice's launches
+            with _set_in(mods, "num_splits", previous):  # a graph captured now keeps the previous choice's launches
                 old_entry, old_cache, old_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
-            finally:
-                for m, f in zip(mods, chosen):
-                    m.num_splits = f
             ours, theirs = _alternating((entry, cache), (old_entry, old_cache), args.steps)
             row.update(ab_replay_ms_splits_now=ours, ab_replay_ms_splits_before=theirs, ab_step_ms_splits_before=old_step)
         if args.ab_rope_append:
             # Every loaded copy arms its layers under another attribute name, which the attention
             # forwards do not look up: a graph captured now runs RoPE and kv_append apart.
             mods = [m for n, m in list(sys.modules.items()) if n.endswith(".layers.decode_graphs")]
-            names = [m.ROPE_UPDATE for m in mods]
-            for m in mods:
-                m.ROPE_UPDATE = "_cutile_rope_update_unused"
-            try:
+            with _set_in(mods, "ROPE_UPDATE", "_cutile_rope_update_unused"):
                 two_entry, two_cache, two_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
-            finally:
-                for m, name in zip(mods, names):
-                    m.ROPE_UPDATE = name
             ours, theirs = _alternating((entry, cache), (two_entry, two_cache), args.steps)
             row.update(ab_replay_ms_rope_append=ours, ab_replay_ms_two_launches=theirs, ab_step_ms_two_launches=two_step)
         _rewind(cache)
