@@ -1320,18 +1320,52 @@ def test_gpu_gemma2_attends_with_the_kernel_against_fp32_eager(strict):
 
 def test_prefill_sweep_candidates_include_what_ships():
     """dev/sweeps/attention_sweep.py (run on the GPU by hand) must time the shipped prefill tiles
-    next to its candidates, under tags that name each one once."""
+    next to its candidates, under tags that name each one once, and its hint variants must be the
+    candidate's device code."""
     from dev.sweeps import attention_sweep, attention_variants
     from cutile_kernels.kernel_src import attention as src
 
     specs = attention_sweep.candidates()
     assert len({s.tag for s in specs}) == len(specs)
-    for dp in (64, 128):
+    for dp in src.HEAD_DIMS:
         hb, bs, bn = src.PREFILL[dp]
         assert any(s.function == "attention_prefill_kernel" and s.constants == {"D": dp, "HB": hb, "BS": bs, "BN": bn}
                    for s in specs)
-    for _, function, _ in attention_sweep.FUNCTIONS[2:]:
-        assert getattr(attention_variants, function)._pyfunc is src.attention_kernel._pyfunc
+    pf2 = attention_variants.attention_pf2_kernel._pyfunc
+    for name in ("attention_pf2_w8_kernel", "attention_pf2_occ2_kernel", "attention_pf2_w8_cta2_kernel"):
+        assert getattr(attention_variants, name)._pyfunc is pf2
+
+
+#: (B, Hq, Hkv, Sq, Skv, head_dim, (HB, BS, BN), extra): prefill calls without a mask tensor across
+#: the three loops of the pipelined candidate: tiles no length fills, a window's lower edge, a chunk
+#: over a cache, a softcap, two heads a block, non-causal.
+PF2_CASES = [
+    (1, 4, 2, 130, 130, 64, (1, 64, 64), {}),
+    (2, 4, 1, 150, 150, 256, (1, 32, 64), {"window": 33}),
+    (1, 2, 2, 30, 200, 64, (1, 64, 32), {"window": 40}),
+    (1, 4, 2, 40, 90, 32, (2, 32, 32), {"softcap": 3.0}),
+    (1, 2, 1, 129, 129, 128, (1, 64, 64), {"softcap": 5.0, "window": 70}),
+    (1, 2, 2, 50, 20, 80, (1, 32, 32), {"causal": False}),
+]
+
+
+@pytest.mark.parametrize("function", ["attention_pf2_kernel", "attention_pf2_fwd_kernel"])
+@pytest.mark.parametrize("case", PF2_CASES, ids=lambda c: "-".join(map(str, c[:6])) + "".join(f"-{k}{v}" for k, v in c[7].items()))
+def test_prefill_sweep_candidate_matches_reference(function, case):
+    """The sweep's pipelined prefill candidate (not shipped) computes the op's attention, in the
+    NumPy interpreter: a candidate the GPU sweep times must be correct logic first."""
+    from dev.sweeps import attention_variants
+
+    B, Hq, Hkv, Sq, Skv, D, (hb, bs, bn), extra = case
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    kw = {"causal": extra.get("causal", True), "window": extra.get("window"), "softcap": extra.get("softcap")}
+    out = torch.full((B, Sq, Hq, D), float("nan"), dtype=q.dtype)
+    (_, _, args, _, _), = attn_ops.launches(q, k, v, None, out, 0.17, splits=1, **kw)
+    dp = attn_ops.tiles_for(D, Sq, Hq // Hkv)[0]  # the padded head dim
+    emulate(getattr(attention_variants, function), attention_variants)(
+        (-(-Sq // bs), B * Hq // hb, 1), tuple(args) + (dp, hb, bs, bn))
+    want = cutile_kernels.attention_reference(q, k, v, None, 0.17, **kw)
+    torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_sweep_candidates_include_what_ships():

@@ -1,12 +1,9 @@
-"""Attention kernels with other compiler hints, for the prefill tile sweep (not shipped; see
-attention_sweep.py). Same device code as ``kernel_src.attention.attention_kernel``."""
+"""Attention kernels for the tile sweeps (not shipped): the decode kernel with other compiler hints
+and with loads issued ahead (decode_attention_sweep.py), and a pipelined prefill kernel
+(attention_sweep.py)."""
 
 from cutile_kernels.kernel_src.attention import attention_kernel
 
-#: Two warpgroups and two blocks per multiprocessor (the shipped prefill kernel asks for one).
-attention_w8_occ2_kernel = attention_kernel.replace_hints(num_worker_warps=8, occupancy=2)
-#: Blocks launched in clusters of two (TileGym's Hopper attention tiles use num_ctas up to 2).
-attention_w8_cta2_kernel = attention_kernel.replace_hints(num_worker_warps=8, num_ctas=2)
 #: Eight warps, the compiler's occupancy (the decode tile sweep, decode_attention_sweep.py).
 attention_w8_kernel = attention_kernel.replace_hints(num_worker_warps=8)
 
@@ -125,3 +122,142 @@ def attention_pf_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softc
         ct.store(lse, index=(split, bh, qb), tile=ct.reshape(lse_rows, (1, HB, BS)))
     else:
         ct.store(o, index=(b, hb, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, HB, BS, D)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: a loop the compiler can pipeline (the prefill tile sweep, attention_sweep.py)
+# ---------------------------------------------------------------------------------------------
+# Why: the shipped prefill runs _attend, whose loop body sits under a runtime branch (a tile the
+# mask hides is skipped) and decides per tile whether to mask; with no mask tensor neither is
+# needed. These candidates (calls without a mask tensor) split the KV tiles into three loops with
+# nothing decided inside them: the window's lower-edge tiles (masked), the interior tiles (no
+# element mask), the causal diagonal and KV-end tiles (masked); loads carry latency hints (LAT);
+# REV starts the query blocks with the most tiles first (causal work grows with the block index).
+
+from cutile_kernels.kernel_src.attention import _attention_block  # noqa: E402
+
+
+@ct.function
+def _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window, causal,
+             MASKED: ct.Constant[int], LAT: ct.Constant[int], D: ct.Constant[int], M: ct.Constant[int],
+             BN: ct.Constant[int]):
+    if LAT != 0:
+        kt = ct.load(k, index=(b, kvh, 0, j), shape=(1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO, latency=2)
+    else:
+        kt = ct.load(k, index=(b, kvh, 0, j), shape=(1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO)
+    s = ct.mma(qt, ct.reshape(kt, (D, BN)), ct.full((M, BN), 0.0, dtype=ct.float32))
+    if softcap > 0.0:
+        s = ct.tanh(s * (scale / softcap)) * (softcap * LOG2E)
+    else:
+        s = s * qk_scale
+    if MASKED != 0:
+        kidx = j * BN + ct.reshape(ct.arange(BN, dtype=ct.int32), (1, BN))
+        valid = ct.broadcast_to(kidx < skv, (M, BN))
+        if causal != 0:
+            valid = valid & (kidx <= pos)
+        if window > 0:
+            valid = valid & (kidx > pos - window)
+        s = ct.where(valid, s, NEG_INF)
+        m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
+        m_use = ct.where(m_new == NEG_INF, 0.0, m_new)  # a row with no visible key yet
+    else:
+        m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
+        m_use = m_new
+    p = ct.exp2(s - m_use, flush_to_zero=True)
+    alpha = ct.exp2(m_i - m_use, flush_to_zero=True)
+    l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+    if LAT != 0:
+        vt = ct.load(v, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO, latency=4)
+    else:
+        vt = ct.load(v, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO)
+    acc = ct.mma(p.astype(v.dtype), ct.reshape(vt, (BN, D)), acc * alpha)
+    return m_new, l_i, acc
+
+
+@ct.function
+def _pf_block(q, k, v, o, scale, softcap, window, causal, LAT: ct.Constant[int], REV: ct.Constant[int],
+              D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
+    M = HB * BS
+    sq = q.shape[2]
+    skv = k.shape[2]
+    qb = ct.bid(0)
+    if REV != 0:
+        qb = ct.cdiv(sq, BS) - 1 - ct.bid(0)
+    nhb = ct.cdiv(q.shape[1], HB)
+    b = ct.bid(1) // nhb
+    hb = ct.bid(1) % nhb
+    kvh = (hb * HB) // (q.shape[1] // k.shape[1])
+    qt = ct.reshape(ct.load(q, index=(b, hb, qb, 0), shape=(1, HB, BS, D), padding_mode=ZERO), (M, D))
+    rows = ct.arange(M, dtype=ct.int32)
+    pos = ct.reshape(qb * BS + rows % BS + (skv - sq), (M, 1))
+    first_pos = qb * BS + (skv - sq)
+    last_pos = ct.minimum(qb * BS + BS, sq) - 1 + (skv - sq)
+    j_lo, j_hi = _kv_tile_range(qb, sq, skv, causal, window, BS, BN)
+    # [j_lo, a): the window's lower edge; [a, c): every key visible to every stored row; [c, j_hi):
+    # the causal diagonal and the KV end.
+    a = j_lo
+    if window > 0:
+        a = ct.minimum(ct.maximum(ct.maximum(last_pos - window + BN, 0) // BN, j_lo), j_hi)
+    c = skv // BN
+    if causal != 0:
+        c = ct.minimum(c, (first_pos + 1) // BN)
+    c = ct.minimum(ct.maximum(c, a), j_hi)
+    qk_scale = scale * LOG2E
+    m_i = ct.full((M, 1), NEG_INF, dtype=ct.float32)
+    l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((M, D), 0.0, dtype=ct.float32)
+    for j in range(j_lo, a):
+        m_i, l_i, acc = _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window,
+                                 causal, 1, LAT, D, M, BN)
+    for j in range(a, c):
+        m_i, l_i, acc = _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window,
+                                 causal, 0, LAT, D, M, BN)
+    for j in range(c, j_hi):
+        m_i, l_i, acc = _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window,
+                                 causal, 1, LAT, D, M, BN)
+    out = acc / ct.where(l_i == 0.0, 1.0, l_i)
+    ct.store(o, index=(b, hb, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, HB, BS, D)))
+
+
+@ct.kernel
+def attention_pf2_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
+                         has_len: int, causal: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
+                         BS: ct.Constant[int], BN: ct.Constant[int]):
+    """Prefill candidate: LAT=1, REV=1; a call with a mask tensor runs the shipped block."""
+    if has_mask != 0:
+        _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
+                         num_splits, D, HB, BS, BN)
+    else:
+        _pf_block(q, k, v, o, scale, softcap, window, causal, 1, 1, D, HB, BS, BN)
+
+
+@ct.kernel
+def attention_pf2_nolat_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
+                               has_len: int, causal: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
+                               BS: ct.Constant[int], BN: ct.Constant[int]):
+    """Prefill candidate: LAT=0, REV=1; a call with a mask tensor runs the shipped block."""
+    if has_mask != 0:
+        _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
+                         num_splits, D, HB, BS, BN)
+    else:
+        _pf_block(q, k, v, o, scale, softcap, window, causal, 0, 1, D, HB, BS, BN)
+
+
+@ct.kernel
+def attention_pf2_fwd_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
+                             has_len: int, causal: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
+                             BS: ct.Constant[int], BN: ct.Constant[int]):
+    """Prefill candidate: LAT=1, REV=0; a call with a mask tensor runs the shipped block."""
+    if has_mask != 0:
+        _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
+                         num_splits, D, HB, BS, BN)
+    else:
+        _pf_block(q, k, v, o, scale, softcap, window, causal, 1, 0, D, HB, BS, BN)
+
+#: The same with two warpgroups (one 64-row wgmma each), with two blocks a multiprocessor, and in
+#: clusters of two (TileGym's Hopper attention tiles use num_ctas up to 2).
+attention_pf2_w8_kernel = attention_pf2_kernel.replace_hints(num_worker_warps=8)
+attention_pf2_occ2_kernel = attention_pf2_kernel.replace_hints(occupancy=2)
+attention_pf2_w8_cta2_kernel = attention_pf2_kernel.replace_hints(num_worker_warps=8, num_ctas=2)
+attention_pf2_nolat_w8_kernel = attention_pf2_nolat_kernel.replace_hints(num_worker_warps=8)
+attention_pf2_fwd_w8_kernel = attention_pf2_fwd_kernel.replace_hints(num_worker_warps=8)
