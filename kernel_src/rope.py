@@ -100,6 +100,16 @@ def rope_kernel(q, k, cos, sin, q_out, k_out, BLOCK: ct.Constant[int], ROWS: ct.
         _rotate(k, k_out, b, h - q_tiles, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
 
 
+@ct.function
+def _append_rotated(k, v, keys, values, b, hk, s, slot, c1, c2, s1, s2, rdtype, BLOCK: ct.Constant[int],
+                    ROWS: ct.Constant[int], HEADS: ct.Constant[int]):
+    # The rotated k and the unchanged v of tile (b, hk, s) into the cache's slot tile `slot`.
+    _rotate(k, keys, b, hk, s, slot, c1, c2, s1, s2, rdtype, BLOCK, ROWS, HEADS)
+    shape = (1, HEADS, ROWS, 2, BLOCK)
+    ct.store(values, index=(b, hk, slot, 0, 0), tile=ct.load(v, index=(b, hk, s, 0, 0), shape=shape,
+                                                              padding_mode=ZERO))
+
+
 @ct.kernel
 def rope_append_kernel(q, k, v, cos, sin, keys, values, length, q_out, BLOCK: ct.Constant[int],
                        ROWS: ct.Constant[int], HEADS: ct.Constant[int]):
@@ -123,10 +133,62 @@ def rope_append_kernel(q, k, v, cos, sin, keys, values, length, q_out, BLOCK: ct
         hk = h - q_tiles
         slot = ct.gather(length, 0).astype(ct.int32) + s
         if slot < keys.shape[2]:  # a tile wholly past the cache's end is not stored (undefined)
-            _rotate(k, keys, b, hk, s, slot, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
-            shape = (1, HEADS, ROWS, 2, BLOCK)
-            ct.store(values, index=(b, hk, slot, 0, 0), tile=ct.load(v, index=(b, hk, s, 0, 0), shape=shape,
-                                                                      padding_mode=ZERO))
+            _append_rotated(k, v, keys, values, b, hk, s, slot, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+
+
+@ct.function
+def _pass(x, out, b, h, s, os, ROWS: ct.Constant[int], HEADS: ct.Constant[int], PBLOCK: ct.Constant[int]):
+    # Partial rotary: the P = D - R elements of each head after the rotated ones, copied unchanged.
+    # x: (B, H, S, P), out: (B, H, S or L, P); (b, h, s) index tiles of (1, HEADS, ROWS) of x,
+    # (b, h, os) of out. P is loaded as PBLOCK lanes with zero padding; the padding is not stored.
+    shape = (1, HEADS, ROWS, PBLOCK)
+    ct.store(out, index=(b, h, os, 0), tile=ct.load(x, index=(b, h, s, 0), shape=shape, padding_mode=ZERO))
+
+
+@ct.kernel
+def rope_pass_kernel(q, k, cos, sin, q_pass, k_pass, q_out, k_out, q_pass_out, k_pass_out, BLOCK: ct.Constant[int],
+                     ROWS: ct.Constant[int], HEADS: ct.Constant[int], PBLOCK: ct.Constant[int]):
+    """:func:`rope_kernel` for partial rotary (``R < D``), the pass-through elements copied in the
+    same launch: q, k, q_out, k_out are the ``(..., 2, R/2)`` halves views of the first R elements
+    of each head (as there); q_pass, k_pass, q_pass_out, k_pass_out ``(B, H, S, D - R)`` views of
+    the rest, ``D - R <= PBLOCK``. Grid as :func:`rope_kernel`'s."""
+    s = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, s, BLOCK, ROWS)
+    q_tiles = ct.cdiv(q.shape[1], HEADS)
+    if h < q_tiles:
+        _rotate(q, q_out, b, h, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+        _pass(q_pass, q_pass_out, b, h, s, s, ROWS, HEADS, PBLOCK)
+    else:
+        _rotate(k, k_out, b, h - q_tiles, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+        _pass(k_pass, k_pass_out, b, h - q_tiles, s, s, ROWS, HEADS, PBLOCK)
+
+
+@ct.kernel
+def rope_append_pass_kernel(q, k, v, cos, sin, keys, values, length, q_pass, k_pass, v_pass, keys_pass, values_pass,
+                            q_out, q_pass_out, BLOCK: ct.Constant[int], ROWS: ct.Constant[int],
+                            HEADS: ct.Constant[int], PBLOCK: ct.Constant[int]):
+    """:func:`rope_append_kernel` for partial rotary (``R < D``): q, k, v, keys, values, q_out are
+    the ``(..., 2, R/2)`` halves views of the first R elements of each head; q_pass, k_pass, v_pass,
+    keys_pass, values_pass, q_pass_out ``(..., D - R)`` views of the rest (``D - R <= PBLOCK``),
+    copied unchanged (k's and v's into the cache at the same slots). ROWS must be 1; slots ``>= L``
+    are not written. Grid as :func:`rope_append_kernel`'s."""
+    s = ct.bid(0)
+    h = ct.bid(1)
+    b = ct.bid(2)
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, s, BLOCK, ROWS)
+    q_tiles = ct.cdiv(q.shape[1], HEADS)
+    if h < q_tiles:
+        _rotate(q, q_out, b, h, s, s, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+        _pass(q_pass, q_pass_out, b, h, s, s, ROWS, HEADS, PBLOCK)
+    else:
+        hk = h - q_tiles
+        slot = ct.gather(length, 0).astype(ct.int32) + s
+        if slot < keys.shape[2]:
+            _append_rotated(k, v, keys, values, b, hk, s, slot, c1, c2, s1, s2, cos.dtype, BLOCK, ROWS, HEADS)
+            _pass(k_pass, keys_pass, b, hk, s, slot, ROWS, HEADS, PBLOCK)
+            _pass(v_pass, values_pass, b, hk, s, slot, ROWS, HEADS, PBLOCK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,8 +259,48 @@ APPEND_VARIANTS: list[VariantSpec] = [
     for dtype in DECODE_DTYPES for layout in LAYOUTS for block in BLOCKS
 ]
 
+#: Partial rotary in one launch: the half-widths built (R <= 128: Phi-4-mini's 96 of 128) and the
+#: pass-through lanes (D - R <= 32: Phi-4-mini's 32). Other partial layouts copy the pass-through
+#: with two ``copy_`` launches after the RoPE kernel.
+PASS_BLOCKS = (32, 64)
+PBLOCK = 32
+
+
+def _pass_params(dtype: str, layout: str, consts: dict):
+    # Inputs before outputs (the runtime's aliasing check covers the leading inputs): q, k, cos,
+    # sin, the pass-through views q_pass, k_pass (B, H, S, D - R), then q_out, k_out, q_pass_out,
+    # k_pass_out.
+    rot = _params(dtype, layout, {})
+    passes = {a: array(a, dtype, 4, layout) for a in ("q_pass", "k_pass", "q_pass_out", "k_pass_out")}
+    params = [*rot[:4], passes["q_pass"], passes["k_pass"], *rot[4:6], passes["q_pass_out"], passes["k_pass_out"]]
+    return tuple(params + [ConstParam(k, v) for k, v in consts.items()])
+
+
+def _append_pass_params(dtype: str, layout: str, consts: dict):
+    # rope_append's q, k, v, cos, sin, keys, values, length, the pass-through views q_pass, k_pass,
+    # v_pass, keys_pass, values_pass, then the outputs q_out and q_pass_out.
+    rot = _append_params(dtype, layout, {})
+    passes = [array(a, dtype, 4, layout) for a in ("q_pass", "k_pass", "v_pass", "keys_pass", "values_pass")]
+    params = [*rot[:8], *passes, rot[8], array("q_pass_out", dtype, 4, layout)]
+    return tuple(params + [ConstParam(k, v) for k, v in consts.items()])
+
+
+#: The partial-rotary variants of rope (prefill and decode tiles) and rope_append (decode tiles),
+#: per 16-bit dtype, layout and BLOCK.
+PASS_VARIANTS: list[VariantSpec] = [
+    VariantSpec("rope_pass", "rope", "rope_pass_kernel",
+                f"{DTYPE_TAGS[dtype]}.h{block}.p{PBLOCK}.t{HEADS}x{rows}.{layout}",
+                _pass_params(dtype, layout, {"BLOCK": block, "ROWS": rows, "HEADS": HEADS, "PBLOCK": PBLOCK}))
+    for dtype in DECODE_DTYPES for layout in LAYOUTS for block in PASS_BLOCKS for rows in (ROWS[block], 1)
+] + [
+    VariantSpec("rope_append_pass", "rope", "rope_append_pass_kernel",
+                f"{DTYPE_TAGS[dtype]}.h{block}.p{PBLOCK}.t{HEADS}x1.{layout}",
+                _append_pass_params(dtype, layout, {"BLOCK": block, "ROWS": 1, "HEADS": HEADS, "PBLOCK": PBLOCK}))
+    for dtype in DECODE_DTYPES for layout in LAYOUTS for block in PASS_BLOCKS
+]
+
 #: Every variant of this family, in the runtime's order of preference (aligned before generic).
 #: OLMo 2's float32 cos/sin after them (the runtime takes the first whose dtypes fit).
 VARIANTS: list[VariantSpec] = (tile_matrix("rope", "rope_kernel", _params)
                                + tile_matrix("rope", "rope_kernel", _float_cos_params, ("bfloat16", "float16"), "c32")
-                               + APPEND_VARIANTS)
+                               + APPEND_VARIANTS + PASS_VARIANTS)

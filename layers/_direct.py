@@ -131,10 +131,12 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
                    value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """RoPE of q and k and the cache update of attention module ``self`` as one launch, where the
     decode graphs armed its cache layer (``decode_graphs.ROPE_UPDATE``: a full-attention static
-    layer they write with our kernel) and ``rope``, the ``apply_rotary_pos_emb`` its forward calls,
-    is the ``kernels`` hub module running our RoPE on Llama's formula (bound by ``kernelize``: by
-    name, as it may be the build's copy) with nothing else on its call (no hooks). Shapes as
-    ``apply_rotary_pos_emb`` and ``Cache.update`` take them.
+    layer they write with our kernel) and the RoPE is our ``apply_rope`` formula: ``rope``, the
+    ``apply_rotary_pos_emb`` its forward calls, is the ``kernels`` hub module running our RoPE on
+    Llama's formula (bound by ``kernelize``: by name, as it may be the build's copy) with nothing
+    else on its call (no hooks); or ``rope`` is None for a reproduced forward that calls
+    :func:`~..ops.rope.apply_rope` itself (Phi-3's partial rotary, its formula checked when
+    patched). Shapes as ``apply_rotary_pos_emb`` and ``Cache.update`` take them.
 
     Returns ``(q_rot, keys, values)`` (the cache written and advanced), or None: the caller runs
     RoPE and ``past_key_values.update`` as the stock forward does. Never while compiling (the
@@ -147,11 +149,14 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
         return None
     layer = cache_layer(self, past_key_values)
     update = None if layer is None else layer.__dict__.get(ROPE_UPDATE)
-    if update is None or not isinstance(rope, nn.Module) or not direct_ok(rope):
+    if update is None:
         return None
-    bound = getattr(rope.__dict__.get("forward"), "__func__", None)
-    if getattr(bound, "__qualname__", None) != _OUR_ROPE or not computes_llama_rope(type(rope)):
-        return None
+    if rope is not None:
+        if not isinstance(rope, nn.Module) or not direct_ok(rope):
+            return None
+        bound = getattr(rope.__dict__.get("forward"), "__func__", None)
+        if getattr(bound, "__qualname__", None) != _OUR_ROPE or not computes_llama_rope(type(rope)):
+            return None
     return update(query_states, key_states, value_states, cos, sin)
 
 

@@ -185,27 +185,50 @@ def _kernel_static_update(layer, key_states, value_states, *args, **kwargs):
     return layer.keys, layer.values
 
 
-#: Attribute that :func:`_make_capturable` sets on a full-attention layer it gives
-#: :func:`_kernel_static_update`: ``(q, k, v, cos, sin) -> (q_rot, keys, values)``, RoPE (Llama's
-#: formula) with the layer's update as one launch (:func:`_kernel_rope_update`). The reproduced
-#: attention forwards take it when their RoPE is ours (``layers/_direct.py``, ``rope_and_cache``).
+#: Attribute that :func:`_make_capturable` sets on a layer it gives :func:`_kernel_static_update` or
+#: :func:`_kernel_sliding_update`: ``(q, k, v, cos, sin) -> (q_rot, keys, values)``, RoPE (our
+#: ``apply_rope``'s formula: Llama's, partial rotary included) with the layer's update as one launch
+#: (:func:`_kernel_rope_update`, :func:`_kernel_rope_sliding_update`), or None where that step is not
+#: one launch. The reproduced attention forwards take it when their RoPE is ours
+#: (``layers/_direct.py``, ``rope_and_cache``).
 ROPE_UPDATE = "_cutile_rope_update"
 
 
-def _kernel_rope_update(layer, query_states, key_states, value_states, cos, sin):
-    """Llama's RoPE of q and k, then :func:`_kernel_static_update`'s writes of the rotated keys and
-    the values and its advance, on one ``rope_append`` launch for a decode step (instead of RoPE's
-    and ``kv_append``'s). Returns ``(q_rot, keys, values)`` as RoPE and ``update`` return them, or
-    None (nothing done) where the layer's ``update`` is no longer the one armed with it or
-    ``rope_append`` does not compute what the two steps would (:func:`~..ops.rope.rope_append_takes`)."""
+def _rope_append_step(layer, armed, query_states, key_states, value_states, cos, sin):
+    # RoPE and the writes of `armed` (the update _make_capturable gave the layer) as one rope_append
+    # launch, then the device-side length advanced; None where the layer's update is no longer that
+    # one or rope_append does not compute what the two steps would.
     update = layer.__dict__.get("update")
-    if (getattr(update, "func", None) is not _kernel_static_update or update.args[0] is not layer
+    if (getattr(update, "func", None) is not armed or update.args[0] is not layer
             or not rope_append_takes(query_states, key_states, value_states, cos, sin, layer.keys, layer.values)):
         return None
     q_rot = rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
                         layer.cumulative_length)
     layer.cumulative_length.add_(key_states.shape[-2])
     return q_rot, layer.keys, layer.values
+
+
+def _kernel_rope_update(layer, query_states, key_states, value_states, cos, sin):
+    """RoPE of q and k (our ``apply_rope``'s formula), then :func:`_kernel_static_update`'s writes
+    of the rotated keys and the values and its advance, on one ``rope_append`` launch for a decode
+    step (instead of RoPE's and ``kv_append``'s). Returns ``(q_rot, keys, values)`` as RoPE and
+    ``update`` return them, or None (nothing done) where the layer's ``update`` is no longer the one
+    armed with it or ``rope_append`` does not compute what the two steps would
+    (:func:`~..ops.rope.rope_append_takes`)."""
+    return _rope_append_step(layer, _kernel_static_update, query_states, key_states, value_states, cos, sin)
+
+
+def _kernel_rope_sliding_update(layer, query_states, key_states, value_states, cos, sin):
+    """:func:`_kernel_rope_update` for a sliding-window layer whose window has room for the step
+    (the steps :func:`_kernel_sliding_update` writes as a full layer's, both lengths advanced as
+    there); None otherwise (a full window shifts: RoPE, then the layer's update)."""
+    new = key_states.shape[-2]
+    if not (layer.is_initialized and layer.cumulative_length_int + new <= layer.max_cache_len):
+        return None
+    out = _rope_append_step(layer, _kernel_sliding_update, query_states, key_states, value_states, cos, sin)
+    if out is not None:
+        layer.cumulative_length_int += new
+    return out
 
 
 def _kernel_sliding_update(layer, key_states, value_states, *args, **kwargs):
@@ -223,7 +246,8 @@ def _kernel_sliding_update(layer, key_states, value_states, *args, **kwargs):
 def _make_capturable(cache, cache_kernel: bool = True) -> bool:
     """Give the sliding layers of ``cache`` :func:`_capturable_sliding_update` (with ``cache_kernel``
     :func:`_kernel_sliding_update`) and, with ``cache_kernel``, the full ones
-    :func:`_kernel_static_update`, where keys and values have one shape (not MLA's two head dims)
+    :func:`_kernel_static_update`, where keys and values have one shape (not MLA's two head dims);
+    a layer given a kernel update also gets its one-launch RoPE variant (:data:`ROPE_UPDATE`)
     (once per cache; each only while its pin holds: otherwise the
     steps stay transformers' own, said once, and a failed capture says why). Returns whether this
     call changed the cache (:func:`_restore_updates` undoes it)."""
@@ -246,6 +270,8 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
                 kernel = cache_kernel and layer.is_initialized and layer.keys.shape == layer.values.shape
                 layer.update = functools.partial(_kernel_sliding_update if kernel else _capturable_sliding_update,
                                                  layer)
+                if kernel:
+                    setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_sliding_update, layer))
         elif full_ok and layer.is_initialized and layer.keys.shape == layer.values.shape:
             layer.update = functools.partial(_kernel_static_update, layer)
             setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_update, layer))

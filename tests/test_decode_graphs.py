@@ -759,7 +759,9 @@ def checkpoints(tmp_path_factory):
     out = {}
     for model_type, fields in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 24}),
                                ("gemma3_text", {"sliding_window": 24}), ("qwen3_5_text", {}),
-                               ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 0.5}), ("olmo2", {})):
+                               ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 0.5}), ("olmo2", {}),
+                               # Phi-4-mini's layout: partial rotary, every layer sliding with room (rope_append_pass)
+                               ("phi3", {"sliding_window": 256})):
         path = tmp_path_factory.mktemp(model_type)
         tiny_model(model_type, dtype=torch.bfloat16, layers=4, **fields).save_pretrained(path)
         out[model_type] = path
@@ -789,7 +791,7 @@ OPT_INS = {"olmo2+opt-ins": ["olmo2_norm_add"]}
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type,attn", [
-    *((t, a) for t in ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text")
+    *((t, a) for t in ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text", "phi3")
       for a in ("sdpa", "cutile")),
     ("olmo2+opt-ins", "cutile"),
     ("gemma2", None)])  # no sdpa: the default eager, which patch gemma2_attention turns into ours
@@ -798,7 +800,9 @@ def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, ch
     cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache
     lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3; with the
     patches ``decode_graphs=True`` adds (Gemma 3's and GeGLU's among them), and OLMo 2 with its
-    opt-in patch (:data:`OPT_INS`), in eager and in the graphs alike; Gemma 2 with its softcaps."""
+    opt-in patch (:data:`OPT_INS`), in eager and in the graphs alike; Gemma 2 with its softcaps;
+    Phi-3 with partial rotary over sliding layers that have room (one rope_append_pass launch a
+    layer and step)."""
     include = OPT_INS.get(model_type, [])
     path = checkpoints[model_type.partition("+")[0]]
     eager = _load(path, attn, graphs=False, include=include)

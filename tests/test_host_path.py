@@ -163,11 +163,34 @@ def test_ops_pack_what_a_full_pack_of_their_kernel_arguments_gives(fake_gpu):
     assert values == ArgPacker(_variant(symbol).params).values((g.view(3, 2, 512), out.view(3, 512)))
     q = torch.randn(2, 5, 4, 64, dtype=BF16).transpose(1, 2)
     k = torch.randn(2, 5, 2, 64, dtype=BF16).transpose(1, 2)
-    cos, sin = torch.randn(2, 5, 32, dtype=BF16), torch.randn(2, 5, 32, dtype=BF16)  # partial rotary
+    cos, sin = torch.randn(2, 5, 48, dtype=BF16), torch.randn(2, 5, 48, dtype=BF16)  # partial rotary, 16 passed
     qe, ke = cutile_kernels.apply_rope(q, k, cos, sin)
     symbol, values = fake_gpu[-1]
+    assert _variant(symbol).kernel == "rope_pass"  # the pass-through copied in the launch
+    laid = rope_ops._pass_layout((q, k, cos, sin, q[..., 48:], k[..., 48:], qe, ke, qe[..., 48:], ke[..., 48:]))
+    assert laid[0].shape == (2, 4, 5, 2, 24) and laid[4].shape == (2, 4, 5, 16)
+    assert values == ArgPacker(_variant(symbol).params).values(laid)
+    q = torch.randn(2, 5, 4, 128, dtype=BF16).transpose(1, 2)
+    k = torch.randn(2, 5, 2, 128, dtype=BF16).transpose(1, 2)
+    cos, sin = torch.randn(2, 5, 64, dtype=BF16), torch.randn(2, 5, 64, dtype=BF16)  # 64 passed: the two copies
+    qe, ke = cutile_kernels.apply_rope(q, k, cos, sin)
+    symbol, values = fake_gpu[-1]
+    assert _variant(symbol).kernel == "rope"
     laid = rope_ops._halves_layout((q, k, cos, sin, qe, ke))
-    assert laid[0].shape == (2, 4, 5, 2, 16)
+    assert laid[0].shape == (2, 4, 5, 2, 32)
+    assert values == ArgPacker(_variant(symbol).params).values(laid)
+    # A decode step of Phi-4-mini's layout (96 of 128 rotated) into a static cache: rope_append_pass.
+    qkv = torch.randn(2, 1, (24 + 2 * 8) * 128, dtype=BF16)
+    q, k, v = (t.view(2, 1, -1, 128).transpose(1, 2) for t in qkv.split((24 * 128, 8 * 128, 8 * 128), dim=-1))
+    cos, sin = torch.randn(2, 1, 96, dtype=BF16), torch.randn(2, 1, 96, dtype=BF16)
+    keys, values_ = torch.zeros(2, 8, 40, 128, dtype=BF16), torch.zeros(2, 8, 40, 128, dtype=BF16)
+    length = torch.tensor(5)
+    qe = cutile_kernels.rope_append(q, k, v, cos, sin, keys, values_, length)
+    symbol, values = fake_gpu[-1]
+    assert _variant(symbol).kernel == "rope_append_pass"
+    laid = rope_ops._append_pass_layout((q, k, v, cos, sin, keys, values_, length.view(1), q[..., 96:], k[..., 96:],
+                                         v[..., 96:], keys[..., 96:], values_[..., 96:], qe, qe[..., 96:]))
+    assert laid[0].shape == (2, 24, 1, 2, 48) and laid[8].shape == (2, 24, 1, 32)
     assert values == ArgPacker(_variant(symbol).params).values(laid)
 
 

@@ -225,7 +225,8 @@ def test_decode_steps_ask_for_one_position_per_block():
 
 def test_build_matrix_is_small():
     specs = [s for s in rope_src.VARIANTS if s.kernel == "rope"]
-    assert [s for s in rope_src.VARIANTS if s.kernel != "rope"] == rope_src.APPEND_VARIANTS  # test_rope_append.py
+    # rope_append's (test_rope_append.py) and the partial-rotary kernels' (below)
+    assert [s for s in rope_src.VARIANTS if s.kernel != "rope"] == rope_src.APPEND_VARIANTS + rope_src.PASS_VARIANTS
     # Llama's: prefill tiles for three dtypes, decode tiles (ROWS=1) for the two 16-bit ones, two
     # layouts each; OLMo 2's float32 cos/sin: the same for the two 16-bit dtypes.
     assert len(specs) == (3 + 2) * 2 * len(rope_src.BLOCKS) + (2 + 2) * 2 * len(rope_src.BLOCKS) == 54
@@ -244,6 +245,66 @@ def test_build_matrix_is_small():
         tags = [s.tag for s in specs if s.constants["BLOCK"] == block and s.tag.startswith("bf16.")]
         prefill, decode = (f"bf16.h{block}.t{rope_src.HEADS}x{rows}" for rows in (rope_src.ROWS[block], 1))
         assert tags == [f"{prefill}.aligned", f"{decode}.aligned", f"{prefill}.generic", f"{decode}.generic"]
+
+
+def test_partial_rotary_variants():
+    """rope_pass (prefill and decode tiles) and rope_append_pass (decode tiles): the 16-bit dtypes,
+    both layouts, the half-widths up to 64 and 32 pass-through lanes; inputs before outputs."""
+    by_kernel = {k: [s for s in rope_src.PASS_VARIANTS if s.kernel == k] for k in ("rope_pass", "rope_append_pass")}
+    assert len(by_kernel["rope_pass"]) == 2 * 2 * len(rope_src.PASS_BLOCKS) * 2 == 16
+    assert len(by_kernel["rope_append_pass"]) == 2 * 2 * len(rope_src.PASS_BLOCKS) == 8
+    assert len({(s.kernel, s.tag) for s in rope_src.PASS_VARIANTS}) == 24
+    for s in rope_src.PASS_VARIANTS:
+        assert s.constants["PBLOCK"] == rope_src.PBLOCK == 32 and s.constants["BLOCK"] in (32, 64)
+        assert {p.dtype for p in s.params if p.kind == "array" and p.name != "length"} == {s.params[0].dtype}
+    names = [p.name for p in by_kernel["rope_pass"][0].params if p.kind == "array"]
+    assert names == ["q", "k", "cos", "sin", "q_pass", "k_pass", "q_out", "k_out", "q_pass_out", "k_pass_out"]
+    assert {s.constants["ROWS"] for s in by_kernel["rope_append_pass"]} == {1}
+
+
+def _emulate_pass(q, k, cos, sin, rows):
+    """rope_pass_kernel in the NumPy interpreter over NaN-poisoned outputs, as rope_into lays it out."""
+    from cutile_numpy import emulate
+
+    (b, hq, s, _), rot = q.shape, cos.shape[-1]
+    q_out, k_out = (torch.full_like(t, float("nan")) for t in (q, k))
+    args = rope_ops._pass_layout((q, k, cos, sin, q[..., rot:], k[..., rot:], q_out, k_out, q_out[..., rot:],
+                                  k_out[..., rot:]))
+    block = max(32, 1 << (rot // 2 - 1).bit_length())
+    grid = (-(-s // rows), -(-hq // rope_src.HEADS) + -(-k.shape[1] // rope_src.HEADS), b)
+    emulate(rope_src.rope_pass_kernel, rope_src)(grid, (*args, block, rows, rope_src.HEADS, rope_src.PBLOCK))
+    return q_out, k_out
+
+
+@pytest.mark.parametrize("b,hq,hkv,s,d,rot,rows", [
+    (1, 24, 8, 37, 128, 96, 8),   # Phi-4-mini's heads, a prefill of 37 positions (tiles of 8)
+    (3, 24, 8, 1, 128, 96, 1),    # its decode step, three rows
+    (2, 4, 1, 19, 80, 64, 16),    # 16 pass-through lanes of 32 (padded), one KV head
+    (1, 5, 5, 3, 64, 32, 1),      # a 32-wide rotary part (BLOCK 32), heads no tile of 4 divides
+], ids=["phi4-prefill", "phi4-decode", "hd80-r64", "hd64-r32"])
+def test_emulated_pass_kernel_is_the_reference(b, hq, hkv, s, d, rot, rows):
+    """The partial-rotary kernel's logic on the CPU (float32, where the kernel rounds as torch does):
+    the first R elements rotated, the rest copied, every element written, transformers' bits."""
+    q, k = _model_qk(b, hq, hkv, s, d)
+    cos, sin = _cos_sin(b, s, rot)
+    got = _emulate_pass(q, k, cos, sin, rows)
+    want = rope_ops.apply_rope_reference(q, k, cos, sin)
+    for g, w, x in zip(got, want, (q, k)):
+        assert torch.equal(g, w)
+        assert torch.equal(g[..., rot:], x[..., rot:])
+
+
+def test_partial_rotary_takes_the_one_launch_where_it_fits():
+    """Which partial-rotary calls the one-launch kernels take (the others copy with two copy_)."""
+    q, k = _model_qk(1, 4, 2, 3, 128, torch.bfloat16)
+    cos, sin = _cos_sin(1, 3, 96, torch.bfloat16)
+    assert rope_ops._pass_fits(q, k, cos, sin)  # Phi-4-mini: 96 of 128
+    assert not rope_ops._pass_fits(q, k, cos[..., :64], sin[..., :64])  # 64 lanes to pass: more than 32
+    assert not rope_ops._pass_fits(q.float(), k.float(), cos.float(), sin.float())  # no float32 variants
+    assert not rope_ops._pass_fits(q, k, cos.float(), sin.float())  # mixed dtypes
+    q, k = _model_qk(1, 4, 2, 3, 288, torch.bfloat16)
+    cos, sin = _cos_sin(1, 3, 256, torch.bfloat16)
+    assert not rope_ops._pass_fits(q, k, cos, sin)  # a half of 128: wider than the pass tiles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,6 +554,11 @@ GPU_CASES = [
     (3, 16, 8, 1, 128, 128, torch.bfloat16, "misaligned"),  # decode tiles: generic layout
     (2, 32, 32, 1, 80, 32, torch.float16, "phi"),           # decode, partial rotary
     (5, 8, 1, 3, 64, 64, torch.bfloat16, "cos1"),           # a few positions (speculative decode)
+    # Partial rotary with the pass-through in the launch (rope_pass): Phi-4-mini's 96 of 128.
+    (1, 24, 8, 2048, 128, 96, torch.bfloat16, "model"),     # Phi-4-mini prefill
+    (16, 24, 8, 1, 128, 96, torch.bfloat16, "model"),       # its decode, b=16
+    (2, 8, 2, 37, 80, 64, torch.float16, "model"),          # 16 lanes passed (of a 32-lane tile)
+    (2, 24, 8, 31, 128, 96, torch.bfloat16, "misaligned"),  # generic layout
 ]
 
 
@@ -552,7 +618,9 @@ def test_rope_kernel_matches_float64(case, strict):
         # CPU tests show the reference is transformers' function, bit for bit).
         assert torch.equal(ours, st)
     b, hq, hkv, s, d, r, dtype, layout = case
-    aligned = layout != "misaligned" and (r // 2) % 16 == 0
+    passed = layout != "phi" and r < d and d - r <= rope_src.PBLOCK and dtype != torch.float32
+    assert variant.kernel == ("rope_pass" if passed else "rope"), variant.kernel
+    aligned = layout != "misaligned" and (r // 2) % 16 == 0 and (not passed or (d - r) % 16 == 0)
     assert variant.tag.endswith("aligned" if aligned else "generic"), variant.tag
     block = max(32, 1 << (r // 2 - 1).bit_length())
     assert variant.constants["BLOCK"] == block

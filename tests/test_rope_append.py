@@ -130,11 +130,59 @@ def test_variants_are_the_decode_tiles_of_the_16_bit_dtypes():
 def test_unfused_reasons():
     q, k, v, cos, sin = _step(1, 4, 2, 1, 64, dtype=torch.bfloat16)
     keys, _ = _cache(1, 2, 8, 64, torch.bfloat16)
-    assert rope_ops._unfused_reason(q, k, cos, keys) is None
-    assert "partial rotary" in rope_ops._unfused_reason(q, k, cos[..., :32], keys)
-    assert "dtypes" in rope_ops._unfused_reason(q.float(), k.float(), cos.float(), keys.float())
+    assert rope_ops._unfused_reason(q, k, cos, sin, keys) is None
+    assert rope_ops._unfused_reason(q, k, cos[..., :32], sin[..., :32], keys) is None  # 32 lanes passed: one launch
+    assert "dtypes" in rope_ops._unfused_reason(q.float(), k.float(), cos.float(), sin.float(), keys.float())
+    q, k, v, cos, sin = _step(1, 4, 2, 1, 128, dtype=torch.bfloat16)
+    keys, _ = _cache(1, 2, 8, 128, torch.bfloat16)
+    assert "partial rotary" in rope_ops._unfused_reason(q, k, cos[..., :64], sin[..., :64], keys)  # 64 passed
     q, k, v, cos, sin = _step(1, 4, 2, 64, 64, dtype=torch.bfloat16)
-    assert "a prefill" in rope_ops._unfused_reason(q, k, cos, keys)
+    assert "a prefill" in rope_ops._unfused_reason(q, k, cos, sin, keys)
+
+
+def _partial(cos, sin, rot):
+    # Llama's cos/sin for a rotary part of `rot` elements (both halves of each at rot/2 frequencies).
+    half = cos.shape[-1] // 2
+    pick = torch.cat([torch.arange(rot // 2), half + torch.arange(rot // 2)])
+    return cos[..., pick], sin[..., pick]
+
+
+def _emulate_pass(q, k, v, cos, sin, keys, values, at):
+    from cutile_numpy import emulate
+
+    B, hq, S, D = q.shape
+    rot = cos.shape[-1]
+    block = max(rope_ops.MIN_BLOCK, 1 << (rot // 2 - 1).bit_length())
+    q_out = torch.full_like(q, float("nan"))
+    args = rope_ops._append_pass_layout((q, k, v, cos, sin, keys, values, torch.tensor([at]), q[..., rot:],
+                                         k[..., rot:], v[..., rot:], keys[..., rot:], values[..., rot:], q_out,
+                                         q_out[..., rot:]))
+    grid = (S, -(-hq // krope.HEADS) + -(-k.shape[1] // krope.HEADS), B)
+    emulate(krope.rope_append_pass_kernel, krope)(grid, (*args, block, 1, krope.HEADS, krope.PBLOCK))
+    return q_out
+
+
+@pytest.mark.parametrize("B,hq,hkv,S,D,rot,L,at", [
+    (1, 24, 8, 1, 128, 96, 40, 17),   # Phi-4-mini's layout, a decode step
+    (3, 24, 8, 1, 128, 96, 20, 19),   # batch 3 into the cache's last slot
+    (2, 4, 1, 2, 80, 64, 10, 9),      # 16 lanes passed, one KV head, the last slot then one past the end
+    (1, 8, 2, 1, 64, 32, 8, 8),       # a full cache: nothing written
+], ids=["phi4-decode", "phi4-b3-last-slot", "hd80-across-the-end", "full"])
+def test_emulated_pass_kernel_is_the_reference(B, hq, hkv, S, D, rot, L, at):
+    """Partial rotary in one launch, on the CPU (NumPy interpreter, float32): the first R elements
+    of q and k rotated, the rest of q, k and v copied through, k and v at slots ``at..`` of a
+    NaN-poisoned cache, slots past its end dropped and nothing else written."""
+    q, k, v, cos, sin = _step(B, hq, hkv, S, D, seed=S + D + rot)
+    cos, sin = _partial(cos, sin, rot)
+    keys, values = _cache(B, hkv, L, D)
+    got_q = _emulate_pass(q, k, v, cos, sin, keys, values, at)
+    want_keys, want_values = _cache(B, hkv, L, D)
+    want_q, want_k = rope_ops.apply_rope_reference(q, k, cos, sin)
+    n = max(0, min(S, L - at))
+    want_keys[:, :, at:at + n], want_values[:, :, at:at + n] = want_k[:, :, :n], v[:, :, :n]
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(keys.nan_to_num(7.0), want_keys.nan_to_num(7.0))
+    assert torch.equal(values.nan_to_num(7.0), want_values.nan_to_num(7.0))
 
 
 @pytest.fixture
@@ -163,7 +211,31 @@ def test_decode_graphs_arm_full_layers_and_disarm_them():
     for lay in sliding.layers:
         lay.update(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))
     dg._make_capturable(sliding)
-    assert all(dg.ROPE_UPDATE not in vars(lay) for lay in sliding.layers)  # sliding layers: not armed
+    assert all(vars(lay)[dg.ROPE_UPDATE].func is dg._kernel_rope_sliding_update for lay in sliding.layers)
+    dg._restore_updates(sliding)
+    assert all(dg.ROPE_UPDATE not in vars(lay) for lay in sliding.layers)
+
+
+def test_sliding_layer_takes_one_launch_while_its_window_has_room():
+    """A sliding-window layer (Phi-4-mini's cache is all of them; Mistral's with a window): the one
+    launch while the step fits in the window, both lengths advanced as the layer's update advances
+    them; None once it would shift (RoPE, then the layer's own update), nothing written."""
+    cache = StaticCache(config=tiny_model("mistral", sliding_window=4).config, max_cache_len=16)
+    layer = cache.layers[0]
+    layer.update(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))  # 2 of the window's 4 slots
+    dg._make_capturable(cache)
+    rope_update = vars(layer)[dg.ROPE_UPDATE]
+    for at in (2, 3):
+        q, k, v, cos, sin = _step(1, 4, 2, 1, 16, seed=at, pos0=at)
+        want_q, want_k = rope_ops.apply_rope_reference(q, k, cos, sin)
+        got = rope_update(q, k, v, cos, sin)
+        assert got is not None and torch.equal(got[0], want_q) and got[1] is layer.keys
+        assert torch.equal(layer.keys[:, :, at:at + 1], want_k) and torch.equal(layer.values[:, :, at:at + 1], v)
+        assert layer.cumulative_length_int == int(layer.cumulative_length) == at + 1
+    keys = layer.keys.clone()
+    q, k, v, cos, sin = _step(1, 4, 2, 1, 16, seed=9, pos0=4)
+    assert rope_update(q, k, v, cos, sin) is None  # a full window: it shifts
+    assert torch.equal(layer.keys, keys) and layer.cumulative_length_int == 4
 
 
 def test_rope_and_cache_takes_only_our_llama_rope(our_llama_rope):
@@ -248,6 +320,51 @@ def test_generate_over_emulated_graphs_takes_one_launch_and_matches_eager(our_ll
     assert calls.get("rope", 0) == model.config.num_hidden_layers  # the prefill only (no armed layer yet)
 
 
+@pytest.mark.parametrize("window", [None, 64, 8], ids=["full-layers", "sliding-with-room", "sliding-window-fills"])
+def test_phi3_generate_over_emulated_graphs_takes_one_launch_and_matches_eager(window):
+    """Phi-3's partial rotary (phi3_rope's reproduced forward, which calls our RoPE itself): generate
+    over the emulated decode graphs calls rope_append for every decode step of every layer (full
+    layers, or sliding ones while the window has room: Phi-4-mini's cache) and gives stock
+    static-cache generate's tokens and logits, also once a window fills and shifts."""
+    from test_decode_graphs import ReplayEmulation, _cpu_compile_config, _generate, _same
+
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    model = tiny_model("phi3", sliding_window=window)
+    assert model.config.partial_rotary_factor < 1
+    layers = StaticCache(config=model.config, max_cache_len=32).layers
+    assert all(isinstance(lay, StaticSlidingWindowLayer) == (window is not None) for lay in layers)
+    ids = torch.randint(2, 256, (2, 5), generator=torch.Generator().manual_seed(4))
+    want = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    assert all(cutile_kernels.patch(model, names=["phi3_rope"]).changed.values())
+    dg.enable_decode_graphs(model, graph_factory=ReplayEmulation)
+    cutile_kernels.reset_stats()
+    got = _generate(model, ids, compile_config=_cpu_compile_config())
+    _same(got, want)
+    calls = cutile_kernels.stats()["reference_calls"]
+    if window == 8:  # 5 prompt tokens: 3 steps fit, the rest shift the window (RoPE, then the update)
+        assert calls.get("rope_append", 0) >= 3 * model.config.num_hidden_layers
+        assert calls.get("rope", 0) > model.config.num_hidden_layers
+    else:
+        assert calls.get("rope_append", 0) >= 11 * model.config.num_hidden_layers
+        assert calls.get("rope", 0) == model.config.num_hidden_layers  # the prefill only
+
+
+def test_rope_and_cache_without_a_hub_module_is_for_our_own_forwards():
+    """``rope=None`` (a reproduced forward that calls our RoPE itself, e.g. Phi-3's): the armed
+    layer's one launch, with the partial rotary's pass-through; still None where unarmed."""
+    cache, layer = _armed_layer(D=8)
+    attn = types.SimpleNamespace(layer_idx=0)
+    q, k, v, cos, sin = _step(1, 4, 2, 1, 8, pos0=2)
+    cos, sin = _partial(cos, sin, 4)
+    want_q, want_k = rope_ops.apply_rope_reference(q, k, cos, sin)
+    got = _direct.rope_and_cache(attn, None, cache, q, k, v, cos, sin)
+    assert got is not None and torch.equal(got[0], want_q) and torch.equal(layer.keys[:, :, 2:3], want_k)
+    assert torch.equal(layer.values[:, :, 2:3], v) and int(layer.cumulative_length) == 3
+    dg._restore_updates(cache)
+    assert _direct.rope_and_cache(attn, None, cache, q, k, v, cos, sin) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -321,15 +438,44 @@ def test_gpu_graph_replay_writes_at_the_length_it_finds(strict):
 
 
 @pytest.mark.gpu
-def test_gpu_partial_rotary_takes_two_launches_and_says_so(caplog):
-    q, k, v, cos, sin = _step(1, 4, 2, 1, 64, torch.bfloat16, "cuda")
-    keys, values = _cache(1, 2, 8, 64, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [(1, 24, 8, 1, 128, 96), (16, 24, 8, 1, 128, 96), (2, 4, 1, 1, 80, 64),
+                                  (2, 24, 8, 3, 128, 96)], ids=str)
+def test_gpu_partial_rotary_is_the_two_launches_bit_for_bit(case, dtype, strict):
+    """Phi-4-mini's partial rotary (96 of 128) in one launch of rope_append_pass: bit for bit the
+    RoPE kernel then kv_append, on a NaN-poisoned cache and stacked q/k/v views; only the new slots
+    written."""
+    B, hq, hkv, S, D, rot = case
+    L, at = 300, 127
+    q, k, v, cos, sin = _step(B, hq, hkv, S, D, dtype, "cuda", pos0=at)
+    cos, sin = _partial(cos, sin, rot)
+    keys, values = _cache(B, hkv, L, D, dtype, "cuda")
     before = dict(cutile_kernels.stats()["launches"])
-    with caplog.at_level("WARNING", logger="cutile_kernels"):
-        got = cutile_kernels.rope_append(q, k, v, cos[..., :32], sin[..., :32], keys, values,
-                                         torch.tensor(3, device="cuda"))
+    got = cutile_kernels.rope_append(q, k, v, cos, sin, keys, values, torch.tensor(at, device="cuda"))
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["rope_append_pass"]
+    want_q, want_k = cutile_kernels.apply_rope(q, k, cos, sin)
+    assert torch.equal(got, want_q) and got.stride() == want_q.stride()
+    assert torch.equal(keys[:, :, at:at + S], want_k) and torch.equal(values[:, :, at:at + S], v)
+    assert torch.equal(got[..., rot:], q[..., rot:]) and torch.equal(keys[:, :, at:at + S, rot:], k[..., rot:])
+    rest = torch.ones(L, dtype=torch.bool)
+    rest[at:at + S] = False
+    assert torch.isnan(keys[:, :, rest].float()).all() and torch.isnan(values[:, :, rest].float()).all()
+
+
+@pytest.mark.gpu
+def test_gpu_wider_pass_through_takes_two_launches_and_says_so(caplog):
+    """64 lanes passed (more than the one launch's 32): RoPE then kv_append, logged once (not a
+    fallback: our two kernels run)."""
+    q, k, v, cos, sin = _step(1, 4, 2, 1, 128, torch.bfloat16, "cuda")
+    cos, sin = _partial(cos, sin, 64)
+    keys, values = _cache(1, 2, 8, 128, torch.bfloat16, "cuda")
+    rope_ops._SAID.clear()
+    before = dict(cutile_kernels.stats()["launches"])
+    with caplog.at_level("INFO", logger="cutile_kernels"):
+        got = cutile_kernels.rope_append(q, k, v, cos, sin, keys, values, torch.tensor(3, device="cuda"))
     launched = sorted(v.kernel for v in launched_variants(before))
-    want_q, want_k = cutile_kernels.apply_rope(q, k, cos[..., :32], sin[..., :32])
+    want_q, want_k = cutile_kernels.apply_rope(q, k, cos, sin)
     assert torch.equal(got, want_q) and torch.equal(keys[:, :, 3:4], want_k) and torch.equal(values[:, :, 3:4], v)
-    assert "partial rotary" in caplog.text and "rope_append" in str(cutile_kernels.stats()["fallbacks"])
+    assert "partial rotary" in caplog.text and "rope_append" not in str(cutile_kernels.stats()["fallbacks"])
     assert launched == ["kv_append", "rope"]

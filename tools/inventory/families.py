@@ -55,10 +55,10 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's), attention,
+    """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's, Phi-3's partial), attention,
     qk_norm_rope, kv_cache, then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
-    return [*_activation(), _rope(), _rope_cast(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(), _kv_append(),
-            _rope_append(), *_gemv(), *_gated_deltanet()]
+    return [*_activation(), _rope(), _rope_cast(), _rope_partial(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(),
+            _kv_append(), _rope_append(), _rope_append_partial(), *_gemv(), *_gated_deltanet()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -324,6 +324,64 @@ def _rope_cast() -> Entry:
                  [SolutionSpec("rope", "apply_rope_cast", name="rope_cast_cutile")])
 
 
+#: The presets with partial rotary on Phi-3's code (Phi-4-mini rotates 96 of 128), for its Workloads.
+PARTIAL_ROPE_PRESETS = ("phi-4-mini",)
+PHI3 = "src/transformers/models/phi3/modeling_phi3.py"
+
+
+def _rotary_dim(preset: str) -> int:
+    m = model_shapes(preset)
+    return int(m["head_dim"] * _preset_config(preset).get("partial_rotary_factor", 1.0))
+
+
+def _preset_config(preset: str) -> dict:
+    from .. import presets
+
+    return presets.PRESETS[preset].config
+
+
+def _partial_axes():
+    # _qk_axes with cos/sin over the rotary part (rotary_dim < head_dim).
+    axes, spec, (q_shape, k_shape, _) = _qk_axes("head dimension; its first rotary_dim elements rotated")
+    axes["rotary_dim"] = AxisVar(description="head_dim * config.partial_rotary_factor (even)")
+    return axes, spec, (q_shape, k_shape, ["batch", "seq_len", "rotary_dim"])
+
+
+def _rope_partial() -> Entry:
+    ops = _ops("rope")
+    src = f"{PHI3}::apply_rotary_pos_emb"
+    axes, spec, (q_shape, k_shape, cs) = _partial_axes()
+    d = Definition(
+        name="rope_partial", op_type="rope", axes=axes,
+        inputs={"q": spec(q_shape, "queries after qkv_proj, heads before positions"),
+                "k": spec(k_shape, "keys, likewise"),
+                "cos": spec(cs, "cos of the rotary angles per position over the rotary part (model dtype)"),
+                "sin": spec(cs, "sin of the rotary angles, likewise")},
+        outputs={"q_embed": spec(q_shape, "the first rotary_dim elements x * cos + rotate_half(x) * sin (every op "
+                                          "rounded to the dtype), the others q's"),
+                 "k_embed": spec(k_shape, "likewise for k")},
+        reference=reference_source(
+            [ops._rotate_half, ops._rotate, ops.apply_rope_reference], ["q", "k", "cos", "sin"],
+            "return apply_rope_reference(q, k, cos, sin)",
+            _header(src, "partial rotary: the first rotary_dim elements of each head rotated as "
+                         "apply_rotary_pos_emb (each op rounded to the dtype), the rest passed through, "
+                         "concatenated.", "cutile_kernels.ops.rope")),
+        tags=_tags("rope", src, PARTIAL_ROPE_PRESETS),
+        description=(f"Partial rotary position embedding of q and k (transformers v{TRANSFORMERS_PIN}, {src}; "
+                     "Phi-4-mini): one launch rotates the rotary part and copies the rest."),
+        constraints=["rotary_dim % 2 == 0", "rotary_dim < head_dim"],
+    )
+    rows = []
+    for preset in PARTIAL_ROPE_PRESETS:
+        m = model_shapes(preset)
+        for phase, (batch, seq) in PHASES.items():
+            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
+                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
+                                       "rotary_dim": _rotary_dim(preset)},
+                                 inputs=_inputs(d), uuid=f"{preset}/{phase}"))
+    return Entry("rope", d, rows, [SolutionSpec("rope_pass", "apply_rope", name="rope_partial_cutile")])
+
+
 # ---------------------------------------------------------------------------------------------
 # attention
 # ---------------------------------------------------------------------------------------------
@@ -569,13 +627,29 @@ def _kv_append() -> Entry:
 
 
 def _rope_append() -> Entry:
+    return _rope_append_entry(partial=False)
+
+
+def _rope_append_partial() -> Entry:
+    return _rope_append_entry(partial=True)
+
+
+def _rope_append_entry(partial: bool) -> Entry:
+    # rope_append over the whole head (Llama's RoPE; kernel rope_append) or partial rotary (Phi-3's;
+    # kernel rope_append_pass, the other head_dim - rotary_dim elements copied through).
     rope, kv = _ops("rope"), _ops("kv_cache")
-    src = f"{LLAMA}::apply_rotary_pos_emb + {CACHE_UTILS}::StaticLayer.update"
-    axes, spec, (q_shape, k_shape, cs) = _qk_axes("head dimension, all of it rotated (partial_rotary_factor 1)")
+    src = f"{PHI3 if partial else LLAMA}::apply_rotary_pos_emb + {CACHE_UTILS}::StaticLayer.update"
+    if partial:
+        axes, spec, (q_shape, k_shape, cs) = _partial_axes()
+        rotated = ("the first rotary_dim elements x * cos + rotate_half(x) * sin (every op rounded to the dtype), "
+                   "the others x's")
+    else:
+        axes, spec, (q_shape, k_shape, cs) = _qk_axes("head dimension, all of it rotated (partial_rotary_factor 1)")
+        rotated = "x * cos + rotate_half(x) * sin, every op rounded to the dtype"
     axes["cache_len"] = AxisVar(description="the static cache's slots (max_cache_len)")
     cache = ["batch", "num_kv_heads", "cache_len", "head_dim"]
     d = Definition(
-        name="rope_append", op_type="rope_kv_cache_append", axes=axes,
+        name="rope_append_partial" if partial else "rope_append", op_type="rope_kv_cache_append", axes=axes,
         inputs={"q": spec(q_shape, "queries after q_proj, heads before positions"),
                 "k": spec(k_shape, "keys after k_proj, likewise"), "v": spec(k_shape, "values after v_proj"),
                 "cos": spec(cs, "cos of the rotary angles per position (model dtype)"),
@@ -584,8 +658,8 @@ def _rope_append() -> Entry:
                 "values": spec(cache, "the layer's value cache before the step"),
                 "length": TensorSpec(shape=None, dtype="int64", description="slots already filled "
                                                                             "(cumulative_length): the first written")},
-        outputs={"q_embed": spec(q_shape, "q * cos + rotate_half(q) * sin, every op rounded to the dtype"),
-                 "keys_out": spec(cache, "keys with k * cos + rotate_half(k) * sin written at slots length .. "
+        outputs={"q_embed": spec(q_shape, f"q rotated: {rotated}"),
+                 "keys_out": spec(cache, "keys with k rotated likewise written at slots length .. "
                                          "length + seq_len - 1"),
                  "values_out": spec(cache, "values with v written likewise")},
         reference=reference_source(
@@ -595,28 +669,35 @@ def _rope_append() -> Entry:
             "q_embed = torch.empty_like(q)\n"
             "rope_append_reference(q, k, v, cos, sin, keys, values, torch.tensor(length, device=keys.device), q_embed)\n"
             "return q_embed, keys, values",
-            _header(src, "RoPE of q and k as apply_rotary_pos_emb (each op rounded to the dtype), then the "
-                         "rotated keys and the values copied into the cache at cumulative_length + arange(seq_len).",
-                    "cutile_kernels.ops.rope")),
-        tags=_tags("rope", src),
-        description=(f"A decode step's rotary position embedding of q and k with the layer's static KV cache "
-                     f"writes (transformers v{TRANSFORMERS_PIN}, {src}): the step the decode graphs run as one "
-                     "launch."),
-        constraints=["head_dim % 2 == 0", f"seq_len + {MAX_FILLED} <= cache_len"],
+            _header(src, "RoPE of q and k as apply_rotary_pos_emb (each op rounded to the dtype"
+                         + ("; partial rotary: the rest of each head passed through" if partial else "")
+                         + "), then the rotated keys and the values copied into the cache at cumulative_length "
+                           "+ arange(seq_len).", "cutile_kernels.ops.rope")),
+        tags=_tags("rope", src, PARTIAL_ROPE_PRESETS if partial else WORKLOAD_PRESETS),
+        description=(f"A decode step's {'partial ' if partial else ''}rotary position embedding of q and k with "
+                     f"the layer's static KV cache writes (transformers v{TRANSFORMERS_PIN}, {src}): the step the "
+                     "decode graphs run as one launch."),
+        constraints=(["rotary_dim % 2 == 0", "rotary_dim < head_dim"] if partial else ["head_dim % 2 == 0"])
+        + [f"seq_len + {MAX_FILLED} <= cache_len"],
     )
     rows = []
-    for preset in WORKLOAD_PRESETS:
+    for preset in PARTIAL_ROPE_PRESETS if partial else WORKLOAD_PRESETS:
         m = model_shapes(preset)
+        extra = {"rotary_dim": _rotary_dim(preset)} if partial else {}
         for phase in ("decode-b1", "decode-b16"):
             batch, seq = PHASES[phase]
             filled, slots = KV_APPEND_CACHE[phase]
             rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
-                                       "num_kv_heads": m["kv_heads"], "cache_len": slots, "head_dim": m["head_dim"]},
+                                       "num_kv_heads": m["kv_heads"], "cache_len": slots, "head_dim": m["head_dim"],
+                                       **extra},
                                  inputs=_inputs(d, length=filled), uuid=f"{preset}/{phase}"))
     body = ("import torch\n\n"
             "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
             "q_embed = _op(q, k, v, cos, sin, keys, values, torch.tensor(length, device=keys.device))\n"
             "return q_embed, keys, values\n")
+    if partial:
+        return Entry("rope", d, rows, [SolutionSpec("rope_append_pass", "rope_append", body=body,
+                                                    name="rope_append_partial_cutile")])
     return Entry("rope", d, rows, [SolutionSpec("rope_append", "rope_append", body=body)])
 
 

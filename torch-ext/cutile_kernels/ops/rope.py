@@ -20,13 +20,16 @@ from .. import dispatch
 from ._dtypes import check_float
 from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.rope import BLOCKS, ROWS
+from ..kernel_src.rope import BLOCKS, PASS_BLOCKS, PBLOCK, ROWS
 from ..registry import DECODE_TORCH_DTYPES
 from .kv_cache import _check as kv_check
 from .kv_cache import kv_append, kv_append_reference
 from .kv_cache import mismatch as kv_mismatch
 
 MIN_BLOCK = min(BLOCKS)
+#: The kernels of partial rotary in one launch (the pass-through copied by the kernel).
+PASS_KERNEL = "rope_pass"
+APPEND_PASS_KERNEL = "rope_append_pass"
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +159,25 @@ def _halves_layout(args: tuple) -> tuple:
     return tuple(_halves(t, rot) for t in args)
 
 
+def _pass_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether a partial-rotary call (R < D) takes the kernels that copy the pass-through in the
+    same launch: D - R <= PBLOCK, R/2 within the built half-widths, one 16-bit dtype throughout
+    (other partial calls rotate with the RoPE kernel and copy the rest with two ``copy_``)."""
+    d, rot = q.shape[-1], cos.shape[-1]
+    return (rot < d and d - rot <= PBLOCK and max(MIN_BLOCK, next_power_of_2(rot // 2)) <= max(PASS_BLOCKS)
+            and q.dtype in DECODE_TORCH_DTYPES and q.dtype == k.dtype == cos.dtype == sin.dtype)
+
+
+#: Positions of rope_pass_kernel's arguments seen as (..., 2, R/2) halves (q, k, cos, sin, q_out,
+#: k_out); the others are the pass-through views, taken as they are.
+_PASS_HALVES = (0, 1, 2, 3, 6, 7)
+
+
+def _pass_layout(args: tuple) -> tuple:
+    rot = args[2].shape[-1]
+    return tuple(_halves(t, rot) if i in _PASS_HALVES else t for i, t in enumerate(args))
+
+
 def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               q_out: torch.Tensor, k_out: torch.Tensor) -> bool:
     """Launch the RoPE kernel on CUDA tensors shaped as the op takes them (q (B, Hq, S, D), k
@@ -167,6 +189,10 @@ def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """
     (b, hq, s, d), hk, rot = q.shape, k.shape[1], cos.shape[-1]
     grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
+    if rot < d and _pass_fits(q, k, cos, sin):  # partial rotary, the pass-through copied in the launch
+        args = (q, k, cos, sin, q[..., rot:], k[..., rot:], q_out, k_out, q_out[..., rot:], k_out[..., rot:])
+        if dispatch.run(PASS_KERNEL, _want(rot // 2, s, q.dtype) + (("PBLOCK", PBLOCK),), args, 6, grid, _pass_layout):
+            return True
     if not dispatch.run("rope", _want(rot // 2, s, q.dtype), (q, k, cos, sin, q_out, k_out), 4, grid, _halves_layout):
         return False
     if rot < d:  # partial rotary: the rest of each head passes through
@@ -225,7 +251,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         (as eager torch lays out the stock result), dtype ``promote_types(x.dtype, cos.dtype)``.
 
     On CUDA this runs one cuTile kernel for both tensors (prebuilt, else JIT) for head halves up
-    to 128 (D <= 256); other inputs take :func:`apply_rope_reference` and log the reason once. On other
+    to 128 (D <= 256); partial rotary copies the pass-through in the same launch where ``D - R <=
+    32``, ``R <= 128`` and every tensor has one 16-bit dtype, else with two ``copy_`` after it.
+    Other inputs take :func:`apply_rope_reference` and log the reason once. On other
     devices it is :func:`apply_rope_reference`. Under ``torch.compile``, or when an input requires
     grad, it is the custom op ``<namespace>::rope`` (fake implementation; gradients from the
     reference formula).
@@ -364,16 +392,27 @@ def _append_check(q, k, v, cos, sin, keys, values, length, q_out) -> None:
 
 
 def _append_layout(args: tuple) -> tuple:
-    # Every tensor but the length as (..., 2, D/2) halves (R = D here).
-    d = args[0].shape[-1]
-    return tuple(t if i == 7 else _halves(t, d) for i, t in enumerate(args))
+    # Every tensor but the length as (..., 2, R/2) halves (R = D).
+    rot = args[3].shape[-1]
+    return tuple(t if i == 7 else _halves(t, rot) for i, t in enumerate(args))
 
 
-def _unfused_reason(q, k, cos, keys) -> str | None:
-    # Why the one-launch kernel does not take the call (the two launches do), or None.
+#: Positions of rope_append_pass_kernel's arguments seen as (..., 2, R/2) halves (q, k, v, cos,
+#: sin, keys, values, q_out); the length and the pass-through views are taken as they are.
+_APPEND_PASS_HALVES = (0, 1, 2, 3, 4, 5, 6, 13)
+
+
+def _append_pass_layout(args: tuple) -> tuple:
+    rot = args[3].shape[-1]
+    return tuple(_halves(t, rot) if i in _APPEND_PASS_HALVES else t for i, t in enumerate(args))
+
+
+def _unfused_reason(q, k, cos, sin, keys) -> str | None:
+    # Why the one-launch kernels do not take the call (the two launches do), or None.
     (_, _, s, d), rot = q.shape, cos.shape[-1]
-    if rot != d:
-        return f"partial rotary ({rot} of {d} elements)"
+    if rot != d and not _pass_fits(q, k, cos, sin):
+        return (f"partial rotary ({rot} of {d} elements; one launch takes 16-bit tensors of one dtype, "
+                f"D - R <= {PBLOCK} and R <= {2 * max(PASS_BLOCKS)})")
     if len({q.dtype, k.dtype, cos.dtype, keys.dtype}) != 1 or q.dtype not in DECODE_TORCH_DTYPES:
         return f"dtypes q {q.dtype}, cos {cos.dtype}, cache {keys.dtype} (one of bfloat16/float16 taken)"
     if _want(rot // 2, s, q.dtype) != _tiles(rot // 2)[1]:
@@ -386,11 +425,19 @@ def _rope_append_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     (b, hq, s, d), hk = q.shape, k.shape[1]
     if s == 0:
         return
-    why = _unfused_reason(q, k, cos, keys)
+    why = _unfused_reason(q, k, cos, sin, keys)
     if why is None:
         grid = lambda c: (s, _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
-        if dispatch.run(APPEND_KERNEL, _tiles(d // 2)[1], (q, k, v, cos, sin, keys, values, length.view(1), q_out), 8,
-                        grid, _append_layout):
+        rot = cos.shape[-1]
+        if rot == d:
+            launched = dispatch.run(APPEND_KERNEL, _tiles(d // 2)[1],
+                                    (q, k, v, cos, sin, keys, values, length.view(1), q_out), 8, grid, _append_layout)
+        else:  # partial rotary: the pass-through copied in the same launch
+            args = (q, k, v, cos, sin, keys, values, length.view(1), q[..., rot:], k[..., rot:], v[..., rot:],
+                    keys[..., rot:], values[..., rot:], q_out, q_out[..., rot:])
+            launched = dispatch.run(APPEND_PASS_KERNEL, _tiles(rot // 2)[1] + (("PBLOCK", PBLOCK),), args, 13, grid,
+                                    _append_pass_layout)
+        if launched:
             return
     elif s < _tiles(cos.shape[-1] // 2)[2] and why not in _SAID:  # a decode step the one launch does not serve
         _SAID.add(why)  # not a fallback: our two kernels run (each says so if it cannot)
@@ -430,10 +477,12 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     Returns:
         The rotated q: a new tensor of q's shape and memory order (as :func:`apply_rope`).
 
-    The one launch (cuTile ``rope_append_kernel``) takes bfloat16 or float16 with q, k, v, cos,
-    sin and the cache of one dtype, the whole head rotated (``R == D <= 256``) and a decode step
-    (fewer positions than RoPE's prefill tile). Other calls run the RoPE kernel and the cache-write
-    kernel (two launches, each with its own fallback; a decode step says why once); on other
+    The one launch (cuTile ``rope_append_kernel``; ``rope_append_pass_kernel`` for partial rotary,
+    the other ``D - R`` elements of q, k and v copied through in it) takes bfloat16 or float16 with
+    q, k, v, cos, sin and the cache of one dtype, the whole head rotated (``R == D <= 256``) or
+    ``D - R <= 32`` with ``R <= 128`` (Phi-4-mini's 96 of 128), and a decode step (fewer positions
+    than RoPE's prefill tile). Other calls run the RoPE kernel and the cache-write kernel (two
+    launches, each with its own fallback; a decode step says why once); on other
     devices :func:`rope_append_reference`. Under ``torch.compile`` the custom op
     ``<namespace>::rope_append`` (mutating the cache and a new q), which has no backward (the
     fast path's decode steps run without autograd; the CPU reference records the stock ops').
