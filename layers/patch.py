@@ -157,14 +157,44 @@ def loop_verdict(cls: type, attr: str) -> str | None:
     return _loop_span(cls, attr)[0]
 
 
+#: Decoder-layer forwards other than Llama's whose math :func:`_fused_decoder_forward` computes on
+#: the layers their check accepts: pin name -> (a function returning the transformers forward, a
+#: check of a layer giving why it may not take the fused forward, or None). Family modules add
+#: theirs with :func:`register_llama_like_decoder` (Phi-3's: Llama's blocks with a residual dropout
+#: after each, the identity at p = 0).
+LLAMA_LIKE_DECODERS: dict = {}
+
+
+def register_llama_like_decoder(pin: str, reference, check) -> None:
+    """Let patch ``decoder_add_rms_norm`` fuse layers whose forward is pinned ``pin``'s code
+    (``reference()`` returns the transformers function) and that ``check(layer)`` accepts (None):
+    a forward that computes ``LlamaDecoderLayer.forward``'s math on such layers (a family module
+    registers it at import, before any verdict is asked)."""
+    LLAMA_LIKE_DECODERS[pin] = (reference, check)
+    _decoder_match.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
+def _decoder_match(cls: type) -> tuple:
+    # (why cls's forward is none of the fused forward's, the matched Llama-like forward's layer
+    # check or None for Llama's own).
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    why = forward_verdict(cls, DECODER_PIN, LlamaDecoderLayer.forward)
+    if why is None:
+        return None, None
+    for pin, (reference, check) in LLAMA_LIKE_DECODERS.items():
+        if forward_verdict(cls, pin, reference()) is None:
+            return None, check
+    return why, None
+
+
 def decoder_verdict(cls: type) -> str | None:
     """Why ``cls`` (a decoder layer class) cannot take the fused forward, or None if it can:
     its ``forward`` must be ``LlamaDecoderLayer.forward``'s code, and that must still be the
-    pinned forward (:data:`DECODER_PIN`)."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return forward_verdict(cls, DECODER_PIN, LlamaDecoderLayer.forward)
+    pinned forward (:data:`DECODER_PIN`), or the code of a pinned forward registered as computing
+    the same math (:data:`LLAMA_LIKE_DECODERS`; its layer check is asked per layer)."""
+    return _decoder_match(cls)[0]
 
 
 def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
@@ -237,7 +267,9 @@ def _is_fused(layer: nn.Module) -> bool:
 
 
 def _decoder_verdict(m: nn.Module) -> str | None:
-    why = decoder_verdict(type(m))
+    why, check = _decoder_match(type(m))
+    if why is None and check is not None:
+        why = check(m)
     if why is None and not is_llama_norm(m.post_attention_layernorm):
         why = "its post_attention_layernorm is not a Llama-formula RMSNorm"
     return why
@@ -260,7 +292,9 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     add rounds it, and the norm is the stock formula.
 
     Applies to layers whose class's forward is ``LlamaDecoderLayer.forward``'s code (Llama,
-    Mistral, Qwen2, Qwen3 and ~60 more in 5.22.2; see :func:`decoder_verdict`), whose
+    Mistral, Qwen2, Qwen3 and ~60 more in 5.22.2; see :func:`decoder_verdict`) or a registered
+    forward of the same math on the layers its check accepts (Phi-3's with its residual dropouts at
+    p = 0: ``layers/models/phi3.py``), whose
     ``post_attention_layernorm`` is a Llama-formula RMSNorm, and whose forward nobody else has
     replaced (e.g. accelerate's device hooks). Cross-layer handoff links consecutive patched layers
     of one ``ModuleList`` whose next ``input_layernorm`` is a Llama-formula RMSNorm; it is skipped
@@ -331,5 +365,5 @@ PATCH_ROWS = [Patch("decoder_add_rms_norm", apply=fuse_decoder_layers, undo=unfu
                     description="residual add + RMSNorm fused in Llama-style decoder layers, within and across layers")]
 
 __all__ = ["PATCHES", "TRANSPARENT_HOOK", "Patch", "PatchReport", "applied", "decoder_verdict", "fuse_decoder_layers",
-           "loop_verdict", "patch", "register", "restore_forwards", "swap_forwards", "swapped", "unfuse_decoder_layers",
-           "unpatch"]
+           "loop_verdict", "patch", "register", "register_llama_like_decoder", "restore_forwards", "swap_forwards",
+           "swapped", "unfuse_decoder_layers", "unpatch"]

@@ -1,5 +1,6 @@
-"""The Phi-3 family's opt-in patches (layers/models/phi3.py): phi3_mlp (up * silu(gate) on the fused
-gate/up output) and phi3_rope (partial RoPE of q and k in one launch). CPU: stock logits exactly
+"""The Phi-3 family's patches (layers/models/phi3.py): phi3_mlp (up * silu(gate) on the fused
+gate/up output), phi3_rope (partial RoPE of q and k in one launch) and decoder_add_rms_norm on its
+decoder layers (the residual adds fused into the norms). CPU: stock logits exactly
 (the reference paths), the ops in a fullgraph compile, what is left alone; GPU: as close to float32
 as stock bf16."""
 
@@ -46,19 +47,49 @@ def test_other_activations_and_forwards_are_left_alone(caplog):
     assert phi3.attention_verdict(torch.nn.Module) == "its forward is not Phi3Attention.forward's code"
 
 
+def test_decoder_layers_take_the_fused_residual_adds(caplog):
+    """Patch decoder_add_rms_norm (a default) fuses Phi-3's decoder layers, whose forward is Llama's
+    with residual dropouts of p = 0: stock logits exactly, each layer's adds on add_rms_norm (in the
+    layer, and into the next layer's input norm); a dropout of p > 0 keeps the stock forward."""
+    model = families.model("phi3")
+    n = model.config.num_hidden_layers
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids).logits
+    assert cutile_kernels.patch(model).changed["decoder_add_rms_norm"] == n
+    dispatch.reset_stats()
+    with torch.no_grad():
+        got = model(ids).logits
+    assert torch.equal(got, want)
+    assert dispatch.stats()["reference_calls"]["add_rms_norm"] == 2 * n - 1  # the last layer's add stays
+    dropped = families.model("phi3", resid_pdrop=0.1)
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
+        report = cutile_kernels.patch(dropped, names=["decoder_add_rms_norm"])
+    assert report.changed == {"decoder_add_rms_norm": 0}
+    assert "its resid_attn_dropout is not a hook-free nn.Dropout with p = 0" in caplog.text
+    layer = model.model.layers[0]
+    assert phi3.decoder_layer_check(layer) is None
+    handle = layer.resid_mlp_dropout.register_forward_hook(lambda *a: None)
+    try:
+        assert "resid_mlp_dropout" in phi3.decoder_layer_check(layer)
+    finally:
+        handle.remove()
+
+
 def test_patched_model_compiles_fullgraph_with_our_ops():
     model = families.model("phi3", layers=2)
-    cutile_kernels.patch(model, names=PATCHES)
+    cutile_kernels.patch(model, names=PATCHES + ["decoder_add_rms_norm"])
     frames, targets, got, want = families.compile_fullgraph(model, seed=8)
     assert frames == 1
     assert any(t.endswith("silu_and_mul.default") for t in targets) and any(t.endswith("rope.default") for t in targets)
+    assert any(t.endswith("add_rms_norm.default") for t in targets)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("partial", [0.75, 1.0])
 def test_gpu_patched_model_is_as_close_to_float32_as_stock(partial, strict):
-    ours_rel, stock_rel, report = families.relative_errors_vs_float32("phi3", PATCHES, seq=41,
-                                                                      partial_rotary_factor=partial)
-    assert report.changed == {"phi3_mlp": 3, "phi3_rope": 3}
+    ours_rel, stock_rel, report = families.relative_errors_vs_float32("phi3", PATCHES + ["decoder_add_rms_norm"],
+                                                                      seq=41, partial_rotary_factor=partial)
+    assert report.changed == {"phi3_mlp": 3, "phi3_rope": 3, "decoder_add_rms_norm": 3}
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)

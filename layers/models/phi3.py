@@ -8,11 +8,16 @@ head) with its own ``apply_rotary_pos_emb``, and LongRoPE scales the frequencies
 tables carry the scaling, so the kernels need nothing of it). The norms are Llama's code: the
 ``RMSNorm`` hub layer runs them by default.
 
+* ``decoder_add_rms_norm`` (the Llama code's patch, ``layers/patch.py``) takes Phi-3's decoder
+  layers too: their forward is Llama's with a residual dropout after each block, the identity at
+  ``p = 0`` (:func:`decoder_layer_check`), so each residual add runs fused into the next RMSNorm.
 * ``phi3_mlp``: ``Phi3MLP.forward`` with ``up * silu(gate)`` on our ``silu_and_mul`` kernel, which
   reads both halves of the fused GEMM output in one pass (the product commutes exactly, so the
   rounding is stock's).
 * ``phi3_rope``: ``Phi3Attention.forward`` with its ``apply_rotary_pos_emb`` (the first R elements
-  of each head rotated, the rest passed through) as one ``apply_rope`` launch for q and k.
+  of each head rotated, the rest passed through) as one ``apply_rope`` launch for q and k (the
+  pass-through copied in it where ``D - R <= 32``: Phi-4-mini); in the decode graphs' steps RoPE and
+  the static cache write as one ``rope_append`` launch (``_direct.rope_and_cache``).
 
 Both check the class's code against the pinned statements when patching and leave any other class
 alone with a log line. ``phi3_rope`` is on by default since the H200 bench of 2026-12-01 accepted it
@@ -28,10 +33,11 @@ from torch import nn
 
 from ...ops.activation import silu_and_mul
 from ...ops.rope import apply_rope
-from .._direct import attend, linear
+from .._direct import attend, linear, rope_and_cache
 from .._match import same_code
-from .._patching import Patch, modeling_globals, restore_forwards, swap_forwards
+from .._patching import Patch, _unhooked, modeling_globals, restore_forwards, swap_forwards
 from .._pins import TRANSFORMERS, Pin, holds
+from ..patch import register_llama_like_decoder
 from ..rope import partial_rope_attention_verdict
 from . import Family
 
@@ -42,13 +48,47 @@ FAMILY = Family(
     model_types=("phi3",),
     pins=(Pin("phi3", "Phi3MLP.forward", "3d1e633d3a91c93e", "patch phi3_mlp (silu_and_mul kernel)"),
           Pin("phi3", "Phi3Attention.forward", "3d29f7a1c8d3bd49", "patch phi3_rope (its reproduced forward)"),
-          Pin("phi3", "apply_rotary_pos_emb", "53f4abb0b4b23f1f", "patch phi3_rope (rope kernel, partial rotary)")),
+          Pin("phi3", "apply_rotary_pos_emb", "53f4abb0b4b23f1f", "patch phi3_rope (rope kernel, partial rotary)"),
+          Pin("phi3", "Phi3DecoderLayer.forward", "49dc13ee8c789647",
+              "patch decoder_add_rms_norm (Llama's fused forward, the residual dropouts at p = 0)")),
     presets=("phi-3-mini-4k", "phi-4-mini"),
-    covered="RMSNorm (Llama's code), partial RoPE of q and k in one launch, static-cache and padded decode "
-            "attention (patch cutile_attention); opt-in (include=['phi3_mlp']): SwiGLU on the fused gate/up output",
-    not_covered="GEMMs (cuBLAS), prefill attention (sdpa), the residual adds",
+    covered="RMSNorm (Llama's code) with the residual adds fused in (patch decoder_add_rms_norm, where the "
+            "residual dropouts are p = 0), partial RoPE of q and k in one launch (the pass-through copied in it; in "
+            "the decode graphs with the cache write), static-cache and padded decode attention (patch "
+            "cutile_attention); opt-in (include=['phi3_mlp']): SwiGLU on the fused gate/up output",
+    not_covered="GEMMs (cuBLAS), prefill attention (sdpa), the last layer's residual add",
     default=True,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# decoder_add_rms_norm on Phi-3's decoder layers
+# ---------------------------------------------------------------------------------------------
+
+DECODER_PIN = "phi3.Phi3DecoderLayer.forward"
+
+
+def _decoder_reference():
+    from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
+
+    return Phi3DecoderLayer.forward
+
+
+def decoder_layer_check(layer: nn.Module) -> str | None:
+    """Why a Phi-3 decoder layer does not compute ``LlamaDecoderLayer.forward``'s math, which patch
+    ``decoder_add_rms_norm``'s fused forward computes, or None if it does: ``Phi3DecoderLayer.forward``
+    is Llama's with ``resid_attn_dropout`` / ``resid_mlp_dropout`` applied to each block's output
+    before its residual add, so both must be hook-free ``nn.Dropout`` of ``p = 0`` (the identity,
+    in training too; Phi-3 and Phi-4-mini ship ``resid_pdrop = 0.0``). Checked when patched: a ``p``
+    set later is not seen."""
+    for name in ("resid_attn_dropout", "resid_mlp_dropout"):
+        drop = getattr(layer, name, None)
+        if type(drop) is not nn.Dropout or drop.p != 0 or not _unhooked(drop):
+            return f"its {name} is not a hook-free nn.Dropout with p = 0 (the fused forward has no dropout)"
+    return None
+
+
+register_llama_like_decoder(DECODER_PIN, _decoder_reference, decoder_layer_check)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,8 +153,9 @@ def attention_verdict(cls: type) -> str | None:
 
 def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
     """``Phi3Attention.forward`` (5.22.2) with ``apply_rotary_pos_emb`` as one ``apply_rope`` launch
-    for q and k (partial rotary: the first ``cos.shape[-1]`` elements of each head). Same arguments
-    and result."""
+    for q and k (partial rotary: the first ``cos.shape[-1]`` elements of each head), or with the
+    cache update too as one ``rope_append`` launch in a decode graph's step
+    (:func:`~.._direct.rope_and_cache`). Same arguments and result."""
     glob = modeling_globals(self)  # the stock forward's module: its attention registry, eager path, RoPE
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -130,10 +171,16 @@ def rope_attention_forward(self, hidden_states, position_embeddings, attention_m
     value_states = value_states.view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    query_states, key_states = apply_rope(query_states, key_states, cos, sin)
+    # A decode-graph step: RoPE and the cache write in one launch where the cache layer allows it.
+    written = rope_and_cache(self, None, past_key_values, query_states, key_states, value_states, cos, sin)
+    if written is not None:
+        query_states, key_states, value_states = written
+    else:
+        query_states, key_states = apply_rope(query_states, key_states, cos, sin)
 
     return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
-                  kwargs, {"sliding_window": getattr(self.config, "sliding_window", None)})
+                  kwargs, {"sliding_window": getattr(self.config, "sliding_window", None)},
+                  cache_written=written is not None)
 
 
 def patch_phi3_rope(model: nn.Module) -> int:
