@@ -131,7 +131,7 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
                    value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """RoPE of q and k and the cache update of attention module ``self`` as one launch, where the
     decode graphs armed its cache layer (``decode_graphs.ROPE_UPDATE``: a full-attention static
-    layer they write with our kernel) and the RoPE is our ``apply_rope`` formula: ``rope``, the
+    layer they write with our kernel, or a sliding one while its window has room) and the RoPE is our ``apply_rope`` formula: ``rope``, the
     ``apply_rotary_pos_emb`` its forward calls, is the ``kernels`` hub module running our RoPE on
     Llama's formula (bound by ``kernelize``: by name, as it may be the build's copy) with nothing
     else on its call (no hooks); or ``rope`` is None for a reproduced forward that calls

@@ -206,6 +206,13 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     handed = None
     if inbox is not None:
         handed, inbox.pending = inbox.pending, None
+    check = self._cutile_check
+    if check is not None and check(self) is not None:
+        # A Llama-like layer whose check no longer holds (e.g. Phi-3's residual dropout turned on or
+        # hooked since): its own forward, which normalises its input itself and hands nothing on.
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  past_key_values=past_key_values, use_cache=use_cache,
+                                  position_embeddings=position_embeddings, **kwargs)
     residual = hidden_states
     # Only exactly the tensor the previous layer returned, unchanged since, may skip this norm, and
     # only for the norm it was computed with: an in-place edit between the layers bumps the version
@@ -278,6 +285,9 @@ def _decoder_verdict(m: nn.Module) -> str | None:
 def _prepare_decoder(m: nn.Module) -> None:
     m.__dict__["_cutile_inbox"] = None
     m.__dict__["_cutile_next"] = None
+    # A Llama-like forward's layer check, asked again at every call (what it reads, a dropout's p
+    # or hooks, may change after patching); None for Llama's own forward.
+    m.__dict__["_cutile_check"] = _decoder_match(type(m))[1]
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -357,7 +367,7 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
         The number of layers restored.
     """
     return restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
-                            attrs=("_cutile_inbox", "_cutile_next"), noun="layers")
+                            attrs=("_cutile_inbox", "_cutile_next", "_cutile_check"), noun="layers")
 
 
 #: This module's patch row (gathered by ``layers/_registry.py``).

@@ -224,6 +224,25 @@ def test_cached_unfit_plan_still_falls_back(fake_gpu):
     assert len(dispatch._PLANS) == 1
 
 
+def test_optional_kernel_declines_quietly(fake_gpu, monkeypatch):
+    """``optional=True`` (a fused variant whose unfused pair the caller runs instead): no fitting
+    variant, disabled, or overlapping inputs give False with no fallback record, no JIT and no
+    strict-mode error (the fixture sets strict mode); the same call without it still falls back."""
+    args = _rms_args(2, 2048, torch.float64)
+    want, grid = norm_ops._want(args[0], 2), norm_ops._grid(2)
+    assert dispatch.run("rms_norm", want, args, 2, grid, optional=True) is False
+    buf = torch.randn(4096, dtype=BF16)
+    x, w = buf[:2048].view(1, 2048), buf[1024:3072]
+    overlap = (x, w, torch.empty(1, 2048, dtype=BF16), 1e-6)
+    assert dispatch.run("rms_norm", norm_ops._want(x, 1), overlap, 2, norm_ops._grid(1), optional=True) is False
+    monkeypatch.setenv(dispatch.ENV_DISABLE, "1")
+    assert dispatch.run("rms_norm", norm_ops._want(x, 1), _rms_args(1, 2048), 2, norm_ops._grid(1), optional=True) is False
+    monkeypatch.delenv(dispatch.ENV_DISABLE)
+    assert not dispatch.stats()["fallbacks"] and not fake_gpu
+    with pytest.raises(cutile_kernels.FallbackError, match="dtypes"):
+        dispatch.run("rms_norm", want, args, 2, grid)
+
+
 def test_disabled_reads_the_environment_at_every_call(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_DISABLE, raising=False)
     assert dispatch.disabled() is False

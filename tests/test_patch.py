@@ -233,7 +233,7 @@ def test_patch_is_idempotent_and_unpatch_restores(ids):
     report = cutile_kernels.unpatch(model)
     assert report.changed == {"decoder_add_rms_norm": 3} and report.active == []
     for layer in _decoder_layers(model):
-        assert not {"forward", "_cutile_inbox", "_cutile_next"} & set(layer.__dict__)
+        assert not {"forward", "_cutile_inbox", "_cutile_next", "_cutile_check"} & set(layer.__dict__)
         assert layer.forward.__func__ is type(layer).forward
     assert cutile_kernels.unpatch(model).changed == {}
     cutile_kernels.reset_stats()

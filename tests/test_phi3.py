@@ -76,6 +76,35 @@ def test_decoder_layers_take_the_fused_residual_adds(caplog):
         handle.remove()
 
 
+def test_fused_decoder_layers_follow_their_dropouts_after_patching():
+    """The dropout check is asked at every call: a hook on a residual dropout added after patching
+    runs (that layer takes its own forward), and a dropout turned on for training (p > 0) drops
+    as stock drops, the same elements for the same seed."""
+    model = families.model("phi3")
+    stock = families.model("phi3")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
+    cutile_kernels.patch(model, names=["decoder_add_rms_norm"])
+    seen = []
+    handle = model.model.layers[1].resid_attn_dropout.register_forward_hook(lambda m, a, out: seen.append(m))
+    with torch.no_grad():
+        got, want = model(ids).logits, stock(ids).logits
+    handle.remove()
+    assert len(seen) == 1 and torch.equal(got, want)
+    for m in (model, stock):
+        m.train()
+        for layer in m.model.layers:
+            layer.resid_attn_dropout.p = layer.resid_mlp_dropout.p = 0.5
+    outs = []
+    for m in (model, stock):
+        torch.manual_seed(11)
+        with torch.no_grad():
+            outs.append(m(ids).logits)
+    assert torch.equal(outs[0], outs[1])
+    torch.manual_seed(12)
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, outs[0])  # the dropout does drop
+
+
 def test_patched_model_compiles_fullgraph_with_our_ops():
     model = families.model("phi3", layers=2)
     cutile_kernels.patch(model, names=PATCHES + ["decoder_add_rms_norm"])

@@ -42,8 +42,9 @@ V = "dev.sweeps.attention_variants"
 #: warps on sm_90) at its tiles and the pipelined candidates of attention_variants.py (``pf2``: three
 #: loops, latency hints, heavy query blocks first; ``nolat`` without the hints, ``fwd`` in block
 #: order; ``w8`` two warpgroups, ``occ2`` two blocks a multiprocessor, ``cta2`` clusters of two).
-#: Left out, as tileiras 13.4 rejects them: d64 64x128 w4.occ2, d128 128x128 w8, d128 64x64 w4
-#: (with hints; without them it compiles), d128 64x64 w4.occ2, d64 128x64 w8.occ2.
+#: tileiras 13.4 rejects d128 128x128 w8, d128 64x64 w4 (with the hints; without them it compiles)
+#: and d128 64x64 w4.occ2 (``export`` lists them; kept for another tileiras); d64 64x128 w4.occ2 and
+#: d64 128x64 w8.occ2, also rejected, were taken out.
 CANDIDATES = (
     [(dp, 1, 128, 64, "attention", "attention_prefill_kernel", "shipped") for dp in (64, 128)]
     + [(256, 1, 64, 64, "attention", "attention_prefill_kernel", "shipped")]

@@ -265,7 +265,7 @@ _RELAYOUT = _NoPlan("the layout copies an input")
 
 
 def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[dict], tuple],
-        layout: Callable[[tuple], tuple] | None = None) -> bool:
+        layout: Callable[[tuple], tuple] | None = None, optional: bool = False) -> bool:
     """Launch ``kernel`` on the device of ``args[0]``; False means the caller must fall back.
 
     Args:
@@ -284,6 +284,10 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
             launched. A layout that copies an input (the view would not start there) is run on
             every call of that signature instead; one that would copy an output (which the
             kernel would write and the caller never see) makes the call fall back.
+        optional: a kernel the caller can do without (another of our kernels then serves the
+            call, e.g. a fused variant's unfused pair): where it cannot launch (disabled, no
+            fitting prebuilt variant, an unfit operand, overlapping inputs) return False quietly,
+            without a JIT compile, a fallback record or a strict-mode error.
 
     Returns:
         True if a cuTile kernel (prebuilt or JIT) was launched; False (with the reason logged once)
@@ -295,12 +299,13 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         CudaError: the launch itself failed.
     """
     if disabled():
-        return fallback(kernel, f"disabled by {ENV_DISABLE}")
+        return False if optional else fallback(kernel, f"disabled by {ENV_DISABLE}")
     try:
         key = _signature(kernel, want, layout, args)
     except _SubclassOperand as exc:
-        return fallback(kernel, f"a {exc.args[0].__name__} operand (e.g. tensor parallelism's DTensor, whose data is "
-                                "a shard of a global shape): the kernels take plain tensors")
+        return False if optional else fallback(
+            kernel, f"a {exc.args[0].__name__} operand (e.g. tensor parallelism's DTensor, whose data is a shard of "
+                    "a global shape): the kernels take plain tensors")
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_for(kernel, want, args, n_inputs, grid, layout, key[7])
@@ -308,6 +313,8 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
             _PLANS.clear()
         _PLANS[key] = plan
     if plan.__class__ is not _Plan:  # a _NoPlan: why no prebuilt variant fits
+        if optional:
+            return False
         if layout is not None:
             args = layout(args)
             if plan is _RELAYOUT:
@@ -319,7 +326,8 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
     for slot, i in plan.ptr_slots:
         values[slot] = args[i].data_ptr()
     if plan.input_slots and _inputs_overlap(plan, values):
-        return fallback(kernel, f"inputs of {kernel} overlap in memory (the kernels assume no aliasing)")
+        return False if optional else fallback(kernel, f"inputs of {kernel} overlap in memory (the kernels assume "
+                                                       "no aliasing)")
     for slot, i in plan.scalar_slots:
         values[slot] = args[i]
     _LAUNCHER.launch_values(plan.loaded, plan.grid, values, key[7])

@@ -191,7 +191,8 @@ def rope_into(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     grid = lambda c: (_cdiv(s, c["ROWS"]), _cdiv(hq, c["HEADS"]) + _cdiv(hk, c["HEADS"]), b)  # noqa: E731
     if rot < d and _pass_fits(q, k, cos, sin):  # partial rotary, the pass-through copied in the launch
         args = (q, k, cos, sin, q[..., rot:], k[..., rot:], q_out, k_out, q_out[..., rot:], k_out[..., rot:])
-        if dispatch.run(PASS_KERNEL, _want(rot // 2, s, q.dtype) + (("PBLOCK", PBLOCK),), args, 6, grid, _pass_layout):
+        if dispatch.run(PASS_KERNEL, _want(rot // 2, s, q.dtype) + (("PBLOCK", PBLOCK),), args, 6, grid, _pass_layout,
+                        optional=True):  # else the RoPE kernel and the copies below
             return True
     if not dispatch.run("rope", _want(rot // 2, s, q.dtype), (q, k, cos, sin, q_out, k_out), 4, grid, _halves_layout):
         return False
@@ -436,17 +437,25 @@ def _rope_append_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
             args = (q, k, v, cos, sin, keys, values, length.view(1), q[..., rot:], k[..., rot:], v[..., rot:],
                     keys[..., rot:], values[..., rot:], q_out, q_out[..., rot:])
             launched = dispatch.run(APPEND_PASS_KERNEL, _tiles(rot // 2)[1] + (("PBLOCK", PBLOCK),), args, 13, grid,
-                                    _append_pass_layout)
+                                    _append_pass_layout, optional=True)  # else the two launches below
         if launched:
             return
-    elif s < _tiles(cos.shape[-1] // 2)[2] and why not in _SAID:  # a decode step the one launch does not serve
-        _SAID.add(why)  # not a fallback: our two kernels run (each says so if it cannot)
-        logger.info("cutile_kernels: rope_append runs RoPE and the cache write as two launches: %s", why)
+        if rot != d:
+            _two_launches(f"no {APPEND_PASS_KERNEL} variant fits these tensors")
+    elif s < _tiles(cos.shape[-1] // 2)[2]:  # a decode step the one launch does not serve
+        _two_launches(why)
     # Two launches: RoPE into a new k, then the cache write (each with its own fallback).
     k_rot = _empty_like_layout(k, _result_dtype(k.dtype, cos.dtype, sin.dtype))
     if not rope_into(q, k, cos, sin, q_out, k_rot):
         _copy_reference(q, k, cos, sin, q_out, k_rot)
     kv_append(keys, values, k_rot, v, length)
+
+
+def _two_launches(why: str) -> None:
+    # Not a fallback: our two kernels run (each says so if it cannot). Logged once per reason.
+    if why not in _SAID:
+        _SAID.add(why)
+        logger.info("cutile_kernels: rope_append runs RoPE and the cache write as two launches: %s", why)
 
 
 def _rope_append_fake(q, k, v, cos, sin, keys, values, length, q_out) -> None:
