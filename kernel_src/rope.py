@@ -23,6 +23,10 @@ Layout handed to the kernel: the host views the last dimension of q, k (``(B, H,
 cos, sin (``(B or 1, S, R)``) as ``(2, R/2)``, so a half is a tile along the last axis and the
 kernel never gathers. ``R/2`` is loaded as the next power of two with zero padding; the padded
 lanes are masked on store. Strides are arbitrary (transformers passes transposed views).
+
+Partial rotary (``R < D``, Phi-4-mini's 96 of 128): the halves views cover the first R elements;
+``rope_pass_kernel`` and ``rope_append_pass_kernel`` also take ``(..., D - R)`` views of the rest
+and copy them in the same launch (the GPT-NeoX convention transformers' partial-rotary models use).
 """
 
 from __future__ import annotations

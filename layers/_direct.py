@@ -131,12 +131,13 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
                    value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """RoPE of q and k and the cache update of attention module ``self`` as one launch, where the
     decode graphs armed its cache layer (``decode_graphs.ROPE_UPDATE``: a full-attention static
-    layer they write with our kernel, or a sliding one while its window has room) and the RoPE is our ``apply_rope`` formula: ``rope``, the
-    ``apply_rotary_pos_emb`` its forward calls, is the ``kernels`` hub module running our RoPE on
-    Llama's formula (bound by ``kernelize``: by name, as it may be the build's copy) with nothing
-    else on its call (no hooks); or ``rope`` is None for a reproduced forward that calls
-    :func:`~..ops.rope.apply_rope` itself (Phi-3's partial rotary, its formula checked when
-    patched). Shapes as ``apply_rotary_pos_emb`` and ``Cache.update`` take them.
+    layer they write with our kernel, or a sliding one while its window has room) and the RoPE is
+    our ``apply_rope`` formula: ``rope``, the ``apply_rotary_pos_emb`` its forward calls, is the
+    ``kernels`` hub module running our RoPE on Llama's formula (bound by ``kernelize``: by name, as
+    it may be the build's copy) with nothing else on its call (no hooks); or ``rope`` is None for a
+    reproduced forward that calls :func:`~..ops.rope.apply_rope` itself (Phi-3's partial rotary,
+    its formula checked when patched). Shapes as ``apply_rotary_pos_emb`` and ``Cache.update``
+    take them.
 
     Returns ``(q_rot, keys, values)`` (the cache written and advanced), or None: the caller runs
     RoPE and ``past_key_values.update`` as the stock forward does. Never while compiling (the

@@ -188,8 +188,8 @@ def _kernel_static_update(layer, key_states, value_states, *args, **kwargs):
 #: Attribute that :func:`_make_capturable` sets on a layer it gives :func:`_kernel_static_update` or
 #: :func:`_kernel_sliding_update`: ``(q, k, v, cos, sin) -> (q_rot, keys, values)``, RoPE (our
 #: ``apply_rope``'s formula: Llama's, partial rotary included) with the layer's update as one launch
-#: (:func:`_kernel_rope_update`, :func:`_kernel_rope_sliding_update`), or None where that step is not
-#: one launch. The reproduced attention forwards take it when their RoPE is ours
+#: (:func:`_kernel_rope_update`, :func:`_kernel_rope_sliding_update`), returning None where a step
+#: is not one launch. The reproduced attention forwards take it when their RoPE is ours
 #: (``layers/_direct.py``, ``rope_and_cache``).
 ROPE_UPDATE = "_cutile_rope_update"
 

@@ -220,9 +220,9 @@ def _pf_block(q, k, v, o, scale, softcap, window, causal, LAT: ct.Constant[int],
 
 
 @ct.kernel
-def attention_pf2_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
-                         has_len: int, causal: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
-                         BS: ct.Constant[int], BN: ct.Constant[int]):
+def attention_pf2_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
+                         has_mask: int, has_len: int, causal: int, num_splits: int, D: ct.Constant[int],
+                         HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
     """Prefill candidate: LAT=1, REV=1; a call with a mask tensor runs the shipped block."""
     if has_mask != 0:
         _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
@@ -232,9 +232,9 @@ def attention_pf2_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, soft
 
 
 @ct.kernel
-def attention_pf2_nolat_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
-                               has_len: int, causal: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
-                               BS: ct.Constant[int], BN: ct.Constant[int]):
+def attention_pf2_nolat_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
+                               has_mask: int, has_len: int, causal: int, num_splits: int, D: ct.Constant[int],
+                               HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
     """Prefill candidate: LAT=0, REV=1; a call with a mask tensor runs the shipped block."""
     if has_mask != 0:
         _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
@@ -244,15 +244,16 @@ def attention_pf2_nolat_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float
 
 
 @ct.kernel
-def attention_pf2_fwd_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int, has_mask: int,
-                             has_len: int, causal: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
-                             BS: ct.Constant[int], BN: ct.Constant[int]):
+def attention_pf2_fwd_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
+                             has_mask: int, has_len: int, causal: int, num_splits: int, D: ct.Constant[int],
+                             HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
     """Prefill candidate: LAT=1, REV=0; a call with a mask tensor runs the shipped block."""
     if has_mask != 0:
         _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
                          num_splits, D, HB, BS, BN)
     else:
         _pf_block(q, k, v, o, scale, softcap, window, causal, 1, 0, D, HB, BS, BN)
+
 
 #: The same with two warpgroups (one 64-row wgmma each), with two blocks a multiprocessor, and in
 #: clusters of two (TileGym's Hopper attention tiles use num_ctas up to 2).

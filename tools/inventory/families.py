@@ -55,8 +55,9 @@ class Entry:
 
 
 def entries() -> list[Entry]:
-    """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's, Phi-3's partial), attention,
-    qk_norm_rope, kv_cache, then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
+    """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's, Phi-3's partial),
+    attention, qk_norm_rope, kv_cache and the RoPE + cache writes, then gated DeltaNet's: gated_delta,
+    conv1d, the gated norm)."""
     return [*_activation(), _rope(), _rope_cast(), _rope_partial(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(),
             _kv_append(), _rope_append(), _rope_append_partial(), *_gemv(), *_gated_deltanet()]
 
