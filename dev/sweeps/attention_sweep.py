@@ -38,28 +38,31 @@ from cutile_kernels_tools.timing import graph_us
 from dev.sweeps._common import launched, main, write_rows
 
 V = "dev.sweeps.attention_variants"
-#: (padded head dim, HB, BS, BN, module, kernel function, label): the shipped prefill kernel (8
-#: warps on sm_90) at its tiles and the pipelined candidates of attention_variants.py (``pf2``: three
-#: loops, latency hints, heavy query blocks first; ``nolat`` without the hints, ``fwd`` in block
-#: order; ``w8`` two warpgroups, ``occ2`` two blocks a multiprocessor, ``cta2`` clusters of two).
-#: tileiras 13.4 rejects d128 128x128 w8, d128 64x64 w4 (with the hints; without them it compiles)
-#: and d128 64x64 w4.occ2 (``export`` lists them; kept for another tileiras); d64 64x128 w4.occ2 and
-#: d64 128x64 w8.occ2, also rejected, were taken out.
+#: (padded head dim, HB, BS, BN, module, kernel function, label, extra constants): the shipped
+#: prefill kernel (8 warps on sm_90) at its tiles and the pipelined candidates of
+#: attention_variants.py (``pf2``: three loops, latency hints (LAT), heavy query blocks first (REV);
+#: ``nolat`` without the hints, ``fwd`` in block order; ``w8`` two warpgroups, ``occ2`` two blocks a
+#: multiprocessor, ``cta2`` clusters of two). tileiras 13.4 rejects d128 128x128 w8, d128 64x64 w4
+#: (with the hints; without them it compiles) and d128 64x64 w4.occ2 (``export`` lists them; kept for
+#: another tileiras); d64 64x128 w4.occ2 and d64 128x64 w8.occ2, also rejected, were taken out.
+PF2 = {"LAT": 1, "REV": 1}
+NOLAT = {"LAT": 0, "REV": 1}
+FWD = {"LAT": 1, "REV": 0}
 CANDIDATES = (
-    [(dp, 1, 128, 64, "attention", "attention_prefill_kernel", "shipped") for dp in (64, 128)]
-    + [(256, 1, 64, 64, "attention", "attention_prefill_kernel", "shipped")]
-    + [(dp, hb, bs, bn, V, f, label) for dp in (64, 128) for (hb, bs, bn, f, label) in (
-        (1, 128, 64, "attention_pf2_w8_kernel", "pf2.w8"),
-        (1, 128, 128, "attention_pf2_w8_kernel", "pf2.w8"),
-        (2, 64, 64, "attention_pf2_w8_kernel", "pf2.w8"),
-        (1, 64, 64, "attention_pf2_kernel", "pf2.w4"),
-        (1, 64, 128, "attention_pf2_kernel", "pf2.w4"),
-        (1, 64, 64, "attention_pf2_occ2_kernel", "pf2.w4.occ2"),
-        (1, 128, 64, "attention_pf2_nolat_w8_kernel", "pf2.nolat.w8"),
-        (1, 128, 64, "attention_pf2_fwd_w8_kernel", "pf2.fwd.w8"),
-        (1, 64, 64, "attention_pf2_nolat_kernel", "pf2.nolat.w4"))]
-    + [(dp, 1, 128, 64, V, "attention_pf2_w8_cta2_kernel", "pf2.w8.cta2") for dp in (64, 128)]
-    + [(256, 1, 64, bn, V, "attention_pf2_w8_kernel", "pf2.w8") for bn in (32, 64)])
+    [(dp, 1, 128, 64, "attention", "attention_prefill_kernel", "shipped", {}) for dp in (64, 128)]
+    + [(256, 1, 64, 64, "attention", "attention_prefill_kernel", "shipped", {})]
+    + [(dp, hb, bs, bn, V, f, label, extra) for dp in (64, 128) for (hb, bs, bn, f, label, extra) in (
+        (1, 128, 64, "attention_pf2_w8_kernel", "pf2.w8", PF2),
+        (1, 128, 128, "attention_pf2_w8_kernel", "pf2.w8", PF2),
+        (2, 64, 64, "attention_pf2_w8_kernel", "pf2.w8", PF2),
+        (1, 64, 64, "attention_pf2_kernel", "pf2.w4", PF2),
+        (1, 64, 128, "attention_pf2_kernel", "pf2.w4", PF2),
+        (1, 64, 64, "attention_pf2_occ2_kernel", "pf2.w4.occ2", PF2),
+        (1, 128, 64, "attention_pf2_w8_kernel", "pf2.nolat.w8", NOLAT),
+        (1, 128, 64, "attention_pf2_w8_kernel", "pf2.fwd.w8", FWD),
+        (1, 64, 64, "attention_pf2_kernel", "pf2.nolat.w4", NOLAT))]
+    + [(dp, 1, 128, 64, V, "attention_pf2_w8_cta2_kernel", "pf2.w8.cta2", PF2) for dp in (64, 128)]
+    + [(256, 1, 64, bn, V, "attention_pf2_w8_kernel", "pf2.w8", PF2) for bn in (32, 64)])
 #: (name, batch, query heads, KV heads, sequence, head_dim, window, softcap): the presets' prefills,
 #: a length no tile divides, Gemma 3's sliding layers and Gemma 2's softcapped ones.
 SHAPES = [("llama-3.2-1b 1x2048", 1, 32, 8, 2048, 64, 0, 0.0), ("qwen3-0.6b 1x2048", 1, 16, 8, 2048, 128, 0, 0.0),
@@ -75,8 +78,8 @@ def candidates():
     from cutile_kernels.kernel_src._spec import VariantSpec
 
     return [VariantSpec("attention", module, function, f"bf16.d{dp}.h{hb}.m{bs}.n{bn}.{label}",
-                        attention._attention_params("bfloat16", {"D": dp, "HB": hb, "BS": bs, "BN": bn}))
-            for dp, hb, bs, bn, module, function, label in CANDIDATES]
+                        attention._attention_params("bfloat16", {"D": dp, "HB": hb, "BS": bs, "BN": bn, **extra}))
+            for dp, hb, bs, bn, module, function, label, extra in CANDIDATES]
 
 
 def run(sweep_dir: str, json_out: str | None) -> None:

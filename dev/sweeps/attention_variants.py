@@ -131,8 +131,9 @@ def attention_pf_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softc
 # mask hides is skipped) and decides per tile whether to mask; with no mask tensor neither is
 # needed. These candidates (calls without a mask tensor) split the KV tiles into three loops with
 # nothing decided inside them: the window's lower-edge tiles (masked), the interior tiles (no
-# element mask), the causal diagonal and KV-end tiles (masked); loads carry latency hints (LAT);
-# REV starts the query blocks with the most tiles first (causal work grows with the block index).
+# element mask), the causal diagonal and KV-end tiles (masked); loads carry latency hints (constant
+# LAT); REV starts the query blocks with the most tiles first (causal work grows with the block
+# index).
 
 from cutile_kernels.kernel_src.attention import _attention_block  # noqa: E402
 
@@ -222,37 +223,15 @@ def _pf_block(q, k, v, o, scale, softcap, window, causal, LAT: ct.Constant[int],
 @ct.kernel
 def attention_pf2_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
                          has_mask: int, has_len: int, causal: int, num_splits: int, D: ct.Constant[int],
-                         HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
-    """Prefill candidate: LAT=1, REV=1; a call with a mask tensor runs the shipped block."""
+                         HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int], LAT: ct.Constant[int],
+                         REV: ct.Constant[int]):
+    """Prefill candidate (LAT: latency hints on the K and V loads; REV: the query blocks with the
+    most tiles first); a call with a mask tensor runs the shipped block."""
     if has_mask != 0:
         _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
                          num_splits, D, HB, BS, BN)
     else:
-        _pf_block(q, k, v, o, scale, softcap, window, causal, 1, 1, D, HB, BS, BN)
-
-
-@ct.kernel
-def attention_pf2_nolat_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
-                               has_mask: int, has_len: int, causal: int, num_splits: int, D: ct.Constant[int],
-                               HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
-    """Prefill candidate: LAT=0, REV=1; a call with a mask tensor runs the shipped block."""
-    if has_mask != 0:
-        _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
-                         num_splits, D, HB, BS, BN)
-    else:
-        _pf_block(q, k, v, o, scale, softcap, window, causal, 0, 1, D, HB, BS, BN)
-
-
-@ct.kernel
-def attention_pf2_fwd_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
-                             has_mask: int, has_len: int, causal: int, num_splits: int, D: ct.Constant[int],
-                             HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
-    """Prefill candidate: LAT=1, REV=0; a call with a mask tensor runs the shipped block."""
-    if has_mask != 0:
-        _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
-                         num_splits, D, HB, BS, BN)
-    else:
-        _pf_block(q, k, v, o, scale, softcap, window, causal, 1, 0, D, HB, BS, BN)
+        _pf_block(q, k, v, o, scale, softcap, window, causal, LAT, REV, D, HB, BS, BN)
 
 
 #: The same with two warpgroups (one 64-row wgmma each), with two blocks a multiprocessor, and in
@@ -260,5 +239,3 @@ def attention_pf2_fwd_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, 
 attention_pf2_w8_kernel = attention_pf2_kernel.replace_hints(num_worker_warps=8)
 attention_pf2_occ2_kernel = attention_pf2_kernel.replace_hints(occupancy=2)
 attention_pf2_w8_cta2_kernel = attention_pf2_kernel.replace_hints(num_worker_warps=8, num_ctas=2)
-attention_pf2_nolat_w8_kernel = attention_pf2_nolat_kernel.replace_hints(num_worker_warps=8)
-attention_pf2_fwd_w8_kernel = attention_pf2_fwd_kernel.replace_hints(num_worker_warps=8)
