@@ -69,14 +69,16 @@ def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
 
 
 def model_shapes(preset: str) -> dict:
-    """The sizes of a preset the kernels see: hidden, intermediate, q / kv heads, head_dim."""
+    """The sizes of a preset the kernels see: hidden, intermediate, q / kv heads, head_dim and the
+    rotated part of each head (rotary_dim: head_dim times partial_rotary_factor)."""
     from .. import presets
 
     cfg = presets.PRESETS[preset].config
     heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return {"hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"], "q_heads": heads,
-            "kv_heads": cfg.get("num_key_value_heads", heads),
-            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads}
+            "kv_heads": cfg.get("num_key_value_heads", heads), "head_dim": head_dim,
+            "rotary_dim": int(head_dim * cfg.get("partial_rotary_factor", 1.0))}
 
 
 def _ops(family: str):
@@ -279,13 +281,15 @@ def _rope() -> Entry:
 
 
 def _rope_rows(d: Definition, presets) -> list[Workload]:
-    # One Workload per preset and phase over the q/k axes of _qk_axes (full rotary).
+    # One Workload per preset and phase over the q/k axes of _qk_axes (and rotary_dim where the
+    # Definition has that axis: partial rotary).
     rows = []
     for preset in presets:
         m = model_shapes(preset)
+        extra = {"rotary_dim": m["rotary_dim"]} if "rotary_dim" in d.axes else {}
         for phase, (batch, seq) in PHASES.items():
             rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
-                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]},
+                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"], **extra},
                                  inputs=_inputs(d), uuid=f"{preset}/{phase}"))
     return rows
 
@@ -330,17 +334,6 @@ PARTIAL_ROPE_PRESETS = ("phi-4-mini",)
 PHI3 = "src/transformers/models/phi3/modeling_phi3.py"
 
 
-def _rotary_dim(preset: str) -> int:
-    m = model_shapes(preset)
-    return int(m["head_dim"] * _preset_config(preset).get("partial_rotary_factor", 1.0))
-
-
-def _preset_config(preset: str) -> dict:
-    from .. import presets
-
-    return presets.PRESETS[preset].config
-
-
 def _partial_axes():
     # _qk_axes with cos/sin over the rotary part (rotary_dim < head_dim).
     axes, spec, (q_shape, k_shape, _) = _qk_axes("head dimension; its first rotary_dim elements rotated")
@@ -372,15 +365,8 @@ def _rope_partial() -> Entry:
                      "Phi-4-mini): one launch rotates the rotary part and copies the rest."),
         constraints=["rotary_dim % 2 == 0", "rotary_dim < head_dim"],
     )
-    rows = []
-    for preset in PARTIAL_ROPE_PRESETS:
-        m = model_shapes(preset)
-        for phase, (batch, seq) in PHASES.items():
-            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
-                                       "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
-                                       "rotary_dim": _rotary_dim(preset)},
-                                 inputs=_inputs(d), uuid=f"{preset}/{phase}"))
-    return Entry("rope", d, rows, [SolutionSpec("rope_pass", "apply_rope", name="rope_partial_cutile")])
+    return Entry("rope", d, _rope_rows(d, PARTIAL_ROPE_PRESETS),
+                 [SolutionSpec("rope_pass", "apply_rope", name="rope_partial_cutile")])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -684,7 +670,7 @@ def _rope_append_entry(partial: bool) -> Entry:
     rows = []
     for preset in PARTIAL_ROPE_PRESETS if partial else WORKLOAD_PRESETS:
         m = model_shapes(preset)
-        extra = {"rotary_dim": _rotary_dim(preset)} if partial else {}
+        extra = {"rotary_dim": m["rotary_dim"]} if partial else {}
         for phase in ("decode-b1", "decode-b16"):
             batch, seq = PHASES[phase]
             filled, slots = KV_APPEND_CACHE[phase]
