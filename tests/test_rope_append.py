@@ -369,30 +369,36 @@ def test_rope_and_cache_without_a_hub_module_is_for_our_own_forwards():
 # GPU
 # ---------------------------------------------------------------------------------------------
 
-#: (B, Hq, Hkv, S, D): Llama-3.2-1B, Qwen3-0.6B, Phi-4-mini-like (24 q heads), Gemma's head_dim 256
-#: with one KV head, head_dim 80 (padded lanes), a 3-token chunk, batch 16.
-GPU_CASES = [(1, 32, 8, 1, 64), (16, 32, 8, 1, 64), (1, 16, 8, 1, 128), (2, 24, 8, 1, 128), (3, 8, 1, 1, 256),
-             (2, 4, 2, 1, 80), (2, 16, 8, 3, 128)]
+#: (B, Hq, Hkv, S, D, R): Llama-3.2-1B, Qwen3-0.6B, Phi-4-mini-like (24 q heads), Gemma's head_dim
+#: 256 with one KV head, head_dim 80 (padded lanes), a 3-token chunk, batch 16, all rotated; then
+#: Phi-4-mini's partial rotary (96 of 128: rope_append_pass) and 16 lanes passed of a 32-lane tile.
+GPU_CASES = [(1, 32, 8, 1, 64, 64), (16, 32, 8, 1, 64, 64), (1, 16, 8, 1, 128, 128), (2, 24, 8, 1, 128, 128),
+             (3, 8, 1, 1, 256, 256), (2, 4, 2, 1, 80, 80), (2, 16, 8, 3, 128, 128),
+             (1, 24, 8, 1, 128, 96), (16, 24, 8, 1, 128, 96), (2, 4, 1, 1, 80, 64), (2, 24, 8, 3, 128, 96)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_gpu_kernel_is_the_two_launches_bit_for_bit(case, dtype, strict):
-    """Against float64 RoPE (within one 16-bit rounding) and bit for bit against the RoPE kernel
-    followed by kv_append, on a NaN-poisoned cache and stacked q/k/v views; slots across a tile
-    boundary; only the new slots written."""
-    B, hq, hkv, S, D = case
+    """One launch (rope_append, or rope_append_pass for partial rotary) against float64 RoPE
+    (within one 16-bit rounding) and bit for bit against the RoPE kernel followed by kv_append, on a
+    NaN-poisoned cache and stacked q/k/v views; slots across a tile boundary; the pass-through lanes
+    copied; only the new slots written."""
+    B, hq, hkv, S, D, rot = case
     L, at = 300, 127
     q, k, v, cos, sin = _step(B, hq, hkv, S, D, dtype, "cuda", pos0=at)
+    if rot < D:
+        cos, sin = _partial(cos, sin, rot)
     keys, values = _cache(B, hkv, L, D, dtype, "cuda")
     before = dict(cutile_kernels.stats()["launches"])
     got = cutile_kernels.rope_append(q, k, v, cos, sin, keys, values, torch.tensor(at, device="cuda"))
     torch.cuda.synchronize()
-    assert [v.kernel for v in launched_variants(before)] == ["rope_append"]
+    assert [v.kernel for v in launched_variants(before)] == ["rope_append" if rot == D else "rope_append_pass"]
     want_q, want_k = cutile_kernels.apply_rope(q, k, cos, sin)
     assert torch.equal(got, want_q) and got.stride() == want_q.stride()
     assert torch.equal(keys[:, :, at:at + S], want_k) and torch.equal(values[:, :, at:at + S], v)
+    assert torch.equal(got[..., rot:], q[..., rot:]) and torch.equal(keys[:, :, at:at + S, rot:], k[..., rot:])
     rest = torch.ones(L, dtype=torch.bool)
     rest[at:at + S] = False
     assert torch.isnan(keys[:, :, rest].float()).all() and torch.isnan(values[:, :, rest].float()).all()
@@ -435,32 +441,6 @@ def test_gpu_graph_replay_writes_at_the_length_it_finds(strict):
         assert torch.equal(out, want_q) and torch.equal(keys[:, :, step:step + 1], want_k) and int(length) == step + 1
         assert torch.equal(values[:, :, step:step + 1], v)
     assert not keys[:, :, 5:].any() and not values[:, :, 5:].any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", [(1, 24, 8, 1, 128, 96), (16, 24, 8, 1, 128, 96), (2, 4, 1, 1, 80, 64),
-                                  (2, 24, 8, 3, 128, 96)], ids=str)
-def test_gpu_partial_rotary_is_the_two_launches_bit_for_bit(case, dtype, strict):
-    """Phi-4-mini's partial rotary (96 of 128) in one launch of rope_append_pass: bit for bit the
-    RoPE kernel then kv_append, on a NaN-poisoned cache and stacked q/k/v views; only the new slots
-    written."""
-    B, hq, hkv, S, D, rot = case
-    L, at = 300, 127
-    q, k, v, cos, sin = _step(B, hq, hkv, S, D, dtype, "cuda", pos0=at)
-    cos, sin = _partial(cos, sin, rot)
-    keys, values = _cache(B, hkv, L, D, dtype, "cuda")
-    before = dict(cutile_kernels.stats()["launches"])
-    got = cutile_kernels.rope_append(q, k, v, cos, sin, keys, values, torch.tensor(at, device="cuda"))
-    torch.cuda.synchronize()
-    assert [v.kernel for v in launched_variants(before)] == ["rope_append_pass"]
-    want_q, want_k = cutile_kernels.apply_rope(q, k, cos, sin)
-    assert torch.equal(got, want_q) and got.stride() == want_q.stride()
-    assert torch.equal(keys[:, :, at:at + S], want_k) and torch.equal(values[:, :, at:at + S], v)
-    assert torch.equal(got[..., rot:], q[..., rot:]) and torch.equal(keys[:, :, at:at + S, rot:], k[..., rot:])
-    rest = torch.ones(L, dtype=torch.bool)
-    rest[at:at + S] = False
-    assert torch.isnan(keys[:, :, rest].float()).all() and torch.isnan(values[:, :, rest].float()).all()
 
 
 @pytest.mark.gpu
