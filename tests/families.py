@@ -32,7 +32,7 @@ FAMILIES = {
     # Qwen3.5's text decoder: gated DeltaNet layers, every second layer full attention.
     "qwen3_5_text": {"full_attention_interval": 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                      "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4},
-    # Its partial RoPE (phi3_rope) and Llama-code norms by default; the fused-in-the-checkpoint gate/up opt-in.
+    # Its partial RoPE (phi3_rope), SwiGLU on the checkpoint's fused gate/up (phi3_mlp) and Llama-code norms.
     "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "partial_rotary_factor": 0.5},
     # OLMo 2's float32-order norms and its float32-cos RoPE (its Llama-code MLP too);
     # Gemma's (1 + weight) norms by default, its GeGLU opt-in; Gemma 3's q/k norms, sliding windows.

@@ -49,7 +49,7 @@ FAMILY_OPS = {
     "gemma": {"rms_norm_gemma", "rope"},  # (1 + weight) norms; GeGLU is opt-in
     "gemma3_text": {"rms_norm_gemma", "rope"},
     "gemma2": {"rms_norm_gemma", "rope", "attention"},  # no sdpa path: patch gemma2_attention runs ours
-    "phi3": {"add_rms_norm", "rms_norm", "rope"},  # Llama-code norms and adds; partial RoPE in phi3_rope; MLP opt-in
+    "phi3": {"add_rms_norm", "rms_norm", "rope", "silu_and_mul"},  # Llama-code norms and adds; phi3_rope; phi3_mlp
     "olmo2": {"rms_norm_gemma", "rope_cast", "silu_and_mul_fused"},  # float32-order norms (offset 0), float32-cos RoPE
     "olmo3": {"rms_norm_gemma", "rope_cast", "silu_and_mul_fused"},  # OLMo 2's code, sliding layers
     # (1 + weight) norms (one fused with the residual add), SwiGLU, the gated norm, the gates (the

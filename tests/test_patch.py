@@ -104,7 +104,7 @@ def test_a_patch_that_does_not_apply_is_not_active(scratch_registry):
     assert isinstance(report, PatchReport)
     assert report.changed == {"gemma2_attention": 0, "cutile_attention": 0, "decoder_add_rms_norm": 0,
                               "fused_gate_up": 0, "qk_norm_rope": 0,
-                              "rms_norm_gemma": 0, "rms_norm_olmo2": 0,
+                              "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0,
                               "phi3_rope": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
                               "qwen3_5_stacked_proj": 0, "gemv": 0} and report.active == []
     assert patcher.applied(model) == {}

@@ -26,9 +26,9 @@ def test_patches_keep_stock_logits_and_run_our_ops(partial):
     with torch.no_grad():
         want = model(ids).logits
     n = model.config.num_hidden_layers
-    by_default = cutile_kernels.patch(model).changed  # phi3_rope is a default patch, phi3_mlp opt-in
-    assert by_default["phi3_rope"] == n and "phi3_mlp" not in by_default
-    assert cutile_kernels.patch(model, names=PATCHES).changed == {"phi3_mlp": n, "phi3_rope": 0}
+    by_default = cutile_kernels.patch(model).changed  # both are default patches
+    assert by_default["phi3_rope"] == n and by_default["phi3_mlp"] == n
+    assert cutile_kernels.patch(model, names=PATCHES).changed == {"phi3_mlp": 0, "phi3_rope": 0}
     dispatch.reset_stats()
     with torch.no_grad():
         got = model(ids).logits

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cutile_kernels
-from cutile_kernels import dispatch, registry
+from cutile_kernels import dispatch
 from cutile_kernels.kernel_src import rope as rope_src
 from cutile_kernels.layers import rope as rope_layer
 from cutile_kernels.layers.rope import CutileRotaryPosEmb, computes_llama_rope, computes_olmo2_rope, wrapped_function

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cutile_kernels
-from cutile_kernels import dispatch, registry
+from cutile_kernels import dispatch
 from cutile_kernels.kernel_src import rope_cos_sin as src
 from launches import launched_variants
 from cutile_kernels.layers import patch as patcher
