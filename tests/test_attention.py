@@ -1349,9 +1349,9 @@ PF2_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lat,rev", [(1, 1), (1, 0)], ids=["pf2", "fwd"])
+@pytest.mark.parametrize("lat,rev,fma", [(1, 1, 0), (1, 0, 0), (1, 1, 1)], ids=["pf2", "fwd", "pf3"])
 @pytest.mark.parametrize("case", PF2_CASES, ids=lambda c: "-".join(map(str, c[:6])) + "".join(f"-{k}{v}" for k, v in c[7].items()))
-def test_prefill_sweep_candidate_matches_reference(lat, rev, case):
+def test_prefill_sweep_candidate_matches_reference(lat, rev, fma, case):
     """The sweep's pipelined prefill candidate (not shipped) computes the op's attention, in the
     NumPy interpreter: a candidate the GPU sweep times must be correct logic first."""
     from dev.sweeps import attention_variants
@@ -1363,7 +1363,7 @@ def test_prefill_sweep_candidate_matches_reference(lat, rev, case):
     (_, _, args, _, _), = attn_ops.launches(q, k, v, None, out, 0.17, splits=1, **kw)
     dp = attn_ops.tiles_for(D, Sq, Hq // Hkv)[0]  # the padded head dim
     emulate(attention_variants.attention_pf2_kernel, attention_variants)(
-        (-(-Sq // bs), B * Hq // hb, 1), tuple(args) + (dp, hb, bs, bn, lat, rev))
+        (-(-Sq // bs), B * Hq // hb, 1), tuple(args) + (dp, hb, bs, bn, lat, rev, fma))
     want = cutile_kernels.attention_reference(q, k, v, None, 0.17, **kw)
     torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-4, atol=1e-4)
 

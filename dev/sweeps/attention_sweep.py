@@ -28,7 +28,8 @@ builds for a window) or, with a softcap, transformers' eager attention. FLOPs co
 On the H200 (2026-12-05) each candidate row took about 90 s of wall time although its kernel runs
 in 0.1-0.3 ms, so the whole sweep does not fit one 600 s device call: ``ATTENTION_SWEEP_SHAPES``
 (comma-separated substrings of the shape names, e.g. ``qwen3-0.6b 1x2048,gemma-3``) runs a subset,
-and every row carries ``elapsed_s`` (seconds since ``run`` started) to find where the time goes.
+and every row carries ``elapsed_s`` (seconds since ``run`` started), ``first_launch_s`` and
+``timing_s`` (its first launch, the cubin's load included, and its timing) to find where the time goes.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ V = "dev.sweeps.attention_variants"
 #: (padded head dim, HB, BS, BN, module, kernel function, label, extra constants): the shipped
 #: prefill kernel (8 warps on sm_90) at its tiles and the pipelined candidates of
 #: attention_variants.py (``pf2``: three loops, latency hints (LAT), heavy query blocks first (REV);
-#: ``nolat`` without the hints, ``fwd`` in block order; ``w8`` two warpgroups, ``occ2`` two blocks a
-#: multiprocessor, ``cta2`` clusters of two). tileiras 13.4 rejects d128 128x128 w8, d128 64x64 w4
+#: ``nolat`` without the hints, ``fwd`` in block order; ``pf3`` pf2 with the scale inside the
+#: exponent's FMA (FMA); ``w8`` two warpgroups, ``occ2`` two blocks a multiprocessor, ``cta2``
+#: clusters of two). tileiras 13.4 rejects d128 128x128 w8, d128 64x64 w4
 #: (with the hints; without them it compiles) and d128 64x64 w4.occ2 (``export`` lists them; kept for
 #: another tileiras); d64 64x128 w4.occ2 and d64 128x64 w8.occ2, also rejected, were taken out.
-PF2 = {"LAT": 1, "REV": 1}
-NOLAT = {"LAT": 0, "REV": 1}
-FWD = {"LAT": 1, "REV": 0}
+PF2 = {"LAT": 1, "REV": 1, "FMA": 0}
+NOLAT = {"LAT": 0, "REV": 1, "FMA": 0}
+FWD = {"LAT": 1, "REV": 0, "FMA": 0}
+PF3 = {"LAT": 1, "REV": 1, "FMA": 1}
 CANDIDATES = (
     [(dp, 1, 128, 64, "attention", "attention_prefill_kernel", "shipped", {}) for dp in (64, 128)]
     + [(256, 1, 64, 64, "attention", "attention_prefill_kernel", "shipped", {})]
@@ -69,7 +72,11 @@ CANDIDATES = (
         (1, 128, 64, "attention_pf2_w8_kernel", "pf2.fwd.w8", FWD),
         (1, 64, 64, "attention_pf2_kernel", "pf2.nolat.w4", NOLAT))]
     + [(dp, 1, 128, 64, V, "attention_pf2_w8_cta2_kernel", "pf2.w8.cta2", PF2) for dp in (64, 128)]
-    + [(256, 1, 64, bn, V, "attention_pf2_w8_kernel", "pf2.w8", PF2) for bn in (32, 64)])
+    + [(256, 1, 64, bn, V, "attention_pf2_w8_kernel", "pf2.w8", PF2) for bn in (32, 64)]
+    # The exponent's FMA (2026-12-05) on the tiles that did best without it (two heads a block at
+    # head dim 64) and on the shipped shapes.
+    + [(dp, hb, bs, 64, V, "attention_pf2_w8_kernel", "pf3.w8", PF3) for dp in (64, 128) for hb, bs in ((1, 128), (2, 64))]
+    + [(256, 1, 64, bn, V, "attention_pf2_w8_kernel", "pf3.w8", PF3) for bn in (32, 64)])
 #: (name, batch, query heads, KV heads, sequence, head_dim, window, softcap): the presets' prefills,
 #: a length no tile divides, Gemma 3's sliding layers and Gemma 2's softcapped ones.
 SHAPES = [("llama-3.2-1b 1x2048", 1, 32, 8, 2048, 64, 0, 0.0), ("qwen3-0.6b 1x2048", 1, 16, 8, 2048, 128, 0, 0.0),
@@ -138,15 +145,18 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             grid = (-(-S // c["BS"]), B * hq // c["HB"], 1)
             out.fill_(float("nan"))
             row = {"shape": name, "tag": variant.tag}
+            t1 = time.perf_counter()
             if not launched(lambda v=variant, grid=grid: launcher.launch(v, grid, args, 0), row, rows):
                 continue
+            row["first_launch_s"] = round(time.perf_counter() - t1, 2)  # the cubin's load included
             got = out.transpose(1, 2).double()
             row["unwritten"] = int(torch.isnan(got).sum().item())
             row["max_abs_err"] = (got - ref).abs().max().item()
             row["ok"] = row["unwritten"] == 0 and row["max_abs_err"] <= bound
             if row["ok"]:
+                t1 = time.perf_counter()
                 t = graph_us(lambda variant=variant, grid=grid: launcher.launch(variant, grid, args, 0))
-                row.update(us=round(t, 2), TFLOPs=round(flops / t / 1e6, 1))
+                row.update(us=round(t, 2), TFLOPs=round(flops / t / 1e6, 1), timing_s=round(time.perf_counter() - t1, 2))
             row["elapsed_s"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)

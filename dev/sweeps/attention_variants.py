@@ -133,23 +133,30 @@ def attention_pf_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softc
 # nothing decided inside them: the window's lower-edge tiles (masked), the interior tiles (no
 # element mask), the causal diagonal and KV-end tiles (masked); loads carry latency hints (constant
 # LAT); REV starts the query blocks with the most tiles first (causal work grows with the block
-# index).
+# index). FMA keeps the scores unscaled through the row max and scales them inside the exponent's
+# argument, `exp2(s * u - m)`: cuTile's rewrite makes that one FMA only when the product has no
+# other use (scaling first, as the shipped loop does, leaves a multiply and a subtract per score);
+# without a softcap u is the scale in log2 units, with one 1.0. Why: on the H200 the best
+# candidate without it ran Llama-3.2-1B's prefill in 1.9x cuDNN's time (2026-12-05), and the
+# elementwise work per score is what a head dim of 64 leaves to hide behind the two MMAs.
 
 from cutile_kernels.kernel_src.attention import _attention_block  # noqa: E402
 
 
 @ct.function
 def _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window, causal,
-             MASKED: ct.Constant[int], LAT: ct.Constant[int], D: ct.Constant[int], M: ct.Constant[int],
-             BN: ct.Constant[int]):
+             MASKED: ct.Constant[int], LAT: ct.Constant[int], FMA: ct.Constant[int], D: ct.Constant[int],
+             M: ct.Constant[int], BN: ct.Constant[int]):
     if LAT != 0:
         kt = ct.load(k, index=(b, kvh, 0, j), shape=(1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO, latency=2)
     else:
         kt = ct.load(k, index=(b, kvh, 0, j), shape=(1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO)
     s = ct.mma(qt, ct.reshape(kt, (D, BN)), ct.full((M, BN), 0.0, dtype=ct.float32))
+    u = qk_scale  # with FMA: the scores' factor to log2 units, applied in the exponent
     if softcap > 0.0:
         s = ct.tanh(s * (scale / softcap)) * (softcap * LOG2E)
-    else:
+        u = 1.0
+    elif FMA == 0:
         s = s * qk_scale
     if MASKED != 0:
         kidx = j * BN + ct.reshape(ct.arange(BN, dtype=ct.int32), (1, BN))
@@ -159,12 +166,17 @@ def _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, soft
         if window > 0:
             valid = valid & (kidx > pos - window)
         s = ct.where(valid, s, NEG_INF)
-        m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
+    mx = ct.max(s, axis=1, keepdims=True)
+    if FMA != 0:
+        mx = mx * u  # u > 0: scaling commutes with the max
+    m_new = ct.maximum(m_i, mx)
+    m_use = m_new
+    if MASKED != 0:
         m_use = ct.where(m_new == NEG_INF, 0.0, m_new)  # a row with no visible key yet
+    if FMA != 0:
+        p = ct.exp2(s * u - m_use, flush_to_zero=True)
     else:
-        m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
-        m_use = m_new
-    p = ct.exp2(s - m_use, flush_to_zero=True)
+        p = ct.exp2(s - m_use, flush_to_zero=True)
     alpha = ct.exp2(m_i - m_use, flush_to_zero=True)
     l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
     if LAT != 0:
@@ -177,7 +189,8 @@ def _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, soft
 
 @ct.function
 def _pf_block(q, k, v, o, scale, softcap, window, causal, LAT: ct.Constant[int], REV: ct.Constant[int],
-              D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
+              FMA: ct.Constant[int], D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int],
+              BN: ct.Constant[int]):
     M = HB * BS
     sq = q.shape[2]
     skv = k.shape[2]
@@ -209,13 +222,13 @@ def _pf_block(q, k, v, o, scale, softcap, window, causal, LAT: ct.Constant[int],
     acc = ct.full((M, D), 0.0, dtype=ct.float32)
     for j in range(j_lo, a):
         m_i, l_i, acc = _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window,
-                                 causal, 1, LAT, D, M, BN)
+                                 causal, 1, LAT, FMA, D, M, BN)
     for j in range(a, c):
         m_i, l_i, acc = _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window,
-                                 causal, 0, LAT, D, M, BN)
+                                 causal, 0, LAT, FMA, D, M, BN)
     for j in range(c, j_hi):
         m_i, l_i, acc = _pf_step(qt, k, v, b, kvh, j, m_i, l_i, acc, pos, skv, qk_scale, scale, softcap, window,
-                                 causal, 1, LAT, D, M, BN)
+                                 causal, 1, LAT, FMA, D, M, BN)
     out = acc / ct.where(l_i == 0.0, 1.0, l_i)
     ct.store(o, index=(b, hb, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, HB, BS, D)))
 
@@ -224,14 +237,15 @@ def _pf_block(q, k, v, o, scale, softcap, window, causal, LAT: ct.Constant[int],
 def attention_pf2_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
                          has_mask: int, has_len: int, causal: int, num_splits: int, D: ct.Constant[int],
                          HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int], LAT: ct.Constant[int],
-                         REV: ct.Constant[int]):
+                         REV: ct.Constant[int], FMA: ct.Constant[int]):
     """Prefill candidate (LAT: latency hints on the K and V loads; REV: the query blocks with the
-    most tiles first); a call with a mask tensor runs the shipped block."""
+    most tiles first; FMA: the scale applied inside the exponent's FMA); a call with a mask tensor
+    runs the shipped block."""
     if has_mask != 0:
         _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
                          num_splits, D, HB, BS, BN)
     else:
-        _pf_block(q, k, v, o, scale, softcap, window, causal, LAT, REV, D, HB, BS, BN)
+        _pf_block(q, k, v, o, scale, softcap, window, causal, LAT, REV, FMA, D, HB, BS, BN)
 
 
 #: The same with two warpgroups (one 64-row wgmma each), with two blocks a multiprocessor, and in
