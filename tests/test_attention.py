@@ -1338,7 +1338,8 @@ def test_prefill_sweep_candidates_include_what_ships():
 
 #: (B, Hq, Hkv, Sq, Skv, head_dim, (HB, BS, BN), extra): prefill calls without a mask tensor across
 #: the three loops of the pipelined candidate: tiles no length fills, a window's lower edge, a chunk
-#: over a cache, a softcap, two heads a block, non-causal.
+#: over a cache, a softcap, two heads a block, non-causal; and scores large enough (q and k scaled
+#: by ``scale``) that a row max in other units than the exponent's underflows the probabilities.
 PF2_CASES = [
     (1, 4, 2, 130, 130, 64, (1, 64, 64), {}),
     (2, 4, 1, 150, 150, 256, (1, 32, 64), {"window": 33}),
@@ -1346,6 +1347,8 @@ PF2_CASES = [
     (1, 4, 2, 40, 90, 32, (2, 32, 32), {"softcap": 3.0}),
     (1, 2, 1, 129, 129, 128, (1, 64, 64), {"softcap": 5.0, "window": 70}),
     (1, 2, 2, 50, 20, 80, (1, 32, 32), {"causal": False}),
+    (1, 4, 2, 130, 130, 64, (1, 64, 64), {"scale": 6.0}),
+    (1, 2, 2, 30, 200, 64, (1, 64, 32), {"window": 40, "scale": 6.0}),
 ]
 
 
@@ -1357,7 +1360,7 @@ def test_prefill_sweep_candidate_matches_reference(lat, rev, fma, case):
     from dev.sweeps import attention_variants
 
     B, Hq, Hkv, Sq, Skv, D, (hb, bs, bn), extra = case
-    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, scale=extra.get("scale", 1.0))
     kw = {"causal": extra.get("causal", True), "window": extra.get("window"), "softcap": extra.get("softcap")}
     out = torch.full((B, Sq, Hq, D), float("nan"), dtype=q.dtype)
     (_, _, args, _, _), = attn_ops.launches(q, k, v, None, out, 0.17, splits=1, **kw)

@@ -375,7 +375,7 @@ def test_path_specs_and_the_without_form(capsys):
     assert c.compile and c.ours and c.exclude == ("decoder_add_rms_norm",)
     assert paths.spec("cutile-compile+gemma_add_norm").compile and not paths.spec("cutile+gemma_add_norm").compile
     assert paths.spec("cutile-compile~rotary_pos_emb~fused_gate_up").exclude == ("rotary_pos_emb", "fused_gate_up")
-    assert paths.spec("cutile+phi3_mlp+gemma_add_norm").include == ("phi3_mlp", "gemma_add_norm")
+    assert paths.spec("cutile+fused_gate_up_geglu+gemma_add_norm").include == ("fused_gate_up_geglu", "gemma_add_norm")
     g = paths.spec("cutile-graphs~fused_gate_up")  # the decode fast path keeps its attention and graphs
     assert g.graphs and g.attn == "cutile" and g.ours and not g.compile and g.exclude == ("fused_gate_up",)
     assert paths.spec("stock-graphs").graphs and not paths.spec("stock-graphs").ours
@@ -392,7 +392,7 @@ def test_path_specs_and_the_without_form(capsys):
     assert paths.spec("cutile-compile").attn is None
     assert not paths.spec("cutile~fused_gate_up").graphs and paths.spec("cutile~fused_gate_up").attn is None
     for bad in ("cutile~nope", "stock~fused_gate_up", "stock-compile~RMSNorm", "cutile~", "cutile+", "cutile~RMSNorm~",
-                "cutile~RMSNorm~nope", "cutile+phi3_mlp+fused_gate_up", "warp-drive"):
+                "cutile~RMSNorm~nope", "cutile+gemma_add_norm+fused_gate_up", "warp-drive"):
         with pytest.raises(KeyError):
             paths.spec(bad)
     with pytest.raises(KeyError, match="not both"):

@@ -10,7 +10,7 @@ a GPU, are replaced by an output allocation. What remains is the forward's Pytho
 work, plus the stock model's small CPU elementwise ops. The models are timed alternately, one
 forward each per round, so a drifting host slows both alike:
 
-    python dev/diagnostics/host_model.py [--layers 16] [--tokens 8] [--rounds 300] [--profile 30]
+    python dev/diagnostics/host_model.py [--family llama|phi3] [--layers 16] [--tokens 8] [--rounds 300] [--profile 30]
 
 It prints each model's median and p10 microseconds per forward and their ratio (median over rounds
 of ours / stock). ``--profile N`` adds the top N functions of ours under cProfile.
@@ -44,20 +44,32 @@ def fake_gemms() -> None:
 
     F.linear = linear
     F.scaled_dot_product_attention = sdpa
+    torch.cuda.is_current_stream_capturing = lambda: False  # a one-row step asks (the gemv routing)
 
 
-def models(layers: int):
+def config(family: str, layers: int):
+    """The small-width config: Llama-3.2-1B's head layout (head_dim 64, GQA 4:1), or Phi-4-mini's
+    architecture (fused q/k/v and gate/up, 3/4 of each head rotated)."""
+    from transformers import LlamaConfig, Phi3Config
+
+    widths = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+                  vocab_size=512)
+    if family == "phi3":
+        return Phi3Config(**widths, num_key_value_heads=2, partial_rotary_factor=0.75, pad_token_id=0)
+    return LlamaConfig(**widths, num_key_value_heads=1)
+
+
+def models(layers: int, family: str = "llama"):
     """(stock, ours): equal seeded weights, bf16, eval; ours kernelized for "cuda" and patched."""
     import kernels
     import kernels.layer.repos as repos
     from kernels import LocalLayerRepository, Mode
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     import cutile_kernels
     from cutile_kernels.layers import hub
 
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=1, vocab_size=512)  # head_dim 64, GQA 4:1 as Llama-3.2-1B
+    cfg = config(family, layers)
     torch.manual_seed(0)
     stock = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ours = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
@@ -102,13 +114,14 @@ def compare(pair: dict, ids, rounds: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", choices=("llama", "phi3"), default="llama")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="top N functions of ours under cProfile")
     args = ap.parse_args(argv)
     host_overhead.install_fakes()
-    stock, ours = models(args.layers)
+    stock, ours = models(args.layers, args.family)
     fake_gemms()
     ids = torch.randint(0, 512, (1, args.tokens))
     times = compare({"stock": stock, "ours": ours}, ids, args.rounds)

@@ -28,8 +28,9 @@ builds for a window) or, with a softcap, transformers' eager attention. FLOPs co
 On the H200 (2026-12-05) each candidate row took about 90 s of wall time although its kernel runs
 in 0.1-0.3 ms, so the whole sweep does not fit one 600 s device call: ``ATTENTION_SWEEP_SHAPES``
 (comma-separated substrings of the shape names, e.g. ``qwen3-0.6b 1x2048,gemma-3``) runs a subset,
-and every row carries ``elapsed_s`` (seconds since ``run`` started), ``first_launch_s`` and
-``timing_s`` (its first launch, the cubin's load included, and its timing) to find where the time goes.
+and every row that launched carries ``elapsed_s`` (seconds since ``run`` started),
+``first_launch_s`` and ``timing_s`` (its first launch, the cubin's load included, and its timing)
+to find where the time goes. A candidate whose heads a block would span two KV heads is skipped.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ CANDIDATES = (
         (1, 64, 64, "attention_pf2_kernel", "pf2.nolat.w4", NOLAT))]
     + [(dp, 1, 128, 64, V, "attention_pf2_w8_cta2_kernel", "pf2.w8.cta2", PF2) for dp in (64, 128)]
     + [(256, 1, 64, bn, V, "attention_pf2_w8_kernel", "pf2.w8", PF2) for bn in (32, 64)]
-    # The exponent's FMA (2026-12-05) on the tiles that did best without it (two heads a block at
-    # head dim 64) and on the shipped shapes.
+    # The exponent's FMA (2026-12-05) on the shipped tile shapes and on two heads a block (the best
+    # without it at head dim 64).
     + [(dp, hb, bs, 64, V, "attention_pf2_w8_kernel", "pf3.w8", PF3) for dp in (64, 128) for hb, bs in ((1, 128), (2, 64))]
     + [(256, 1, 64, bn, V, "attention_pf2_w8_kernel", "pf3.w8", PF3) for bn in (32, 64)])
 #: (name, batch, query heads, KV heads, sequence, head_dim, window, softcap): the presets' prefills,
@@ -108,8 +109,10 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     torch.manual_seed(0)
     rows = []
     t0 = time.perf_counter()
-    wanted = [w for w in os.environ.get("ATTENTION_SWEEP_SHAPES", "").split(",") if w]
+    wanted = [w.strip() for w in os.environ.get("ATTENTION_SWEEP_SHAPES", "").split(",") if w.strip()]
     shapes = [shape for shape in SHAPES if not wanted or any(w in shape[0] for w in wanted)]
+    if not shapes:
+        raise SystemExit(f"ATTENTION_SWEEP_SHAPES={wanted} matches none of {[shape[0] for shape in SHAPES]}")
     for name, B, hq, hkv, S, D, window, softcap in shapes:
         q = torch.randn(B, S, hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         k = torch.randn(B, S, hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -140,8 +143,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
         args = ops.launches(q, k, v, None, out, scale, window=window or None, softcap=softcap or None)[0][2]
         for variant in reg.variants("attention", "sm_90"):
             c = variant.constants
-            if c["D"] != max(64, 1 << (D - 1).bit_length()):
-                continue
+            if c["D"] != max(64, 1 << (D - 1).bit_length()) or (hq // hkv) % c["HB"]:
+                continue  # another head dim; or a block's heads would span two KV heads (Phi-4-mini's 3)
             grid = (-(-S // c["BS"]), B * hq // c["HB"], 1)
             out.fill_(float("nan"))
             row = {"shape": name, "tag": variant.tag}
