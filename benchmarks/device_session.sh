@@ -10,7 +10,8 @@
 #              Traces and the summary come back in evaluate.tgz
 #   kernels    `cutile-kernels kernel-table`: every kernel against the stock code path on the presets'
 #              shapes (device time, eager time, roofline fraction); table and JSON in kernels.tgz
-#   attnsweep  the attention prefill tile sweep (dev/sweeps/attention_sweep.py run) over the
+#   attnsweep  the attention prefill tile sweep (dev/sweeps/attention_sweep.py run), $ATTNSWEEP_LIMIT s
+#              (default 500; its rows print as they finish; $ATTENTION_SWEEP_SHAPES picks shapes), over the
 #              candidates compiled on the dev machine and carried as .device/attn-sweep.tgz:
 #                python -m dev.sweeps.attention_sweep export --out /tmp/sweep-attn &&
 #                tar czf .device/attn-sweep.tgz -C /tmp sweep-attn
@@ -80,7 +81,7 @@ for stage in "$@"; do
     attnsweep)
       [ -f "$root/.device/attn-sweep.tgz" ] || { echo "attnsweep: carry .device/attn-sweep.tgz" >&2; status=2; continue; }
       rm -rf /tmp/sweep-attn && tar xzf "$root/.device/attn-sweep.tgz" -C /tmp
-      cd "$root" && step attnsweep 200 python3 -m dev.sweeps.attention_sweep run --dir /tmp/sweep-attn \
+      cd "$root" && step attnsweep "${ATTNSWEEP_LIMIT:-500}" python3 -m dev.sweeps.attention_sweep run --dir /tmp/sweep-attn \
           --json "$OUT/attention-sweep.json" ;;
     hostops)
       cd "$root" && step hostops 120 python3 benchmarks/host_overhead.py --real --calls ${CALLS:-20000} \
