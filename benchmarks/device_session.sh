@@ -11,8 +11,9 @@
 #   kernels    `cutile-kernels kernel-table`: every kernel against the stock code path on the presets'
 #              shapes (device time, eager time, roofline fraction); table and JSON in kernels.tgz
 #   attnsweep  the attention prefill tile sweep (dev/sweeps/attention_sweep.py run), $ATTNSWEEP_LIMIT s
-#              (default 500; its rows print as they finish; $ATTENTION_SWEEP_SHAPES picks shapes), over the
-#              candidates compiled on the dev machine and carried as .device/attn-sweep.tgz:
+#              (default 500; its rows print as they finish; $ATTENTION_SWEEP_SHAPES picks shapes,
+#              $ATTENTION_SWEEP_TAGS candidates, $ATTENTION_SWEEP_WATCHDOG s ends a stuck run with its stack), over
+#              the candidates compiled on the dev machine and carried as .device/attn-sweep.tgz:
 #                python -m dev.sweeps.attention_sweep export --out /tmp/sweep-attn &&
 #                tar czf .device/attn-sweep.tgz -C /tmp sweep-attn
 #   hostops    per-call host time of our ops on the GPU, with cuBLAS, SDPA and our bare launch for

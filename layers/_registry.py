@@ -5,7 +5,7 @@ module is found by name)."""
 
 from __future__ import annotations
 
-from . import _pins, gated_delta, linear, mlp, models, norm, qkv, rope, rope_cos_sin
+from . import _pins, gated_delta, kv_cache, linear, mlp, models, norm, qkv, rope, rope_cos_sin
 from . import patch as decoder
 from ._patching import PATCHES, register
 
@@ -20,11 +20,11 @@ for _family in models.FAMILIES.values():
     _pins.register(*_family.pins)
 
 #: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse): the shared
-#: features, then the attention switch over every family (``models``), then the families' own
+#: features (the DynamicCache's first write among them), then the attention switch over every family (``models``), then the families' own
 #: (after the features they build on), then fused q/k/v (which must see the attention forwards the
 #: others chose), then the opt-in float32-order norms, then the one-row GEMV (it covers the stacked
 #: projections, so it comes after every patch that makes them).
-PATCH_MODULES = (decoder, mlp, rope_cos_sin, models,
+PATCH_MODULES = (decoder, mlp, rope_cos_sin, kv_cache, models,
                  *(m for m in models.modules() if hasattr(m, "PATCH_ROWS")), qkv, norm, linear)
 
 #: transformers hub layer name -> class name in this package, gathered from the family modules.

@@ -4,7 +4,8 @@ follow them (see :func:`fuse_decoder_layers`), and the patch API.
 The mechanism (``Patch``, the registry, :func:`patch` / :func:`unpatch`, the save wrapper) lives in
 ``layers/_patching.py``; each feature module declares its patches (``PATCH_ROWS``) and
 ``layers/_registry.py`` gathers them in apply order: ``decoder_add_rms_norm`` (here),
-``fused_gate_up`` (``mlp.py``), ``rope_cos_sin`` (``rope_cos_sin.py``), the families' own
+``fused_gate_up`` (``mlp.py``), ``rope_cos_sin`` (``rope_cos_sin.py``), ``dynamic_cache_prefill``
+(``kv_cache.py``), ``cutile_attention`` (``models/__init__.py``), the families' own
 (``models/``), ``fused_qkv`` (``qkv.py``), the float-order norms (``norm.py``), ``gemv`` (``linear.py``,
 applied again after any later change: ``Patch.follows``). This module re-exports the API
 (``cutile_kernels.patch`` is :func:`patch`), so ``cutile_kernels.layers.patch`` keeps working.

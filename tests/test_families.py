@@ -42,9 +42,11 @@ def test_every_family_pin_is_registered_once():
     # the rest are the interfaces' pins, which gate nothing (reported by `pins check` only), the
     # decode graphs' (a cache layer's step they reproduce, and the generate hooks they follow) and
     # the static cache layer's update (our attention reads its length, decode graphs reproduce its writes)
-    from cutile_kernels.layers import attention, decode_graphs
+    # and the dynamic cache layers' updates (patch dynamic_cache_prefill's layers follow them)
+    from cutile_kernels.layers import attention, decode_graphs, kv_cache
 
-    others = set(_pins.PINS) - set(names) - {p.name for p in decode_graphs.PINS} - {attention.PIN.name}
+    others = (set(_pins.PINS) - set(names) - {p.name for p in decode_graphs.PINS} - {attention.PIN.name}
+              - {p.name for p in kv_cache.PINS})
     assert others and all(not _pins.PINS[n].gates for n in others)
 
 

@@ -39,6 +39,7 @@ CLAIMS = {
     "qwen3_5_stacked_proj": {"qwen3_5_text"},  # Qwen3_5GatedDeltaNet's code
     "gemma3_qk_norm_rope": {"gemma3_text"},  # Gemma3Attention's code
     "gemv": set(families.FAMILIES),  # every decoder layer's nn.Linear projections
+    "dynamic_cache_prefill": set(families.FAMILIES),  # every family's full or sliding DynamicCache layers
 }
 
 #: Patches whose CPU path is not the stock arithmetic: gemma2_attention's attention reference forms

@@ -25,16 +25,18 @@ runs there: ``F.scaled_dot_product_attention`` (``is_causal``, or the boolean ma
 builds for a window) or, with a softcap, transformers' eager attention. FLOPs count the visible
 (query, key) pairs: ``4 * B * Hq * D * pairs``.
 
-On the H200 (2026-12-05) each candidate row took about 90 s of wall time although its kernel runs
-in 0.1-0.3 ms, so the whole sweep does not fit one 600 s device call: ``ATTENTION_SWEEP_SHAPES``
-(comma-separated substrings of the shape names, e.g. ``qwen3-0.6b 1x2048,gemma-3``) runs a subset,
-and every row that launched carries ``elapsed_s`` (seconds since ``run`` started),
-``first_launch_s`` and ``timing_s`` (its first launch, the cubin's load included, and its timing)
-to find where the time goes. A candidate whose heads a block would span two KV heads is skipped.
+On the H200 (2026-12-05) a row takes about a second, but one candidate after pf2's 64 x 128 row
+never returned (not known which): ``ATTENTION_SWEEP_WATCHDOG=<seconds>`` prints where the process
+waits and ends it. ``ATTENTION_SWEEP_SHAPES`` (comma-separated substrings of the shape names, e.g.
+``qwen3-0.6b 1x2048,gemma-3``) and ``ATTENTION_SWEEP_TAGS`` (substrings of variant tags, e.g.
+``pf3``) run a subset, and every row that launched carries ``elapsed_s`` (seconds since ``run``
+started), ``first_launch_s`` and ``timing_s`` (its first launch, the cubin's load included, and its
+timing). A candidate whose heads a block would span two KV heads is skipped.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import math
@@ -104,6 +106,9 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     from cutile_kernels.launcher import Launcher
     ops = importlib.import_module("cutile_kernels.ops.attention")  # the package re-exports `attention`
 
+    watchdog = int(os.environ.get("ATTENTION_SWEEP_WATCHDOG", "0"))
+    if watchdog:  # a launch that never returns: where the process waits, printed before it is ended
+        faulthandler.dump_traceback_later(watchdog, exit=True)
     reg = registry.Registry(registry.package_dir_of(Path(sweep_dir)))
     launcher = Launcher()
     torch.manual_seed(0)
@@ -113,6 +118,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     shapes = [shape for shape in SHAPES if not wanted or any(w in shape[0] for w in wanted)]
     if not shapes:
         raise SystemExit(f"ATTENTION_SWEEP_SHAPES={wanted} matches none of {[shape[0] for shape in SHAPES]}")
+    tags = [w.strip() for w in os.environ.get("ATTENTION_SWEEP_TAGS", "").split(",") if w.strip()]
     for name, B, hq, hkv, S, D, window, softcap in shapes:
         q = torch.randn(B, S, hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         k = torch.randn(B, S, hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -145,6 +151,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             c = variant.constants
             if c["D"] != max(64, 1 << (D - 1).bit_length()) or (hq // hkv) % c["HB"]:
                 continue  # another head dim; or a block's heads would span two KV heads (Phi-4-mini's 3)
+            if tags and not any(t in variant.tag for t in tags):
+                continue  # not among the candidates asked for (ATTENTION_SWEEP_TAGS)
             grid = (-(-S // c["BS"]), B * hq // c["HB"], 1)
             out.fill_(float("nan"))
             row = {"shape": name, "tag": variant.tag}
