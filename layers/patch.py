@@ -160,34 +160,38 @@ def loop_verdict(cls: type, attr: str) -> str | None:
 
 #: Decoder-layer forwards other than Llama's whose math :func:`_fused_decoder_forward` computes on
 #: the layers their check accepts: pin name -> (a function returning the transformers forward, a
-#: check of a layer giving why it may not take the fused forward, or None). Family modules add
-#: theirs with :func:`register_llama_like_decoder` (Phi-3's: Llama's blocks with a residual dropout
-#: after each, the identity at p = 0).
+#: check of a layer giving why it may not take the fused forward or None, the name of the layer
+#: attribute each block's output is multiplied by before its residual add or None). Family modules
+#: add theirs with :func:`register_llama_like_decoder` (Phi-3's: Llama's blocks with a residual
+#: dropout after each, the identity at p = 0; Granite's: each block's output times
+#: ``residual_multiplier``).
 LLAMA_LIKE_DECODERS: dict = {}
 
 
-def register_llama_like_decoder(pin: str, reference, check) -> None:
+def register_llama_like_decoder(pin: str, reference, check, branch_scale: str | None = None) -> None:
     """Let patch ``decoder_add_rms_norm`` fuse layers whose forward is pinned ``pin``'s code
-    (``reference()`` returns the transformers function) and that ``check(layer)`` accepts (None):
-    a forward that computes ``LlamaDecoderLayer.forward``'s math on such layers (a family module
-    registers it at import, before any verdict is asked)."""
-    LLAMA_LIKE_DECODERS[pin] = (reference, check)
+    (``reference()`` returns the transformers function) and that ``check(layer)`` accepts (None;
+    ``check`` may be None): a forward that computes ``LlamaDecoderLayer.forward``'s math on such
+    layers, with each block's output multiplied by ``getattr(layer, branch_scale)`` before its
+    residual add where ``branch_scale`` is given (``residual + block(x) * layer.residual_multiplier``,
+    Granite's). A family module registers it at import, before any verdict is asked."""
+    LLAMA_LIKE_DECODERS[pin] = (reference, check, branch_scale)
     _decoder_match.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
 def _decoder_match(cls: type) -> tuple:
     # (why cls's forward is none of the fused forward's, the matched Llama-like forward's layer
-    # check or None for Llama's own).
+    # check or None, its branch-scale attribute or None; both None for Llama's own).
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     why = forward_verdict(cls, DECODER_PIN, LlamaDecoderLayer.forward)
     if why is None:
-        return None, None
-    for pin, (reference, check) in LLAMA_LIKE_DECODERS.items():
+        return None, None, None
+    for pin, (reference, check, branch_scale) in LLAMA_LIKE_DECODERS.items():
         if forward_verdict(cls, pin, reference()) is None:
-            return None, check
-    return why, None
+            return None, check, branch_scale
+    return why, None, None
 
 
 def decoder_verdict(cls: type) -> str | None:
@@ -202,7 +206,9 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
                            use_cache=False, position_embeddings=None, **kwargs):
     """``LlamaDecoderLayer.forward`` (5.22.2) with the attention block's residual add fused into
     ``post_attention_layernorm`` and, when the next layer waits for it, the MLP block's residual
-    add fused into the next layer's ``input_layernorm``. Same arguments and result."""
+    add fused into the next layer's ``input_layernorm``; for a registered forward with a branch
+    scale (Granite's), each block's output multiplied by it first, as that forward does. Same
+    arguments and result."""
     inbox = self._cutile_inbox
     handed = None
     if inbox is not None:
@@ -224,6 +230,7 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         hidden_states = handed[1]
     else:
         hidden_states = self.input_layernorm(hidden_states)
+    scale = self._cutile_scale  # a branch-scale attribute's name (Granite's residual_multiplier), or None
     attn = self.self_attn
     # The attention and MLP forwards without the module calls when no hook would run (_direct); a
     # stock attention of a verified class through its reproduction, whose projections skip theirs.
@@ -238,6 +245,8 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         hidden_states, _ = call(attn, hidden_states=hidden_states, attention_mask=attention_mask,
                                 position_ids=position_ids, past_key_values=past_key_values,
                                 use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    if scale is not None:  # the stock forward's `residual + hidden_states * m`: the product first
+        hidden_states = hidden_states * getattr(self, scale)
     post = self.post_attention_layernorm
     if _unhooked(post):
         hidden_states, residual = add_rms_norm(hidden_states, residual, post.weight, post.variance_epsilon)
@@ -245,6 +254,8 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         residual = residual + hidden_states
         hidden_states = post(residual)
     hidden_states = call(self.mlp, hidden_states)
+    if scale is not None:
+        hidden_states = hidden_states * getattr(self, scale)
     nxt = self._cutile_next
     if nxt is not None and _may_hand_off(self, nxt, hidden_states):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
@@ -275,7 +286,7 @@ def _is_fused(layer: nn.Module) -> bool:
 
 
 def _decoder_verdict(m: nn.Module) -> str | None:
-    why, check = _decoder_match(type(m))
+    why, check, _ = _decoder_match(type(m))
     if why is None and check is not None:
         why = check(m)
     if why is None and not is_llama_norm(m.post_attention_layernorm):
@@ -289,6 +300,7 @@ def _prepare_decoder(m: nn.Module) -> None:
     # A Llama-like forward's layer check, asked again at every call (what it reads, a dropout's p
     # or hooks, may change after patching); None for Llama's own forward.
     m.__dict__["_cutile_check"] = _decoder_match(type(m))[1]
+    m.__dict__["_cutile_scale"] = _decoder_match(type(m))[2]
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -305,7 +317,8 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     Applies to layers whose class's forward is ``LlamaDecoderLayer.forward``'s code (Llama,
     Mistral, Qwen2, Qwen3 and ~60 more in 5.22.2; see :func:`decoder_verdict`) or a registered
     forward of the same math on the layers its check accepts (Phi-3's with its residual dropouts at
-    p = 0: ``layers/models/phi3.py``), whose
+    p = 0: ``layers/models/phi3.py``; Granite's, each block's output times ``residual_multiplier``
+    before the fused add: ``layers/models/granite.py``), whose
     ``post_attention_layernorm`` is a Llama-formula RMSNorm, and whose forward nobody else has
     replaced (e.g. accelerate's device hooks). Cross-layer handoff links consecutive patched layers
     of one ``ModuleList`` whose next ``input_layernorm`` is a Llama-formula RMSNorm; it is skipped
@@ -368,7 +381,7 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
         The number of layers restored.
     """
     return restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
-                            attrs=("_cutile_inbox", "_cutile_next", "_cutile_check"), noun="layers")
+                            attrs=("_cutile_inbox", "_cutile_next", "_cutile_check", "_cutile_scale"), noun="layers")
 
 
 #: This module's patch row (gathered by ``layers/_registry.py``).

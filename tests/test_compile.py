@@ -44,7 +44,7 @@ FAMILY_OPS = {
     "mistral": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
     "qwen2": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
     "qwen3": {"rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul_fused"},
-    "granite": {"rms_norm", "rope", "silu_and_mul_fused"},  # scaled residual adds: no fused add + norm
+    "granite": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},  # branch times residual_multiplier, then our add
     "smollm3": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
     "gemma": {"rms_norm_gemma", "rope"},  # (1 + weight) norms; GeGLU is opt-in
     "gemma3_text": {"rms_norm_gemma", "rope"},

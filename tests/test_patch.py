@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
 LOGGER = "cutile_kernels"
 
@@ -357,15 +358,54 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
         in caplog.text
 
 
+class _HalvedLayer(LlamaDecoderLayer):
+    # The same four parts, another forward (its output halved): not the fused forward's math.
+    def forward(self, hidden_states, **kwargs):
+        return 0.5 * super().forward(hidden_states, **kwargs)
+
+
 def test_other_decoder_forwards_are_left_alone(ids, caplog):
-    # Granite's layer has the same four parts but scales the residual branch (residual_multiplier).
-    model = _model("granite")
+    model = _model("llama")
+    for layer in _decoder_layers(model):
+        layer.__class__ = _HalvedLayer
     want = _logits(model, ids).logits
     with caplog.at_level(logging.INFO, logger=LOGGER):
         cutile_kernels.patch(model)
     assert not any(_fused(layer) for layer in _decoder_layers(model))
-    assert "leaves 3 GraniteDecoderLayer alone: its forward is not LlamaDecoderLayer.forward's code" in caplog.text
+    assert "leaves 3 _HalvedLayer alone: its forward is not LlamaDecoderLayer.forward's code" in caplog.text
     assert torch.equal(_logits(model, ids).logits, want)
+
+
+def test_granite_decoder_fuses_its_scaled_residual_adds(ids, change_pin):
+    # Granite's layer is Llama's with each block's output times residual_multiplier before its add:
+    # the fused forward multiplies first (the stock product), then our add + norm; the multiplier
+    # is read at every call.
+    model = _model("granite")
+    for layer in _decoder_layers(model):
+        layer.residual_multiplier = 0.5  # scaled branches (Granite-3.3-2B's is 0.22)
+    want = _logits(model, ids).logits
+    assert cutile_kernels.patch(model).changed["decoder_add_rms_norm"] == 3
+    assert all(_fused(layer) for layer in _decoder_layers(model))
+    assert torch.equal(_logits(model, ids).logits, want)
+    with torch.inference_mode():  # the cross-layer hand-off under the verified loop
+        assert torch.equal(model(ids).logits, want)
+    for layer in _decoder_layers(model):
+        layer.residual_multiplier = 0.25
+    cutile_kernels.unpatch(model)
+    want_quarter = _logits(model, ids).logits
+    assert not torch.equal(want_quarter, want)
+    cutile_kernels.patch(model)
+    assert torch.equal(_logits(model, ids).logits, want_quarter)
+    cutile_kernels.unpatch(model)
+    change_pin("granite.GraniteDecoderLayer.forward")
+    from cutile_kernels.layers import patch as decoder
+
+    decoder._decoder_match.cache_clear()
+    try:
+        assert cutile_kernels.patch(model).changed["decoder_add_rms_norm"] == 0  # a changed forward: left alone
+    finally:
+        cutile_kernels.unpatch(model)
+        decoder._decoder_match.cache_clear()
 
 
 def test_the_four_families_have_llama_decoder_code():

@@ -22,7 +22,7 @@ from cutile_kernels.layers.models import claimed_model_types
 CLAIMS = {
     "gemma2_attention": {"gemma2"},  # the one family here without an sdpa path
     "cutile_attention": set(families.FAMILIES) - {"gemma2"},  # every claimed family attending with sdpa
-    "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"},  # Phi-3: dropouts p = 0
+    "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite"},  # Phi-3: dropouts p = 0
     "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "qwen3_5_text"},  # LlamaMLP
     "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "smollm3", "phi3"},  # Llama's rotary
     "qk_norm_rope": {"qwen3"},  # Qwen3Attention's code only
