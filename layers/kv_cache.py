@@ -3,29 +3,28 @@
 transformers' ``DynamicLayer.update`` (cache_utils.py, v5.22.2) grows a layer's keys and values by
 ``torch.cat`` on every call; on the first call, the prompt's, that is a cat of an empty tensor
 with the new keys, i.e. a copy of the keys and one of the values (two launches a layer, 17 % of
-Phi-4-mini's eager prefill's non-GEMM device time on the H200, 2026-12-05). The cache layers of a
-``DynamicCache(config=...)`` (what the models' forwards and ``generate`` build) come from
-transformers' registry ``cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`` (layer type -> class). This patch
-puts two subclasses there:
+Phi-4-mini's eager prefill's non-GEMM device time on the H200, 2026-12-05). A copy it stays (the
+new keys are often views of a projection's output, which the cache must not keep alive, and the
+cache's tensors must have the layout stock gives them), but one ``kv_append`` launch makes both.
 
-* :class:`CutileDynamicLayer` (``"full_attention"``) and :class:`CutileDynamicSlidingWindowLayer`
-  (``"sliding_attention"``, ``"chunked_attention"``). Their ``update`` runs the stock lines, except
-  that the first write of an uninitialized layer copies the new keys and values into new contiguous
-  tensors with one ``kv_append`` launch (:func:`first_write`) where ``torch.cat`` would have copied
-  them: the same values bit for bit, the same shapes, dtype and (contiguous) layout. Later writes
-  (decode steps, further chunks) are the stock ``update``: a cat of the cache with the new rows.
+No hook of transformers reaches this write without changing the layers' classes, which transformers'
+own code checks exactly (``integrations/executorch.py`` flattens only ``DynamicLayer`` and
+``DynamicSlidingWindowLayer`` for ``torch.export``) and which a pickled cache names. So the patch
+replaces the ``update`` method of those two classes while at least one model patched with it is
+alive and patched (the functions are shared by every copy of this package in the process, with the
+holders' count): :func:`dynamic_update` and :func:`sliding_update`. For an instance of exactly that
+class whose first write :func:`first_write` takes, they copy k and v into new contiguous tensors with
+one ``kv_append`` launch where ``torch.cat`` would have: the same values bit for bit, shapes, dtype
+and layout; every other call (later writes, other classes, or what :func:`first_write` leaves:
+off CUDA, under ``torch.compile`` or CUDA-graph capture, with autograd recording, kernels disabled or
+not built for the GPU, other shapes or dtypes) runs transformers' method. The sliding layer's update
+is reproduced (its pinned statements, :data:`PINS`); each replacement carries the method it replaced
+as ``__wrapped__``, so the pins still read transformers' code. Where the installed transformers
+changed either method, or something else replaced one, the patch changes nothing and says so.
 
-:func:`first_write` leaves the call to the stock lines (no launch of ours) off CUDA, under
-``torch.compile`` (the stock cat traces), where autograd records (``kv_append`` has no backward),
-for k and v of other shapes or dtypes, head dims over 256, and dtypes ``kv_append`` has no variant
-for. The sliding layer's ``update`` is reproduced (its pinned statements, :data:`PINS`); if the
-installed transformers changed either update, the patch changes nothing and says so.
-
-The registry is process-wide: while at least one model patched through this module is alive and
-patched, every ``DynamicCache(config=...)`` built in the process gets these layers (a model not
-kernelized included: the same values as stock, on our kernel). :func:`unpatch_dynamic_cache`
-of the last such model puts transformers' classes back; caches built meanwhile keep their layers.
-A registry entry that is neither transformers' class nor ours (another library's) is left alone.
+The methods are the process's: while a patched model lives, every DynamicCache in the process gets
+the first write on our kernel (a model not kernelized included: the same values). When the last
+patched model is unpatched or freed, transformers' methods go back.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from torch import nn
 from transformers import cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .. import dispatch
 from ..ops.kv_cache import DTYPES as KV_DTYPES
 from ..ops.kv_cache import kv_append
 from ._patching import Patch
@@ -47,9 +47,9 @@ logger = logging.getLogger("cutile_kernels")
 
 PINS = (
     Pin("cache_utils", "DynamicLayer.update", "1cac09d084ff6b22",
-        "patch dynamic_cache_prefill (CutileDynamicLayer: its first write on kv_append, later ones its own)"),
+        "patch dynamic_cache_prefill (dynamic_update: its first write on kv_append, other calls this method)"),
     Pin("cache_utils", "DynamicSlidingWindowLayer.update", "281c79d2b0c52a66",
-        "patch dynamic_cache_prefill (CutileDynamicSlidingWindowLayer.update reproduces it)"),
+        "patch dynamic_cache_prefill (sliding_update reproduces it)"),
 )
 register(*PINS)
 
@@ -82,8 +82,16 @@ def first_write(layer: DynamicLayer, k: torch.Tensor, v: torch.Tensor) -> tuple[
     one ``kv_append`` launch into :func:`new_buffers`, when ``layer`` is not initialized yet (its
     first write, a prefill); else None and the caller runs the stock lines (see the module
     docstring for which calls those are). The copies are what ``torch.cat([empty, k], dim=-2)``
-    returns: the same values, shape, dtype and contiguous layout."""
-    if layer.is_initialized or _compiling():
+    returns: the same values, shape, dtype and contiguous layout.
+
+    Raises:
+        FallbackError: ``CUTILE_KERNELS_STRICT=1`` and the op could not launch its kernel for these
+            tensors (the checks above leave it the calls it has variants for)."""
+    if layer.is_initialized or _compiling() or dispatch.disabled():
+        return None
+    # A capture would record the zero slot's fill without running it; a GPU no build of ours runs on
+    # would take the op's reference, slower than the cat it replaces.
+    if k.is_cuda and (torch.cuda.is_current_stream_capturing() or not dispatch.runs_on(k.device)):
         return None
     if (k.device.type not in DEVICE_TYPES or k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype
             or k.device != v.device or k.dtype not in KV_DTYPES or k.shape[-1] > MAX_HEAD_DIM or k.shape[2] == 0):
@@ -95,61 +103,56 @@ def first_write(layer: DynamicLayer, k: torch.Tensor, v: torch.Tensor) -> tuple[
     return keys, values
 
 
-class CutileDynamicLayer(DynamicLayer):
-    """transformers' ``DynamicLayer`` whose first write copies on the ``kv_append`` kernel
-    (:func:`first_write`); every other call is the stock ``update``."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """``DynamicLayer.update``: ``key_states``, ``value_states`` ``(B, H, S, D)``; returns the
-        layer's keys and values ``(B, H, past + S, D)``."""
-        fresh = first_write(self, key_states, value_states)
-        if fresh is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = fresh
-        return fresh
+def dynamic_update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """``DynamicLayer.update`` while the patch is in effect: ``key_states``, ``value_states`` ``(B, H,
+    S, D)``; returns the layer's keys and values ``(B, H, past + S, D)``. An exact ``DynamicLayer``'s
+    first write copies on the kernel (:func:`first_write`); every other call is transformers' method."""
+    fresh = first_write(self, key_states, value_states) if type(self) is DynamicLayer else None
+    if fresh is None:
+        return dynamic_update.__wrapped__(self, key_states, value_states, *args, **kwargs)
+    self.lazy_initialization(key_states, value_states)
+    self.keys, self.values = fresh
+    return fresh
 
 
-class CutileDynamicSlidingWindowLayer(DynamicSlidingWindowLayer):
-    """transformers' ``DynamicSlidingWindowLayer`` whose first write copies on the ``kv_append``
-    kernel (:func:`first_write`); every other call is the stock ``update``."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """``DynamicSlidingWindowLayer.update`` (5.22.2, pinned): keeps the last ``sliding_window -
-        1`` rows, returns the full states (or, recording the past, the visible ones)."""
-        fresh = first_write(self, key_states, value_states)
-        if fresh is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[-2]
-        full_key_states, full_value_states = fresh
-        if not self.record_past:
-            self.keys = full_key_states[:, :, -self.sliding_window + 1 :, :]
-            self.values = full_value_states[:, :, -self.sliding_window + 1 :, :]
-            return full_key_states, full_value_states
-        self.keys = full_key_states
-        self.values = full_value_states
-        num_visible = self.sliding_window - 1 + key_states.shape[-2]
-        return full_key_states[:, :, -num_visible:, :], full_value_states[:, :, -num_visible:, :]
-
-
-#: transformers' class -> ours, and the layer types whose registry entry each takes.
-OURS = {DynamicLayer: CutileDynamicLayer, DynamicSlidingWindowLayer: CutileDynamicSlidingWindowLayer}
-LAYER_TYPES = {"full_attention": DynamicLayer, "sliding_attention": DynamicSlidingWindowLayer,
-               "chunked_attention": DynamicSlidingWindowLayer}
-_OUR_CLASSES = frozenset(c.__qualname__ for c in OURS.values())
-#: The models this module patched and did not unpatch (the registry holds our classes while any is alive).
-_HOLDERS: weakref.WeakSet = weakref.WeakSet()
+def sliding_update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """``DynamicSlidingWindowLayer.update`` (5.22.2, pinned) while the patch is in effect: keeps the
+    last ``sliding_window - 1`` rows, returns the full states (or, recording the past, the visible
+    ones). An exact ``DynamicSlidingWindowLayer``'s first write copies on the kernel
+    (:func:`first_write`); every other call is transformers' method."""
+    fresh = first_write(self, key_states, value_states) if type(self) is DynamicSlidingWindowLayer else None
+    if fresh is None:
+        return sliding_update.__wrapped__(self, key_states, value_states, *args, **kwargs)
+    self.lazy_initialization(key_states, value_states)
+    self.cumulative_length += key_states.shape[-2]
+    full_key_states, full_value_states = fresh
+    if not self.record_past:
+        self.keys = full_key_states[:, :, -self.sliding_window + 1 :, :]
+        self.values = full_value_states[:, :, -self.sliding_window + 1 :, :]
+        return full_key_states, full_value_states
+    self.keys = full_key_states
+    self.values = full_value_states
+    # A first write shows all of its S rows (num_visible >= S): transformers' slice, kept as it is.
+    num_visible = self.sliding_window - 1 + key_states.shape[-2]
+    return full_key_states[:, :, -num_visible:, :], full_value_states[:, :, -num_visible:, :]
 
 
-def _ours(cls) -> bool:
-    # By name: a second copy of this package (the build variant kernels loads) has its own classes.
-    return isinstance(cls, type) and cls.__qualname__ in _OUR_CLASSES and issubclass(cls, tuple(OURS))
+#: The classes whose ``update`` the patch replaces -> this copy's replacement.
+REPLACEMENTS = {DynamicLayer: dynamic_update, DynamicSlidingWindowLayer: sliding_update}
+#: Attribute of an installed replacement: the holders' table, ``{id(model): weakref.finalize}``,
+#: shared by every copy of this package through the installed function.
+_HOLDERS_ATTR = "_cutile_dynamic_cache_holders"
+
+
+def installed() -> dict | None:
+    """The holders' table of the replacements in effect (this copy's or another's), or None when
+    transformers' methods are in place."""
+    return getattr(DynamicLayer.__dict__.get("update"), _HOLDERS_ATTR, None)
 
 
 def cache_layers(model: nn.Module) -> int:
-    """How many layers of a ``DynamicCache(config=model.config)`` take one of our classes (0 for a
-    model without such a config or without full, sliding or chunked attention layers)."""
+    """How many layers of a ``DynamicCache(config=model.config)`` are full or sliding attention
+    layers whose first write the patch serves (0 for a model without such a config)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
         return 0
@@ -160,38 +163,60 @@ def cache_layers(model: nn.Module) -> int:
     return sum(t in LAYER_TYPES for t in types)
 
 
+#: The layer types whose DynamicCache layers are the two classes.
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 def verdict() -> str | None:
-    """Why the patch cannot register its layers in this process, or None."""
-    for p in PINS:
-        if not holds(p.name):
-            return f"this transformers' {p.qualname} is not the one the layers follow ({p.name})"
-    if not hasattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING"):
-        return "this transformers has no DYNAMIC_LAYER_TYPE_MAPPING"
+    """Why the replacements cannot go in (transformers' methods are not the pinned ones, or another
+    library replaced one), or None."""
+    for cls, pin in zip(REPLACEMENTS, PINS):
+        fn = cls.__dict__.get("update")
+        foreign = getattr(fn, "__wrapped__", None) is not None and getattr(fn, _HOLDERS_ATTR, None) is None
+        if foreign or not holds(pin.name):  # (holds() reads a replacement of ours through __wrapped__)
+            return f"this transformers' {pin.qualname} is not the one the patch follows ({pin.name})"
     return None
 
 
+def _install() -> dict:
+    holders: dict = {}
+    for cls, fn in REPLACEMENTS.items():
+        fn.__wrapped__ = cls.__dict__["update"]
+        setattr(fn, _HOLDERS_ATTR, holders)
+        cls.update = fn
+    return holders
+
+
+def _release(holders: dict, key: int) -> None:
+    # A holder unpatched or freed: with none left, transformers' methods go back (the replacements
+    # that carry this table: those of whichever copy installed them).
+    holders.pop(key, None)
+    if holders:
+        return
+    for cls in REPLACEMENTS:
+        fn = cls.__dict__.get("update")
+        if getattr(fn, _HOLDERS_ATTR, None) is holders:
+            cls.update = fn.__wrapped__
+
+
 def patch_dynamic_cache(model: nn.Module) -> int:
-    """Patch ``dynamic_cache_prefill`` (module docstring): our layer classes in transformers'
-    registry while ``model`` is patched. Returns the model's cache layers they serve (0: already
-    patched, nothing to serve, or refused with a log line)."""
-    if model in _HOLDERS:
-        return 0
+    """Patch ``dynamic_cache_prefill`` (module docstring): the replacements in effect while ``model``
+    is patched and alive. Returns the model's cache layers they serve (0: already patched, nothing
+    to serve, or refused with a log line)."""
     n = cache_layers(model)
-    why = verdict() if n else None
-    if why is not None:
-        logger.info("cutile_kernels: patch dynamic_cache_prefill leaves %s alone: %s", type(model).__name__, why)
-        return 0
     if not n:
         return 0
-    mapping = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
-    for layer_type, stock in LAYER_TYPES.items():
-        now = mapping.get(layer_type)
-        if now is stock:
-            mapping[layer_type] = OURS[stock]
-        elif not _ours(now):
-            logger.info("cutile_kernels: patch dynamic_cache_prefill leaves the %r cache layers to %r", layer_type,
-                        getattr(now, "__qualname__", now))
-    _HOLDERS.add(model)
+    holders = installed()
+    if holders is None:
+        why = verdict()
+        if why is not None:
+            logger.info("cutile_kernels: patch dynamic_cache_prefill leaves %s alone: %s", type(model).__name__, why)
+            return 0
+        holders = _install()
+    key = id(model)
+    if key in holders:
+        return 0
+    holders[key] = weakref.finalize(model, _release, holders, key)
     logger.info("cutile_kernels: patch dynamic_cache_prefill: the first write of %d DynamicCache layers of %s on "
                 "the kv_append kernel", n, type(model).__name__)
     return n
@@ -199,22 +224,13 @@ def patch_dynamic_cache(model: nn.Module) -> int:
 
 def unpatch_dynamic_cache(model: nn.Module) -> int:
     """Undo :func:`patch_dynamic_cache` for ``model``; with no patched model left, transformers'
-    classes go back into the registry (where it still holds this copy's). Returns the cache layers
-    the model had served (0 if it was not patched here)."""
-    if model not in _HOLDERS:
+    methods go back. Returns the cache layers the model had served (0 if it was not patched)."""
+    holders = installed()
+    if holders is None or id(model) not in holders:
         return 0
-    _HOLDERS.discard(model)
-    if not _HOLDERS:
-        restore_registry()
+    holders[id(model)].detach()
+    _release(holders, id(model))
     return cache_layers(model)
-
-
-def restore_registry() -> None:
-    """Put transformers' classes back where the registry holds this copy's."""
-    mapping = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
-    for layer_type, stock in LAYER_TYPES.items():
-        if mapping.get(layer_type) is OURS[stock]:
-            mapping[layer_type] = stock
 
 
 #: This module's patch row (``layers/_registry.py``).
@@ -222,6 +238,6 @@ PATCH_ROWS = [Patch("dynamic_cache_prefill", apply=patch_dynamic_cache, undo=unp
                     description="a DynamicCache layer's first write (the prefill's keys and values) in one "
                                 "kv_append launch instead of two torch.cat copies")]
 
-__all__ = ["CutileDynamicLayer", "CutileDynamicSlidingWindowLayer", "DEVICE_TYPES", "PATCH_ROWS", "PINS",
-           "cache_layers", "first_write", "new_buffers", "patch_dynamic_cache", "restore_registry",
+__all__ = ["DEVICE_TYPES", "LAYER_TYPES", "PATCH_ROWS", "PINS", "REPLACEMENTS", "cache_layers", "dynamic_update",
+           "first_write", "installed", "new_buffers", "patch_dynamic_cache", "sliding_update",
            "unpatch_dynamic_cache", "verdict"]
