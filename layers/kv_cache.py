@@ -139,15 +139,37 @@ def sliding_update(self, key_states: torch.Tensor, value_states: torch.Tensor, *
 
 #: The classes whose ``update`` the patch replaces -> this copy's replacement.
 REPLACEMENTS = {DynamicLayer: dynamic_update, DynamicSlidingWindowLayer: sliding_update}
-#: Attribute of an installed replacement: the holders' table, ``{id(model): weakref.finalize}``,
-#: shared by every copy of this package through the installed function.
+#: Attribute of an installed replacement: its :class:`_Holders`, shared by every copy of this
+#: package through the installed function.
 _HOLDERS_ATTR = "_cutile_dynamic_cache_holders"
 
 
-def installed() -> dict | None:
+class _Holders(dict):
+    """``{id(model): weakref.finalize}`` of the patched models, with the functions installed
+    (``installed``: class -> function) and the methods they replaced (``originals``)."""
+
+    def __init__(self, installed: dict, originals: dict):
+        super().__init__()
+        self.installed, self.originals = installed, originals
+
+
+def installed() -> _Holders | None:
     """The holders' table of the replacements in effect (this copy's or another's), or None when
-    transformers' methods are in place."""
-    return getattr(DynamicLayer.__dict__.get("update"), _HOLDERS_ATTR, None)
+    they are not (transformers' methods, or a method someone put over ours)."""
+    holders = getattr(DynamicLayer.__dict__.get("update"), _HOLDERS_ATTR, None)
+    if holders is None or any(cls.__dict__.get("update") is not fn for cls, fn in holders.installed.items()):
+        return None
+    return holders
+
+
+def _restore_stale() -> None:
+    # A replacement of ours left in place by a table with no holder (e.g. put back by hand after
+    # a release): transformers' method again, so that the verdict sees it.
+    for cls in REPLACEMENTS:
+        fn = cls.__dict__.get("update")
+        table = getattr(fn, _HOLDERS_ATTR, None)
+        if table is not None and not table and table.installed.get(cls) is fn:
+            cls.update = table.originals[cls]
 
 
 def cache_layers(model: nn.Module) -> int:
@@ -172,31 +194,35 @@ def verdict() -> str | None:
     library replaced one), or None."""
     for cls, pin in zip(REPLACEMENTS, PINS):
         fn = cls.__dict__.get("update")
-        foreign = getattr(fn, "__wrapped__", None) is not None and getattr(fn, _HOLDERS_ATTR, None) is None
-        if foreign or not holds(pin.name):  # (holds() reads a replacement of ours through __wrapped__)
+        # A wrapped method is someone else's (ours, when in effect, is not asked about): never
+        # installed over, so no replacement ever wraps another one.
+        if getattr(fn, "__wrapped__", None) is not None or not holds(pin.name):
             return f"this transformers' {pin.qualname} is not the one the patch follows ({pin.name})"
     return None
 
 
-def _install() -> dict:
-    holders: dict = {}
+def _install() -> _Holders:
+    originals = {cls: cls.__dict__["update"] for cls in REPLACEMENTS}
+    holders = _Holders(dict(REPLACEMENTS), originals)
     for cls, fn in REPLACEMENTS.items():
-        fn.__wrapped__ = cls.__dict__["update"]
+        fn.__wrapped__ = originals[cls]  # what it calls, and what the pins read through it
         setattr(fn, _HOLDERS_ATTR, holders)
         cls.update = fn
     return holders
 
 
-def _release(holders: dict, key: int) -> None:
-    # A holder unpatched or freed: with none left, transformers' methods go back (the replacements
-    # that carry this table: those of whichever copy installed them).
+def _release(holders: _Holders, key: int) -> None:
+    # A holder unpatched or freed: with none left, transformers' methods go back where the class
+    # still holds the function installed (a method put over it since is someone else's: left).
     holders.pop(key, None)
     if holders:
         return
-    for cls in REPLACEMENTS:
-        fn = cls.__dict__.get("update")
-        if getattr(fn, _HOLDERS_ATTR, None) is holders:
-            cls.update = fn.__wrapped__
+    for cls, fn in holders.installed.items():
+        if cls.__dict__.get("update") is fn:
+            cls.update = holders.originals[cls]
+        else:
+            logger.info("cutile_kernels: patch dynamic_cache_prefill leaves %s.update as another library set it",
+                        cls.__name__)
 
 
 def patch_dynamic_cache(model: nn.Module) -> int:
@@ -208,6 +234,7 @@ def patch_dynamic_cache(model: nn.Module) -> int:
         return 0
     holders = installed()
     if holders is None:
+        _restore_stale()
         why = verdict()
         if why is not None:
             logger.info("cutile_kernels: patch dynamic_cache_prefill leaves %s alone: %s", type(model).__name__, why)

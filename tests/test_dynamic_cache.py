@@ -13,6 +13,7 @@ for bit against ``torch.cat`` on poisoned buffers, on real models' head shapes a
 
 from __future__ import annotations
 
+import functools
 import gc
 import pickle
 
@@ -27,6 +28,7 @@ from transformers import DynamicCache  # noqa: E402
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
 
 from cutile_kernels.layers import kv_cache as kc  # noqa: E402
+from cutile_kernels.layers._pins import holds  # noqa: E402
 
 
 def _stock(cls):
@@ -168,7 +170,7 @@ def test_methods_are_replaced_while_a_patched_model_lives(clean):
     assert kc.patch_dynamic_cache(a) == a.config.num_hidden_layers
     assert DynamicLayer.update is kc.dynamic_update and DynamicSlidingWindowLayer.update is kc.sliding_update
     assert kc.dynamic_update.__wrapped__ is stock_full and kc.sliding_update.__wrapped__ is stock_sliding
-    assert kc.verdict() is None  # the pins read transformers' methods through __wrapped__
+    assert all(holds(p.name) for p in kc.PINS)  # the pins read transformers' methods through __wrapped__
     assert kc.patch_dynamic_cache(a) == 0  # already patched
     assert kc.patch_dynamic_cache(b) == b.config.num_hidden_layers
     cache = DynamicCache(config=b.config)
@@ -210,10 +212,61 @@ def test_a_changed_pin_or_a_foreign_method_is_left_alone(clean, monkeypatch, cha
     monkeypatch.setattr(DynamicLayer, "update", theirs)
     assert kc.patch_dynamic_cache(model) == 0
     assert DynamicLayer.__dict__["update"] is theirs
+    wrapped = functools.wraps(_stock(DynamicLayer))(lambda self, *a, **kw: theirs(self, *a, **kw))
+    monkeypatch.setattr(DynamicLayer, "update", wrapped)  # a wrapper of transformers' method: refused too
+    assert kc.patch_dynamic_cache(model) == 0
     monkeypatch.undo()
     change_pin("cache_utils.DynamicSlidingWindowLayer.update")
     assert kc.patch_dynamic_cache(model) == 0
     assert kc.installed() is None
+
+
+def test_a_method_put_over_ours_is_left_and_never_wrapped(clean):
+    stock_full, stock_sliding = _stock(DynamicLayer), _stock(DynamicSlidingWindowLayer)
+    model = families.model("llama")
+    kc.patch_dynamic_cache(model)
+    ours = DynamicLayer.update
+
+    @functools.wraps(ours)  # another tool's wrapper over ours: it copies our attributes
+    def theirs(self, *args, **kwargs):
+        return ours(self, *args, **kwargs)
+
+    try:
+        DynamicLayer.update = theirs
+        assert kc.installed() is None  # ours is not in place any more
+        assert kc.unpatch_dynamic_cache(model) == 0
+        assert kc.patch_dynamic_cache(model) == 0  # refused: a wrapped method is someone else's
+        assert DynamicLayer.__dict__["update"] is theirs
+        DynamicLayer.update = ours
+        assert id(model) in kc.installed()
+        DynamicLayer.update = theirs
+        del model
+        gc.collect()  # the last holder freed: the sliding method goes back, theirs stays
+        assert DynamicLayer.__dict__["update"] is theirs
+        assert DynamicSlidingWindowLayer.__dict__["update"] is stock_sliding
+        DynamicLayer.update = ours  # ours put back by hand, with no holder: taken back at the next patch
+        other = families.model("llama")
+        assert kc.patch_dynamic_cache(other) > 0 and id(other) in kc.installed()
+        assert kc.unpatch_dynamic_cache(other) > 0
+        assert DynamicLayer.__dict__["update"] is stock_full
+    finally:
+        DynamicLayer.update, DynamicSlidingWindowLayer.update = stock_full, stock_sliding
+
+
+def test_sliding_subclasses_keep_their_own_lines(on_cpu, held, monkeypatch):
+    calls = []
+    real = kc.kv_append
+    monkeypatch.setattr(kc, "kv_append", lambda *a: calls.append(a) or real(*a))
+
+    class Theirs(DynamicSlidingWindowLayer):
+        pass
+
+    k, v = _kv(1, 2, 9, 64)
+    got = Theirs(4).update(k, v)
+    want = _stock(DynamicSlidingWindowLayer)(DynamicSlidingWindowLayer(4), k, v)
+    assert calls == [] and all(torch.equal(g, w) for g, w in zip(got, want))
+    DynamicSlidingWindowLayer(4).update(k, v)
+    assert len(calls) == 1
 
 
 def test_a_model_without_attention_cache_layers_is_not_counted():

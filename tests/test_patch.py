@@ -389,9 +389,16 @@ def test_granite_decoder_fuses_its_scaled_residual_adds(ids, change_pin):
     assert torch.equal(_logits(model, ids).logits, want)
     with torch.inference_mode():  # the cross-layer hand-off under the verified loop
         assert torch.equal(model(ids).logits, want)
+    # A hooked norm takes the module call (and the plain add before it): still the product first.
+    handles = [layer.post_attention_layernorm.register_forward_hook(lambda m, i, o: None)
+               for layer in _decoder_layers(model)]
+    assert torch.equal(_logits(model, ids).logits, want)
+    for h in handles:
+        h.remove()
     for layer in _decoder_layers(model):
         layer.residual_multiplier = 0.25
     cutile_kernels.unpatch(model)
+    assert not any("_cutile_scale" in layer.__dict__ for layer in _decoder_layers(model))
     want_quarter = _logits(model, ids).logits
     assert not torch.equal(want_quarter, want)
     cutile_kernels.patch(model)

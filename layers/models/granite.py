@@ -9,7 +9,9 @@ and ``fused_gate_up`` run as they do for Llama (and the opt-in ``fused_qkv`` and
 ``residual_multiplier`` before its residual add (``residual + hidden_states * m``): registered here
 as a Llama-like decoder with that branch scale, so patch ``decoder_add_rms_norm`` fuses the adds
 into the norms (the product stays PyTorch's multiply, then our ``add_rms_norm`` forms the sum
-exactly as the stock add rounds it). Its pin gates that.
+exactly as the stock add rounds it). Its pin gates that. Decoder classes with the same forward's
+code take it too (by code identity: ``GraniteSWADecoderLayer``, the text decoder of Granite 4
+Vision in 5.22.2).
 """
 
 from __future__ import annotations
