@@ -11,8 +11,8 @@ No hook of transformers reaches this write without changing the layers' classes,
 own code checks exactly (``integrations/executorch.py`` flattens only ``DynamicLayer`` and
 ``DynamicSlidingWindowLayer`` for ``torch.export``) and which a pickled cache names. So the patch
 replaces the ``update`` method of those two classes while at least one model patched with it is
-alive and patched (the functions are shared by every copy of this package in the process, with the
-holders' count): :func:`dynamic_update` and :func:`sliding_update`. For an instance of exactly that
+alive and patched: :func:`dynamic_update` and :func:`sliding_update` (the holders' table travels
+with the installed functions, so every copy of this package in the process shares it). For an instance of exactly that
 class whose first write :func:`first_write` takes, they copy k and v into new contiguous tensors with
 one ``kv_append`` launch where ``torch.cat`` would have: the same values bit for bit, shapes, dtype
 and layout; every other call (later writes, other classes, or what :func:`first_write` leaves:
