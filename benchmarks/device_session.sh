@@ -16,6 +16,11 @@
 #              the candidates compiled on the dev machine and carried as .device/attn-sweep.tgz:
 #                python -m dev.sweeps.attention_sweep export --out /tmp/sweep-attn &&
 #                tar czf .device/attn-sweep.tgz -C /tmp sweep-attn
+#   normsweep  the RMSNorm / fused add + RMSNorm tile sweep (dev/sweeps/norm_sweep.py run), $NORMSWEEP_LIMIT s
+#              (default 300; $NORM_SWEEP_SHAPES, e.g. 512x2048,512x3072, and $NORM_SWEEP_KINDS pick a subset),
+#              over the candidates compiled on the dev machine and carried as .device/norm-sweep.tgz:
+#                python dev/sweeps/norm_sweep.py export --out /tmp/sweep-norm &&
+#                tar czf .device/norm-sweep.tgz -C /tmp sweep-norm
 #   hostops    per-call host time of our ops on the GPU, with cuBLAS, SDPA and our bare launch for
 #              scale (benchmarks/host_overhead.py --real, $CALLS calls each); host-ops.json
 #   hostprof   where the host time of an eager prefill of $MODEL goes, stock and ours
@@ -47,7 +52,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention gemv attnsweep evaluate kernels hostops hostprof hostab rank score bench staticgen notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention gemv attnsweep normsweep evaluate kernels hostops hostprof hostab rank score bench staticgen notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -84,6 +89,11 @@ for stage in "$@"; do
       rm -rf /tmp/sweep-attn && tar xzf "$root/.device/attn-sweep.tgz" -C /tmp
       cd "$root" && step attnsweep "${ATTNSWEEP_LIMIT:-500}" python3 -m dev.sweeps.attention_sweep run --dir /tmp/sweep-attn \
           --json "$OUT/attention-sweep.json" ;;
+    normsweep)
+      [ -f "$root/.device/norm-sweep.tgz" ] || { echo "normsweep: carry .device/norm-sweep.tgz" >&2; status=2; continue; }
+      rm -rf /tmp/sweep-norm && tar xzf "$root/.device/norm-sweep.tgz" -C /tmp
+      cd "$root" && step normsweep "${NORMSWEEP_LIMIT:-300}" python3 -m dev.sweeps.norm_sweep run --dir /tmp/sweep-norm \
+          --json "$OUT/norm-sweep.json" ;;
     hostops)
       cd "$root" && step hostops 120 python3 benchmarks/host_overhead.py --real --calls ${CALLS:-20000} \
           --json "$OUT/host-ops.json" ;;

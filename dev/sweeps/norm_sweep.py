@@ -3,6 +3,9 @@
     python dev/sweeps/norm_sweep.py export --out .sweep            # CPU: compile candidates (sm_90)
     python dev/sweeps/norm_sweep.py run --dir .sweep --json out.json  # GPU: check, then time
 
+``NORM_SWEEP_SHAPES`` / ``NORM_SWEEP_KINDS`` run a subset (see :func:`subset`); on the device,
+``benchmarks/device_session.sh normsweep`` runs the export carried as ``.device/norm-sweep.tgz``.
+
 Each candidate is checked against a float64 reference on fresh random inputs (output poisoned with
 NaN first), then timed with CUDA events (median of repeats after warm-up). Bandwidth counts the
 bytes that must move: x read once, y written once, weight read once (residual read and written
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +61,27 @@ def export(out: str) -> None:
 
 
 
+KINDS = ("rms_norm", "add_rms_norm")
+
+
+def subset(shapes: list, shapes_env: str, kinds_env: str) -> tuple[list, tuple]:
+    """The ``(rows, width)`` shapes and kernels a run times: all, or those named by
+    ``NORM_SWEEP_SHAPES`` (comma-separated ``ROWSxWIDTH``, e.g. ``512x2048,512x3072``) and
+    ``NORM_SWEEP_KINDS`` (``rms_norm``, ``add_rms_norm``).
+
+    Raises:
+        SystemExit: a name that is no shape or kernel of the sweep.
+    """
+    want = [w.strip() for w in shapes_env.split(",") if w.strip()]
+    names = {f"{m}x{n}": (m, n) for m, n in shapes}
+    if any(w not in names for w in want):
+        raise SystemExit(f"NORM_SWEEP_SHAPES={want}: the sweep's shapes are {list(names)}")
+    kinds = tuple(k.strip() for k in kinds_env.split(",") if k.strip()) or KINDS
+    if any(k not in KINDS for k in kinds):
+        raise SystemExit(f"NORM_SWEEP_KINDS={list(kinds)}: the sweep's kernels are {list(KINDS)}")
+    return ([names[w] for w in want] if want else shapes), kinds
+
+
 def run(sweep_dir: str, json_out: str | None) -> None:
     import torch
     from cutile_kernels import ops, registry
@@ -69,13 +94,14 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     results = []
     shapes = [(8192, 4096), (2048, 2048), (16384, 2048), (2048, 1024), (32768, 1024), (16, 2048),
               (65536, 128), (32768, 128), (512, 2048), (1024, 2048), (512, 3072)]
+    shapes, kinds = subset(shapes, os.environ.get("NORM_SWEEP_SHAPES", ""), os.environ.get("NORM_SWEEP_KINDS", ""))
     for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         w = (1 + 0.1 * torch.randn(n, device="cuda")).to(torch.bfloat16)
         ref = ops.rms_norm_reference(x.double(), w.double(), 1e-6)
         ref_s = x.double() + r.double()
-        for kind in ("rms_norm", "add_rms_norm"):
+        for kind in kinds:
             bytes_moved = (2 * m * n + n) * 2 if kind == "rms_norm" else (5 * m * n + n) * 2
             cands = [v for v in reg.variants(kind, "sm_90") if v.constants.get("BLOCK_N") == next_power_of_2(n)]
             for v in cands:
