@@ -20,10 +20,11 @@ for _family in models.FAMILIES.values():
     _pins.register(*_family.pins)
 
 #: Modules whose ``PATCH_ROWS`` are registered, in apply order (undone in reverse): the shared
-#: features (the DynamicCache's first write among them), then the attention switch over every family (``models``), then the families' own
-#: (after the features they build on), then fused q/k/v (which must see the attention forwards the
-#: others chose), then the opt-in float32-order norms, then the one-row GEMV (it covers the stacked
-#: projections, so it comes after every patch that makes them).
+#: features (the DynamicCache's first write among them), then the attention switch over every
+#: family (``models``), then the families' own (after the features they build on), then fused
+#: q/k/v (which must see the attention forwards the others chose), then the opt-in float32-order
+#: norms, then the one-row GEMV (it covers the stacked projections, so it comes after every patch
+#: that makes them).
 PATCH_MODULES = (decoder, mlp, rope_cos_sin, kv_cache, models,
                  *(m for m in models.modules() if hasattr(m, "PATCH_ROWS")), qkv, norm, linear)
 

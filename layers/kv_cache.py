@@ -172,6 +172,10 @@ def _restore_stale() -> None:
             cls.update = table.originals[cls]
 
 
+#: The layer types whose DynamicCache layers are the two classes.
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 def cache_layers(model: nn.Module) -> int:
     """How many layers of a ``DynamicCache(config=model.config)`` are full or sliding attention
     layers whose first write the patch serves (0 for a model without such a config)."""
@@ -183,10 +187,6 @@ def cache_layers(model: nn.Module) -> int:
     except (AttributeError, TypeError, ValueError):  # not a decoder config transformers' caches know
         return 0
     return sum(t in LAYER_TYPES for t in types)
-
-
-#: The layer types whose DynamicCache layers are the two classes.
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def verdict() -> str | None:

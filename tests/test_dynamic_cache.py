@@ -44,6 +44,15 @@ def on_cpu(monkeypatch):
 
 
 @pytest.fixture
+def kv_calls(monkeypatch):
+    """The calls the replacements make to ``kv_append`` (each still runs)."""
+    calls = []
+    real = kc.kv_append
+    monkeypatch.setattr(kc, "kv_append", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+@pytest.fixture
 def held():
     """The replacements in effect for the test (a tiny patched model holds them)."""
     model = families.model("llama", layers=1)
@@ -114,10 +123,8 @@ def test_layer_calls_match_transformers(on_cpu, held, kind, window, record, B, H
         _same(g, w)
 
 
-def test_first_write_copies_through_the_kernel_op(on_cpu, held, monkeypatch):
-    calls = []
-    real = kc.kv_append
-    monkeypatch.setattr(kc, "kv_append", lambda *a: calls.append(a) or real(*a))
+def test_first_write_copies_through_the_kernel_op(on_cpu, held, kv_calls):
+    calls = kv_calls
     layer = DynamicLayer()
     k, v = _kv(2, 4, 7, 64, strided=True)
     keys, values = layer.update(k, v)
@@ -253,10 +260,8 @@ def test_a_method_put_over_ours_is_left_and_never_wrapped(clean):
         DynamicLayer.update, DynamicSlidingWindowLayer.update = stock_full, stock_sliding
 
 
-def test_sliding_subclasses_keep_their_own_lines(on_cpu, held, monkeypatch):
-    calls = []
-    real = kc.kv_append
-    monkeypatch.setattr(kc, "kv_append", lambda *a: calls.append(a) or real(*a))
+def test_sliding_subclasses_keep_their_own_lines(on_cpu, held, kv_calls):
+    calls = kv_calls
 
     class Theirs(DynamicSlidingWindowLayer):
         pass
@@ -274,7 +279,7 @@ def test_a_model_without_attention_cache_layers_is_not_counted():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "phi3", "olmo2", "qwen3"])
-def test_models_prefill_and_generate_as_stock(on_cpu, model_type, monkeypatch):
+def test_models_prefill_and_generate_as_stock(on_cpu, model_type, monkeypatch, kv_calls):
     model = families.model(model_type, layers=2)
     ids = torch.randint(0, 256, (2, 11))
     monkeypatch.setenv("CUTILE_KERNELS_DISABLE", "1")  # transformers' cat, even if another test's model holds ours
@@ -283,9 +288,7 @@ def test_models_prefill_and_generate_as_stock(on_cpu, model_type, monkeypatch):
         want = model(ids, past_key_values=c0, use_cache=True).logits
         gen_want = model.generate(ids, max_new_tokens=4, do_sample=False)
     monkeypatch.delenv("CUTILE_KERNELS_DISABLE")
-    calls = []
-    real = kc.kv_append
-    kc.kv_append = lambda *a: calls.append(a) or real(*a)
+    assert kv_calls == []
     try:
         assert cutile_kernels.patch(model, names=["dynamic_cache_prefill"]).changed["dynamic_cache_prefill"] > 0
         with torch.no_grad():
@@ -293,9 +296,8 @@ def test_models_prefill_and_generate_as_stock(on_cpu, model_type, monkeypatch):
             got = model(ids, past_key_values=c1, use_cache=True).logits
             gen_got = model.generate(ids, max_new_tokens=4, do_sample=False)
     finally:
-        kc.kv_append = real
         cutile_kernels.unpatch(model, names=["dynamic_cache_prefill"])
-    assert len(calls) >= 2 * model.config.num_hidden_layers  # both prefills' first writes, every layer
+    assert len(kv_calls) >= 2 * model.config.num_hidden_layers  # both prefills' first writes, every layer
     assert torch.equal(got, want) and torch.equal(gen_got, gen_want)
     for a, b in zip(c0.layers, c1.layers):
         _same(b.keys, a.keys)
