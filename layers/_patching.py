@@ -215,7 +215,8 @@ TRANSPARENT_HOOK = "_cutile_transparent"
 
 
 def _blocking(hooks) -> bool:
-    return any(not getattr(h, TRANSPARENT_HOOK, False) for h in hooks.values())
+    # The empty dict (the usual case, per fused call and layer) is answered without a generator.
+    return bool(hooks) and any(not getattr(h, TRANSPARENT_HOOK, False) for h in hooks.values())
 
 
 def _unhooked(m: nn.Module) -> bool:

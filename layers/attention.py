@@ -76,16 +76,25 @@ def cache_layer(module: torch.nn.Module, past_key_values):
     return layers[idx]
 
 
+#: Instance attribute of a ``StaticLayer`` during a decode-graph step that advances the lengths of
+#: the cache's full-attention layers once, after every layer has run (``decode_graphs``,
+#: ``_lengths_after_the_step``): the layer's filled length once this step's tokens are written (a
+#: 0-d int64 device tensor), which its ``cumulative_length`` reaches only at the step's end.
+STEP_FILLED = "_cutile_step_filled"
+
+
 def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
     """``{"cutile_kv_len": length}`` for the attention call of ``module`` (after its cache update)
     when the model attends with ``"cutile"`` and the module's cache layer is a ``StaticLayer``
-    (the pinned one): its ``cumulative_length``, a device tensor. Else ``{}``."""
+    (the pinned one): its ``cumulative_length``, a device tensor (in a decode-graph step that
+    advances it at the end, :data:`STEP_FILLED`). Else ``{}``."""
     if _STATIC_LAYER is None or getattr(module.config, "_attn_implementation", None) not in NAMES:
         return {}
     layer = cache_layer(module, past_key_values)
     if type(layer) is not _STATIC_LAYER:
         return {}
-    return {"cutile_kv_len": layer.cumulative_length}
+    filled = layer.__dict__.get(STEP_FILLED)
+    return {"cutile_kv_len": layer.cumulative_length if filled is None else filled}
 
 
 #: transformers' StaticLayer while :data:`PIN` holds (set by :func:`register_attention`, so that no

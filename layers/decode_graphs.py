@@ -29,7 +29,10 @@ What the step runs of ours besides the model's kernels: each full-attention cach
 new keys and values with one ``kv_append`` launch (:func:`_kernel_static_update`; transformers'
 ``StaticLayer.update`` makes four), and so does each sliding-window layer while its window has
 room (:func:`_kernel_sliding_update`); our attention reads only a full layer's filled slots, the
-count read on the device (``layers/attention.py``, ``cutile_kv_len``).
+count read on the device (``layers/attention.py``, ``cutile_kv_len``). The full layers' lengths
+(``cumulative_length``, one device integer a layer) are views of one buffer (:func:`_group_lengths`),
+advanced once after the step's forward instead of once a layer (:meth:`DecodeGraphs.forward`); in
+the step, each layer writes at its length and its attention reads the step's filled length.
 
 A step called without a mask or positions (a decode loop of one's own, or the bench) over a cache
 with sliding layers gets its positions and window masks made from a layer's length on the device
@@ -75,6 +78,7 @@ from ..ops.rope import rope_append, rope_append_takes
 from ._pins import Pin, holds, register
 from .attention import NAMES as ATTENTION_NAMES
 from .attention import PIN as STATIC_UPDATE_PIN
+from .attention import STEP_FILLED
 
 #: The transformers code the decode graphs reproduce (gating) or follow.
 PINS = (
@@ -181,7 +185,9 @@ def _kernel_static_update(layer, key_states, value_states, *args, **kwargs):
     kv_append(layer.keys, layer.values, key_states, value_states, layer.cumulative_length)
     # A separate add: folding it into the write (kv_append_advance, one block and an atomic add)
     # made the launch 3.55 us on the H200 against 2.2 + 1.07 for the two, replay unchanged (2026-12-03).
-    layer.cumulative_length.add_(key_states.shape[-2])
+    # In a step of ours the step advances every full layer at its end, in one launch.
+    if STEP_FILLED not in layer.__dict__:
+        layer.cumulative_length.add_(key_states.shape[-2])
     return layer.keys, layer.values
 
 
@@ -204,7 +210,8 @@ def _rope_append_step(layer, armed, query_states, key_states, value_states, cos,
         return None
     q_rot = rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
                         layer.cumulative_length)
-    layer.cumulative_length.add_(key_states.shape[-2])
+    if STEP_FILLED not in layer.__dict__:  # else the step advances it (DecodeGraphs.forward)
+        layer.cumulative_length.add_(key_states.shape[-2])
     return q_rot, layer.keys, layer.values
 
 
@@ -262,6 +269,7 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
     if cache_kernel and not full_ok:
         logger.warning("cutile_kernels: transformers' StaticLayer.update is not the pinned one; decode graphs "
                        "keep its cache writes (no kv_append)")
+    armed = []
     for layer in cache.layers:
         if _linear(layer):
             continue
@@ -275,14 +283,64 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
         elif full_ok and layer.is_initialized and layer.keys.shape == layer.values.shape:
             layer.update = functools.partial(_kernel_static_update, layer)
             setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_update, layer))
+            armed.append(layer)
+    _group_lengths(cache, armed)
     return True
 
 
+#: Attribute of a cache whose full layers' lengths :func:`_group_lengths` made views of one buffer:
+#: ``(buffer, layers, views)``.
+LENGTHS = "_cutile_lengths"
+
+
+def _group_lengths(cache, layers: list) -> None:
+    """Make the ``cumulative_length`` of ``layers`` (full-attention layers just given
+    :func:`_kernel_static_update`) views of one int64 buffer, so that a step of ours advances them
+    all in one launch (:meth:`DecodeGraphs.forward`); where they hold the same length (read once,
+    on the device) and there are two or more. Each view is a tensor of its own to transformers
+    (``reset`` zeroes it in place, ``update`` adds to it), marked as a static address as
+    ``StaticLayer.lazy_initialization`` marks the tensor it replaces.
+
+    Estimate, written before the change (Llama-3.2-1B's fast-path replay at batch 1, 2026-12-04
+    profile): the 16 per-layer advances are ~17 us of a ~1.13-1.19 ms step (~1.07 us a launch);
+    two launches instead (the step's filled length, then the one advance), f ~0.013, ceiling
+    ~1.013x."""
+    if len(layers) < 2:
+        return
+    lengths = torch.stack([layer.cumulative_length.reshape(()) for layer in layers])
+    if not bool((lengths == lengths[0]).all()):
+        return
+    views = []
+    for i, layer in enumerate(layers):
+        layer.cumulative_length = lengths[i]
+        torch._dynamo.mark_static_address(layer.cumulative_length)
+        views.append(layer.cumulative_length)
+    cache.__dict__[LENGTHS] = (lengths, tuple(layers), tuple(views))
+
+
+def _grouped(cache):
+    """The :func:`_group_lengths` buffer and layers of ``cache`` while each layer still holds its
+    view and our :func:`_kernel_static_update` (a layer given another ``update`` since, or another
+    length tensor, would be advanced twice or not at all), else None."""
+    group = getattr(cache, "__dict__", {}).get(LENGTHS)
+    if group is None:
+        return None
+    lengths, layers, views = group
+    for layer, view in zip(layers, views):
+        update = layer.__dict__.get("update")
+        if (layer.cumulative_length is not view or getattr(update, "func", None) is not _kernel_static_update
+                or update.args[0] is not layer):
+            return None
+    return lengths, layers
+
+
 def _restore_updates(cache) -> None:
-    """Undo :func:`_make_capturable`: the layers' own ``update`` again."""
+    """Undo :func:`_make_capturable`: the layers' own ``update`` again (their lengths stay views of
+    the shared buffer, each advanced by its own ``update`` as before)."""
     for layer in cache.layers:
         layer.__dict__.pop("update", None)
         layer.__dict__.pop(ROPE_UPDATE, None)
+    cache.__dict__.pop(LENGTHS, None)
     cache._cutile_capturable = False
 
 
@@ -463,7 +521,7 @@ class DecodeGraphs:
             return self.model(**kwargs)
         if entry.seen < self.warmup:
             entry.seen += 1
-            return self.graph_factory.warm(lambda: self.model(**kwargs))
+            return self.graph_factory.warm(lambda: self.forward(kwargs))
         if entry.graph is None:
             return self._capture(entry, kwargs, tensors, cache)
         for path, t in tensors:
@@ -473,6 +531,27 @@ class DecodeGraphs:
             setattr(obj, name, getattr(obj, name) + delta)
         self.replays += 1
         return _copy_out(entry.output, cache)
+
+    def forward(self, kwargs: dict):
+        """``model(**kwargs)`` as a warm-up or captured decode step runs it (a replay repeats what it
+        launched): where the cache's full layers share one length buffer (:func:`_grouped`), each
+        layer writes at its length and its attention reads the filled length (``STEP_FILLED``,
+        computed once), and the buffer advances in one launch after the forward."""
+        group = _grouped(kwargs.get("past_key_values"))
+        if group is None:
+            return self.model(**kwargs)
+        lengths, layers = group
+        new = kwargs["input_ids"].shape[1]
+        filled = lengths[0] + new
+        for layer in layers:
+            layer.__dict__[STEP_FILLED] = filled
+        try:
+            out = self.model(**kwargs)
+        finally:
+            for layer in layers:
+                layer.__dict__.pop(STEP_FILLED, None)
+        lengths.add_(new)
+        return out
 
     def _watch(self, cache) -> None:
         """Drop a cache's graphs when the cache is freed: a graph holds its tensors' addresses, and
@@ -507,7 +586,7 @@ class DecodeGraphs:
         before = _python_state(cache)
         graph = self.graph_factory()
         try:
-            output = graph.capture(lambda: self.model(**static_kwargs), self)
+            output = graph.capture(lambda: self.forward(static_kwargs), self)
         except Exception as exc:  # noqa: BLE001 - e.g. a host sync in the step; nothing ran on the device
             for (oid, name), value in before.items():
                 setattr(objs[oid], name, value)

@@ -51,8 +51,9 @@ class ReplayEmulation:
     def capture(self, fn, owner, cache=None):
         static_kwargs = _static_kwargs(fn)
         cache = static_kwargs["past_key_values"]
-        # Held weakly, as a CUDA graph holds addresses, not the cache object.
-        self.cache_ref, self.model = weakref.ref(cache), owner.model
+        # Held weakly, as a CUDA graph holds addresses, not the cache object. A replay repeats the
+        # step as the owner ran it (DecodeGraphs.forward: the grouped lengths' one advance included).
+        self.cache_ref, self.owner = weakref.ref(cache), owner
         self.static = {k: v for k, v in static_kwargs.items() if k != "past_key_values"}
         tensors = _cache_tensors(cache)
         saved = [t.clone() for t in tensors]
@@ -75,7 +76,7 @@ class ReplayEmulation:
         held = [_held(layer) for layer in cache.layers]
         for layer, kv in zip(cache.layers, self.storage):
             _hold(layer, kv)
-        fresh = self.model(**self.static, past_key_values=cache)
+        fresh = self.owner.forward({**self.static, "past_key_values": cache})
         for layer, kv in zip(cache.layers, held):
             _hold(layer, kv)
         for (oid, name), value in now.items():
@@ -683,6 +684,94 @@ def test_cache_writes_are_restored_on_disable_and_left_alone_for_two_head_dims(e
         layer.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 8))  # value head dim 8, key 16
     assert dg._make_capturable(mla)
     assert all(type(layer) is StaticLayer and "update" not in vars(layer) for layer in mla.layers)
+
+
+def _grouped_llama_cache(emulated, new=4, prompt=5):
+    """A tiny Llama with decode graphs on, after a greedy generate over a static cache it passed:
+    (model, graphs, cache, the eager tokens)."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 256, (1, prompt), generator=torch.Generator().manual_seed(8))
+    want = _generate(model, ids, new=new, logits=False, cache_implementation="static", disable_compile=True)
+    graphs = emulated(model)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    got = _generate(model, ids, new=new, logits=False, past_key_values=cache, compile_config=_cpu_compile_config())
+    assert torch.equal(got, want)
+    return model, graphs, cache, got
+
+
+def test_full_layers_lengths_are_one_buffer_advanced_once_a_step(emulated, monkeypatch):
+    """The full layers' lengths are views of one buffer (each still its own tensor to transformers);
+    in a step of ours every layer writes at the length the step began with, the lengths advance
+    together after the forward, and the layers keep no step attribute."""
+    model, graphs, cache, tokens = _grouped_llama_cache(emulated)
+    buffer, layers, views = vars(cache)[dg.LENGTHS]
+    assert layers == tuple(cache.layers) and graphs.replays >= 1
+    assert all(layer.cumulative_length is v and v._base is buffer for layer, v in zip(cache.layers, views))
+    written = tokens.shape[1] - 1  # the prompt and every decoded token but the last
+    assert buffer.tolist() == [written] * len(cache.layers)
+    # One more step by hand: what each write sees of the first layer's length and its own slot.
+    seen = []
+    real = dg.kv_append
+    monkeypatch.setattr(dg, "kv_append", lambda *a: (seen.append((int(a[4]), int(cache.layers[0].cumulative_length))),
+                                                      real(*a))[1])
+    step = {"input_ids": tokens[:, -1:], "past_key_values": cache, "use_cache": True}
+    with torch.no_grad():
+        graphs.forward(step)
+    assert seen == [(written, written)] * len(cache.layers)
+    assert buffer.tolist() == [written + 1] * len(cache.layers)
+    assert not any(dg.STEP_FILLED in vars(layer) for layer in cache.layers)
+    last = cache.layers[-1].keys  # the step's keys went to its slot, nothing past it
+    assert last[:, :, written].abs().sum() > 0 and last[:, :, written + 1:].abs().sum() == 0
+
+
+def test_a_layer_changed_since_the_grouping_is_advanced_by_its_own_update(emulated):
+    """A grouped layer given another ``update``, or another length tensor, turns the one advance off
+    for the step (each layer advances itself: none twice, none skipped); disabling drops the group."""
+    model, graphs, cache, tokens = _grouped_llama_cache(emulated)
+    buffer = vars(cache)[dg.LENGTHS][0]
+    written = int(buffer[0])
+    theirs = cache.layers[1].update
+    cache.layers[1].update = lambda *a, **k: theirs(*a, **k)  # e.g. another tool's wrapper
+    assert dg._grouped(cache) is None
+    step = {"input_ids": tokens[:, -1:], "past_key_values": cache, "use_cache": True}
+    with torch.no_grad():
+        graphs.forward(step)
+    assert [int(layer.cumulative_length) for layer in cache.layers] == [written + 1] * len(cache.layers)
+    cache.layers[1].update = theirs
+    assert dg._grouped(cache) is not None
+    cache.layers[2].cumulative_length = cache.layers[2].cumulative_length.clone()
+    assert dg._grouped(cache) is None
+    dg.disable_decode_graphs(model)
+    assert dg.LENGTHS not in vars(cache)
+
+
+def test_layers_of_different_lengths_are_not_grouped():
+    model = tiny_model("llama")
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    for i, layer in enumerate(cache.layers):
+        layer.update(torch.zeros(1, 2, 3 + (i == 1), 16), torch.zeros(1, 2, 3 + (i == 1), 16))
+    assert dg._make_capturable(cache)
+    assert dg.LENGTHS not in vars(cache) and all(vars(layer)["update"].func is dg._kernel_static_update
+                                                 for layer in cache.layers)
+
+
+def test_attention_reads_the_steps_filled_length(monkeypatch):
+    """In a step that advances the lengths at its end, our attention's ``cutile_kv_len`` is the
+    step's filled length, not the layer's length (still the step's start)."""
+    from transformers.cache_utils import StaticLayer
+
+    from cutile_kernels.layers import attention
+
+    monkeypatch.setattr(attention, "_STATIC_LAYER", StaticLayer)
+    module = torch.nn.Module()
+    module.layer_idx, module.config = 0, type("C", (), {"_attn_implementation": "cutile"})()
+    layer = StaticLayer(8)
+    layer.update(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4))
+    cache = type("Cache", (), {"layers": [layer]})()
+    assert attention.static_kv_length(module, cache)["cutile_kv_len"] is layer.cumulative_length
+    filled = layer.cumulative_length + 1
+    layer.__dict__[attention.STEP_FILLED] = filled
+    assert attention.static_kv_length(module, cache)["cutile_kv_len"] is filled
 
 
 def test_sliding_layers_keep_their_update_when_the_pin_fails(monkeypatch, caplog):

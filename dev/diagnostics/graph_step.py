@@ -11,7 +11,9 @@ A step much slower than its replay is host-bound. ``--ab-cache-kernel`` also cap
 with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and times the two graphs'
 replays in alternating rounds, in one process: the whole model's step with and without
 ``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03;
-``--ab-rope-append`` with RoPE and the cache write as two launches (no ``rope_append``). For a compiled path
+``--ab-rope-append`` with RoPE and the cache write as two launches (no ``rope_append``);
+``--ab-lengths`` with each full layer advancing its own cache length (16 launches for Llama-3.2-1B)
+instead of the one advance of the grouped lengths (``decode_graphs._group_lengths``). For a compiled path
 ``--ab-guards`` times the step with dynamo's guard check and without it
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
 entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
@@ -235,6 +237,8 @@ def main(argv=None) -> None:
                     help="also time the step captured with the previous split-KV choice, alternating with ours")
     ap.add_argument("--ab-rope-append", action="store_true",
                     help="also time the step with RoPE and kv_append as two launches, alternating with ours")
+    ap.add_argument("--ab-lengths", action="store_true",
+                    help="also time the step with a length advance per layer, alternating with ours")
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
     ap.add_argument("--host", action="store_true",
@@ -282,6 +286,14 @@ def main(argv=None) -> None:
                 two_entry, two_cache, two_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
             ours, theirs = _alternating((entry, cache), (two_entry, two_cache), args.steps)
             row.update(ab_replay_ms_rope_append=ours, ab_replay_ms_two_launches=theirs, ab_step_ms_two_launches=two_step)
+        if args.ab_lengths:
+            # Every loaded copy leaves the caches it arms now ungrouped: each layer advances its own length.
+            mods = [m for n, m in list(sys.modules.items()) if n.endswith(".layers.decode_graphs")]
+            with _set_in(mods, "_group_lengths", lambda cache, layers: None):
+                per_entry, per_cache, per_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
+            ours, theirs = _alternating((entry, cache), (per_entry, per_cache), args.steps)
+            row.update(ab_replay_ms_one_advance=ours, ab_replay_ms_per_layer_advances=theirs,
+                       ab_step_ms_per_layer_advances=per_step)
         _rewind(cache)
         print(json.dumps(row))
         _kernels(entry.graph.replay, 5, args.top)

@@ -69,10 +69,11 @@ def models(layers: int, family: str = "llama"):
     import cutile_kernels
     from cutile_kernels.layers import hub
 
-    cfg = config(family, layers)
     torch.manual_seed(0)
-    stock = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    ours = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    # One config each: the attention patch switches its model's config to our attention, and a
+    # shared config object would switch the stock model's too.
+    stock = AutoModelForCausalLM.from_config(config(family, layers), dtype=torch.bfloat16).eval()
+    ours = AutoModelForCausalLM.from_config(config(family, layers), dtype=torch.bfloat16).eval()
     ours.load_state_dict(stock.state_dict())
     variant = hub.variant_dir()
     if variant is None:
