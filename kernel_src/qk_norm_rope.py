@@ -1,6 +1,7 @@
 """Qwen3's per-head q/k RMSNorm fused with RoPE, for q and k in one launch, and the same for
-Qwen3.5's zero-centered norms with partial RoPE (``qk_norm_rope_gemma``, section below): cuTile
-device code and build matrix.
+Qwen3.5's zero-centered norms with partial RoPE (``qk_norm_rope_gemma``) and for OLMo 2's norms over
+the whole projection with its float32 RoPE (``qk_norm_rope_olmo2``), sections below: cuTile device
+code and build matrix.
 
 Math: what transformers' ``Qwen3Attention.forward`` (models/qwen3/modeling_qwen3.py at v5.22.2)
 does between the projections and the KV cache, with its rounding order::
@@ -176,6 +177,76 @@ def qk_norm_rope_gemma_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, 
 
 
 # ---------------------------------------------------------------------------------------------
+# OLMo 2's q/k norms over the whole projection, then its float32 RoPE
+# ---------------------------------------------------------------------------------------------
+#
+# Olmo2Attention.forward (models/olmo2/modeling_olmo2.py at v5.22.2; OLMo 3's attention copies it)
+# norms the q projection's output ``(B, S, Hq * D)`` as one row per token (``Olmo2RMSNorm``:
+# float32, ``weight * x * rsqrt(mean(x ** 2) + eps)``, one rounding: norm.py's ``_scale_float`` with
+# offset 0), k's likewise, and only then splits heads and rotates them with OLMo 2's
+# ``apply_rotary_pos_emb``: float32 cos/sin against 16-bit q and k, so every op rounds to float32 and
+# the result is cast back once (rope.py's formula with cos's dtype as the rounding dtype). The host
+# views q and k ``(B, S, H * D)`` as ``(B, S, H, 2, D/2)`` and the weights as ``(H, 2, D/2)``: one
+# block holds ROWS tokens' whole rows as two ``(ROWS, HP * BLOCK)`` halves (HP: the heads padded to a
+# power of two, zeros on load, masked on store), sums both for the norm, and rotates each head with
+# the position's cos/sin broadcast over the heads. Outputs in the projection's layout ``(B, S, H * D)``.
+#
+# Estimate, written before the kernel (Amdahl), OLMo-2-1B's decode fast path on the H200 (eighth
+# session: 1.58 / 1.89 ms a step at b=1 / 16, stock-compile 1.60 / 1.79): q_norm, k_norm and RoPE are
+# 3 launches a layer (~2.5 us each in a replayed graph) that become 1 (~3 us); with the attention
+# forward that calls it, q/k/v also stack into one GEMM (``fused_qkv``: 3 launches of ~5-6 us into one
+# of ~10). Per layer ~12 us of ~19 us go, 16 layers: f ~0.16 at b=16, s ~3, ceiling ~1.12x
+# (b=1 f ~0.14, ceiling ~1.10x). In eager prefill the three launches' bytes are read and written
+# once instead of three times (coverage unchanged: all three were ours).
+
+
+@ct.function
+def _olmo2_norm_rotate(x, w, out, b, s, c1, c2, s1, s2, eps, rdtype, BLOCK: ct.Constant[int], HP: ct.Constant[int],
+                       ROWS: ct.Constant[int]):
+    # x, out: (B, S, H, 2, D/2); w: (H, 2, D/2); c*, s*: (ROWS, 1, BLOCK) float32 tiles of cos and sin;
+    # rdtype: what each op of the rotation rounds to.
+    half = (1, ROWS, HP, 1, BLOCK)
+    flat = (ROWS, HP * BLOCK)  # one token's row per tile row: norm.py's helpers reduce axis 1
+    x1 = ct.reshape(ct.load(x, index=(b, s, 0, 0, 0), shape=half, padding_mode=ZERO), flat).astype(ct.float32)
+    x2 = ct.reshape(ct.load(x, index=(b, s, 0, 1, 0), shape=half, padding_mode=ZERO), flat).astype(ct.float32)
+    w1 = ct.reshape(ct.load(w, index=(0, 0, 0), shape=(HP, 1, BLOCK), padding_mode=ZERO), (1, HP * BLOCK))
+    w2 = ct.reshape(ct.load(w, index=(0, 1, 0), shape=(HP, 1, BLOCK), padding_mode=ZERO), (1, HP * BLOCK))
+    inv_rms = _inv_rms(_sum_sq(x1, x.dtype) + _sum_sq(x2, x.dtype), x.shape[2] * x.shape[3] * x.shape[4], eps)
+    # The normed row rounded to the dtype (the q_norm module's output), back to float32 for RoPE.
+    heads = (ROWS, HP, BLOCK)
+    n1 = ct.reshape(_scale_float(x1, inv_rms, w1.astype(ct.float32), 0.0).astype(x.dtype).astype(ct.float32), heads)
+    n2 = ct.reshape(_scale_float(x2, inv_rms, w2.astype(ct.float32), 0.0).astype(x.dtype).astype(ct.float32), heads)
+    o1 = _rounded_mul(n1, c1, rdtype) - _rounded_mul(n2, s1, rdtype)
+    o2 = _rounded_mul(n2, c2, rdtype) + _rounded_mul(n1, s2, rdtype)
+    ct.store(out, index=(b, s, 0, 0, 0), tile=ct.reshape(o1.astype(out.dtype), half))
+    ct.store(out, index=(b, s, 0, 1, 0), tile=ct.reshape(o2.astype(out.dtype), half))
+
+
+@ct.kernel
+def qk_norm_rope_olmo2_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps: float,
+                              BLOCK: ct.Constant[int], HP: ct.Constant[int], ROWS: ct.Constant[int]):
+    """OLMo 2's RMSNorm over each token's whole q (or k) row, then RoPE of its heads, for ROWS
+    tokens of q or of k per block.
+
+    q, q_out: (B, S, Hq, 2, D/2); k, k_out: (B, S, Hk, 2, D/2); q_weight: (Hq, 2, D/2); k_weight:
+    (Hk, 2, D/2); cos, sin: (B or 1, S, 2, D/2); D/2 <= BLOCK, Hq and Hk <= HP. Each op of the
+    rotation rounds to cos's dtype (float32 for OLMo 2's). Grid: (cdiv(S, ROWS), 2, B), q's blocks
+    at 0 on axis 1, k's at 1.
+    """
+    s = ct.bid(0)
+    which = ct.bid(1)
+    b = ct.bid(2)
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, s, BLOCK, ROWS)
+    by_head = (ROWS, 1, BLOCK)
+    c1, c2, s1, s2 = (ct.reshape(c1, by_head), ct.reshape(c2, by_head), ct.reshape(s1, by_head),
+                      ct.reshape(s2, by_head))
+    if which == 0:
+        _olmo2_norm_rotate(q, q_weight, q_out, b, s, c1, c2, s1, s2, eps, cos.dtype, BLOCK, HP, ROWS)
+    else:
+        _olmo2_norm_rotate(k, k_weight, k_out, b, s, c1, c2, s1, s2, eps, cos.dtype, BLOCK, HP, ROWS)
+
+
+# ---------------------------------------------------------------------------------------------
 # Build matrix
 # ---------------------------------------------------------------------------------------------
 
@@ -227,9 +298,43 @@ def _gemma_matrix() -> list[VariantSpec]:
     return specs
 
 
-#: Every variant of the two families, in the runtime's order of preference (aligned before generic).
-VARIANTS: list[VariantSpec] = tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params) + _gemma_matrix()
+def _olmo2_params(dtype: str, layout: str, consts: dict):
+    # 16-bit q, k, weights and outputs; cos and sin float32 (OLMo 2's rotary embedding returns them so).
+    params = [array(a, dtype, 5, layout) for a in ("q", "k")]
+    params += [array(a, dtype, 3, layout) for a in ("q_weight", "k_weight")]
+    params += [array(a, "float32", 4, layout) for a in ("cos", "sin")]
+    params += [array(a, dtype, 5, layout) for a in ("q_out", "k_out")]
+    params.append(ScalarParam("eps", "float32"))
+    params += [ConstParam(k, v) for k, v in consts.items()]
+    return tuple(params)
+
+
+#: qk_norm_rope_olmo2's (BLOCK, HP) tiles: head halves of 33 to 64 lanes padded to 64 (head_dim 128
+#: in every OLMo 2 and OLMo 3 checkpoint) with up to 64 heads padded to 8-64, i.e. q or k rows of up
+#: to 8192 (OLMo-2-1B 2048, OLMo-3-7B 4096, 13B and 32B's 40 heads padded to 64). Other head dims
+#: take the three launches it replaces.
+OLMO2_TILES = tuple((64, hp) for hp in (8, 16, 32, 64))
+#: Tokens per prefill tile: about 8192 elements of q or k (ROWS * HP * 2 * BLOCK), at least one.
+OLMO2_ROWS = {(block, hp): max(1, 8192 // (2 * block * hp)) for block, hp in OLMO2_TILES}
+
+
+def _olmo2_matrix() -> list[VariantSpec]:
+    specs = []
+    for dtype in DECODE_DTYPES:
+        for layout in LAYOUTS:
+            for block, hp in OLMO2_TILES:
+                for rows in sorted({OLMO2_ROWS[(block, hp)], 1}, reverse=True):  # prefill tile, then decode
+                    consts = {"BLOCK": block, "HP": hp, "ROWS": rows}
+                    specs.append(VariantSpec("qk_norm_rope_olmo2", "qk_norm_rope", "qk_norm_rope_olmo2_kernel",
+                                             f"{DTYPE_TAGS[dtype]}.h{block}.p{hp}.r{rows}.{layout}",
+                                             _olmo2_params(dtype, layout, consts)))
+    return specs
+
+
+#: Every variant of the three families, in the runtime's order of preference (aligned before generic).
+VARIANTS: list[VariantSpec] = (tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params) + _gemma_matrix()
+                               + _olmo2_matrix())
 
 #: The tiles (BLOCKS, HEADS, ROWS) are rope.py's, exported here as this family's own.
-__all__ = ["BLOCKS", "GEMMA_ROWS", "GEMMA_TILES", "HEADS", "ROWS", "VARIANTS", "qk_norm_rope_gemma_kernel",
-           "qk_norm_rope_kernel"]
+__all__ = ["BLOCKS", "GEMMA_ROWS", "GEMMA_TILES", "HEADS", "OLMO2_ROWS", "OLMO2_TILES", "ROWS", "VARIANTS",
+           "qk_norm_rope_gemma_kernel", "qk_norm_rope_kernel", "qk_norm_rope_olmo2_kernel"]

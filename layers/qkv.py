@@ -101,8 +101,9 @@ STACKABLE: list[Stackable] = []
 
 def register_stackable(entry: Stackable) -> None:
     """Let modules whose class forward has ``entry.reference()``'s code stack their q/k/v when
-    ``entry.forward`` is bound to them (see the module docstring). Idempotent per forward."""
-    if all(e.forward is not entry.forward for e in STACKABLE):
+    ``entry.forward`` is bound to them (see the module docstring). Idempotent per forward and
+    reference (one forward may reproduce several classes' code: OLMo 2's and OLMo 3's attention)."""
+    if all(e.forward is not entry.forward or e.reference() is not entry.reference() for e in STACKABLE):
         STACKABLE.append(entry)
         _forward_verdict.cache_clear()
 

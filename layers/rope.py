@@ -99,6 +99,20 @@ def llama_rope_function(fn) -> bool:
                                                                    llama_rotate)
 
 
+def olmo2_rope_function(fn) -> bool:
+    """Whether ``fn``, the ``apply_rotary_pos_emb`` an attention forward calls (its modeling
+    module's), computes OLMo 2's RoPE formula (:func:`computes_olmo2_rope` for a ``kernels`` ``Func``
+    module; for a plain function the code of OLMo 2's, calling a ``rotate_half`` with Llama's code)."""
+    if isinstance(fn, nn.Module):
+        return computes_olmo2_rope(type(fn))
+    from transformers.models.olmo2 import modeling_olmo2
+
+    olmo2_fn = wrapped_function(type(modeling_olmo2.apply_rotary_pos_emb)) or modeling_olmo2.apply_rotary_pos_emb
+    _, llama_rotate = _llama_functions()
+    return (holds(OLMO2_PIN) and same_code(fn, olmo2_fn)
+            and same_code(getattr(fn, "__globals__", {}).get("rotate_half"), llama_rotate))
+
+
 def _llama_apply():
     from transformers.models.llama import modeling_llama
 

@@ -221,7 +221,8 @@ def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
     model = _kernelize_on_cpu(tiny_model("llama"), variant, monkeypatch, patches=list(patcher.PATCHES))
     assert set(patcher.applied(model)) == set(patcher.PATCHES) - {"gemma2_attention", "qk_norm_rope",
                                                                   "rms_norm_gemma", "rms_norm_olmo2",
-                                                                  "olmo2_norm_add", "phi3_mlp", "phi3_rope",
+                                                                  "olmo2_norm_add", "olmo2_qk_norm_rope",
+                                                                  "phi3_mlp", "phi3_rope",
                                                                   "fused_gate_up_geglu",
                                                                   "qwen3_5_add_norm", "qwen3_5_rope", "gemma_add_norm",
                                                                   "qwen3_5_stacked_proj", "gemma3_qk_norm_rope"}
@@ -273,7 +274,7 @@ def _costly_guards(model) -> set[str]:
 
 
 #: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
-_OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope"), ("qwen3", "fused_qkv")]
+_OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope"), ("qwen3", "fused_qkv"), ("olmo3", "olmo2_qk_norm_rope")]
 
 
 @pytest.mark.parametrize("model_type,opt_in", [(m, None) for m in CLAIMED] + _OPT_IN_FORWARDS)

@@ -175,14 +175,16 @@ def test_generate_replays_and_matches_eager(model_type, fields, emulated):
 
 @pytest.mark.parametrize("model_type,fields,patches", [
     ("qwen3_5_text", {}, ["qwen3_5_rope", "qwen3_5_stacked_proj"]),
-    ("gemma3_text", {"sliding_window": 6}, ["gemma_add_norm", "gemma3_qk_norm_rope"])], ids=["qwen3_5", "gemma3"])
+    ("gemma3_text", {"sliding_window": 6}, ["gemma_add_norm", "gemma3_qk_norm_rope"]),
+    ("olmo3", {}, ["olmo2_qk_norm_rope", "fused_qkv", "olmo2_norm_add"])], ids=["qwen3_5", "gemma3", "olmo3"])
 def test_family_patches_replay_and_match_eager(model_type, fields, patches, emulated):
     """Patches in the replayed decode steps, against the stock model's static-cache generate:
     Qwen3.5's qwen3_5_rope (q/k norms + partial RoPE, the output gate) and qwen3_5_stacked_proj (one
     GEMM for in_proj_qkv / b / a), defaults; Gemma 3's gemma_add_norm (the attention residual
     add in pre_feedforward_layernorm) and gemma3_qk_norm_rope (q/k norms + RoPE in one launch),
     opt-in but applied by ``decode_graphs=True``, over
-    sliding and global layers with the window crossed. On the GPU:
+    sliding and global layers with the window crossed; OLMo 3's olmo2_qk_norm_rope with its q/k/v
+    stacked (fused_qkv) and olmo2_norm_add, opt-in, over its sliding and full layers. On the GPU:
     test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*] and [gemma3_text-*]."""
     model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4))
@@ -848,7 +850,8 @@ def checkpoints(tmp_path_factory):
     out = {}
     for model_type, fields in (("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 24}),
                                ("gemma3_text", {"sliding_window": 24}), ("qwen3_5_text", {}),
-                               ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 0.5}), ("olmo2", {}),
+                               ("gemma2", {"sliding_window": 24, "attn_logit_softcapping": 0.5}),
+                               ("olmo2", {"head_dim": 128}),  # qk_norm_rope_olmo2's tiles: head_dim 128
                                # Phi-4-mini's layout: partial rotary, every layer sliding with room (rope_append_pass)
                                ("phi3", {"sliding_window": 256})):
         path = tmp_path_factory.mktemp(model_type)
@@ -875,7 +878,7 @@ def _load(path, attn, graphs: bool, include=(), exclude=("gemv",)):
 
 
 #: Opt-in patches the fast path is also checked with: the model's checkpoint key after "+".
-OPT_INS = {"olmo2+opt-ins": ["olmo2_norm_add"]}
+OPT_INS = {"olmo2+opt-ins": ["olmo2_norm_add", "olmo2_qk_norm_rope"]}
 
 
 @pytest.mark.gpu

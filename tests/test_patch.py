@@ -200,7 +200,7 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     n = len(_decoder_layers(model))
     qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # Qwen3 attention only
     qkv = {"fused_qkv": n}  # Llama-code attention, and Qwen3's under qk_norm_rope's forward
-    assert report.changed == {"gemma2_attention": 0, "cutile_attention": n, "olmo2_norm_add": 0,
+    assert report.changed == {"gemma2_attention": 0, "cutile_attention": n, "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0,
                               "decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 0, "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0, "phi3_rope": 0,
                               "fused_gate_up_geglu": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
@@ -343,7 +343,7 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
         report = cutile_kernels.patch(model, names=list(patcher.PATCHES))
     # GELU MLP; the rotary embedding and the attention are Llama's code (rope_cos_sin, fused_qkv).
     # Its norms compute Gemma's formula: rms_norm_gemma takes all 7 (2 per layer, the final one).
-    assert report.changed == {"gemma2_attention": 0, "cutile_attention": 3, "olmo2_norm_add": 0,
+    assert report.changed == {"gemma2_attention": 0, "cutile_attention": 3, "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0,
                               "decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 3, "rms_norm_gemma": 7, "rms_norm_olmo2": 0, "phi3_mlp": 0,
                               "phi3_rope": 0, "fused_gate_up_geglu": 3, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,

@@ -30,6 +30,7 @@ CLAIMS = {
     "rms_norm_gemma": {"gemma", "gemma2", "gemma3_text", "qwen3_5_text"},  # GemmaRMSNorm's code
     "rms_norm_olmo2": {"olmo2", "olmo3"},  # Olmo2RMSNorm's code (Olmo3RMSNorm copies it)
     "olmo2_norm_add": {"olmo2", "olmo3"},  # Olmo2DecoderLayer's code (Olmo3's is the same)
+    "olmo2_qk_norm_rope": {"olmo2", "olmo3"},  # Olmo2Attention's and Olmo3Attention's code
     "phi3_mlp": {"phi3"},
     "fused_gate_up_geglu": {"gemma", "gemma2", "gemma3_text"},  # LlamaMLP's code with GELUTanh
     "phi3_rope": {"phi3"},

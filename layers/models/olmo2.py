@@ -10,7 +10,9 @@ offset 0. The MLP is Llama's code, so ``fused_gate_up`` applies by default. Its
 ``apply_rotary_pos_emb`` (hub function ``rotary_pos_emb``) takes the rotary embedding's float32
 cos/sin and casts each result back to q's dtype: the RoPE hub layer runs it on the rope kernel's
 float32-cos variants (``apply_rope_cast``). The opt-in patch ``olmo2_norm_add`` (below) runs each
-post-norm block's norm and residual add as one ``rms_norm_add_gemma`` launch.
+post-norm block's norm and residual add as one ``rms_norm_add_gemma`` launch; the opt-in patch
+``olmo2_qk_norm_rope`` (below) runs the attention's ``q_norm``, ``k_norm`` and RoPE as one
+``qk_norm_rope_olmo2`` launch and lets ``fused_qkv`` stack its q/k/v projections.
 
 OLMo 3 (``modeling_olmo3.py``) is OLMo 2's code (``Olmo3RMSNorm``, ``apply_rotary_pos_emb``, the MLP
 and the decoder forward compile to OLMo 2's, so OLMo 2's pins gate it) with sliding-window layers
@@ -22,14 +24,20 @@ cache layers.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from torch import nn
 
 from ...ops.norm import rms_norm_add_gemma
-from .._patching import Patch, _unhooked, restore_forwards, swap_forwards
+from ...ops.qk_norm_rope import qk_norm_rope_olmo2
+from .._direct import attend, linear
+from .._patching import (Patch, _unhooked, modeling_globals, restore_forwards, stock_class, swap_forwards,
+                         swapped)
 from .._pins import Pin, forward_verdict
 from ..norm import _float_norm_eps, olmo2_formula_norm
+from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
+from ..rope import olmo2_rope_function
 from . import Family
 
 FAMILY = Family(
@@ -39,7 +47,11 @@ FAMILY = Family(
           Pin("olmo2", "apply_rotary_pos_emb", "1e670b93dd6109e2",
               "rotary_pos_emb hub layer (rope kernel, float32 cos/sin)"),
           Pin("olmo2", "Olmo2DecoderLayer.forward", "4a69e6dc2cbadaf9",
-              "patch olmo2_norm_add (its post-norm decoder forward)")),
+              "patch olmo2_norm_add (its post-norm decoder forward)"),
+          Pin("olmo2", "Olmo2Attention.forward", "be77593368b7c6ef",
+              "patch olmo2_qk_norm_rope (its fused attention forward)"),
+          Pin("olmo3", "Olmo3Attention.forward", "3fb6768815405c9f",
+              "patch olmo2_qk_norm_rope (its fused attention forward, with OLMo 3's sliding window)")),
     presets=("olmo-2-1b", "olmo-3-7b"),
     covered="every RMSNorm in OLMo 2's float32 order (q/k norms included), RoPE (float32 cos/sin), SwiGLU on fused "
             "gate/up, static-cache and padded decode attention (patch cutile_attention)",
@@ -118,6 +130,130 @@ def unpatch_olmo2_norm_add(model: nn.Module) -> int:
     return restore_forwards(model, "olmo2_norm_add", post_norm_decoder_forward, noun="layers")
 
 
-#: This module's patch row (gathered by ``layers/_registry.py``): opt-in until the H200 bench times it.
+# ---------------------------------------------------------------------------------------------
+# Patch olmo2_qk_norm_rope (opt-in): q_norm, k_norm and RoPE on one launch; q/k/v stackable
+# ---------------------------------------------------------------------------------------------
+#
+# Estimate, written before the patch: see kernel_src/qk_norm_rope.py's OLMo 2 section (the decode
+# fast path with fused_qkv: ceiling ~1.10x at b=1, ~1.12x at b=16 on OLMo-2-1B).
+
+#: The attention forwards :func:`fused_attention_forward` reproduces, by (modeling module, class),
+#: and whether the class passes ``sliding_window=self.sliding_window`` to the attention function
+#: (OLMo 3's; OLMo 2's passes none). Each is pinned in :data:`FAMILY`.
+ATTENTION_REFERENCES = {("olmo2", "Olmo2Attention"): False, ("olmo3", "Olmo3Attention"): True}
+#: Instance attribute the patch sets: whether the module's stock forward passes its sliding window.
+WINDOW_ATTR = "_cutile_olmo_window"
+_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def _reference(module: str, name: str) -> type:
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+
+
+@functools.lru_cache(maxsize=None)
+def attention_window(cls: type) -> bool | str:
+    """For an attention class whose forward is one of :data:`ATTENTION_REFERENCES`' code (still the
+    pinned statements) calling OLMo 2's ``apply_rotary_pos_emb``: whether that forward passes its
+    sliding window; else why ``cls`` does not take :func:`fused_attention_forward` (a string)."""
+    why = None
+    for (module, name), window in ATTENTION_REFERENCES.items():
+        ref = _reference(module, name).forward
+        why = forward_verdict(cls, f"{module}.{name}.forward", ref)
+        if why is None:
+            if not olmo2_rope_function(cls.forward.__globals__.get("apply_rotary_pos_emb")):
+                return "the apply_rotary_pos_emb it calls is not OLMo 2's formula"
+            return window
+    return why
+
+
+def _norms_fusable(m: nn.Module) -> bool:
+    # Instance checks, cheap enough for every call: hooks on a norm would be skipped by the fused
+    # op, and the op takes one eps.
+    qn, kn = m.q_norm, m.k_norm
+    return _unhooked(qn) and _unhooked(kn) and _float_norm_eps(qn) == _float_norm_eps(kn)
+
+
+def fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                            **kwargs):
+    """``Olmo2Attention.forward`` (5.22.2; ``Olmo3Attention.forward``, which passes its sliding
+    window) with ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb`` as one ``qk_norm_rope_olmo2``
+    call, and with one stacked q/k/v GEMM when the ``fused_qkv`` patch stacked the module
+    (``qkv_proj``). Same arguments and result. When the norms have hooks or different eps, or the
+    patch is undone on a stacked module (whose class forward this is), the stock norm and RoPE lines
+    run instead (the class's own forward if the module is not stacked)."""
+    cls = type(self)
+    stacked = FUSED_NAME in self._modules
+    fusable = swapped(self, fused_attention_forward) and _norms_fusable(self)
+    if not (fusable or stacked):
+        return cls.forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+    glob = modeling_globals(self)  # the stock forward's module: its attention registry, eager path, RoPE
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    if stacked:
+        query_states, key_states, value_states = stacked_projections(self, hidden_states)
+    else:
+        query_states, key_states, value_states = (linear(p, hidden_states) for p in (self.q_proj, self.k_proj,
+                                                                                     self.v_proj))
+    cos, sin = position_embeddings
+    if fusable:  # the norms over the whole projections, then the heads' RoPE: one launch
+        query_states, key_states = qk_norm_rope_olmo2(query_states, key_states, self.q_norm.weight,
+                                                      self.k_norm.weight, _float_norm_eps(self.q_norm), cos, sin)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+    else:  # the stock lines
+        query_states = self.q_norm(query_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_norm(key_states).view(hidden_shape).transpose(1, 2)
+        query_states, key_states = glob["apply_rotary_pos_emb"](query_states, key_states, cos, sin)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
+
+    own = self.__dict__  # indexed, as _patching.swapped reads an instance attribute under dynamo
+    window = {"sliding_window": self.sliding_window} if WINDOW_ATTR in own and own[WINDOW_ATTR] else {}
+    return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
+                  kwargs, window)
+
+
+def _attention_verdict(m: nn.Module) -> str | None:
+    # A stacked module (fused_qkv) is judged by its stock class: its class forward is ours.
+    window = attention_window(stock_class(m))
+    if isinstance(window, str):
+        return window
+    if not (olmo2_formula_norm(getattr(m, "q_norm", None)) and olmo2_formula_norm(getattr(m, "k_norm", None))):
+        return "its q_norm / k_norm are not Olmo2RMSNorm-formula norms (an (N,) weight, a float eps, their own forward)"
+    return None
+
+
+def _set_window(m: nn.Module) -> None:
+    m.__dict__[WINDOW_ATTR] = attention_window(stock_class(m)) is True
+
+
+def patch_olmo2_qk_norm_rope(model: nn.Module) -> int:
+    """Patch ``olmo2_qk_norm_rope``: bind :func:`fused_attention_forward` to every attention module
+    whose class's forward is OLMo 2's or OLMo 3's (pinned) calling OLMo 2's RoPE, with
+    ``Olmo2RMSNorm``-formula q/k norms; others are left alone with a log line per class. Returns
+    the modules newly patched."""
+    new = swap_forwards(model, "olmo2_qk_norm_rope", fused_attention_forward,
+                        lambda m: all(hasattr(m, a) for a in _ATTRS[3:]) and
+                        (all(hasattr(m, a) for a in _ATTRS[:3]) or hasattr(m, FUSED_NAME)),
+                        _attention_verdict, "q_norm, k_norm and RoPE of {n} {cls} on one cuTile launch",
+                        prepare=_set_window, modeling=True)
+    return sum(new.values())
+
+
+def unpatch_olmo2_qk_norm_rope(model: nn.Module) -> int:
+    """Undo :func:`patch_olmo2_qk_norm_rope`: the class forward again. Returns the modules restored."""
+    return restore_forwards(model, "olmo2_qk_norm_rope", fused_attention_forward, attrs=(WINDOW_ATTR,))
+
+
+# The fused forward reads a stacked projection: the fused_qkv patch may stack modules running it.
+for _module, _name in ATTENTION_REFERENCES:
+    register_stackable(Stackable(reference=functools.partial(lambda m, n: _reference(m, n).forward, _module, _name),
+                                 forward=fused_attention_forward, verdict=_attention_verdict,
+                                 patch="olmo2_qk_norm_rope"))
+
+#: This module's patch rows (gathered by ``layers/_registry.py``): opt-in until the H200 bench times them.
 PATCH_ROWS = [Patch("olmo2_norm_add", apply=patch_olmo2_norm_add, undo=unpatch_olmo2_norm_add, default=False,
-                    description="OLMo 2 decoder layers' post-norms and residual adds fused (rms_norm_add_gemma)")]
+                    description="OLMo 2 decoder layers' post-norms and residual adds fused (rms_norm_add_gemma)"),
+              Patch("olmo2_qk_norm_rope", apply=patch_olmo2_qk_norm_rope, undo=unpatch_olmo2_qk_norm_rope,
+                    default=False, description="OLMo 2 / OLMo 3 attention's q_norm, k_norm (over the whole "
+                    "projections) and RoPE on one cuTile launch; q/k/v stackable by fused_qkv")]

@@ -59,7 +59,7 @@ def entries() -> list[Entry]:
     attention, qk_norm_rope, kv_cache and the RoPE + cache writes, then gated DeltaNet's: gated_delta,
     conv1d, the gated norm)."""
     return [*_activation(), _rope(), _rope_cast(), _rope_partial(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(),
-            _kv_append(), _rope_append(), _rope_append_partial(), *_gemv(), *_gated_deltanet()]
+            _qk_norm_rope_olmo2(), _kv_append(), _rope_append(), _rope_append_partial(), *_gemv(), *_gated_deltanet()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -547,6 +547,63 @@ def _qk_norm_rope_gemma() -> Entry:
                                  inputs=_inputs(d, eps=float(cfg["rms_norm_eps"]), offset=1.0),
                                  uuid=f"{preset}/{phase}"))
     return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope_gemma", "qk_norm_rope_gemma")])
+
+
+def _qk_norm_rope_olmo2() -> Entry:
+    from .. import presets
+
+    norm, rope, ops = _ops("norm"), _ops("rope"), _ops("qk_norm_rope")
+    src = "src/transformers/models/olmo2/modeling_olmo2.py::Olmo2Attention.forward"
+    axes = {
+        "batch": AxisVar(description="batch size"),
+        "seq_len": AxisVar(description="tokens per sequence in this forward (1 when decoding)"),
+        "q_dim": AxisVar(description="config.num_attention_heads x head_dim: q_proj's output width"),
+        "kv_dim": AxisVar(description="config.num_key_value_heads x head_dim: k_proj's output width"),
+        "head_dim": AxisVar(description="hidden_size // num_attention_heads, all of it rotated"),
+    }
+
+    def spec(shape, what, dtype="bfloat16"):
+        return TensorSpec(shape=shape, dtype=dtype, description=what)
+    cs = ["batch", "seq_len", "head_dim"]
+    d = Definition(
+        name="qk_norm_rope_olmo2", op_type="qk_norm_rope", axes=axes,
+        inputs={"q": spec(["batch", "seq_len", "q_dim"], "q_proj(x), before q_norm"),
+                "k": spec(["batch", "seq_len", "kv_dim"], "k_proj(x), before k_norm"),
+                "q_weight": spec(["q_dim"], "q_norm.weight (over the whole projection)"),
+                "k_weight": spec(["kv_dim"], "k_norm.weight, likewise"),
+                "eps": TensorSpec(shape=None, dtype="float32", description="the norms' eps (config.rms_norm_eps)"),
+                "cos": spec(cs, "cos of the rotary angles per position, as OLMo 2's rotary embedding returns it",
+                            "float32"),
+                "sin": spec(cs, "sin of the rotary angles, likewise", "float32")},
+        outputs={"q_embed": spec(["batch", "seq_len", "q_dim"], "apply_rotary_pos_emb of q_norm(q) split into heads "
+                                                                "(float32 ops, cast back), in the projection's layout"),
+                 "k_embed": spec(["batch", "seq_len", "kv_dim"], "likewise for k with k_norm")},
+        reference=reference_source(
+            [norm.rms_norm_gemma_reference, rope._rotate_half, rope._rotate, rope.apply_rope_reference,
+             rope.apply_rope_cast_reference, ops.qk_norm_rope_olmo2_reference],
+            ["q", "k", "q_weight", "k_weight", "eps", "cos", "sin"],
+            "return qk_norm_rope_olmo2_reference(q, k, q_weight, k_weight, eps, cos, sin)",
+            _header(src, "q_norm / k_norm (Olmo2RMSNorm over the whole projection: float32, one rounding), the head "
+                         "split, then OLMo 2's apply_rotary_pos_emb (float32 cos/sin, cast back).",
+                    "cutile_kernels.ops.qk_norm_rope")),
+        tags=_tags("qk_norm_rope", src, OLMO2_PRESETS),
+        description=(f"OLMo 2's q/k RMSNorm over each token's whole projection row followed by RoPE of its heads, "
+                     f"fused (transformers v{TRANSFORMERS_PIN}, {src}; OLMo 3's attention copies it)."),
+        # The math needs the first three; the kernel's tiles the rest (head halves of 33-64 lanes, at
+        # most 64 heads): other shapes take the declared fallback, which evaluate's strict mode would
+        # count as an error.
+        constraints=["head_dim % 2 == 0", "q_dim % head_dim == 0", "kv_dim % head_dim == 0", "head_dim > 64",
+                     "head_dim <= 128", "q_dim // head_dim <= 64", "kv_dim // head_dim <= 64"],
+    )
+    rows = []
+    for preset in OLMO2_PRESETS:
+        cfg = presets.PRESETS[preset].config
+        m = model_shapes(preset)
+        for phase, (batch, seq) in PHASES.items():
+            rows.append(Workload(axes={"batch": batch, "seq_len": seq, "q_dim": m["q_heads"] * m["head_dim"],
+                                       "kv_dim": m["kv_heads"] * m["head_dim"], "head_dim": m["head_dim"]},
+                                 inputs=_inputs(d, eps=float(cfg["rms_norm_eps"])), uuid=f"{preset}/{phase}"))
+    return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope_olmo2", "qk_norm_rope_olmo2")])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from .ops import attention, attention_reference, gelu_tanh_and_mul_fused, gelu_t
 from .ops import (apply_rope, apply_rope_cast, apply_rope_cast_reference, apply_rope_reference, rope_append,
                   rope_append_reference, rope_cos_sin, rope_cos_sin_reference)
 from .ops import (kv_append, kv_append_reference, qk_norm_rope, qk_norm_rope_gemma, qk_norm_rope_gemma_reference,
-                  qk_norm_rope_reference, sigmoid_and_mul, sigmoid_and_mul_reference)
+                  qk_norm_rope_olmo2, qk_norm_rope_olmo2_reference, qk_norm_rope_reference, sigmoid_and_mul,
+                  sigmoid_and_mul_reference)
 from .ops import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update, causal_conv1d_update_reference,
                   gated_delta_gates, gated_delta_gates_reference, gated_delta_rule, gated_delta_rule_reference,
                   gemv, gemv_geglu, gemv_geglu_reference, gemv_reference, gemv_swiglu, gemv_swiglu_reference,
@@ -76,6 +77,8 @@ __all__ = [
     "qk_norm_rope",
     "qk_norm_rope_gemma",
     "qk_norm_rope_gemma_reference",
+    "qk_norm_rope_olmo2",
+    "qk_norm_rope_olmo2_reference",
     "qk_norm_rope_reference",
     "registry",
     "reset_stats",

@@ -13,6 +13,12 @@ models/qwen3_5/modeling_qwen3_5.py): ``Qwen3_5RMSNorm`` (Gemma's float32 order w
 and the partial-rotary ``apply_rotary_pos_emb`` (the first ``cos.shape[-1]`` elements of each head
 rotate); its reference chains :func:`~.norm.rms_norm_gemma_reference` and
 :func:`~.rope.apply_rope_reference`.
+
+:func:`qk_norm_rope_olmo2` is the same for ``Olmo2Attention.forward`` (v5.22.2,
+models/olmo2/modeling_olmo2.py; OLMo 3's copies it): ``Olmo2RMSNorm`` over each token's whole q (and
+k) projection row, then the head split and OLMo 2's ``apply_rotary_pos_emb`` (float32 cos/sin, the
+result cast back); its reference chains :func:`~.norm.rms_norm_gemma_reference` (offset 0) and
+:func:`~.rope.apply_rope_cast_reference`.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from .. import dispatch
 from ._dtypes import check_float
 from ._define import define_op
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.qk_norm_rope import BLOCKS, GEMMA_ROWS, GEMMA_TILES
+from ..kernel_src.qk_norm_rope import BLOCKS, GEMMA_ROWS, GEMMA_TILES, OLMO2_ROWS, OLMO2_TILES
 from ..registry import DECODE_TORCH_DTYPES
 from .norm import rms_norm_gemma_reference, rms_norm_reference
-from .rope import _empty_like_layout, _halves, _mismatch, _result_dtype, _want, apply_rope_reference
+from .rope import (_empty_like_layout, _halves, _mismatch, _result_dtype, _want, apply_rope_cast_reference,
+                   apply_rope_reference)
 
 KERNEL = "qk_norm_rope"
 MAX_BLOCK = max(BLOCKS)
@@ -349,3 +356,178 @@ def qk_norm_rope_gemma(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     if q.dim() != 4 or k.dim() != 4 or _mismatch(q, k, cos, sin) is not None:
         return qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)
     return _qk_norm_rope_gemma.call_checked(q, k, q_weight, k_weight, float(eps), cos, sin, float(offset))
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_norm_rope_olmo2: OLMo 2's q/k norms over the whole projection, then its float32 RoPE
+# ---------------------------------------------------------------------------------------------
+
+OLMO2_KERNEL = "qk_norm_rope_olmo2"
+
+
+def qk_norm_rope_olmo2_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Olmo2Attention.forward``'s q/k path (transformers v5.22.2): ``q_norm(q_proj(x))`` and
+    ``k_norm(k_proj(x))`` (``Olmo2RMSNorm`` over the whole projection: float32, ``weight * x *
+    rsqrt(mean(x ** 2) + eps)``, one rounding), the head split ``view(B, S, H, D).transpose(1, 2)``,
+    then OLMo 2's ``apply_rotary_pos_emb`` (each op in ``promote_types(x, cos)``: float32 for its
+    float32 cos/sin; the result cast back to the input's dtype). Returned in the projection's shape
+    ``(B, S, H * D)`` (a view of the stock result transposed back: same values and memory).
+    Shapes as :func:`qk_norm_rope_olmo2`."""
+    d = cos.shape[-1]
+    qn = rms_norm_gemma_reference(q, q_weight, eps, 0.0).unflatten(-1, (-1, d)).transpose(1, 2)
+    kn = rms_norm_gemma_reference(k, k_weight, eps, 0.0).unflatten(-1, (-1, d)).transpose(1, 2)
+    q_embed, k_embed = apply_rope_cast_reference(qn, kn, cos, sin)
+    return q_embed.transpose(1, 2).flatten(2), k_embed.transpose(1, 2).flatten(2)
+
+
+def _olmo2_mismatch(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why the arguments are not shaped as :func:`qk_norm_rope_olmo2` takes them, or None."""
+    if q.dim() != 3 or k.dim() != 3 or cos.dim() != 3 or sin.shape != cos.shape:
+        return (f"expected q (B, S, Hq * D), k (B, S, Hk * D), cos and sin (B or 1, S, D); got q {tuple(q.shape)}, "
+                f"k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    (b, s, wq), wk, d = q.shape, k.shape[-1], cos.shape[-1]
+    if (k.shape[:2] != (b, s) or cos.shape[0] not in (1, b) or cos.shape[1] != s or d % 2 or d == 0
+            or wq % d or wk % d):
+        return (f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} (cos/sin need "
+                "batch 1 or B, q's sequence length and an even head_dim D dividing q's and k's widths)")
+    if tuple(q_weight.shape) != (wq,) or tuple(k_weight.shape) != (wk,):
+        return (f"q_weight {tuple(q_weight.shape)} and k_weight {tuple(k_weight.shape)} must be ({wq},) and ({wk},), "
+                "the norms over the whole projections")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _olmo2_tile(d: int, heads: int) -> tuple | None:
+    # (BLOCK, HP) for head_dim d and the larger head count of q and k, or None when no tile fits.
+    tile = (next_power_of_2(d // 2), max(8, next_power_of_2(heads)))
+    return tile if tile in OLMO2_TILES else None
+
+
+def olmo2_unsupported(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why :func:`qk_norm_rope_olmo2`'s kernel does not take these (well-shaped) inputs on CUDA, or
+    None if it does."""
+    d = cos.shape[-1]
+    if _olmo2_tile(d, max(q.shape[-1], k.shape[-1]) // d) is None:
+        return (f"head_dim {d} with {q.shape[-1] // d} / {k.shape[-1] // d} heads: the kernel is built for head_dim "
+                f"66 to 128 (128 in every OLMo 2 and 3) and up to 64 heads (tiles {OLMO2_TILES})")
+    if q.dtype not in DECODE_TORCH_DTYPES or {k.dtype, q_weight.dtype, k_weight.dtype} != {q.dtype} or \
+            cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        return (f"dtypes q {q.dtype}, k {k.dtype}, weights {q_weight.dtype} / {k_weight.dtype}, cos {cos.dtype}, sin "
+                f"{sin.dtype} (the kernel takes bfloat16 or float16 q, k and weights with float32 cos and sin)")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        return "q or k has a strided last dimension (the kernel views each row as heads)"
+    if len({t.device for t in (q, k, q_weight, k_weight, cos, sin)}) != 1:
+        return "operands on several devices"
+    return None
+
+
+def _olmo2_want(d: int, heads: int, positions: int) -> tuple:
+    block, hp = _olmo2_tile(d, heads)
+    rows = OLMO2_ROWS[(block, hp)]
+    return (("BLOCK", block), ("HP", hp), ("ROWS", 1 if positions < rows else rows))
+
+
+def _olmo2_layout(args: tuple) -> tuple:
+    # q, k, the outputs as (B, S, H, 2, D/2), the weights as (H, 2, D/2), cos/sin as (..., 2, D/2).
+    d = args[4].shape[-1]
+    heads = lambda t: t.view(*t.shape[:-1], t.shape[-1] // d, 2, d // 2)  # noqa: E731
+    return (heads(args[0]), heads(args[1]), heads(args[2]), heads(args[3]), _halves(args[4], d), _halves(args[5], d),
+            heads(args[6]), heads(args[7]), args[8])
+
+
+def qk_norm_rope_olmo2_into(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                            eps: float, cos: torch.Tensor, sin: torch.Tensor, q_out: torch.Tensor,
+                            k_out: torch.Tensor) -> bool:
+    """Launch the kernel on CUDA tensors it takes (:func:`olmo2_unsupported` is None), into new
+    tensors ``q_out``/``k_out`` shaped like q and k with a contiguous last dimension. Returns False
+    (nothing written) when no cuTile path fits; the caller then falls back."""
+    b, s, _ = q.shape
+    d = cos.shape[-1]
+    args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, float(eps))
+    grid = lambda c: (_cdiv(s, c["ROWS"]), 2, b)  # noqa: E731
+    return dispatch.run(OLMO2_KERNEL, _olmo2_want(d, max(q.shape[-1], k.shape[-1]) // d, s), args, 6, grid,
+                        _olmo2_layout)
+
+
+def _olmo2_outputs(q, k):
+    # Stock's dtypes (the norm keeps the input's, the cast RoPE returns it) in the projection's shape,
+    # contiguous: the stock result's memory, transposed back.
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+def _olmo2_copy_reference(q, k, q_weight, k_weight, eps, cos, sin, q_out, k_out):
+    q_ref, k_ref = qk_norm_rope_olmo2_reference(q, k, q_weight, k_weight, eps, cos, sin)
+    return q_out.copy_(q_ref), k_out.copy_(k_ref)
+
+
+def _olmo2_cuda(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _olmo2_outputs(q, k)
+    if q_out.numel() == 0 and k_out.numel() == 0:
+        return q_out, k_out
+    why = olmo2_unsupported(q, k, q_weight, k_weight, cos, sin)
+    if why is None:
+        if qk_norm_rope_olmo2_into(q, k, q_weight, k_weight, eps, cos, sin, q_out, k_out):
+            return q_out, k_out
+    else:
+        dispatch.fallback(OLMO2_KERNEL, why)
+    return _olmo2_copy_reference(q, k, q_weight, k_weight, eps, cos, sin, q_out, k_out)
+
+
+def _olmo2_cpu(q, k, q_weight, k_weight, eps, cos, sin):
+    return _olmo2_copy_reference(q, k, q_weight, k_weight, eps, cos, sin, *_olmo2_outputs(q, k))
+
+
+def _olmo2_check(q, k, q_weight, k_weight, eps, cos, sin) -> None:
+    why = _olmo2_mismatch(q, k, q_weight, k_weight, cos, sin)
+    if why is not None:
+        raise ValueError(f"qk_norm_rope_olmo2: {why}")
+
+
+def _olmo2_fake(q, k, q_weight, k_weight, eps, cos, sin):
+    return _olmo2_outputs(q, k)
+
+
+_qk_norm_rope_olmo2 = define_op(OLMO2_KERNEL, _olmo2_cuda, reference=qk_norm_rope_olmo2_reference, fake=_olmo2_fake,
+                                check=_olmo2_check, cpu=_olmo2_cpu)
+
+
+def qk_norm_rope_olmo2(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OLMo 2's RMSNorm of each token's whole q and k projection rows, then rotary position
+    embedding of their heads, in one launch (``Olmo2Attention.forward``'s q/k path).
+
+    Args:
+        q: ``(B, S, Hq * D)`` the q projection's output before ``q_norm`` (a view of a stacked
+            q/k/v output is fine: any row strides, the last dimension contiguous); bfloat16 or
+            float16 on the kernel, any float dtype on the reference.
+        k: ``(B, S, Hk * D)`` the k projection's output before ``k_norm``, likewise.
+        q_weight, k_weight: ``(Hq * D,)`` and ``(Hk * D,)`` weights of ``q_norm`` and ``k_norm``.
+        eps: the norms' ``variance_epsilon`` (``config.rms_norm_eps``; both norms share it).
+        cos, sin: ``(B, S, D)`` or ``(1, S, D)`` as OLMo 2's rotary embedding returns them (float32);
+            full rotary (D is the head dim).
+
+    Returns:
+        ``(q_embed, k_embed)``: new contiguous ``(B, S, H * D)`` tensors of q's and k's dtypes,
+        ``view(B, S, H, D).transpose(1, 2)`` of which is the stock ``apply_rotary_pos_emb`` result
+        (values and memory layout).
+
+    On CUDA this is one cuTile kernel (prebuilt, else JIT) when the head dim is 66 to 128 (even; 128
+    in every OLMo 2 and OLMo 3 checkpoint) with at most 64 heads, q, k and the weights share a 16-bit dtype and cos/sin are float32. Other inputs take
+    :func:`qk_norm_rope_olmo2_reference` and log the reason once (``FallbackError`` under
+    ``CUTILE_KERNELS_STRICT=1``). On other devices it is the reference. Under ``torch.compile``, or
+    when an input requires grad, it is the custom op ``<namespace>::qk_norm_rope_olmo2`` (gradients
+    from the reference formula).
+
+    Raises:
+        TypeError: a tensor is not bfloat16, float16, float32 or float64.
+        ValueError: shapes that do not fit (widths not multiples of the head dim, weights not the
+            projections' widths, cos/sin of another length).
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+        CudaError: the CUDA driver failed to launch the kernel.
+    """
+    check_float("qk_norm_rope_olmo2", "q, k, q_weight, k_weight, cos, sin", q, k, q_weight, k_weight, cos, sin)
+    return _qk_norm_rope_olmo2(q, k, q_weight, k_weight, float(eps), cos, sin)
