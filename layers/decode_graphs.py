@@ -307,15 +307,20 @@ def _group_lengths(cache, layers: list) -> None:
     ~1.013x."""
     if len(layers) < 2:
         return
-    lengths = torch.stack([layer.cumulative_length.reshape(()) for layer in layers])
+    now = [layer.cumulative_length for layer in layers]
+    base = now[0]._base
+    # Grouped before (a cache armed again after _restore_updates): the same buffer, so that a graph
+    # captured over it stays valid.
+    again = (base is not None and base.dim() == 1 and base.numel() == len(now)
+             and all(t._base is base and t.dim() == 0 and t.storage_offset() == i for i, t in enumerate(now)))
+    lengths = base if again else torch.stack([t.reshape(()) for t in now])
     if not bool((lengths == lengths[0]).all()):
         return
-    views = []
-    for i, layer in enumerate(layers):
-        layer.cumulative_length = lengths[i]
-        torch._dynamo.mark_static_address(layer.cumulative_length)
-        views.append(layer.cumulative_length)
-    cache.__dict__[LENGTHS] = (lengths, tuple(layers), tuple(views))
+    if not again:
+        for i, layer in enumerate(layers):
+            layer.cumulative_length = lengths[i]
+            torch._dynamo.mark_static_address(layer.cumulative_length)
+    cache.__dict__[LENGTHS] = (lengths, tuple(layers), tuple(layer.cumulative_length for layer in layers))
 
 
 def _grouped(cache):

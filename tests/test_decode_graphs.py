@@ -726,6 +726,32 @@ def test_full_layers_lengths_are_one_buffer_advanced_once_a_step(emulated, monke
     assert last[:, :, written].abs().sum() > 0 and last[:, :, written + 1:].abs().sum() == 0
 
 
+def test_the_kernel_attention_reads_the_steps_filled_length(emulated):
+    """With ``attn_implementation="cutile_kernel"`` every call runs the attention op, whose CPU
+    reference reads only the first ``kv_len`` keys, and the stacked (fused_qkv) Llama forward passes
+    the static layer's filled length: a step's filled length off by one would change the logits."""
+    model = tiny_model("llama", attn="cutile_kernel")
+    assert cutile_kernels.patch(model, names=["fused_qkv"]).changed["fused_qkv"] == len(model.model.layers)
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(9))
+    want = _generate(model, ids, cache_implementation="static", disable_compile=True)
+    graphs = emulated(model)
+    got = _generate(model, ids, compile_config=_cpu_compile_config())
+    _same(got, want)
+    assert graphs.replays >= 6
+
+
+def test_a_cache_armed_again_keeps_its_length_buffer(emulated):
+    """Disarmed (_restore_updates) and armed again, a cache keeps the buffer its lengths view: a
+    graph captured over it (another DecodeGraphs over the same cache) reads what it captured."""
+    model, graphs, cache, tokens = _grouped_llama_cache(emulated)
+    buffer = vars(cache)[dg.LENGTHS][0]
+    dg._restore_updates(cache)
+    assert dg.LENGTHS not in vars(cache)
+    assert dg._make_capturable(cache)
+    assert vars(cache)[dg.LENGTHS][0] is buffer
+    assert all(layer.cumulative_length._base is buffer for layer in cache.layers)
+
+
 def test_a_layer_changed_since_the_grouping_is_advanced_by_its_own_update(emulated):
     """A grouped layer given another ``update``, or another length tensor, turns the one advance off
     for the step (each layer advances itself: none twice, none skipped); disabling drops the group."""

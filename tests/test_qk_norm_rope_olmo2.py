@@ -297,6 +297,37 @@ def test_patch_keeps_stock_logits_stacks_and_undoes(model_type):
     assert torch.equal(_logits(model, ids), want)
 
 
+def test_a_stacked_module_keeps_passing_its_window_after_the_undo(monkeypatch):
+    """Undone while fused_qkv still stacks the module (whose class forward is then the fused one, on
+    the stock lines), OLMo 3's attention still passes ``sliding_window`` as stock's does: what a
+    flash-attention implementation reads (sdpa's mask carries the window anyway)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
+
+    from families import model as tiny
+
+    seen = []
+
+    def recording(module, *args, **kwargs):
+        seen.append((module.layer_idx, kwargs.get("sliding_window", "absent")))
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", recording)
+    ids = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(4))
+    stock, model = tiny("olmo3"), tiny("olmo3")
+    _logits(stock, ids)
+    want, seen[:] = list(seen), []
+    assert want == [(0, 4), (1, None), (2, 4)]
+    cutile_kernels.patch(model, names=["olmo2_qk_norm_rope", "fused_qkv"])
+    cutile_kernels.unpatch(model, names=["olmo2_qk_norm_rope"])
+    assert all(hasattr(m, "qkv_proj") for m in _attention(model))
+    assert torch.equal(_logits(model, ids), _logits(stock, ids)) and seen[:3] == want
+    cutile_kernels.unpatch(model, names=["fused_qkv"])
+    seen.clear()
+    _logits(model, ids)
+    assert seen == want
+
+
 def test_hooked_or_mismatched_norms_run_the_stock_lines():
     from families import model as tiny
 

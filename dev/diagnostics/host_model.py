@@ -10,7 +10,7 @@ a GPU, are replaced by an output allocation. What remains is the forward's Pytho
 work, plus the stock model's small CPU elementwise ops. The models are timed alternately, one
 forward each per round, so a drifting host slows both alike:
 
-    python dev/diagnostics/host_model.py [--family llama|phi3] [--layers 16] [--tokens 8] [--rounds 300] [--profile 30]
+    python dev/diagnostics/host_model.py [--family llama|phi3|qwen3|gemma3_text|...] [--layers 16] [--tokens 8] [--rounds 300] [--profile 30]
 
 It prints each model's median and p10 microseconds per forward and their ratio (median over rounds
 of ours / stock). ``--profile N`` adds the top N functions of ours under cProfile.
@@ -48,15 +48,22 @@ def fake_gemms() -> None:
 
 
 def config(family: str, layers: int):
-    """The small-width config: Llama-3.2-1B's head layout (head_dim 64, GQA 4:1), or Phi-4-mini's
-    architecture (fused q/k/v and gate/up, 3/4 of each head rotated)."""
+    """The small-width config: Llama-3.2-1B's head layout (head_dim 64, GQA 4:1), Phi-4-mini's
+    architecture (fused q/k/v and gate/up, 3/4 of each head rotated), or another family's (the test
+    suite's row of it, ``tests/families.py``, at these widths with head_dim 64 and GQA 2:1)."""
     from transformers import LlamaConfig, Phi3Config
 
     widths = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
                   vocab_size=512)
     if family == "phi3":
         return Phi3Config(**widths, num_key_value_heads=2, partial_rotary_factor=0.75, pad_token_id=0)
-    return LlamaConfig(**widths, num_key_value_heads=1)
+    if family == "llama":
+        return LlamaConfig(**widths, num_key_value_heads=1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    import families
+
+    del widths["num_hidden_layers"]
+    return families.config(family, layers, **widths, num_key_value_heads=2, head_dim=64)
 
 
 def models(layers: int, family: str = "llama"):
@@ -92,30 +99,52 @@ def models(layers: int, family: str = "llama"):
     return stock, ours
 
 
+def _shared_bindings(stock, ours) -> list:
+    """(module, forward) for the modules both models hold (transformers' hub functions, e.g.
+    ``apply_rotary_pos_emb``, are one module object per modeling module, a child of every attention
+    module of every model) on which kernelize bound our forward: in one process the stock model
+    would run it too. :func:`compare` takes it off for stock's forwards."""
+    in_stock = {id(m) for m in stock.modules()}
+    return [(m, m.__dict__["forward"]) for m in ours.modules() if id(m) in in_stock and "forward" in m.__dict__]
+
+
 def compare(pair: dict, ids, rounds: int) -> dict:
-    """Microseconds per forward of each model, one forward of each per round (order rotating)."""
+    """Microseconds per forward of each model, one forward of each per round (order rotating); the
+    hub functions both share run our forward in ours only (:func:`_shared_bindings`)."""
     times = {k: [] for k in pair}
     names = list(pair)
+    shared = _shared_bindings(pair["stock"], pair["ours"])
+
+    def bind(k):
+        for m, fwd in shared:
+            if k == "ours":
+                m.__dict__["forward"] = fwd
+            else:
+                m.__dict__.pop("forward", None)
     with torch.inference_mode():
         for _ in range(20):
-            for m in pair.values():
+            for k, m in pair.items():
+                bind(k)
                 m(ids, use_cache=False)
         gc.collect()
         gc.disable()
         try:
             for r in range(rounds):
                 for k in names[r % 2:] + names[:r % 2]:
+                    bind(k)
                     t0 = time.perf_counter_ns()
                     pair[k](ids, use_cache=False)
                     times[k].append((time.perf_counter_ns() - t0) / 1e3)
         finally:
             gc.enable()
+            bind("ours")
     return times
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", choices=("llama", "phi3"), default="llama")
+    ap.add_argument("--family", default="llama",
+                    help="llama, phi3 (their real head layouts) or another model type of tests/families.py")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=300)

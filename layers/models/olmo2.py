@@ -155,7 +155,7 @@ def attention_window(cls: type) -> bool | str:
     """For an attention class whose forward is one of :data:`ATTENTION_REFERENCES`' code (still the
     pinned statements) calling OLMo 2's ``apply_rotary_pos_emb``: whether that forward passes its
     sliding window; else why ``cls`` does not take :func:`fused_attention_forward` (a string)."""
-    why = None
+    reasons = []
     for (module, name), window in ATTENTION_REFERENCES.items():
         ref = _reference(module, name).forward
         why = forward_verdict(cls, f"{module}.{name}.forward", ref)
@@ -163,7 +163,8 @@ def attention_window(cls: type) -> bool | str:
             if not olmo2_rope_function(cls.forward.__globals__.get("apply_rotary_pos_emb")):
                 return "the apply_rotary_pos_emb it calls is not OLMo 2's formula"
             return window
-    return why
+        reasons.append(why)
+    return "; ".join(reasons)
 
 
 def _norms_fusable(m: nn.Module) -> bool:
@@ -241,8 +242,14 @@ def patch_olmo2_qk_norm_rope(model: nn.Module) -> int:
 
 
 def unpatch_olmo2_qk_norm_rope(model: nn.Module) -> int:
-    """Undo :func:`patch_olmo2_qk_norm_rope`: the class forward again. Returns the modules restored."""
-    return restore_forwards(model, "olmo2_qk_norm_rope", fused_attention_forward, attrs=(WINDOW_ATTR,))
+    """Undo :func:`patch_olmo2_qk_norm_rope`: the class forward again. Returns the modules restored.
+    A module ``fused_qkv`` still stacks keeps its window attribute: its class forward is
+    :func:`fused_attention_forward` until it is unstacked, and passes the window as stock does."""
+    n = restore_forwards(model, "olmo2_qk_norm_rope", fused_attention_forward)
+    for m in model.modules():
+        if WINDOW_ATTR in m.__dict__ and FUSED_NAME not in m._modules:
+            del m.__dict__[WINDOW_ATTR]
+    return n
 
 
 # The fused forward reads a stacked projection: the fused_qkv patch may stack modules running it.
