@@ -78,8 +78,8 @@ def cache_layer(module: torch.nn.Module, past_key_values):
 
 #: Instance attribute of a ``StaticLayer`` during a decode-graph step that advances the lengths of
 #: the cache's full-attention layers once, after every layer has run (``decode_graphs``,
-#: ``_lengths_after_the_step``): the layer's filled length once this step's tokens are written (a
-#: 0-d int64 device tensor), which its ``cumulative_length`` reaches only at the step's end.
+#: ``DecodeGraphs.forward``): the layer's filled length once this step's tokens are written (a 0-d
+#: int64 device tensor), which its ``cumulative_length`` reaches only at the step's end.
 STEP_FILLED = "_cutile_step_filled"
 
 

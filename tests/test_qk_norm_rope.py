@@ -20,7 +20,7 @@ from cutile_kernels.layers import patch as patcher
 from cutile_kernels.layers.models import qwen3 as layer
 from cutile_kernels_tools.inventory import evaluate
 from cutile_kernels_tools import inventory
-from launches import launched_variants
+from launches import assert_solution_passes, launched_variants, replays_and_compiles
 
 import cutile_numpy
 
@@ -471,23 +471,9 @@ def test_unsupported_inputs_fall_back_and_say_so(caplog):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_and_compile(strict):
-    q, k, qw, kw, cos, sin = _inputs(4, 16, 8, 1, 128, torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        cutile_kernels.qk_norm_rope(q, k, qw, kw, EPS, cos, sin)
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gq, gk = cutile_kernels.qk_norm_rope(q, k, qw, kw, EPS, cos, sin)
-    q.mul_(2)
-    g.replay()
-    torch.cuda.synchronize()
-    eq, ek = cutile_kernels.qk_norm_rope(q, k, qw, kw, EPS, cos, sin)
-    assert torch.equal(gq, eq) and torch.equal(gk, ek)
-    compiled = torch.compile(lambda *a: cutile_kernels.qk_norm_rope(*a[:4], EPS, *a[4:]), fullgraph=True)
-    got = compiled(q, k, qw, kw, cos, sin)
-    assert torch.equal(got[0], eq) and torch.equal(got[1], ek)
+    inputs = list(_inputs(4, 16, 8, 1, 128, torch.bfloat16, device="cuda"))
+    replays_and_compiles(lambda q, k, qw, kw, cos, sin: cutile_kernels.qk_norm_rope(q, k, qw, kw, EPS, cos, sin),
+                         inputs)
 
 
 def _logit_error(logits, ref):
@@ -518,7 +504,4 @@ def test_patched_model_logits_against_fp32(strict):
 
 @pytest.mark.gpu
 def test_solution_passes_evaluate():
-    inv = inventory.Inventory.load(INVENTORY)
-    (solution,) = inv.solutions_of(NAME)
-    result = evaluate.evaluate(solution.name, INVENTORY)
-    assert result.status == "PASSED", result.message
+    assert_solution_passes(NAME, INVENTORY)

@@ -10,7 +10,8 @@ a GPU, are replaced by an output allocation. What remains is the forward's Pytho
 work, plus the stock model's small CPU elementwise ops. The models are timed alternately, one
 forward each per round, so a drifting host slows both alike:
 
-    python dev/diagnostics/host_model.py [--family llama|phi3|qwen3|gemma3_text|...] [--layers 16] [--tokens 8] [--rounds 300] [--profile 30]
+    python dev/diagnostics/host_model.py [--family llama|phi3|qwen3|...] [--layers 16] [--tokens 8] [--rounds 300]
+        [--profile 30]
 
 It prints each model's median and p10 microseconds per forward and their ratio (median over rounds
 of ours / stock). ``--profile N`` adds the top N functions of ours under cProfile.

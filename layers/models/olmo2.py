@@ -253,8 +253,12 @@ def unpatch_olmo2_qk_norm_rope(model: nn.Module) -> int:
 
 
 # The fused forward reads a stacked projection: the fused_qkv patch may stack modules running it.
+def _reference_forward(module: str, name: str):
+    return _reference(module, name).forward
+
+
 for _module, _name in ATTENTION_REFERENCES:
-    register_stackable(Stackable(reference=functools.partial(lambda m, n: _reference(m, n).forward, _module, _name),
+    register_stackable(Stackable(reference=functools.partial(_reference_forward, _module, _name),
                                  forward=fused_attention_forward, verdict=_attention_verdict,
                                  patch="olmo2_qk_norm_rope"))
 

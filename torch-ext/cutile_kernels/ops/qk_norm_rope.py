@@ -516,8 +516,9 @@ def qk_norm_rope_olmo2(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
         (values and memory layout).
 
     On CUDA this is one cuTile kernel (prebuilt, else JIT) when the head dim is 66 to 128 (even; 128
-    in every OLMo 2 and OLMo 3 checkpoint) with at most 64 heads, q, k and the weights share a 16-bit dtype and cos/sin are float32. Other inputs take
-    :func:`qk_norm_rope_olmo2_reference` and log the reason once (``FallbackError`` under
+    in every OLMo 2 and OLMo 3 checkpoint) with at most 64 heads, q, k and the weights share a 16-bit
+    dtype and cos/sin are float32. Other inputs take :func:`qk_norm_rope_olmo2_reference` and log
+    the reason once (``FallbackError`` under
     ``CUTILE_KERNELS_STRICT=1``). On other devices it is the reference. Under ``torch.compile``, or
     when an input requires grad, it is the custom op ``<namespace>::qk_norm_rope_olmo2`` (gradients
     from the reference formula).
