@@ -119,6 +119,15 @@ def stacked_projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple
     return linear(module.qkv_proj, hidden_states).split((q_out, kv_out, kv_out), dim=-1)
 
 
+def qkv_projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v)`` of an attention module for a reproduced forward: :func:`stacked_projections`
+    where ``fused_qkv`` stacked it, else its ``q_proj``, ``k_proj`` and ``v_proj`` (each through
+    ``_direct.linear``)."""
+    if FUSED_NAME in module._modules:
+        return stacked_projections(module, hidden_states)
+    return tuple(linear(p, hidden_states) for p in (module.q_proj, module.k_proj, module.v_proj))
+
+
 def _reference_class(module_name: str, class_name: str) -> type:
     import importlib
 
@@ -381,8 +390,8 @@ def unfuse_qkv(model: nn.Module) -> int:
     return len(targets)
 
 
-__all__ = ["FUSED_NAME", "REFERENCES", "STACKABLE", "Stackable", "attention_verdict", "register_stackable",
-           "stacked_projections", "fuse_qkv", "fused_class", "fused_qkv_forward",
+__all__ = ["FUSED_NAME", "REFERENCES", "STACKABLE", "Stackable", "attention_verdict", "qkv_projections",
+           "register_stackable", "stacked_projections", "fuse_qkv", "fused_class", "fused_qkv_forward",
            "reproduced_forward", "stock_forward_parts",
            "is_fusable_qkv", "unfuse_qkv", "why_not_fusable_qkv"]
 

@@ -31,12 +31,12 @@ from torch import nn
 
 from ...ops.norm import rms_norm_add_gemma
 from ...ops.qk_norm_rope import qk_norm_rope_olmo2
-from .._direct import attend, linear
+from .._direct import attend
 from .._patching import (Patch, _unhooked, modeling_globals, restore_forwards, stock_class, swap_forwards,
                          swapped)
 from .._pins import Pin, forward_verdict
 from ..norm import _float_norm_eps, olmo2_formula_norm
-from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
+from ..qkv import FUSED_NAME, Stackable, qkv_projections, register_stackable
 from ..rope import olmo2_rope_function
 from . import Family
 
@@ -191,11 +191,7 @@ def fused_attention_forward(self, hidden_states, position_embeddings, attention_
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    if stacked:
-        query_states, key_states, value_states = stacked_projections(self, hidden_states)
-    else:
-        query_states, key_states, value_states = (linear(p, hidden_states) for p in (self.q_proj, self.k_proj,
-                                                                                     self.v_proj))
+    query_states, key_states, value_states = qkv_projections(self, hidden_states)
     cos, sin = position_embeddings
     if fusable:  # the norms over the whole projections, then the heads' RoPE: one launch
         query_states, key_states = qk_norm_rope_olmo2(query_states, key_states, self.q_norm.weight,

@@ -34,9 +34,9 @@ import logging
 from torch import nn
 
 from ...ops.qk_norm_rope import qk_norm_rope
-from .._direct import attend, linear
+from .._direct import attend
 from .._patching import Patch, _unhooked, modeling_globals, restore_forwards, stock_class, swap_forwards, swapped
-from ..qkv import FUSED_NAME, Stackable, register_stackable, stacked_projections
+from ..qkv import FUSED_NAME, Stackable, qkv_projections, register_stackable
 from .._pins import Pin, forward_verdict
 from ..norm import is_llama_norm
 from ..rope import llama_rope_function
@@ -101,11 +101,7 @@ def fused_attention_forward(self, hidden_states, position_embeddings, attention_
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    if stacked:
-        query_states, key_states, value_states = stacked_projections(self, hidden_states)
-    else:
-        query_states, key_states, value_states = (linear(p, hidden_states) for p in (self.q_proj, self.k_proj,
-                                                                                     self.v_proj))
+    query_states, key_states, value_states = qkv_projections(self, hidden_states)
     query_states = query_states.view(hidden_shape).transpose(1, 2)
     key_states = key_states.view(hidden_shape).transpose(1, 2)
     value_states = value_states.view(hidden_shape).transpose(1, 2)
