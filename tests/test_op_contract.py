@@ -136,11 +136,12 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
     if name == "qk_norm_rope_gemma":  # partial rotary: half of each head rotated
         (q, k), (cos, sin) = _rope_args(dtype, device, d=d)
         return q, k, 0.1 * f(d), 0.1 * f(d), 1e-6, cos[..., :d // 2], sin[..., :d // 2], 1.0
-    if name == "qk_norm_rope_olmo2":  # q/k as views of a stacked projection (B, S, H * D); float32 cos/sin
-        (_, _), (cos, sin) = _rope_args(dtype, device, s=7, d=d)
-        qkv = f(2, 7, 8 * d)
-        return qkv[..., :4 * d], qkv[..., 4 * d:6 * d], 1 + 0.1 * f(4 * d), 1 + 0.1 * f(2 * d), 1e-6, cos.float(), \
-            sin.float()
+    if name == "qk_norm_rope_olmo2":  # q/k as views of a stacked projection (B, S, H * D); float32 cos/sin;
+        hd = 2 * d  # head dim 2d: the kernel's tiles take 66-128 (the GPU test's d 64 gives OLMo's 128)
+        (_, _), (cos, sin) = _rope_args(dtype, device, s=7, d=hd)
+        qkv = f(2, 7, 8 * hd)
+        return qkv[..., :4 * hd], qkv[..., 4 * hd:6 * hd], 1 + 0.1 * f(4 * hd), 1 + 0.1 * f(2 * hd), 1e-6, \
+            cos.float(), sin.float()
     if name == "sigmoid_and_mul":  # the gate as the second half of each head of a wider projection
         return f(2, 7, 3, 2 * d)[..., d:], f(2, 7, 3, d)
     if name == "rope_cos_sin":
