@@ -24,6 +24,7 @@ from cutile_kernels.layers import linear as glinear
 from cutile_kernels.layers._patching import swapped
 
 from families import model as tiny_model
+from families import transformers_functions
 
 gops = importlib.import_module("cutile_kernels.ops.gemv")  # the module (ops.gemv is the op)
 
@@ -449,8 +450,9 @@ def _captured_step(model: tuple, patches: list) -> tuple:
     cutile_kernels.patch(ours, names=patches)
     ids = torch.tensor([[5]], device="cuda")
     with torch.no_grad():
-        ref = tiny_model(family, seed=seed).to("cuda", torch.float64)(ids, use_cache=False).logits
-        a = stock(ids, use_cache=False).logits
+        with transformers_functions(stock):  # a model kernelized earlier may have rebound them
+            ref = tiny_model(family, seed=seed).to("cuda", torch.float64)(ids, use_cache=False).logits
+            a = stock(ids, use_cache=False).logits
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -163,8 +163,8 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
     if name == "gated_delta_rule":  # q/k/v column slices of one projection, 5 tokens, 2 heads
         mixed = f(1, 5, 2 * (2 * d + 8))
         q, k, v = mixed.split([2 * d, 2 * d, 16], dim=-1)
-        return (q.view(1, 5, 2, d), k.view(1, 5, 2, d), v.view(1, 5, 2, 8), -f(1, 5, 2).abs(), f(1, 5, 2).sigmoid(),
-                f(1, 2, d, 8), f(1, 5, 2, 8), d ** -0.5)
+        return (q.view(1, 5, 2, d), k.view(1, 5, 2, d), v.view(1, 5, 2, 8), -f(1, 5, 2).abs().float(),
+                f(1, 5, 2).sigmoid(), f(1, 2, d, 8).float(), f(1, 5, 2, 8), d ** -0.5)  # float32 g and state
     if name == "causal_conv1d":
         return f(2, 40, 7).transpose(1, 2), f(40, 4)
     if name == "causal_conv1d_update":

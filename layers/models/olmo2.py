@@ -12,7 +12,8 @@ cos/sin and casts each result back to q's dtype: the RoPE hub layer runs it on t
 float32-cos variants (``apply_rope_cast``). The opt-in patch ``olmo2_norm_add`` (below) runs each
 post-norm block's norm and residual add as one ``rms_norm_add_gemma`` launch; the opt-in patch
 ``olmo2_qk_norm_rope`` (below) runs the attention's ``q_norm``, ``k_norm`` and RoPE as one
-``qk_norm_rope_olmo2`` launch and lets ``fused_qkv`` stack its q/k/v projections.
+``qk_norm_rope_olmo2`` launch and lets ``fused_qkv`` stack its q/k/v projections; ``decode_graphs=True``
+applies both (the decode fast path's replayed graph pays for every launch).
 
 OLMo 3 (``modeling_olmo3.py``) is OLMo 2's code (``Olmo3RMSNorm``, ``apply_rotary_pos_emb``, the MLP
 and the decoder forward compile to OLMo 2's, so OLMo 2's pins gate it) with sliding-window layers
@@ -258,7 +259,8 @@ for _module, _name in ATTENTION_REFERENCES:
                                  forward=fused_attention_forward, verdict=_attention_verdict,
                                  patch="olmo2_qk_norm_rope"))
 
-#: This module's patch rows (gathered by ``layers/_registry.py``): opt-in until the H200 bench times them.
+#: This module's patch rows (gathered by ``layers/_registry.py``): opt-in; ``layers.hub.DECODE_GRAPH_PATCHES``
+#: names both (measured in the decode fast path; eager, host-paced, they are not yet timed apart).
 PATCH_ROWS = [Patch("olmo2_norm_add", apply=patch_olmo2_norm_add, undo=unpatch_olmo2_norm_add, default=False,
                     description="OLMo 2 decoder layers' post-norms and residual adds fused (rms_norm_add_gemma)"),
               Patch("olmo2_qk_norm_rope", apply=patch_olmo2_qk_norm_rope, undo=unpatch_olmo2_qk_norm_rope,
