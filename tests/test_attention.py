@@ -586,6 +586,100 @@ def test_route_sends_each_call_where_it_is_fastest(kind, want, route_spy):
     torch.testing.assert_close(got[rows], ref.transpose(1, 2)[rows], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("marked,Sq,window,masked,want", [
+    (False, 20, 6, True, "sdpa"), (True, 20, 6, True, "kernel"), (True, 20, 20, True, "sdpa"),
+    (True, 18, 6, True, "sdpa"), (True, 20, 6, False, "sdpa"), (True, 1, 6, False, "sdpa"),
+    (True, 1, 6, True, "kernel"), (True, 20, 6, "padded", "kernel")],
+    ids=["unmarked", "marked", "window-hides-nothing", "cached-prefix", "no-mask", "unmasked-decode",
+         "masked-decode", "padded"])
+def test_route_gives_windowed_prefills_to_the_kernel_under_the_opt_in(marked, Sq, window, masked, want, route_spy,
+                                                                       monkeypatch):
+    """Patch ``windowed_prefill_attention``'s mark on a module: a prefill with no cached prefix whose
+    boolean mask carries a window that hides keys goes to the kernel (sdpa would compute every pair
+    under the mask), with the mask's causal and window bounds beside it; without the mark, a window
+    as long as the keys, a cached prefix, no mask, or a decode call, the route is the default's.
+    Both give the reference's values (a left-padded batch's too)."""
+    B, Hq, Hkv, Skv, D = 2, 4, 2, 20, 16
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    pads = left_padding(B, Skv, [0, 3]) if masked == "padded" else None
+    mask = hf_mask(B, Sq, Skv, Skv - Sq, pads, window=window) if masked else None
+    module = _module(Hq // Hkv)
+    if marked:
+        setattr(module, lattn.WINDOWED_PREFILL, True)
+    seen, counted = {}, lattn.attention
+    monkeypatch.setattr(lattn, "attention", lambda *a, **kw: seen.update(kw) or counted(*a, **kw))
+    got, _ = lattn.cutile_attention_forward(module, q, k, v, mask, scaling=0.25, sliding_window=window)
+    assert route_spy == {"kernel": int(want == "kernel"), "sdpa": int(want == "sdpa")}
+    if want == "kernel":  # a windowed prefill: the KV loop bounded by causal and window; a decode: the mask alone
+        assert (seen["causal"], seen["window"]) == ((True, window) if Sq > 1 else (False, None))
+    # Without a mask sdpa reads no window (transformers passes one whenever the window hides keys).
+    ref = attn_ops.attention_reference(q, k, v, mask, 0.25, mask is None and Sq > 1, None, None)
+    rows = torch.ones(B, Sq, dtype=torch.bool) if mask is None else mask.any(-1)[:, 0]  # padded rows: no key
+    torch.testing.assert_close(got[rows], ref.transpose(1, 2)[rows], rtol=1e-10, atol=1e-10)
+
+
+def test_windowed_prefill_patch_marks_windowed_attention_on_cutile_only():
+    """The opt-in patch marks the attention modules whose layer has a window (Gemma 3's sliding
+    layers; Mistral's config window marks all), and undoes; on sdpa the marks change no call."""
+    import families
+    from cutile_kernels.layers import models as lmodels
+
+    model = families.model("gemma3_text", layers=6, sliding_window=8)
+    sliding = [m for m in lmodels.attention_modules(model) if m.sliding_window]
+    assert 0 < len(sliding) < 6
+    assert lmodels.patch_windowed_prefill_attention(model) == len(sliding)
+    assert lmodels.patch_windowed_prefill_attention(model) == 0  # idempotent
+    assert all(getattr(m, lattn.WINDOWED_PREFILL, False) is (m in sliding) for m in lmodels.attention_modules(model))
+    assert lmodels.unpatch_windowed_prefill_attention(model) == len(sliding)
+    assert not any(lattn.WINDOWED_PREFILL in m.__dict__ for m in model.modules())
+    assert lmodels.patch_windowed_prefill_attention(families.model("mistral", layers=2, sliding_window=8)) == 2
+    wrapper = families.model("gemma3_text", layers=2, sliding_window=8)
+    wrapper.config = types.SimpleNamespace(sub_configs={"text_config": wrapper.config})  # a multimodal wrapper's
+    assert lmodels.patch_windowed_prefill_attention(wrapper) == 0
+
+
+def test_windowed_prefill_patch_in_a_model_compiles_fullgraph_and_keeps_the_logits(route_spy, monkeypatch):
+    """A Gemma 3 prefill longer than its window with the opt-in patch: the sliding layers' calls take
+    the kernel (the reference on the CPU), the global ones sdpa; the logits are stock's to float64
+    rounding; the prefill traces under ``torch.compile(fullgraph=True)`` with the same route."""
+    import families
+    from cutile_kernels.layers import models as lmodels
+
+    model = families.model("gemma3_text", dtype=torch.float64, layers=3, sliding_window=4)  # layers 0, 1 slide
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+    model.set_attn_implementation(lattn.NAME)
+    assert lmodels.patch_windowed_prefill_attention(model) == 2
+    with torch.no_grad():
+        got = model(ids).logits
+    assert route_spy == {"kernel": 2, "sdpa": 1}
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    monkeypatch.setattr(lattn, "attention", attn_ops.attention)  # uncounted under compile (a counter recompiles)
+    monkeypatch.setattr(lattn, "_SDPA", sdpa_attention_forward)
+    # fullgraph=True: a break raises. (1, 7) prompt: windows of 4 hide keys. (Gemma 3's output
+    # wrapper compiles as a frame of its own, with an empty graph.)
+    _, targets, compiled, eager = families.compile_fullgraph(model)
+    assert sum("cutile" in t and "attention" in t for t in targets) == 1, targets
+    torch.testing.assert_close(compiled, eager, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.gpu
+def test_gpu_windowed_prefill_patch_is_as_close_to_float32_as_stock(strict):
+    """On the GPU, a bf16 Gemma 3 prefill (37 tokens over windows of 8) with the opt-in patch: the
+    sliding layers' prefills on our kernel, logits as close to float32 as stock bf16's."""
+    import families
+
+    dispatch.reset_stats()
+    ours, stock, report = families.relative_errors_vs_float32(
+        "gemma3_text", ["cutile_attention", "windowed_prefill_attention"], sliding_window=8)
+    assert report.changed["windowed_prefill_attention"] > 0
+    assert dispatch.stats()["launches"] and any("attention" in k for k in dispatch.stats()["launches"])
+    assert ours <= 1.1 * stock, (ours, stock)
+
+
 def test_route_hands_what_the_kernel_cannot_take_to_sdpa(caplog, monkeypatch, route_spy):
     """``"cutile"``: an additive mask, dropout while training or a position bias go to sdpa (which
     takes them), said once; an error under ``CUTILE_KERNELS_STRICT=1``."""

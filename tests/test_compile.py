@@ -50,8 +50,10 @@ FAMILY_OPS = {
     "gemma3_text": {"rms_norm_gemma", "rope"},
     "gemma2": {"rms_norm_gemma", "rope", "attention"},  # no sdpa path: patch gemma2_attention runs ours
     "phi3": {"add_rms_norm", "rms_norm", "rope", "silu_and_mul"},  # Llama-code norms and adds; phi3_rope; phi3_mlp
-    "olmo2": {"rms_norm_gemma", "rope_cast", "silu_and_mul_fused"},  # float32-order norms (offset 0), float32-cos RoPE
-    "olmo3": {"rms_norm_gemma", "rope_cast", "silu_and_mul_fused"},  # OLMo 2's code, sliding layers
+    # float32-order norms (offset 0): the final one alone, the post-norms with their adds, the q/k
+    # norms with the float32-cos RoPE
+    "olmo2": {"rms_norm_gemma", "rms_norm_add_gemma", "qk_norm_rope_olmo2", "silu_and_mul_fused"},
+    "olmo3": {"rms_norm_gemma", "rms_norm_add_gemma", "qk_norm_rope_olmo2", "silu_and_mul_fused"},  # + sliding layers
     # (1 + weight) norms (one fused with the residual add), SwiGLU, the gated norm, the gates (the
     # block's hub layer). The delta rule and conv layers give CPU calls to
     # transformers' functions; on CUDA they are ours (test_gpu_static_generate_... traces them).
@@ -225,7 +227,8 @@ def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
                                                                   "phi3_mlp", "phi3_rope",
                                                                   "fused_gate_up_geglu",
                                                                   "qwen3_5_add_norm", "qwen3_5_rope", "gemma_add_norm",
-                                                                  "qwen3_5_stacked_proj", "gemma3_qk_norm_rope"}
+                                                                  "qwen3_5_stacked_proj", "gemma3_qk_norm_rope",
+                                                                  "windowed_prefill_attention"}
     ids = torch.randint(0, 256, (2, 11))
     with torch.no_grad():
         want = model(ids).logits
@@ -274,7 +277,7 @@ def _costly_guards(model) -> set[str]:
 
 
 #: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
-_OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope"), ("qwen3", "fused_qkv"), ("olmo3", "olmo2_qk_norm_rope")]
+_OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope"), ("qwen3", "fused_qkv"), ("olmo3", "fused_qkv")]
 
 
 @pytest.mark.parametrize("model_type,opt_in", [(m, None) for m in CLAIMED] + _OPT_IN_FORWARDS)

@@ -184,7 +184,8 @@ def test_family_patches_replay_and_match_eager(model_type, fields, patches, emul
     add in pre_feedforward_layernorm) and gemma3_qk_norm_rope (q/k norms + RoPE in one launch),
     opt-in but applied by ``decode_graphs=True``, over
     sliding and global layers with the window crossed; OLMo 3's olmo2_qk_norm_rope with its q/k/v
-    stacked (fused_qkv) and olmo2_norm_add, opt-in, over its sliding and full layers. On the GPU:
+    stacked (fused_qkv) and olmo2_norm_add, defaults (fused_qkv opt-in), over its sliding and full
+    layers. On the GPU:
     test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*] and [gemma3_text-*]."""
     model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4))
@@ -859,8 +860,7 @@ def test_enable_on_a_cpu_model_without_an_emulation_does_nothing(caplog):
 def test_kernel_config_carries_the_switch(built_package_dir):
     on = cutile_kernels.kernel_config(decode_graphs=True)
     assert on.decode_graphs and "fused_qkv" in on.include_patches  # the fast path stacks q/k/v
-    assert {"gemma_add_norm", "gemma3_qk_norm_rope", "fused_gate_up_geglu", "olmo2_norm_add",
-            "olmo2_qk_norm_rope"} <= set(on.include_patches)
+    assert {"gemma_add_norm", "gemma3_qk_norm_rope", "fused_gate_up_geglu"} <= set(on.include_patches)
     assert "fused_qkv" not in cutile_kernels.kernel_config(decode_graphs=True, exclude=["fused_qkv"]).include_patches
     assert not cutile_kernels.kernel_config().decode_graphs
     assert "fused_qkv" not in cutile_kernels.kernel_config().include_patches
@@ -904,28 +904,24 @@ def _load(path, attn, graphs: bool, include=(), exclude=("gemv",)):
         kernel_config=cutile_kernels.kernel_config(decode_graphs=graphs, include=include, exclude=exclude)).eval()
 
 
-#: Opt-in patches the fast path is also checked with: the model's checkpoint key after "+".
-OPT_INS = {"olmo2+opt-ins": ["olmo2_norm_add", "olmo2_qk_norm_rope"]}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type,attn", [
     *((t, a) for t in ("llama", "qwen3", "mistral", "gemma3_text", "qwen3_5_text", "phi3")
       for a in ("sdpa", "cutile")),
-    ("olmo2+opt-ins", "cutile"),
+    ("olmo2", "cutile"),
     ("gemma2", None)])  # no sdpa: the default eager, which patch gemma2_attention turns into ours
 def test_gpu_generate_replays_cuda_graphs_and_matches_eager(model_type, attn, checkpoints, strict):
     """Real CUDA graphs of our kernels: the same tokens as the eager kernelized model with a static
     cache, over prompts of 1, 37 and 70 tokens and 40 new ones (windows of 24 crossed; cache
     lengths crossing attention tile boundaries), batch 1 and a left-padded batch of 3; with the
     patches ``decode_graphs=True`` adds (Gemma 3's and GeGLU's among them), and OLMo 2 with its
-    opt-in patch (:data:`OPT_INS`), in eager and in the graphs alike; Gemma 2 with its softcaps;
+    fused q/k norms + RoPE and post-norm adds (stacked q/k/v in both), in eager and in the graphs
+    alike; Gemma 2 with its softcaps;
     Phi-3 with partial rotary over sliding layers that have room (one rope_append_pass launch a
     layer and step)."""
-    include = OPT_INS.get(model_type, [])
-    path = checkpoints[model_type.partition("+")[0]]
-    eager = _load(path, attn, graphs=False, include=include)
-    model = _load(path, attn, graphs=True, include=include)
+    path = checkpoints[model_type]
+    eager = _load(path, attn, graphs=False)
+    model = _load(path, attn, graphs=True)
     graphs = getattr(model, dg.ATTR)
     for block in (m for m in model.modules() if "fused_recurrent_gated_delta_rule" in getattr(m, "_kernel_funcs", {})):
         # The recurrent step updates the cache's state where it lies: no copy in the replayed graph.

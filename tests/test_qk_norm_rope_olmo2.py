@@ -238,7 +238,7 @@ def test_definition_constraints_are_the_kernels_tiles():
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU: the opt-in patch olmo2_qk_norm_rope (layers/models/olmo2.py)
+# CPU: the patch olmo2_qk_norm_rope (layers/models/olmo2.py, a default)
 # ---------------------------------------------------------------------------------------------
 
 def _logits(model, ids):

@@ -179,12 +179,15 @@ def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
         got = model(ids).logits
     assert torch.equal(got, want)
     # Qwen3.5's post-attention norms run in the fused add + norm (patch qwen3_5_add_norm), its
-    # attention's q/k norms in the fused q/k norm + RoPE (patch qwen3_5_rope: two norms a call).
+    # attention's q/k norms in the fused q/k norm + RoPE (patch qwen3_5_rope: two norms a call);
+    # OLMo 2's post-norms with their adds (olmo2_norm_add), its q/k norms with RoPE (olmo2_qk_norm_rope).
     calls = dispatch.stats()["reference_calls"]
-    fused_qk = 2 * calls.get("qk_norm_rope_gemma", 0)
-    assert calls["rms_norm_gemma"] + calls.get("add_rms_norm_gemma", 0) + fused_qk == n
-    assert calls.get("add_rms_norm_gemma", 0) == (3 if model_type == "qwen3_5_text" else 0)
-    assert fused_qk == (2 if model_type == "qwen3_5_text" else 0)
+    fused_add = calls.get("add_rms_norm_gemma", 0) + calls.get("rms_norm_add_gemma", 0)
+    fused_qk = 2 * (calls.get("qk_norm_rope_gemma", 0) + calls.get("qk_norm_rope_olmo2", 0))
+    assert calls["rms_norm_gemma"] + fused_add + fused_qk == n
+    layers = model.config.num_hidden_layers
+    assert fused_add == {"qwen3_5_text": 3, "olmo2": 2 * layers}.get(model_type, 0)
+    assert fused_qk == {"qwen3_5_text": 2, "olmo2": 2 * layers}.get(model_type, 0)
 
 
 def test_patch_leaves_llama_norms_alone():
@@ -596,16 +599,15 @@ def test_gpu_post_norm_add_kernel_is_the_stock_lines(case, strict):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_olmo2_post_norm_patch_keeps_stock_logits_and_undoes(dtype):
-    """Opt-in ``olmo2_norm_add`` (CPU: the reference path) over the default patches: the stock logits
-    bit for bit over a prefill and a cached step; two fused launches a layer; unpatch restores."""
+    """``olmo2_norm_add`` (CPU: the reference path) among the default patches: the stock logits bit
+    for bit over a prefill and a cached step; two fused launches a layer; unpatch restores."""
     from cutile_kernels.layers.models import olmo2 as fam
 
     model = families.model("olmo2", dtype=dtype)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
     want = families.prefill_and_step(model, ids)
     layers = model.config.num_hidden_layers
-    assert "olmo2_norm_add" not in cutile_kernels.patch(model).changed  # opt-in
-    assert cutile_kernels.patch(model, names=["olmo2_norm_add"]).changed == {"olmo2_norm_add": layers}
+    assert cutile_kernels.patch(model).changed["olmo2_norm_add"] == layers  # a default
     dispatch.reset_stats()
     torch.testing.assert_close(families.prefill_and_step(model, ids), want, rtol=0, atol=0, equal_nan=True)
     assert dispatch.stats()["reference_calls"]["rms_norm_add_gemma"] == 2 * 2 * layers

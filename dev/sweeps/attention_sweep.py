@@ -151,6 +151,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             c = variant.constants
             if c["D"] != max(64, 1 << (D - 1).bit_length()) or (hq // hkv) % c["HB"]:
                 continue  # another head dim; or a block's heads would span two KV heads (Phi-4-mini's 3)
+            if not variant.tag.startswith("bf16."):
+                continue  # the inputs are bf16 (an fp16 variant would read them as fp16)
             if tags and not any(t in variant.tag for t in tags):
                 continue  # not among the candidates asked for (ATTENTION_SWEEP_TAGS)
             grid = (-(-S // c["BS"]), B * hq // c["HB"], 1)

@@ -29,7 +29,7 @@ from .._patching import Patch
 from .._pins import Pin
 from ..attention import NAME as CUTILE_ATTENTION
 from ..attention import NAMES as CUTILE_ATTENTIONS
-from ..attention import kernel_missing_on, prepare_devices
+from ..attention import WINDOWED_PREFILL, kernel_missing_on, prepare_devices
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -210,11 +210,63 @@ def unpatch_cutile_attention(model: nn.Module) -> int:
     return switch_back(model, _SWITCHED)
 
 
+# ---------------------------------------------------------------------------------------------
+# Patch windowed_prefill_attention (opt-in): windowed prefills on the kernel
+# ---------------------------------------------------------------------------------------------
+#
+# Estimate, written before the patch (Amdahl). A sliding-window layer's prefill longer than its window
+# reaches sdpa with a boolean mask, under which sdpa computes every (query, key) pair; the kernel skips
+# the tiles the window hides. Gemma-3-1B's 1 x 2048 (window 512, head_dim 256; H100, 2026-12-05, the
+# attention sweep over the shipped build): sdpa 135.65 us, the kernel 47.24 us. Its 22 sliding layers
+# of 26: ~1.95 ms of GPU time a prefill; on the GPU-bound prefill of a larger Gemma 3 or a longer prompt
+# f ~ 0.15-0.25, s ~ 2.9, ceiling ~1.1-1.2x; on Gemma-3-1B's host-paced eager 1 x 2048 prefill
+# (~24 ms, H200) f ~ 0: the end-to-end bench has to show it.
+
+
+def _windowed(m: nn.Module) -> bool:
+    # The layer's own window where the class keeps one (None on Gemma 3's global layers), else the
+    # config's (Mistral's forward passes config.sliding_window to every layer).
+    if "sliding_window" in vars(m) or hasattr(type(m), "sliding_window"):
+        return bool(m.sliding_window)
+    return bool(getattr(getattr(m, "config", None), "sliding_window", None))
+
+
+def patch_windowed_prefill_attention(model: nn.Module) -> int:
+    """Patch ``windowed_prefill_attention`` (opt-in): the attention modules whose layer or config has
+    a sliding window get :data:`attention.WINDOWED_PREFILL`, so that ``attention.route`` gives their
+    prefills to our kernel when the window hides keys (sdpa would compute every pair under the mask).
+    The mark acts while the model attends with ``"cutile"`` (patch ``cutile_attention``, a default);
+    under another attention implementation nothing changes. The kernel then applies the layer's
+    causal and window bounds beside the mask, so only a decoder-only model without sub-models is
+    marked (a multimodal wrapper's masks may let image tokens see later ones). Returns the modules
+    newly marked."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
+        logger.info("cutile_kernels: patch windowed_prefill_attention leaves %s alone: not a decoder-only model "
+                    "without sub-models", type(model).__name__)
+        return 0
+    n = 0
+    for m in attention_modules(model):
+        if _windowed(m) and not m.__dict__.get(WINDOWED_PREFILL):
+            m.__dict__[WINDOWED_PREFILL] = True
+            n += 1
+    return n
+
+
+def unpatch_windowed_prefill_attention(model: nn.Module) -> int:
+    """Undo :func:`patch_windowed_prefill_attention`. Returns the modules unmarked."""
+    return sum(m.__dict__.pop(WINDOWED_PREFILL, None) is not None for m in attention_modules(model))
+
+
 #: This module's patch rows (gathered by ``layers/_registry.py``).
 PATCH_ROWS = [Patch("cutile_attention", apply=patch_cutile_attention, undo=unpatch_cutile_attention,
                     description="a claimed family attends with our kernel where it beats sdpa (static-cache and "
-                                "padded decode), sdpa elsewhere")]
+                                "padded decode), sdpa elsewhere"),
+              Patch("windowed_prefill_attention", apply=patch_windowed_prefill_attention,
+                    undo=unpatch_windowed_prefill_attention, default=False,
+                    description="prefills of sliding-window layers whose window hides keys on our kernel (sdpa "
+                                "computes every pair under the mask); after cutile_attention")]
 
 __all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "discover", "family_of",
-           "modules", "patch_cutile_attention", "sdpa_attention_verdict", "switch_back", "switchable_verdict",
-           "unpatch_cutile_attention"]
+           "modules", "patch_cutile_attention", "patch_windowed_prefill_attention", "sdpa_attention_verdict",
+           "switch_back", "switchable_verdict", "unpatch_cutile_attention", "unpatch_windowed_prefill_attention"]

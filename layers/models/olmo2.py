@@ -9,11 +9,11 @@ every class with its code (Olmo3, GptOss, DeepseekV4, ...), on the ``rms_norm_ge
 offset 0. The MLP is Llama's code, so ``fused_gate_up`` applies by default. Its
 ``apply_rotary_pos_emb`` (hub function ``rotary_pos_emb``) takes the rotary embedding's float32
 cos/sin and casts each result back to q's dtype: the RoPE hub layer runs it on the rope kernel's
-float32-cos variants (``apply_rope_cast``). The opt-in patch ``olmo2_norm_add`` (below) runs each
-post-norm block's norm and residual add as one ``rms_norm_add_gemma`` launch; the opt-in patch
-``olmo2_qk_norm_rope`` (below) runs the attention's ``q_norm``, ``k_norm`` and RoPE as one
-``qk_norm_rope_olmo2`` launch and lets ``fused_qkv`` stack its q/k/v projections; ``decode_graphs=True``
-applies both (the decode fast path's replayed graph pays for every launch).
+float32-cos variants (``apply_rope_cast``). The patch ``olmo2_norm_add`` (below, default) runs each
+post-norm block's norm and residual add as one ``rms_norm_add_gemma`` launch; the patch
+``olmo2_qk_norm_rope`` (below, default) runs the attention's ``q_norm``, ``k_norm`` and RoPE as one
+``qk_norm_rope_olmo2`` launch and lets ``fused_qkv`` (opt-in; ``decode_graphs=True``) stack its q/k/v
+projections.
 
 OLMo 3 (``modeling_olmo3.py``) is OLMo 2's code (``Olmo3RMSNorm``, ``apply_rotary_pos_emb``, the MLP
 and the decoder forward compile to OLMo 2's, so OLMo 2's pins gate it) with sliding-window layers
@@ -54,22 +54,24 @@ FAMILY = Family(
           Pin("olmo3", "Olmo3Attention.forward", "3fb6768815405c9f",
               "patch olmo2_qk_norm_rope (its fused attention forward, with OLMo 3's sliding window)")),
     presets=("olmo-2-1b", "olmo-3-7b"),
-    covered="every RMSNorm in OLMo 2's float32 order (q/k norms included), RoPE (float32 cos/sin), SwiGLU on fused "
-            "gate/up, static-cache and padded decode attention (patch cutile_attention)",
-    not_covered="GEMMs (cuBLAS), the post-norm residual adds (opt-in patch olmo2_norm_add fuses them into the "
-                "norms), prefill attention (sdpa)",
+    covered="every RMSNorm in OLMo 2's float32 order (q/k norms with RoPE in one launch), the post-norms with "
+            "their residual adds, SwiGLU on fused gate/up, static-cache and padded decode attention (patch "
+            "cutile_attention)",
+    not_covered="GEMMs (cuBLAS), prefill attention (sdpa)",
     default=True,
 )
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch olmo2_norm_add (opt-in): each post-norm block's norm and residual add in one launch
+# Patch olmo2_norm_add (default): each post-norm block's norm and residual add in one launch
 # ---------------------------------------------------------------------------------------------
 #
 # Estimate, written before the patch (Amdahl), OLMo-2-1B on the H200 (2026-12-03): two adds a layer,
 # 32 launches of a step go. In the decode fast path (1.58 / 1.89 ms a step at b=1 / 16, ~2-3 us a
 # small launch) f ~ 0.04, s -> inf for what goes: ceiling ~1.04x, which would bring b=16 from 0.95x
 # to about stock-compile's time; in eager decode (host-paced, ~25 us a launch of ~12 ms) ~1.07x.
+# Measured (H100, 2026-12-05, over olmo2_qk_norm_rope): fast path 1.04x / 1.05x (1.67 -> 1.61 ms,
+# 2.05 -> 1.96); eager, with olmo2_qk_norm_rope, faster in every round at prefill and both batches.
 
 #: The pin (in :data:`FAMILY`) of the decoder forward :func:`post_norm_decoder_forward` reproduces.
 DECODER_PIN = "olmo2.Olmo2DecoderLayer.forward"
@@ -132,11 +134,12 @@ def unpatch_olmo2_norm_add(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch olmo2_qk_norm_rope (opt-in): q_norm, k_norm and RoPE on one launch; q/k/v stackable
+# Patch olmo2_qk_norm_rope (default): q_norm, k_norm and RoPE on one launch; q/k/v stackable
 # ---------------------------------------------------------------------------------------------
 #
 # Estimate, written before the patch: see kernel_src/qk_norm_rope.py's OLMo 2 section (the decode
-# fast path with fused_qkv: ceiling ~1.10x at b=1, ~1.12x at b=16 on OLMo-2-1B).
+# fast path with fused_qkv: ceiling ~1.10x at b=1, ~1.12x at b=16 on OLMo-2-1B). Measured (H100,
+# 2026-12-05, docs/results.md): 1.07x / 1.07x (1.80 -> 1.67 ms, 2.21 -> 2.05).
 
 #: The attention forwards :func:`fused_attention_forward` reproduces, by (modeling module, class),
 #: and whether the class passes ``sliding_window=self.sliding_window`` to the attention function
@@ -259,10 +262,11 @@ for _module, _name in ATTENTION_REFERENCES:
                                  forward=fused_attention_forward, verdict=_attention_verdict,
                                  patch="olmo2_qk_norm_rope"))
 
-#: This module's patch rows (gathered by ``layers/_registry.py``): opt-in; ``layers.hub.DECODE_GRAPH_PATCHES``
-#: names both (measured in the decode fast path; eager, host-paced, they are not yet timed apart).
-PATCH_ROWS = [Patch("olmo2_norm_add", apply=patch_olmo2_norm_add, undo=unpatch_olmo2_norm_add, default=False,
+#: This module's patch rows (gathered by ``layers/_registry.py``): defaults since the H100 bench of
+#: 2026-12-05 (docs/results.md): OLMo-2-1B eager prefill 15.72 / 18.16 -> 13.29 / 16.55 ms and decode
+#: faster at b=1 and b=16 in both rounds, the decode fast path 1.78 -> 1.61 ms (b=1), 2.21 -> 1.96 (b=16).
+PATCH_ROWS = [Patch("olmo2_norm_add", apply=patch_olmo2_norm_add, undo=unpatch_olmo2_norm_add, default=True,
                     description="OLMo 2 decoder layers' post-norms and residual adds fused (rms_norm_add_gemma)"),
               Patch("olmo2_qk_norm_rope", apply=patch_olmo2_qk_norm_rope, undo=unpatch_olmo2_qk_norm_rope,
-                    default=False, description="OLMo 2 / OLMo 3 attention's q_norm, k_norm (over the whole "
+                    default=True, description="OLMo 2 / OLMo 3 attention's q_norm, k_norm (over the whole "
                     "projections) and RoPE on one cuTile launch; q/k/v stackable by fused_qkv")]
