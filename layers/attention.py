@@ -195,9 +195,9 @@ def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: flo
     on ``module`` (:data:`WINDOWED_PREFILL`), also a prefill whose boolean mask carries a
     ``sliding_window`` that hides keys (:func:`_windowed_prefill`): sdpa computes every (query, key)
     pair under such a mask, the kernel skips the tiles it hides (Gemma-3-1B's 1 x 2048 with a
-    512-token window: 47 against 136 us, H100 2026-12-05; the end-to-end bench decides whether it
-    becomes the route). Device, dtype, shapes and None-ness only: under torch.compile it is decided
-    at trace time."""
+    512-token window, the window given as bounds: 47 against 136 us, H100 2026-12-05; with the mask
+    tensor not timed yet, and the end-to-end bench decides whether it becomes the route). Device,
+    dtype, shapes and None-ness only: under torch.compile it is decided at trace time."""
     if softcap:
         return True
     if (query.device.type not in _KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES
@@ -210,13 +210,12 @@ def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: flo
 
 def _windowed_prefill(query: torch.Tensor, attention_mask: torch.Tensor | None, sliding_window: int | None,
                       module) -> bool:
-    # A prefill of a module marked by patch windowed_prefill_attention, with no cached prefix (Sq ==
-    # Skv) and a boolean mask whose window hides keys (Skv > window). sdpa_mask builds such a mask
-    # as causal AND window AND padding (masking_utils' sliding_window_causal_mask_function), so the
-    # kernel may take the causal and window bounds beside it: its KV loop then skips the hidden tiles
-    # without reading their mask (_attend).
+    # A prefill of a module marked by patch windowed_prefill_attention with a mask and a window that
+    # hides keys (Skv > window). The mask alone decides, as in sdpa (a caller's own 4D mask, e.g.
+    # packed sequences, passes through transformers untouched, so no causal or window bound may be
+    # added to it); the kernel skips the tiles it hides entirely.
     return (query.shape[2] > DECODE_MAX_SQ and attention_mask is not None and bool(sliding_window)
-            and attention_mask.shape[-1] == query.shape[2] > sliding_window
+            and attention_mask.shape[-1] > sliding_window
             and module is not None and getattr(module, WINDOWED_PREFILL, False) is True)
 
 
@@ -240,8 +239,6 @@ def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding
         if causal and sq > 1 and skv > sq:  # sdpa's upper-left is_causal on an empty static cache
             key, value = key[:, :, :sq], value[:, :, :sq]
             cutile_kv_len = None
-    elif routed and causal and _windowed_prefill(query, attention_mask, sliding_window, module):
-        cutile_kv_len = None  # the mask's own patterns, and their bounds for the KV loop (Sq == Skv)
     else:
         causal, window = False, None  # the mask holds the causal and window patterns
         if query.shape[2] > DECODE_MAX_SQ:

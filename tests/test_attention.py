@@ -588,21 +588,24 @@ def test_route_sends_each_call_where_it_is_fastest(kind, want, route_spy):
 
 @pytest.mark.parametrize("marked,Sq,window,masked,want", [
     (False, 20, 6, True, "sdpa"), (True, 20, 6, True, "kernel"), (True, 20, 20, True, "sdpa"),
-    (True, 18, 6, True, "sdpa"), (True, 20, 6, False, "sdpa"), (True, 1, 6, False, "sdpa"),
-    (True, 1, 6, True, "kernel"), (True, 20, 6, "padded", "kernel")],
+    (True, 18, 6, True, "kernel"), (True, 20, 6, False, "sdpa"), (True, 1, 6, False, "sdpa"),
+    (True, 1, 6, True, "kernel"), (True, 20, 6, "padded", "kernel"), (True, 20, 6, "own", "kernel")],
     ids=["unmarked", "marked", "window-hides-nothing", "cached-prefix", "no-mask", "unmasked-decode",
-         "masked-decode", "padded"])
+         "masked-decode", "padded", "caller-mask"])
 def test_route_gives_windowed_prefills_to_the_kernel_under_the_opt_in(marked, Sq, window, masked, want, route_spy,
                                                                        monkeypatch):
-    """Patch ``windowed_prefill_attention``'s mark on a module: a prefill with no cached prefix whose
-    boolean mask carries a window that hides keys goes to the kernel (sdpa would compute every pair
-    under the mask), with the mask's causal and window bounds beside it; without the mark, a window
-    as long as the keys, a cached prefix, no mask, or a decode call, the route is the default's.
-    Both give the reference's values (a left-padded batch's too)."""
+    """Patch ``windowed_prefill_attention``'s mark on a module: a prefill whose boolean mask comes
+    with a window that hides keys goes to the kernel (sdpa would compute every pair under the mask),
+    the mask alone deciding; without the mark, a window as long as the keys, no mask, or a decode
+    call, the route is the default's. Both give the reference's values: a cached prefix, a
+    left-padded batch, and a caller's own mask that lets every query see every key (transformers
+    passes a 4D mask through as given) too."""
     B, Hq, Hkv, Skv, D = 2, 4, 2, 20, 16
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
     pads = left_padding(B, Skv, [0, 3]) if masked == "padded" else None
     mask = hf_mask(B, Sq, Skv, Skv - Sq, pads, window=window) if masked else None
+    if masked == "own":
+        mask = torch.ones(B, 1, Sq, Skv, dtype=torch.bool)
     module = _module(Hq // Hkv)
     if marked:
         setattr(module, lattn.WINDOWED_PREFILL, True)
@@ -610,8 +613,8 @@ def test_route_gives_windowed_prefills_to_the_kernel_under_the_opt_in(marked, Sq
     monkeypatch.setattr(lattn, "attention", lambda *a, **kw: seen.update(kw) or counted(*a, **kw))
     got, _ = lattn.cutile_attention_forward(module, q, k, v, mask, scaling=0.25, sliding_window=window)
     assert route_spy == {"kernel": int(want == "kernel"), "sdpa": int(want == "sdpa")}
-    if want == "kernel":  # a windowed prefill: the KV loop bounded by causal and window; a decode: the mask alone
-        assert (seen["causal"], seen["window"]) == ((True, window) if Sq > 1 else (False, None))
+    if want == "kernel":  # the mask alone decides (no causal or window bound added to it)
+        assert (seen["causal"], seen["window"]) == (False, None)
     # Without a mask sdpa reads no window (transformers passes one whenever the window hides keys).
     ref = attn_ops.attention_reference(q, k, v, mask, 0.25, mask is None and Sq > 1, None, None)
     rows = torch.ones(B, Sq, dtype=torch.bool) if mask is None else mask.any(-1)[:, 0]  # padded rows: no key

@@ -22,8 +22,10 @@ transposed views of the projections; causal, GQA; Gemma 3's window, Gemma 2's wi
 softcap), poisons the output with NaN, checks it against a float64 reference (every element
 written, error within twice stock's own), and times it with CUDA-graph replays next to what stock
 runs there: ``F.scaled_dot_product_attention`` (``is_causal``, or the boolean mask transformers
-builds for a window) or, with a softcap, transformers' eager attention. FLOPs count the visible
-(query, key) pairs: ``4 * B * Hq * D * pairs``.
+builds for a window) or, with a softcap, transformers' eager attention. A window shape without a
+softcap also runs each tile on that boolean mask alone (tag suffix ``.mask``), the call the opt-in
+patch ``windowed_prefill_attention`` makes. FLOPs count the visible (query, key) pairs:
+``4 * B * Hq * D * pairs``.
 
 On the H200 (2026-12-05) a row takes about a second, but one candidate after pf2's 64 x 128 row
 never returned (not known which): ``ATTENTION_SWEEP_WATCHDOG=<seconds>`` prints where the process
@@ -146,20 +148,22 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                      "max_abs_err": bound / 2, "elapsed_s": round(time.perf_counter() - t0, 1)})
         print(json.dumps(rows[-1]), flush=True)
         out = torch.empty(B, S, hq, D, device="cuda", dtype=torch.bfloat16)
-        args = ops.launches(q, k, v, None, out, scale, window=window or None, softcap=softcap or None)[0][2]
-        for variant in reg.variants("attention", "sm_90"):
+        arg_sets = [("", ops.launches(q, k, v, None, out, scale, window=window or None, softcap=softcap or None)[0][2])]
+        if window and not softcap:  # also as "cutile" gets a sliding layer: the boolean mask alone, no bounds
+            arg_sets.append((".mask", ops.launches(q, k, v, vis, out, scale, causal=False)[0][2]))
+        for variant, (suffix, args) in ((v_, a) for v_ in reg.variants("attention", "sm_90") for a in arg_sets):
             c = variant.constants
             if c["D"] != max(64, 1 << (D - 1).bit_length()) or (hq // hkv) % c["HB"]:
                 continue  # another head dim; or a block's heads would span two KV heads (Phi-4-mini's 3)
             if not variant.tag.startswith("bf16."):
                 continue  # the inputs are bf16 (an fp16 variant would read them as fp16)
-            if tags and not any(t in variant.tag for t in tags):
+            if tags and not any(t in variant.tag + suffix for t in tags):
                 continue  # not among the candidates asked for (ATTENTION_SWEEP_TAGS)
             grid = (-(-S // c["BS"]), B * hq // c["HB"], 1)
             out.fill_(float("nan"))
-            row = {"shape": name, "tag": variant.tag}
+            row = {"shape": name, "tag": variant.tag + suffix}
             t1 = time.perf_counter()
-            if not launched(lambda v=variant, grid=grid: launcher.launch(v, grid, args, 0), row, rows):
+            if not launched(lambda v=variant, grid=grid, args=args: launcher.launch(v, grid, args, 0), row, rows):
                 continue
             row["first_launch_s"] = round(time.perf_counter() - t1, 2)  # the cubin's load included
             got = out.transpose(1, 2).double()
@@ -168,7 +172,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             row["ok"] = row["unwritten"] == 0 and row["max_abs_err"] <= bound
             if row["ok"]:
                 t1 = time.perf_counter()
-                t = graph_us(lambda variant=variant, grid=grid: launcher.launch(variant, grid, args, 0))
+                t = graph_us(lambda variant=variant, grid=grid, args=args: launcher.launch(variant, grid, args, 0))
                 row.update(us=round(t, 2), TFLOPs=round(flops / t / 1e6, 1), timing_s=round(time.perf_counter() - t1, 2))
             row["elapsed_s"] = round(time.perf_counter() - t0, 1)
             rows.append(row)

@@ -217,7 +217,9 @@ def unpatch_cutile_attention(model: nn.Module) -> int:
 # Estimate, written before the patch (Amdahl). A sliding-window layer's prefill longer than its window
 # reaches sdpa with a boolean mask, under which sdpa computes every (query, key) pair; the kernel skips
 # the tiles the window hides. Gemma-3-1B's 1 x 2048 (window 512, head_dim 256; H100, 2026-12-05, the
-# attention sweep over the shipped build): sdpa 135.65 us, the kernel 47.24 us. Its 22 sliding layers
+# attention sweep over the shipped build, the window given as bounds): sdpa 135.65 us, the kernel
+# 47.24 us; the patch's calls give the kernel the mask alone (exact for a caller's own mask too), which
+# visits every tile to read its mask: not timed yet (the sweep's ``.mask`` rows). Its 22 sliding layers
 # of 26: ~1.95 ms of GPU time a prefill; on the GPU-bound prefill of a larger Gemma 3 or a longer prompt
 # f ~ 0.15-0.25, s ~ 2.9, ceiling ~1.1-1.2x; on Gemma-3-1B's host-paced eager 1 x 2048 prefill
 # (~24 ms, H200) f ~ 0: the end-to-end bench has to show it.
@@ -234,17 +236,20 @@ def _windowed(m: nn.Module) -> bool:
 def patch_windowed_prefill_attention(model: nn.Module) -> int:
     """Patch ``windowed_prefill_attention`` (opt-in): the attention modules whose layer or config has
     a sliding window get :data:`attention.WINDOWED_PREFILL`, so that ``attention.route`` gives their
-    prefills to our kernel when the window hides keys (sdpa would compute every pair under the mask).
-    The mark acts while the model attends with ``"cutile"`` (patch ``cutile_attention``, a default);
-    under another attention implementation nothing changes. The kernel then applies the layer's
-    causal and window bounds beside the mask, so only a decoder-only model without sub-models is
-    marked (a multimodal wrapper's masks may let image tokens see later ones). Returns the modules
-    newly marked."""
+    prefills to our kernel when the window hides keys (sdpa would compute every pair under the mask;
+    the kernel, given the mask alone, skips the tiles it hides). The mark acts while the model attends
+    with ``"cutile"`` (patch ``cutile_attention``, a default; said in a log line otherwise); under
+    another attention implementation nothing changes. Only a decoder-only model without sub-models is
+    marked (the models ``cutile_attention`` switches). Returns the modules newly marked."""
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
         logger.info("cutile_kernels: patch windowed_prefill_attention leaves %s alone: not a decoder-only model "
                     "without sub-models", type(model).__name__)
         return 0
+    if getattr(cfg, "_attn_implementation", None) not in CUTILE_ATTENTIONS:
+        logger.info("cutile_kernels: patch windowed_prefill_attention: %s attends with %r; the marks act once it "
+                    "attends with %r (patch cutile_attention, a default)", type(model).__name__,
+                    getattr(cfg, "_attn_implementation", None), CUTILE_ATTENTION)
     n = 0
     for m in attention_modules(model):
         if _windowed(m) and not m.__dict__.get(WINDOWED_PREFILL):
