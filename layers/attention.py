@@ -193,11 +193,13 @@ def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: flo
     CPU model keeps stock's exact numbers) or in a dtype or head dim the kernel has no variant for
     (float32, head_dim > 256), but a softcap's. With the opt-in patch ``windowed_prefill_attention``
     on ``module`` (:data:`WINDOWED_PREFILL`), also a prefill whose boolean mask carries a
-    ``sliding_window`` that hides keys (:func:`_windowed_prefill`): sdpa computes every (query, key)
-    pair under such a mask, the kernel skips the tiles it hides (Gemma-3-1B's 1 x 2048 with a
-    512-token window, the window given as bounds: 47 against 136 us, H100 2026-12-05; with the mask
-    tensor not timed yet, and the end-to-end bench decides whether it becomes the route). Device,
-    dtype, shapes and None-ness only: under torch.compile it is decided at trace time."""
+    ``sliding_window`` that hides keys (``Skv > sliding_window``): sdpa computes every (query, key)
+    pair under such a mask, the kernel skips the tiles it hides entirely (Gemma-3-1B's 1 x 2048 with
+    a 512-token window, the window given as bounds: 47 against 136 us, H100 2026-12-05; with the mask
+    tensor not timed yet, and the end-to-end bench decides whether it becomes the route). The mask
+    alone decides, as in sdpa: a caller's own 4D mask (packed sequences) passes through transformers
+    untouched, so no causal or window bound may be added to it. Device, dtype, shapes and None-ness
+    only: under torch.compile it is decided at trace time."""
     if softcap:
         return True
     if (query.device.type not in _KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES
@@ -205,17 +207,7 @@ def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: flo
         return False
     if query.shape[2] <= DECODE_MAX_SQ:
         return attention_mask is not None or cutile_kv_len is not None
-    return _windowed_prefill(query, attention_mask, sliding_window, module)
-
-
-def _windowed_prefill(query: torch.Tensor, attention_mask: torch.Tensor | None, sliding_window: int | None,
-                      module) -> bool:
-    # A prefill of a module marked by patch windowed_prefill_attention with a mask and a window that
-    # hides keys (Skv > window). The mask alone decides, as in sdpa (a caller's own 4D mask, e.g.
-    # packed sequences, passes through transformers untouched, so no causal or window bound may be
-    # added to it); the kernel skips the tiles it hides entirely.
-    return (query.shape[2] > DECODE_MAX_SQ and attention_mask is not None and bool(sliding_window)
-            and attention_mask.shape[-1] > sliding_window
+    return (attention_mask is not None and bool(sliding_window) and attention_mask.shape[-1] > sliding_window
             and module is not None and getattr(module, WINDOWED_PREFILL, False) is True)
 
 

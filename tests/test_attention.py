@@ -621,9 +621,9 @@ def test_route_gives_windowed_prefills_to_the_kernel_under_the_opt_in(marked, Sq
     torch.testing.assert_close(got[rows], ref.transpose(1, 2)[rows], rtol=1e-10, atol=1e-10)
 
 
-def test_windowed_prefill_patch_marks_windowed_attention_on_cutile_only():
+def test_windowed_prefill_patch_marks_windowed_attention_and_undoes():
     """The opt-in patch marks the attention modules whose layer has a window (Gemma 3's sliding
-    layers; Mistral's config window marks all), and undoes; on sdpa the marks change no call."""
+    layers; Mistral's config window marks all), none of a multimodal wrapper's, and undoes."""
     import families
     from cutile_kernels.layers import models as lmodels
 
@@ -681,6 +681,34 @@ def test_gpu_windowed_prefill_patch_is_as_close_to_float32_as_stock(strict):
     assert report.changed["windowed_prefill_attention"] > 0
     assert dispatch.stats()["launches"] and any("attention" in k for k in dispatch.stats()["launches"])
     assert ours <= 1.1 * stock, (ours, stock)
+
+
+@pytest.mark.gpu
+def test_gpu_windowed_prefill_patch_replays_in_a_cuda_graph(strict):
+    """A bf16 Gemma 3 prefill (37 tokens over windows of 8) with the opt-in patch captured in a CUDA
+    graph: the capture launches our attention for the sliding layers, and the replay writes the
+    NaN-poisoned logits back to the eager forward's, bit for bit."""
+    import families
+
+    model = families.model("gemma3_text", dtype=torch.bfloat16, sliding_window=8).cuda()
+    assert cutile_kernels.patch(model, names=["cutile_attention", "windowed_prefill_attention"]).changed[
+        "windowed_prefill_attention"] > 0
+    ids = torch.randint(0, 256, (2, 37), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            want = model(ids, use_cache=False).logits  # eager, outside capture (plans, module loads)
+        torch.cuda.current_stream().wait_stream(side)
+        dispatch.reset_stats()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(ids, use_cache=False).logits
+        assert any("attention" in k for k in dispatch.stats()["launches"]) and not dispatch.stats()["fallbacks"]
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 def test_route_hands_what_the_kernel_cannot_take_to_sdpa(caplog, monkeypatch, route_spy):

@@ -79,16 +79,26 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
 
 
-def switchable_verdict(model: nn.Module, impl: str) -> str | None:
-    """What both attention-switching patches (``cutile_attention``, Gemma's ``gemma2_attention``)
-    ask first: why ``model`` is not a transformers decoder-only model without sub-models (a
-    multimodal wrapper's sub-configs would not all switch) attending with ``impl``, or None."""
+def decoder_only_verdict(model: nn.Module) -> str | None:
+    """Why ``model`` is not a transformers decoder-only model without sub-models (a multimodal
+    wrapper's sub-configs would not all switch, and its masks may let image tokens see later ones),
+    or None."""
     cls, cfg = type(model), getattr(model, "config", None)
     if not hasattr(cls, "set_attn_implementation") or cfg is None:
         return "it is not a transformers PreTrainedModel"
     if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
         return "it is an encoder-decoder or holds sub-models"
-    current = getattr(cfg, "_attn_implementation", None)
+    return None
+
+
+def switchable_verdict(model: nn.Module, impl: str) -> str | None:
+    """What both attention-switching patches (``cutile_attention``, Gemma's ``gemma2_attention``)
+    ask first: why ``model`` is not a transformers decoder-only model without sub-models
+    (:func:`decoder_only_verdict`) attending with ``impl``, or None."""
+    why = decoder_only_verdict(model)
+    if why is not None:
+        return why
+    current = getattr(model.config, "_attn_implementation", None)
     if current != impl:
         return f"it attends with {current!r}, not {impl}"
     return None
@@ -241,15 +251,15 @@ def patch_windowed_prefill_attention(model: nn.Module) -> int:
     with ``"cutile"`` (patch ``cutile_attention``, a default; said in a log line otherwise); under
     another attention implementation nothing changes. Only a decoder-only model without sub-models is
     marked (the models ``cutile_attention`` switches). Returns the modules newly marked."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
-        logger.info("cutile_kernels: patch windowed_prefill_attention leaves %s alone: not a decoder-only model "
-                    "without sub-models", type(model).__name__)
+    why = decoder_only_verdict(model)
+    if why is not None:
+        logger.info("cutile_kernels: patch windowed_prefill_attention leaves %s alone: %s", type(model).__name__, why)
         return 0
-    if getattr(cfg, "_attn_implementation", None) not in CUTILE_ATTENTIONS:
+    current = getattr(model.config, "_attn_implementation", None)
+    if current not in CUTILE_ATTENTIONS:
         logger.info("cutile_kernels: patch windowed_prefill_attention: %s attends with %r; the marks act once it "
-                    "attends with %r (patch cutile_attention, a default)", type(model).__name__,
-                    getattr(cfg, "_attn_implementation", None), CUTILE_ATTENTION)
+                    "attends with %r (patch cutile_attention, a default)", type(model).__name__, current,
+                    CUTILE_ATTENTION)
     n = 0
     for m in attention_modules(model):
         if _windowed(m) and not m.__dict__.get(WINDOWED_PREFILL):
@@ -272,6 +282,7 @@ PATCH_ROWS = [Patch("cutile_attention", apply=patch_cutile_attention, undo=unpat
                     description="prefills of sliding-window layers whose window hides keys on our kernel (sdpa "
                                 "computes every pair under the mask); after cutile_attention")]
 
-__all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "discover", "family_of",
+__all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "decoder_only_verdict",
+           "discover", "family_of",
            "modules", "patch_cutile_attention", "patch_windowed_prefill_attention", "sdpa_attention_verdict",
            "switch_back", "switchable_verdict", "unpatch_cutile_attention", "unpatch_windowed_prefill_attention"]
