@@ -311,6 +311,16 @@ ROWS[("rms_norm_gated", "generic")] = ROWS[("rms_norm", "generic")]
 #: At most this many rows (a decode step's batch), the runtime asks for one row per block
 #: (``ROWS=1``): for every width and layout of :data:`DECODE_DTYPES` such a variant is built.
 DECODE_MAX_ROWS = 256
+#: Rows per block of the fused add + norm kinds' middle tile, for a prefill of a few hundred rows:
+#: their prefill tile (16 rows at 2048 wide) gives 512 rows 32 blocks, a quarter of the SMs; the
+#: sm_90 sweep (H100, 2026-12-05, dev/sweeps/norm_sweep.py) had add_rms_norm at 512 x 2048 best at 4
+#: rows (5.06 us; 16 rows 7.75, 8 rows 6.35, 1 row 6.73) and at 512 x 3072 too (6.86; 8 rows 8.36).
+MID_ROWS = 4
+#: The runtime asks for the middle tile while the prefill tile would give fewer blocks than this
+#: (about one wave of the 132 SMs; the sweep's best tiles gave 128 blocks at 512 and at 2048 rows).
+MID_MIN_BLOCKS = 128
+#: The kinds with a middle tile (aligned layout, 16-bit dtypes, hidden widths) and their op's rule.
+MID_KINDS = ("add_rms_norm", "add_rms_norm_gemma", "rms_norm_add_gemma")
 
 
 def _params(kind: str, dtype: str, layout: str, consts: dict):
@@ -344,6 +354,8 @@ def _matrix() -> list[VariantSpec]:
                 tiles = [(bn, rows[bn]) for bn in widths]
                 if dtype in DECODE_DTYPES:
                     tiles += [(bn, 1) for bn in widths if rows[bn] != 1]
+                    if kind in MID_KINDS and layout == "aligned":
+                        tiles += [(bn, MID_ROWS) for bn in widths if bn in HIDDEN_BLOCK_NS and rows[bn] > MID_ROWS]
                 for bn, r in tiles:
                     consts = {"BLOCK_N": bn, "ROWS": r}
                     specs.append(VariantSpec(kind, "norm", f"{kind}_kernel", f"{d}.n{bn}.r{r}.{layout}",
@@ -358,5 +370,6 @@ def _matrix() -> list[VariantSpec]:
 
 
 #: Every variant of this family, in the runtime's order of preference: aligned before generic (a
-#: request without ``ROWS`` takes the prefill tile; one with ``ROWS=1`` the aligned decode tile).
+#: request without ``ROWS`` takes the prefill tile; one with ``ROWS=1`` the aligned decode tile, one
+#: with ``ROWS=MID_ROWS`` the aligned middle tile).
 VARIANTS: list[VariantSpec] = _matrix()

@@ -137,7 +137,8 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     from cutile_kernels_tools.bench.schema import BenchReport
 
     out = tmp_path / "out"
-    rc = cli.main(["bench", "--out", str(out), "--quiet", "--decode-steps", "3", "--repeats", "2"])
+    rc = cli.main(["bench", "--out", str(out), "--quiet", "--decode-steps", "3", "--repeats", "2",
+                   "--coverage-prefill-len", "24"])
     assert rc == 0
     assert not (out / "bench.partial.json").exists()  # replaced by the report
     report = json.loads((out / "bench.json").read_text())
@@ -191,6 +192,7 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     reg = registry.registry()
     b = report["environment"]["cutile_build"]
     assert (b is None) == (reg.pkg_dir is None) and "Build measured:" in md
+    assert report["settings"]["coverage_prefill_len"] == 24 and "over one prefill (24 tokens) and 2 decode steps" in md
     t = report["paths"]["cutile"]["load_to_token"]
     assert "## Load to token" in md and f"| cutile | {t['load_s']:.2f} | {t['first_token_s']:.2f} |" in md
     if b is not None:

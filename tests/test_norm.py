@@ -8,7 +8,7 @@ import torch
 import cutile_kernels
 from cutile_kernels import dispatch, registry
 from cutile_kernels.ops import norm as norm_ops
-from cutile_kernels.kernel_src.norm import DECODE_MAX_ROWS, ROWS
+from cutile_kernels.kernel_src.norm import DECODE_MAX_ROWS, MID_KINDS, ROWS
 from launches import launched_variants
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -142,6 +142,41 @@ def test_every_width_and_layout_has_a_decode_tile():
         [s for s in src.VARIANTS if s.kernel == "rms_norm"])
 
 
+def test_fused_adds_take_the_middle_tile_for_a_few_hundred_rows():
+    # 512 rows in add_rms_norm's 16-row tile at 2048 wide are 32 blocks on 132 SMs: 4 rows a block
+    # give 128 (the sm_90 sweep's best: 5.06 against 7.75 us). Past 128 blocks of the prefill tile, or
+    # where that tile already has 4 rows, the prefill tile; decode rows and float32 as before.
+    def mid(kind, rows, hidden, dtype=torch.bfloat16, min_block=64):
+        return norm_ops._mid_want(kind, torch.empty(0, hidden, dtype=dtype), rows, min_block)
+
+    assert mid("add_rms_norm", 512, 2048) == (("BLOCK_N", 2048), ("ROWS", 4))
+    assert mid("add_rms_norm", 2032, 2048) == (("BLOCK_N", 2048), ("ROWS", 4))  # 127 blocks of 16 rows
+    assert mid("add_rms_norm", 2033, 2048) is None and mid("add_rms_norm", 2048, 2048) is None  # 128
+    assert mid("add_rms_norm", 1000, 3072, torch.float16) == (("BLOCK_N", 4096), ("ROWS", 4))  # 125 blocks of 8
+    assert mid("add_rms_norm", 1024, 3072) is None  # 128 blocks of 8 rows
+    assert mid("add_rms_norm", DECODE_MAX_ROWS, 2048) is None  # a decode step's rows: one a block
+    assert mid("add_rms_norm", 512, 2048, torch.float32) is None
+    assert mid("add_rms_norm", 512, 8192) is None and mid("add_rms_norm", 512, 12288) is None
+    assert mid("add_rms_norm", 512, 256) is None  # not a hidden width: no middle tile built
+    assert mid("add_rms_norm_gemma", 512, 896, min_block=512) == (("BLOCK_N", 1024), ("ROWS", 4))
+    assert mid("rms_norm_add_gemma", 700, 2048, torch.float16, 512) == (("BLOCK_N", 2048), ("ROWS", 4))
+
+
+def test_every_middle_tile_asked_for_is_built():
+    """Each request _mid_want can make finds an aligned 16-bit variant of its kind."""
+    from cutile_kernels.kernel_src import norm as src
+
+    built = {(s.kernel, s.tag) for s in src.VARIANTS}
+    for kind in MID_KINDS:
+        for dtype, d in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+            for bn in src.HIDDEN_BLOCK_NS:
+                want = norm_ops._mid_want(kind, torch.empty(0, bn, dtype=dtype), DECODE_MAX_ROWS + 1, 512)
+                if want is not None:
+                    assert (kind, f"{d}.n{bn}.r4.aligned") in built, (kind, d, bn)
+                else:
+                    assert ROWS[(kind, "aligned")][bn] <= 4, (kind, bn)
+
+
 def test_fake_implementations_give_shapes_and_dtypes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -179,6 +214,9 @@ GPU_CASES = (
     + [(64, 128, torch.bfloat16, "contiguous"), (4096, 64, torch.float16, "contiguous")]
     + [(37, 12288, torch.bfloat16, "contiguous"), (5, 16384, torch.float32, "contiguous"),
        (9, 18432, torch.bfloat16, "strided")]
+    # A prefill of a few hundred rows: the fused add's middle tile (and the row count past it).
+    + [(512, 2048, torch.bfloat16, "contiguous"), (1000, 3072, torch.float16, "contiguous"),
+       (2048, 2048, torch.bfloat16, "contiguous")]
 )
 
 
@@ -255,7 +293,12 @@ def _expected_variant(kind, case):
         return kind, f"{d}.chunk2048.r1.{layout}"
     bn = max(64, 1 << (hidden - 1).bit_length())
     decode = rows <= DECODE_MAX_ROWS and dtype != torch.float32
-    return kind, f"{d}.n{bn}.r{1 if decode else ROWS[(kind, layout)][bn]}.{layout}"
+    tile = ROWS[(kind, layout)][bn]
+    # The fused adds' middle tile: 4 rows a block while their prefill tile would give under 128 blocks.
+    if kind in MID_KINDS and not decode and dtype != torch.float32 and layout == "aligned" and bn >= 512 \
+            and tile > 4 and -(-rows // tile) < 128:
+        tile = 4
+    return kind, f"{d}.n{bn}.r{1 if decode else tile}.{layout}"
 
 
 @pytest.mark.parametrize("kind", ["rms_norm", "add_rms_norm"])
@@ -268,7 +311,10 @@ def test_variant_choice_of_each_gpu_case(kind, case, built_package_dir):
     x = _make_input(rows, hidden, dtype, layout, device="cpu")
     w, out = torch.empty(hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype)
     args = (x, w, out, 1e-6) if kind == "rms_norm" else (x, torch.empty_like(out), w, out, torch.empty_like(out), 1e-6)
-    variant, why = reg.select(kind, arch, dict(norm_ops._want(x, rows)), args)
+    mid = norm_ops._mid_want(kind, x, rows, 64) if kind == "add_rms_norm" else None
+    variant, why = reg.select(kind, arch, dict(mid), args) if mid else (None, "")
+    if variant is None:  # the op's quiet first try failed (a generic layout): the usual tile
+        variant, why = reg.select(kind, arch, dict(norm_ops._want(x, rows)), args)
     assert variant is not None, why
     assert (variant.kernel, variant.tag) == _expected_variant(kind, case)
 

@@ -370,12 +370,12 @@ def test_build_matrix_has_every_fused_add_tile_and_the_offset_scalar():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 1024, torch.bfloat16), (16, 1024, torch.bfloat16), (2048, 1024, torch.bfloat16),
-                                  (333, 5120, torch.float16), (65, 1000, torch.float32), (7, 12288, torch.bfloat16),
+                                  (512, 1152, torch.bfloat16), (333, 5120, torch.float16), (65, 1000, torch.float32), (7, 12288, torch.bfloat16),
                                   (5, 64, torch.bfloat16)],
                          ids=str)
 def test_gpu_fused_add_kernel_matches_float64(case, strict):
-    """Qwen3.5-0.8B's and -27B's hidden sizes (1024, 5120), a decode row and batch, prefill rows, a
-    width off the tiles, a chunked width, a tiny model's 64 in the narrowest tile; both outputs
+    """Qwen3.5-0.8B's and -27B's hidden sizes (1024, 5120), a decode row and batch, prefill rows (a
+    Gemma-3-1B prefill of 512 in the middle tile), a width off the tiles, a chunked width, a tiny model's 64 in the narrowest tile; both outputs
     NaN-poisoned first."""
     rows, hidden, dtype = case
     x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)
@@ -569,11 +569,12 @@ def test_build_matrix_has_the_post_norm_add_tiles_in_16_bits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 2048, torch.bfloat16), (16, 2048, torch.bfloat16), (2048, 2048, torch.bfloat16),
-                                  (333, 5120, torch.float16), (7, 12288, torch.bfloat16), (5, 64, torch.bfloat16),
+                                  (700, 2048, torch.bfloat16), (333, 5120, torch.float16), (7, 12288, torch.bfloat16),
+                                  (5, 64, torch.bfloat16),
                                   (9, 1000, torch.float16)],
                          ids=str)
 def test_gpu_post_norm_add_kernel_is_the_stock_lines(case, strict):
-    """OLMo-2-1B's hidden size (2048) at decode b=1 and 16 and a prefill, a wide fp16 row, a chunked
+    """OLMo-2-1B's hidden size (2048) at decode b=1 and 16 and prefills (700 rows: the middle tile), a wide fp16 row, a chunked
     width, a tiny width, a width off the tiles; strided input, the output NaN-poisoned first."""
     rows, hidden, dtype = case
     x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)

@@ -35,7 +35,7 @@ def _bench(args) -> int:
         "device": device, "seed": args.seed, "prompt_batch": args.prompt_batch, "prompt_len": args.prompt_len,
         "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats, "rounds": args.rounds,
         "decode_batches": tuple(args.decode_batch) if args.decode_batch else None,
-        "coverage": False if args.no_coverage else None,
+        "coverage": False if args.no_coverage else None, "coverage_prefill_len": args.coverage_prefill_len,
         "paths": tuple(args.paths) if args.paths else None,
     }.items() if v is not None}
     settings = bench.BenchSettings(**{**base.__dict__, **overrides})
@@ -204,6 +204,8 @@ def main(argv=None) -> int:
                         "cutile-compile, cutile-compile-attn, cutile-graphs and cutile-graphs-sdpa, several names with one separator (cutile-compile~A~B) (default: all "
                         "that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
+    b.add_argument("--coverage-prefill-len", type=positive,
+                   help="tokens of the coverage pass's prefill (default 512, at most --prefill-len)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--wide", action="store_true", help="one table of every column (about 200 columns wide)")
     b.set_defaults(func=_bench)

@@ -70,7 +70,8 @@ def markdown(report: dict, plots: list[str]) -> str:
             continue
         unit = "us"
         lines += ["", f"## Coverage: {name}", "",
-                  f"{cov['launches']} launches, {cov['device_us']:.0f} {unit} of device time over one prefill and "
+                  f"{cov['launches']} launches, {cov['device_us']:.0f} {unit} of device time over one prefill "
+                  f"({min(s['prefill_len'], s.get('coverage_prefill_len', 512))} tokens) and "
                   f"{s['coverage_steps']} decode steps; ours: {cov['ours_time_share']:.1%} of the time, "
                   f"{cov['ours_launch_share']:.1%} of the launches.{_phase_line(cov)}", "",
                   f"| kernel | ours | launches | {unit} | share | ops | modules | ceiling at {cov['amdahl_speedup']:g}x |",

@@ -60,6 +60,8 @@ class BenchSettings:
     warm_rounds: int = 1
     coverage: bool = True
     coverage_steps: int = 4
+    #: Tokens of the coverage pass's prefill (at most ``prefill_len``).
+    coverage_prefill_len: int = 512
     amdahl_speedup: float = 2.0
     paths: tuple = tuple(bench_paths.PATHS)
     timeout_s: int = 1800

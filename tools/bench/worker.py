@@ -338,9 +338,11 @@ def combine_rounds(setup: dict, rounds: list[dict], s: dict) -> dict:
 
 
 def run_coverage(model, s: dict, compiled: bool, graphs: bool = False) -> dict:
-    """Kernel coverage over one prefill and ``coverage_steps`` decode steps (batch 1)."""
+    """Kernel coverage over one prefill of ``coverage_prefill_len`` tokens (at most ``prefill_len``) and
+    ``coverage_steps`` decode steps (batch 1)."""
     n = s["coverage_steps"]
-    dec = Decoder(model, 1, min(s["prefill_len"], 512), n + 1, s["device"], compiled, s["seed"], graphs=graphs)
+    dec = Decoder(model, 1, min(s["prefill_len"], s["coverage_prefill_len"]), n + 1, s["device"], compiled, s["seed"],
+                  graphs=graphs)
     if compiled or graphs:  # compile and capture outside the profiled window, over the same cache
         dec.prefill()
         for _ in range(n):

@@ -18,7 +18,8 @@ from .. import dispatch
 from ._dtypes import check_float
 from ._define import contiguous, define_op
 from ..kernel_src._spec import next_power_of_2
-from ..kernel_src.norm import BLOCK_NS, CHUNK, DECODE_MAX_ROWS, GATED_BLOCK_NS, HIDDEN_BLOCK_NS, MAX_BLOCK_N
+from ..kernel_src.norm import (BLOCK_NS, CHUNK, DECODE_MAX_ROWS, GATED_BLOCK_NS, HIDDEN_BLOCK_NS, MAX_BLOCK_N,
+                               MID_MIN_BLOCKS, MID_ROWS, ROWS)
 from ..registry import DECODE_TORCH_DTYPES
 
 MIN_BLOCK_N = min(BLOCK_NS)
@@ -104,6 +105,30 @@ def _want(x: torch.Tensor, rows: int, min_block: int = MIN_BLOCK_N) -> tuple:
     return _tile(x.shape[-1], rows <= DECODE_MAX_ROWS and x.dtype in DECODE_TORCH_DTYPES, min_block)
 
 
+def _mid_want(kind: str, x: torch.Tensor, rows: int, min_block: int) -> tuple | None:
+    """The middle tile's constants (``ROWS=MID_ROWS``) for a fused add + norm of ``rows`` rows where
+    its prefill tile would give fewer than ``MID_MIN_BLOCKS`` blocks (a prefill of a few hundred
+    tokens), a 16-bit dtype and a hidden width it is built for; else None."""
+    if rows <= DECODE_MAX_ROWS or x.dtype not in DECODE_TORCH_DTYPES:
+        return None
+    block = _tile(x.shape[-1], False, min_block)
+    bn = block[0][1] if block[0][0] == "BLOCK_N" else None
+    if bn not in HIDDEN_BLOCK_NS or ROWS[(kind, "aligned")][bn] <= MID_ROWS \
+            or -(-rows // ROWS[(kind, "aligned")][bn]) >= MID_MIN_BLOCKS:
+        return None
+    return block + (("ROWS", MID_ROWS),)
+
+
+def _run_fused(kind: str, x: torch.Tensor, rows: int, args: tuple, min_block: int = MIN_BLOCK_N) -> bool:
+    """``dispatch.run`` of a fused add + norm kind (``kernel_src.norm.MID_KINDS``) over ``rows`` rows: the middle
+    tile where :func:`_mid_want` asks for it and an aligned variant takes the operands (tried
+    quietly: a generic layout then takes its own tile), else the usual tile."""
+    mid = _mid_want(kind, x, rows, min_block)
+    if mid is not None and dispatch.run(kind, mid, args, 3, _grid(rows), _rows_layout, optional=True):
+        return True
+    return dispatch.run(kind, _want(x, rows, min_block), args, 3, _grid(rows), _rows_layout)
+
+
 def _grid(rows: int):
     return lambda consts: ((rows + consts["ROWS"] - 1) // consts["ROWS"], 1, 1)
 
@@ -151,8 +176,7 @@ def _add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     rows = y.numel() // x.shape[-1]
-    if y.numel() == 0 or dispatch.run("add_rms_norm", _want(x, rows), (x, residual, weight, y, s, float(eps)), 3,
-                                      _grid(rows), _rows_layout):
+    if y.numel() == 0 or _run_fused("add_rms_norm", x, rows, (x, residual, weight, y, s, float(eps))):
         return y, s
     return contiguous(add_rms_norm_reference(x, residual, weight, eps))
 
@@ -162,8 +186,7 @@ def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """Launch the fused kernel on CUDA tensors: ``x``, ``residual``, ``y``, ``residual_out`` (M, N),
     ``weight`` (N,). The outputs must be new tensors of x's dtype (not checked). Returns False
     (nothing written) when no cuTile path fits."""
-    return dispatch.run("add_rms_norm", _want(x, x.shape[0]), (x, residual, weight, y, residual_out, float(eps)),
-                        3, _grid(x.shape[0]))
+    return _run_fused("add_rms_norm", x, x.shape[0], (x, residual, weight, y, residual_out, float(eps)))
 
 
 def _check_rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
@@ -195,9 +218,8 @@ def _add_rms_norm_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: to
     s = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     rows = y.numel() // x.shape[-1]
     # Its tiles start at 512 lanes (hidden sizes): a tiny model's narrower rows run padded.
-    if y.numel() == 0 or dispatch.run("add_rms_norm_gemma", _want(x, rows, HIDDEN_BLOCK_NS[0]),
-                                      (x, residual, weight, y, s, float(eps), float(offset)), 3, _grid(rows),
-                                      _rows_layout):
+    if y.numel() == 0 or _run_fused("add_rms_norm_gemma", x, rows,
+                                    (x, residual, weight, y, s, float(eps), float(offset)), HIDDEN_BLOCK_NS[0]):
         return y, s
     return contiguous(add_rms_norm_gemma_reference(x, residual, weight, eps, offset))
 
@@ -214,9 +236,8 @@ def _rms_norm_add_gemma_cuda(x: torch.Tensor, residual: torch.Tensor, weight: to
     y = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     rows = y.numel() // x.shape[-1]
     # Hidden-size tiles (512 lanes and up) as the fused add's; 16-bit variants only.
-    if y.numel() == 0 or dispatch.run("rms_norm_add_gemma", _want(x, rows, HIDDEN_BLOCK_NS[0]),
-                                      (x, residual, weight, y, float(eps), float(offset)), 3, _grid(rows),
-                                      _rows_layout):
+    if y.numel() == 0 or _run_fused("rms_norm_add_gemma", x, rows, (x, residual, weight, y, float(eps), float(offset)),
+                                    HIDDEN_BLOCK_NS[0]):
         return y
     return rms_norm_add_gemma_reference(x, residual, weight, eps, offset).contiguous()
 
