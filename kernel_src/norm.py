@@ -312,13 +312,15 @@ ROWS[("rms_norm_gated", "generic")] = ROWS[("rms_norm", "generic")]
 #: (``ROWS=1``): for every width and layout of :data:`DECODE_DTYPES` such a variant is built.
 DECODE_MAX_ROWS = 256
 #: Rows per block of the fused add + norm kinds' middle tile, for a prefill of a few hundred rows:
-#: their prefill tile (16 rows at 2048 wide) gives 512 rows 32 blocks, a quarter of the SMs; the
-#: sm_90 sweep (H100, 2026-12-05, dev/sweeps/norm_sweep.py) had add_rms_norm at 512 x 2048 best at 4
-#: rows (5.06 us; 16 rows 7.75, 8 rows 6.35, 1 row 6.73) and at 512 x 3072 too (6.86; 8 rows 8.36).
+#: their prefill tile (16 rows at 2048 wide) gives 512 rows 32 blocks, a quarter of the SMs. The
+#: sm_90 sweeps (dev/sweeps/norm_sweep.py, 2026-12-05) of add_rms_norm: 512 x 2048 best at 4 rows
+#: (H100 5.06 us against 7.75 for 16 rows, 6.35 for 8, 6.73 for 1; H200 5.01 against 7.68), 512 x 3072
+#: too (H100 6.86 against 8.36 for 8 rows); 1024 x 2048 a tie (H200 8.08 against 7.91 for 16 rows),
+#: 2048 x 2048 16 rows (H100 10.52 against 14.66 for 4).
 MID_ROWS = 4
-#: The runtime asks for the middle tile while the prefill tile would give fewer blocks than this
-#: (about one wave of the 132 SMs; the sweep's best tiles gave 128 blocks at 512 and at 2048 rows).
-MID_MIN_BLOCKS = 128
+#: About one wave of blocks (132 SMs on the H100 and H200): the runtime takes the middle tile where
+#: its block count is nearer this than the prefill tile's (the sweeps' best tiles gave 128 blocks).
+MID_WAVE_BLOCKS = 128
 #: The kinds with a middle tile (aligned layout, 16-bit dtypes, hidden widths) and their op's rule.
 MID_KINDS = ("add_rms_norm", "add_rms_norm_gemma", "rms_norm_add_gemma")
 

@@ -177,46 +177,32 @@ def _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs) -
     return reason
 
 
-#: Attribute an attention module carries (plain, in its ``__dict__``) while the opt-in patch
-#: ``windowed_prefill_attention`` is on: :func:`route` gives its windowed prefills to the kernel.
-WINDOWED_PREFILL = "_cutile_windowed_prefill"
-
-
 def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: float | None,
-          cutile_kv_len: torch.Tensor | None, sliding_window: int | None = None,
-          module: torch.nn.Module | None = None) -> bool:
+          cutile_kv_len: torch.Tensor | None) -> bool:
     """Whether ``"cutile"`` gives a call the kernel takes to the kernel (True) or to transformers'
     sdpa (False), by the H200 measurements in the module docstring: the kernel for a logit softcap
     (sdpa has none) and for decode (``query`` ``(B, H, Sq, D)`` with ``Sq <= DECODE_MAX_SQ``) with a
     boolean mask or a static cache's filled length; sdpa for prefill and unmasked decode over a
     DynamicCache; sdpa for every call off the GPU (where the op would compute its reference: a
     CPU model keeps stock's exact numbers) or in a dtype or head dim the kernel has no variant for
-    (float32, head_dim > 256), but a softcap's. With the opt-in patch ``windowed_prefill_attention``
-    on ``module`` (:data:`WINDOWED_PREFILL`), also a prefill whose boolean mask carries a
-    ``sliding_window`` that hides keys (``Skv > sliding_window``): sdpa computes every (query, key)
-    pair under such a mask, the kernel skips the tiles it hides entirely (Gemma-3-1B's 1 x 2048 with
-    a 512-token window, the window given as bounds: 47 against 136 us, H100 2026-12-05; with the mask
-    tensor not timed yet, and the end-to-end bench decides whether it becomes the route). The mask
-    alone decides, as in sdpa: a caller's own 4D mask (packed sequences) passes through transformers
-    untouched, so no causal or window bound may be added to it. Device, dtype, shapes and None-ness
-    only: under torch.compile it is decided at trace time."""
+    (float32, head_dim > 256), but a softcap's. A windowed prefill stays on sdpa too: on the boolean
+    mask alone the kernel took 175-233 us against sdpa's 132 (Gemma-3-1B 1 x 2048, window 512, H200
+    2026-12-05, dev/sweeps/attention_sweep.py); only with causal/window bounds was it faster, and
+    those would change a caller's own 4D mask, which transformers passes through as given. Device,
+    dtype, shapes and None-ness only: under torch.compile it is decided at trace time."""
     if softcap:
         return True
     if (query.device.type not in _KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES
             or query.shape[3] > HEAD_DIMS[-1]):
         return False
-    if query.shape[2] <= DECODE_MAX_SQ:
-        return attention_mask is not None or cutile_kv_len is not None
-    return (attention_mask is not None and bool(sliding_window) and attention_mask.shape[-1] > sliding_window
-            and module is not None and getattr(module, WINDOWED_PREFILL, False) is True)
+    return query.shape[2] <= DECODE_MAX_SQ and (attention_mask is not None or cutile_kv_len is not None)
 
 
 def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
             cutile_kv_len, routed: bool, kwargs: dict) -> tuple[torch.Tensor, None]:
     reason = _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs)
     sdpa_takes = not softcap and not any(kwargs.get(k) is not None for k in _SINK_KWARGS)
-    if routed and sdpa_takes and (reason is not None or not route(query, attention_mask, softcap, cutile_kv_len,
-                                                                   sliding_window, module)):
+    if routed and sdpa_takes and (reason is not None or not route(query, attention_mask, softcap, cutile_kv_len)):
         if reason is not None:
             _announce(f"{reason}; transformers' sdpa attends")
         return _SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

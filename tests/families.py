@@ -9,6 +9,7 @@ the others are there for their opt-in patches and to check that what we do not c
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -82,8 +83,15 @@ def transformers_functions(model):
     and the like: one module object per modeling file, shared by every model built from it) inside
     the block. kernelize binds our forward onto such a module for the whole process, so a stock
     model built after a kernelized one would run ours (and a float64 reference would fall back
-    under ``strict``)."""
-    bound = [(m, m.__dict__.pop("forward")) for m in model.modules() if "forward" in m.__dict__]
+    under ``strict``). Also the function modules of the modeling files themselves that the model's
+    code calls by name (Qwen3.5's ``torch_chunk_gated_delta_rule`` and the like)."""
+    homes = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__module__ in sys.modules}
+    shared = [v for home in homes for v in vars(home).values() if isinstance(v, torch.nn.Module)]
+    seen, bound = set(), []
+    for m in [*model.modules(), *shared]:
+        if id(m) not in seen and "forward" in m.__dict__:
+            seen.add(id(m))
+            bound.append((m, m.__dict__.pop("forward")))
     try:
         yield model
     finally:

@@ -201,22 +201,20 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     n = len(_decoder_layers(model))
     qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # Qwen3 attention only
     qkv = {"fused_qkv": n}  # Llama-code attention, and Qwen3's under qk_norm_rope's forward
-    windowed = {"windowed_prefill_attention": n if model_type == "mistral" else 0}  # MistralConfig's window 4096
     assert report.changed == {"gemma2_attention": 0, "cutile_attention": n, "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0,
                               "decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 0, "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0, "phi3_rope": 0,
                               "fused_gate_up_geglu": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
                               "gemma_add_norm": 0, "gemma3_qk_norm_rope": 0, "qwen3_5_stacked_proj": 0,
                               "dynamic_cache_prefill": n,  # one full-attention cache layer a decoder layer
-                              **qk, **qkv, **windowed, "gemv": 4 * n}  # qkv_proj, o_proj, gate_up_proj, down_proj
+                              **qk, **qkv, "gemv": 4 * n}  # qkv_proj, o_proj, gate_up_proj, down_proj
     assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin", "dynamic_cache_prefill",
-                             "cutile_attention", *(k for k, v in windowed.items() if v), *qk, *qkv, "gemv"]
+                             "cutile_attention", *qk, *qkv, "gemv"]
     assert torch.equal(_logits(model, ids).logits, want)
     model.save_pretrained(tmp_path / "patched")
     a = (tmp_path / "stock" / "model.safetensors").read_bytes()
     assert (tmp_path / "patched" / "model.safetensors").read_bytes() == a
     assert cutile_kernels.unpatch(model).changed == {"gemv": 4 * n, **qkv, **qk, "cutile_attention": n,
-                                                     **{k: v for k, v in windowed.items() if v},
                                                      "dynamic_cache_prefill": n, "rope_cos_sin": 1, "fused_gate_up": n, "decoder_add_rms_norm": n}
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(_logits(model, ids).logits, want)
@@ -351,7 +349,7 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
                               "fused_qkv": 3, "rms_norm_gemma": 7, "rms_norm_olmo2": 0, "phi3_mlp": 0,
                               "phi3_rope": 0, "fused_gate_up_geglu": 3, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
                               "gemma_add_norm": 0, "gemma3_qk_norm_rope": 0, "qwen3_5_stacked_proj": 0,
-                              "dynamic_cache_prefill": 3, "windowed_prefill_attention": 0,
+                              "dynamic_cache_prefill": 3,
                               "gemv": 12}  # the stacked q/k/v and gate/up, o_proj, down_proj of 3 layers
     assert report.active == ["fused_gate_up_geglu", "rope_cos_sin", "dynamic_cache_prefill", "cutile_attention",
                              "fused_qkv", "rms_norm_gemma", "gemv"]

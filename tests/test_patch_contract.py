@@ -41,7 +41,6 @@ CLAIMS = {
     "gemma3_qk_norm_rope": {"gemma3_text"},  # Gemma3Attention's code
     "gemv": set(families.FAMILIES),  # every decoder layer's nn.Linear projections
     "dynamic_cache_prefill": set(families.FAMILIES),  # every family's full or sliding DynamicCache layers
-    "windowed_prefill_attention": {"gemma2", "gemma3_text", "mistral", "olmo3"},  # attention with a window
 }
 
 #: Patches whose CPU path is not the stock arithmetic: gemma2_attention's attention reference forms

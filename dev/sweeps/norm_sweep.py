@@ -103,7 +103,9 @@ def run(sweep_dir: str, json_out: str | None) -> None:
         ref_s = x.double() + r.double()
         for kind in kinds:
             bytes_moved = (2 * m * n + n) * 2 if kind == "rms_norm" else (5 * m * n + n) * 2
-            cands = [v for v in reg.variants(kind, "sm_90") if v.constants.get("BLOCK_N") == next_power_of_2(n)]
+            # bf16 variants only (the inputs'): a shipped build's fp16/fp32 variants would read them as another dtype
+            cands = [v for v in reg.variants(kind, "sm_90") if v.constants.get("BLOCK_N") == next_power_of_2(n)
+                     and v.tag.startswith("bf16.")]
             for v in cands:
                 y = torch.full_like(x, float("nan"))
                 s = torch.full_like(x, float("nan"))

@@ -29,7 +29,7 @@ from .._patching import Patch
 from .._pins import Pin
 from ..attention import NAME as CUTILE_ATTENTION
 from ..attention import NAMES as CUTILE_ATTENTIONS
-from ..attention import WINDOWED_PREFILL, kernel_missing_on, prepare_devices
+from ..attention import kernel_missing_on, prepare_devices
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -81,8 +81,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def decoder_only_verdict(model: nn.Module) -> str | None:
     """Why ``model`` is not a transformers decoder-only model without sub-models (a multimodal
-    wrapper's sub-configs would not all switch, and its masks may let image tokens see later ones),
-    or None."""
+    wrapper's sub-configs would not all switch), or None."""
     cls, cfg = type(model), getattr(model, "config", None)
     if not hasattr(cls, "set_attn_implementation") or cfg is None:
         return "it is not a transformers PreTrainedModel"
@@ -220,69 +219,11 @@ def unpatch_cutile_attention(model: nn.Module) -> int:
     return switch_back(model, _SWITCHED)
 
 
-# ---------------------------------------------------------------------------------------------
-# Patch windowed_prefill_attention (opt-in): windowed prefills on the kernel
-# ---------------------------------------------------------------------------------------------
-#
-# Estimate, written before the patch (Amdahl). A sliding-window layer's prefill longer than its window
-# reaches sdpa with a boolean mask, under which sdpa computes every (query, key) pair; the kernel skips
-# the tiles the window hides. Gemma-3-1B's 1 x 2048 (window 512, head_dim 256; H100, 2026-12-05, the
-# attention sweep over the shipped build, the window given as bounds): sdpa 135.65 us, the kernel
-# 47.24 us; the patch's calls give the kernel the mask alone (exact for a caller's own mask too), which
-# visits every tile to read its mask: not timed yet (the sweep's ``.mask`` rows). Its 22 sliding layers
-# of 26: ~1.95 ms of GPU time a prefill; on the GPU-bound prefill of a larger Gemma 3 or a longer prompt
-# f ~ 0.15-0.25, s ~ 2.9, ceiling ~1.1-1.2x; on Gemma-3-1B's host-paced eager 1 x 2048 prefill
-# (~24 ms, H200) f ~ 0: the end-to-end bench has to show it.
-
-
-def _windowed(m: nn.Module) -> bool:
-    # The layer's own window where the class keeps one (None on Gemma 3's global layers), else the
-    # config's (Mistral's forward passes config.sliding_window to every layer).
-    if "sliding_window" in vars(m) or hasattr(type(m), "sliding_window"):
-        return bool(m.sliding_window)
-    return bool(getattr(getattr(m, "config", None), "sliding_window", None))
-
-
-def patch_windowed_prefill_attention(model: nn.Module) -> int:
-    """Patch ``windowed_prefill_attention`` (opt-in): the attention modules whose layer or config has
-    a sliding window get :data:`attention.WINDOWED_PREFILL`, so that ``attention.route`` gives their
-    prefills to our kernel when the window hides keys (sdpa would compute every pair under the mask;
-    the kernel, given the mask alone, skips the tiles it hides). The mark acts while the model attends
-    with ``"cutile"`` (patch ``cutile_attention``, a default; said in a log line otherwise); under
-    another attention implementation nothing changes. Only a decoder-only model without sub-models is
-    marked (the models ``cutile_attention`` switches). Returns the modules newly marked."""
-    why = decoder_only_verdict(model)
-    if why is not None:
-        logger.info("cutile_kernels: patch windowed_prefill_attention leaves %s alone: %s", type(model).__name__, why)
-        return 0
-    current = getattr(model.config, "_attn_implementation", None)
-    if current not in CUTILE_ATTENTIONS:
-        logger.info("cutile_kernels: patch windowed_prefill_attention: %s attends with %r; the marks act once it "
-                    "attends with %r (patch cutile_attention, a default)", type(model).__name__, current,
-                    CUTILE_ATTENTION)
-    n = 0
-    for m in attention_modules(model):
-        if _windowed(m) and not m.__dict__.get(WINDOWED_PREFILL):
-            m.__dict__[WINDOWED_PREFILL] = True
-            n += 1
-    return n
-
-
-def unpatch_windowed_prefill_attention(model: nn.Module) -> int:
-    """Undo :func:`patch_windowed_prefill_attention`. Returns the modules unmarked."""
-    return sum(m.__dict__.pop(WINDOWED_PREFILL, None) is not None for m in attention_modules(model))
-
-
 #: This module's patch rows (gathered by ``layers/_registry.py``).
 PATCH_ROWS = [Patch("cutile_attention", apply=patch_cutile_attention, undo=unpatch_cutile_attention,
                     description="a claimed family attends with our kernel where it beats sdpa (static-cache and "
-                                "padded decode), sdpa elsewhere"),
-              Patch("windowed_prefill_attention", apply=patch_windowed_prefill_attention,
-                    undo=unpatch_windowed_prefill_attention, default=False,
-                    description="prefills of sliding-window layers whose window hides keys on our kernel (sdpa "
-                                "computes every pair under the mask); after cutile_attention")]
+                                "padded decode), sdpa elsewhere")]
 
 __all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "decoder_only_verdict",
-           "discover", "family_of",
-           "modules", "patch_cutile_attention", "patch_windowed_prefill_attention", "sdpa_attention_verdict",
-           "switch_back", "switchable_verdict", "unpatch_cutile_attention", "unpatch_windowed_prefill_attention"]
+           "discover", "family_of", "modules", "patch_cutile_attention", "sdpa_attention_verdict", "switch_back",
+           "switchable_verdict", "unpatch_cutile_attention"]

@@ -19,7 +19,7 @@ from ._dtypes import check_float
 from ._define import contiguous, define_op
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.norm import (BLOCK_NS, CHUNK, DECODE_MAX_ROWS, GATED_BLOCK_NS, HIDDEN_BLOCK_NS, MAX_BLOCK_N,
-                               MID_MIN_BLOCKS, MID_ROWS, ROWS)
+                               MID_ROWS, MID_WAVE_BLOCKS, ROWS)
 from ..registry import DECODE_TORCH_DTYPES
 
 MIN_BLOCK_N = min(BLOCK_NS)
@@ -106,15 +106,17 @@ def _want(x: torch.Tensor, rows: int, min_block: int = MIN_BLOCK_N) -> tuple:
 
 
 def _mid_want(kind: str, x: torch.Tensor, rows: int, min_block: int) -> tuple | None:
-    """The middle tile's constants (``ROWS=MID_ROWS``) for a fused add + norm of ``rows`` rows where
-    its prefill tile would give fewer than ``MID_MIN_BLOCKS`` blocks (a prefill of a few hundred
-    tokens), a 16-bit dtype and a hidden width it is built for; else None."""
+    """The middle tile's constants (``ROWS=MID_ROWS``) for a fused add + norm of ``rows`` rows (a
+    prefill of a few hundred tokens) where its block count is nearer one wave (``MID_WAVE_BLOCKS``)
+    than the prefill tile's, for a 16-bit dtype and a hidden width it is built for; else None."""
     if rows <= DECODE_MAX_ROWS or x.dtype not in DECODE_TORCH_DTYPES:
         return None
     block = _tile(x.shape[-1], False, min_block)
     bn = block[0][1] if block[0][0] == "BLOCK_N" else None
-    if bn not in HIDDEN_BLOCK_NS or ROWS[(kind, "aligned")][bn] <= MID_ROWS \
-            or -(-rows // ROWS[(kind, "aligned")][bn]) >= MID_MIN_BLOCKS:
+    if bn not in HIDDEN_BLOCK_NS or ROWS[(kind, "aligned")][bn] <= MID_ROWS:
+        return None
+    prefill, mid = -(-rows // ROWS[(kind, "aligned")][bn]), -(-rows // MID_ROWS)
+    if abs(mid - MID_WAVE_BLOCKS) >= abs(prefill - MID_WAVE_BLOCKS):
         return None
     return block + (("ROWS", MID_ROWS),)
 
