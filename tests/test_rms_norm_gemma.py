@@ -276,7 +276,8 @@ def _load_tiny(model_type, tmp_path, include=(), exclude=()):
 
 def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
     """The norms one forward ran in the rms_norm_gemma kernel and its fusions: add_rms_norm_gemma's
-    launches (Qwen3.5's post-attention norms fused with the residual add) and two per
+    launches (Qwen3.5's post-attention norms fused with the residual add), rms_norm_add_gemma's (OLMo
+    2's post-norms with their residual add, patch olmo2_norm_add) and two per
     qk_norm_rope_gemma launch (its q_norm and k_norm, patch qwen3_5_rope), summed over this package
     and the build copy that kernelize bound (each keeps its own counters); and the fallbacks."""
     from cutile_kernels_tools.bench.worker import merged_stats, runtime_copies
@@ -287,7 +288,7 @@ def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
         model(ids)
     stats = merged_stats()
     launches = stats["launches"].items()
-    return (sum(n for k, n in launches if k.startswith(("rms_norm_gemma", "add_rms_norm_gemma")))
+    return (sum(n for k, n in launches if k.startswith(("rms_norm_gemma", "add_rms_norm_gemma", "rms_norm_add_gemma")))
             + 2 * sum(n for k, n in launches if k.startswith("qk_norm_rope_gemma")), stats["fallbacks"])
 
 
@@ -372,13 +373,13 @@ def test_build_matrix_has_every_fused_add_tile_and_the_offset_scalar():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [(1, 1024, torch.bfloat16), (16, 1024, torch.bfloat16), (2048, 1024, torch.bfloat16),
-                                  (512, 1152, torch.bfloat16), (333, 5120, torch.float16), (65, 1000, torch.float32), (7, 12288, torch.bfloat16),
-                                  (5, 64, torch.bfloat16)],
+                                  (512, 1152, torch.bfloat16), (333, 5120, torch.float16), (65, 1000, torch.float32),
+                                  (7, 12288, torch.bfloat16), (5, 64, torch.bfloat16)],
                          ids=str)
 def test_gpu_fused_add_kernel_matches_float64(case, strict):
     """Qwen3.5-0.8B's and -27B's hidden sizes (1024, 5120), a decode row and batch, prefill rows (a
-    Gemma-3-1B prefill of 512 in the middle tile), a width off the tiles, a chunked width, a tiny model's 64 in the narrowest tile; both outputs
-    NaN-poisoned first."""
+    Gemma-3-1B prefill of 512 in the middle tile), a width off the tiles, a chunked width, a tiny
+    model's 64 in the narrowest tile; both outputs NaN-poisoned first."""
     rows, hidden, dtype = case
     x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)
     residual = (torch.randn(rows, hidden, device="cuda") * 2).to(dtype)
@@ -576,8 +577,9 @@ def test_build_matrix_has_the_post_norm_add_tiles_in_16_bits():
                                   (9, 1000, torch.float16)],
                          ids=str)
 def test_gpu_post_norm_add_kernel_is_the_stock_lines(case, strict):
-    """OLMo-2-1B's hidden size (2048) at decode b=1 and 16 and prefills (700 rows: the middle tile), a wide fp16 row, a chunked
-    width, a tiny width, a width off the tiles; strided input, the output NaN-poisoned first."""
+    """OLMo-2-1B's hidden size (2048) at decode b=1 and 16 and prefills (700 rows: the middle tile), a
+    wide fp16 row, a chunked width, a tiny width, a width off the tiles; strided input, the output
+    NaN-poisoned first."""
     rows, hidden, dtype = case
     x = (torch.randn(rows, 2 * hidden + 8, device="cuda") * 2)[:, :hidden].to(dtype)
     residual = (torch.randn(rows, hidden, device="cuda") * 2).to(dtype)
