@@ -318,10 +318,12 @@ DECODE_MAX_ROWS = 256
 #: too (H100 6.86 against 8.36 for 8 rows); 1024 x 2048 a tie (H200 8.08 against 7.91 for 16 rows),
 #: 2048 x 2048 16 rows (H100 10.52 against 14.66 for 4).
 MID_ROWS = 4
-#: About one wave of blocks (132 SMs on the H100 and H200): the runtime takes the middle tile where
-#: its block count is nearer this than the prefill tile's (the sweeps' best tiles gave 128 blocks).
+#: The runtime takes the middle tile where its block count is nearer one wave than the prefill
+#: tile's: the device's multiprocessor count (132 on the H100 and H200, where the sweeps' best tiles
+#: gave 128 blocks), this where there is no device (``ops/norm.py``, ``_mid_want``).
 MID_WAVE_BLOCKS = 128
-#: The kinds with a middle tile (aligned layout, 16-bit dtypes, hidden widths) and their op's rule.
+#: The kinds with a middle tile (aligned layout, 16-bit dtypes, hidden widths). add_rms_norm_gemma
+#: moves add_rms_norm's bytes; rms_norm_add_gemma (two rows read, one written) takes it unmeasured.
 MID_KINDS = ("add_rms_norm", "add_rms_norm_gemma", "rms_norm_add_gemma")
 
 

@@ -558,20 +558,24 @@ def test_route_keeps_sdpa_where_the_kernel_has_no_variant(route_spy, monkeypatch
     ("prefill", "sdpa"), ("padded prefill", "sdpa"), ("decode", "sdpa"), ("padded decode", "kernel"),
     ("static decode, mask", "kernel"), ("static decode, filled length", "kernel"),
     ("static decode, filled length, no mask", "kernel"), ("16-query chunk, mask", "kernel"),
-    ("17-query chunk, mask", "sdpa"), ("softcap prefill", "kernel"), ("softcap decode", "kernel")])
+    ("17-query chunk, mask", "sdpa"), ("softcap prefill", "kernel"), ("softcap decode", "kernel"),
+    ("windowed prefill, mask", "sdpa")])
 def test_route_sends_each_call_where_it_is_fastest(kind, want, route_spy):
     """``"cutile"`` hands the calls the kernel is slower on (H200) to sdpa and keeps the rest, and
     both give the reference's values."""
     B, Hq, Hkv, D = 2, 4, 2, 16
     Sq = {"prefill": 20, "padded prefill": 20, "softcap prefill": 20, "16-query chunk, mask": 16,
-          "17-query chunk, mask": 17}.get(kind, 1)
+          "17-query chunk, mask": 17, "windowed prefill, mask": 20}.get(kind, 1)
     Skv = 24 if "static" in kind else (Sq + 7 if Sq > 1 else 12)
     seen = Skv if "static" not in kind else 10
     pads = [0, 3] if "padded" in kind else [0, 0]
     mask = None
+    window = 8 if "windowed" in kind else None  # a sliding layer whose window hides keys: sdpa's (H200 sweep)
     if ("mask" in kind and "no mask" not in kind) or "padded" in kind or kind == "static decode, filled length":
-        mask = hf_mask(B, Sq, Skv, seen - Sq, left_padding(B, seen, pads))
+        mask = hf_mask(B, Sq, Skv, seen - Sq, left_padding(B, seen, pads), window=window)
     length = {"cutile_kv_len": torch.tensor(seen)} if "filled length" in kind else {}
+    if window:
+        length["sliding_window"] = window
     softcap = 0.3 if "softcap" in kind else None
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
     got, _ = lattn.cutile_attention_forward(_module(Hq // Hkv), q, k, v, mask, scaling=0.25, softcap=softcap,

@@ -217,8 +217,8 @@ GPU_CASES = (
     + [(37, 12288, torch.bfloat16, "contiguous"), (5, 16384, torch.float32, "contiguous"),
        (9, 18432, torch.bfloat16, "strided")]
     # A prefill of a few hundred rows: the fused add's middle tile (and the row count past it).
-    + [(512, 2048, torch.bfloat16, "contiguous"), (1000, 3072, torch.float16, "contiguous"),
-       (2048, 2048, torch.bfloat16, "contiguous")]
+    + [(512, 2048, torch.bfloat16, "contiguous"), (600, 3072, torch.float16, "contiguous"),
+       (1000, 3072, torch.float16, "contiguous"), (2048, 2048, torch.bfloat16, "contiguous")]
 )
 
 
@@ -296,7 +296,8 @@ def _expected_variant(kind, case):
     bn = max(64, 1 << (hidden - 1).bit_length())
     decode = rows <= DECODE_MAX_ROWS and dtype != torch.float32
     tile = ROWS[(kind, layout)][bn]
-    # The fused adds' middle tile: 4 rows a block where that block count is nearer 128 than the prefill tile's.
+    # The fused adds' middle tile: 4 rows a block where that block count is nearer one wave than the
+    # prefill tile's (128 here; a GPU's SM count, 132 on the H100/H200: the cases are far from where they differ).
     if kind in MID_KINDS and not decode and dtype != torch.float32 and layout == "aligned" and bn >= 512 \
             and tile > 4 and abs(-(-rows // 4) - 128) < abs(-(-rows // tile) - 128):
         tile = 4

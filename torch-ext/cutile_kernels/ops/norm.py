@@ -105,30 +105,34 @@ def _want(x: torch.Tensor, rows: int, min_block: int = MIN_BLOCK_N) -> tuple:
     return _tile(x.shape[-1], rows <= DECODE_MAX_ROWS and x.dtype in DECODE_TORCH_DTYPES, min_block)
 
 
+@functools.lru_cache(maxsize=None)
+def _wave(device_index: int) -> int:
+    """Blocks in one wave of a device: its multiprocessor count (132 on the H100 and H200)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _mid_want(kind: str, x: torch.Tensor, rows: int, min_block: int) -> tuple | None:
     """The middle tile's constants (``ROWS=MID_ROWS``) for a fused add + norm of ``rows`` rows (a
-    prefill of a few hundred tokens) where its block count is nearer one wave (``MID_WAVE_BLOCKS``)
-    than the prefill tile's, for a 16-bit dtype and a hidden width it is built for; else None."""
+    prefill of a few hundred tokens) where its block count is nearer one wave than the prefill
+    tile's (a CUDA tensor's device's multiprocessor count; ``MID_WAVE_BLOCKS`` elsewhere), for a
+    16-bit dtype and a hidden width it is built for; else None."""
     if rows <= DECODE_MAX_ROWS or x.dtype not in DECODE_TORCH_DTYPES:
         return None
-    block = _tile(x.shape[-1], False, min_block)
+    wave = _wave(x.get_device()) if x.is_cuda else MID_WAVE_BLOCKS
+    return _mid_tile(kind, x.shape[-1], rows, min_block, wave)
+
+
+@functools.lru_cache(maxsize=4096)
+def _mid_tile(kind: str, n: int, rows: int, min_block: int, wave: int) -> tuple | None:
+    # _mid_want's choice for a row width, row count and wave (once per shape: prefill lengths repeat).
+    block = _tile(n, False, min_block)
     bn = block[0][1] if block[0][0] == "BLOCK_N" else None
     if bn not in HIDDEN_BLOCK_NS or ROWS[(kind, "aligned")][bn] <= MID_ROWS:
         return None
     prefill, mid = -(-rows // ROWS[(kind, "aligned")][bn]), -(-rows // MID_ROWS)
-    if abs(mid - MID_WAVE_BLOCKS) >= abs(prefill - MID_WAVE_BLOCKS):
+    if abs(mid - wave) >= abs(prefill - wave):
         return None
     return block + (("ROWS", MID_ROWS),)
-
-
-def _run_fused(kind: str, x: torch.Tensor, rows: int, args: tuple, min_block: int = MIN_BLOCK_N) -> bool:
-    """``dispatch.run`` of a fused add + norm kind (``kernel_src.norm.MID_KINDS``) over ``rows`` rows: the middle
-    tile where :func:`_mid_want` asks for it and an aligned variant takes the operands (tried
-    quietly: a generic layout then takes its own tile), else the usual tile."""
-    mid = _mid_want(kind, x, rows, min_block)
-    if mid is not None and dispatch.run(kind, mid, args, 3, _grid(rows), _rows_layout, optional=True):
-        return True
-    return dispatch.run(kind, _want(x, rows, min_block), args, 3, _grid(rows), _rows_layout)
 
 
 def _grid(rows: int):
@@ -138,6 +142,18 @@ def _grid(rows: int):
 def _rows_layout(args: tuple) -> tuple:
     # (..., N) tensors as the kernels' (M, N) rows, the weight and eps as they are (once per plan).
     return tuple(a.reshape(-1, a.shape[-1]) if isinstance(a, torch.Tensor) and a.dim() != 1 else a for a in args)
+
+
+def _run_fused(kind: str, x: torch.Tensor, rows: int, args: tuple, min_block: int = MIN_BLOCK_N,
+               layout=_rows_layout) -> bool:
+    """``dispatch.run`` of a fused add + norm kind (``kernel_src.norm.MID_KINDS``) over ``rows`` rows,
+    its arguments laid out by ``layout`` (None: already ``(rows, N)``): the middle tile where
+    :func:`_mid_want` asks for it and an aligned variant takes the operands (tried quietly: a
+    generic layout then takes its own tile), else the usual tile."""
+    mid = _mid_want(kind, x, rows, min_block)
+    if mid is not None and dispatch.run(kind, mid, args, 3, _grid(rows), layout, optional=True):
+        return True
+    return dispatch.run(kind, _want(x, rows, min_block), args, 3, _grid(rows), layout)
 
 
 def _check_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
@@ -188,7 +204,7 @@ def add_rms_norm_into(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """Launch the fused kernel on CUDA tensors: ``x``, ``residual``, ``y``, ``residual_out`` (M, N),
     ``weight`` (N,). The outputs must be new tensors of x's dtype (not checked). Returns False
     (nothing written) when no cuTile path fits."""
-    return _run_fused("add_rms_norm", x, x.shape[0], (x, residual, weight, y, residual_out, float(eps)))
+    return _run_fused("add_rms_norm", x, x.shape[0], (x, residual, weight, y, residual_out, float(eps)), layout=None)
 
 
 def _check_rms_norm_gemma(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> None:
