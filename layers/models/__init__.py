@@ -79,25 +79,16 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
 
 
-def decoder_only_verdict(model: nn.Module) -> str | None:
-    """Why ``model`` is not a transformers decoder-only model without sub-models (a multimodal
-    wrapper's sub-configs would not all switch), or None."""
+def switchable_verdict(model: nn.Module, impl: str) -> str | None:
+    """What both attention-switching patches (``cutile_attention``, Gemma's ``gemma2_attention``)
+    ask first: why ``model`` is not a transformers decoder-only model without sub-models (a
+    multimodal wrapper's sub-configs would not all switch) attending with ``impl``, or None."""
     cls, cfg = type(model), getattr(model, "config", None)
     if not hasattr(cls, "set_attn_implementation") or cfg is None:
         return "it is not a transformers PreTrainedModel"
     if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "sub_configs", None):
         return "it is an encoder-decoder or holds sub-models"
-    return None
-
-
-def switchable_verdict(model: nn.Module, impl: str) -> str | None:
-    """What both attention-switching patches (``cutile_attention``, Gemma's ``gemma2_attention``)
-    ask first: why ``model`` is not a transformers decoder-only model without sub-models
-    (:func:`decoder_only_verdict`) attending with ``impl``, or None."""
-    why = decoder_only_verdict(model)
-    if why is not None:
-        return why
-    current = getattr(model.config, "_attn_implementation", None)
+    current = getattr(cfg, "_attn_implementation", None)
     if current != impl:
         return f"it attends with {current!r}, not {impl}"
     return None
@@ -224,6 +215,6 @@ PATCH_ROWS = [Patch("cutile_attention", apply=patch_cutile_attention, undo=unpat
                     description="a claimed family attends with our kernel where it beats sdpa (static-cache and "
                                 "padded decode), sdpa elsewhere")]
 
-__all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "decoder_only_verdict",
-           "discover", "family_of", "modules", "patch_cutile_attention", "sdpa_attention_verdict", "switch_back",
-           "switchable_verdict", "unpatch_cutile_attention"]
+__all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "discover", "family_of",
+           "modules", "patch_cutile_attention", "sdpa_attention_verdict", "switch_back", "switchable_verdict",
+           "unpatch_cutile_attention"]

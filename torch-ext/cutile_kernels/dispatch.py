@@ -135,6 +135,13 @@ def _arch_of(device_index: int) -> tuple[tuple[int, int], str | None]:
     return cap, _registry.registry().arch_for(cap)
 
 
+@lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Multiprocessors of a CUDA device (132 on the H100 and H200): blocks in one wave of a grid,
+    which the ops' tile and split choices size launches by."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def runs_on(device: torch.device) -> bool:
     """Whether kernels can launch on CUDA ``device``: a built arch's cubins run on its compute
     capability, or cuda.tile can JIT (:func:`jit_available`)."""

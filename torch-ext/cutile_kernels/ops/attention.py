@@ -181,11 +181,6 @@ def decode_bn(dp: int, keys: int, splits: int) -> int:
     return DECODE_BN_LONG[dp] if splits == 1 and keys >= DECODE_LONG_KEYS else DECODE_BN[dp]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_splits(blocks: int, keys: int, sms: int) -> int:
     """How many KV splits a decode launch of ``blocks`` blocks over ``keys`` cache slots takes.
 
@@ -291,7 +286,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     q_blocks = -(-Sq // bs)
     if Sq <= DECODE_MAX_SQ:
         if splits is None:
-            sms = sms if sms is not None else _sm_count(q.device.index or 0)
+            sms = sms if sms is not None else dispatch.sm_count(q.device.index or 0)
         # A group no HB divides, unsplit, mask shared by the batch: B * Hkv batches of one KV head.
         pad = padded_heads(Hq // k.shape[1]) if splits in (None, 1) and m.shape[0] == 1 else None
         views = _one_kv_head_views(q, k, v, o) if pad else None

@@ -105,12 +105,6 @@ def _want(x: torch.Tensor, rows: int, min_block: int = MIN_BLOCK_N) -> tuple:
     return _tile(x.shape[-1], rows <= DECODE_MAX_ROWS and x.dtype in DECODE_TORCH_DTYPES, min_block)
 
 
-@functools.lru_cache(maxsize=None)
-def _wave(device_index: int) -> int:
-    """Blocks in one wave of a device: its multiprocessor count (132 on the H100 and H200)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _mid_want(kind: str, x: torch.Tensor, rows: int, min_block: int) -> tuple | None:
     """The middle tile's constants (``ROWS=MID_ROWS``) for a fused add + norm of ``rows`` rows (a
     prefill of a few hundred tokens) where its block count is nearer one wave than the prefill
@@ -118,7 +112,7 @@ def _mid_want(kind: str, x: torch.Tensor, rows: int, min_block: int) -> tuple | 
     16-bit dtype and a hidden width it is built for; else None."""
     if rows <= DECODE_MAX_ROWS or x.dtype not in DECODE_TORCH_DTYPES:
         return None
-    wave = _wave(x.get_device()) if x.is_cuda else MID_WAVE_BLOCKS
+    wave = dispatch.sm_count(x.get_device()) if x.is_cuda else MID_WAVE_BLOCKS
     return _mid_tile(kind, x.shape[-1], rows, min_block, wave)
 
 
