@@ -410,16 +410,20 @@ def test_strict_mode_raises_instead_of_falling_back(strict):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_matches_eager(strict):
-    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("rows", [64, 512])  # 512: add_rms_norm's middle tile (its quiet first try) in the graph
+def test_cuda_graph_replay_matches_eager(rows, strict):
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
     w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    before = dict(dispatch.stats()["launches"])
     with torch.cuda.stream(stream):  # warm-up: load the modules outside the capture
         cutile_kernels.rms_norm(x, w)
         cutile_kernels.add_rms_norm(x, r, w)
     torch.cuda.current_stream().wait_stream(stream)
+    fused = [v.tag for v in launched_variants(before) if v.kernel == "add_rms_norm"]
+    assert fused == ["bf16.n2048.r4.aligned" if rows == 512 else "bf16.n2048.r1.aligned"]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = cutile_kernels.rms_norm(x, w)
@@ -434,8 +438,9 @@ def test_cuda_graph_replay_matches_eager(strict):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [17, 512])  # 512: the fused add's middle tile
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_torch_compile_matches_eager(mode, strict):
+def test_torch_compile_matches_eager(mode, rows, strict):
     w = torch.randn(1536, device="cuda", dtype=torch.bfloat16)
 
     def fn(x, r):
@@ -444,7 +449,7 @@ def test_torch_compile_matches_eager(mode, strict):
 
     compiled = torch.compile(fn, mode=mode, fullgraph=True)
     for _ in range(3):
-        x = torch.randn(17, 1536, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
         r = torch.randn_like(x)
         got, want = compiled(x, r), fn(x, r)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
