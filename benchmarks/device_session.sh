@@ -3,7 +3,8 @@
 #
 #   tests      the `gpu`-marked tests ($TESTS, default: all of tests/; $TESTS_K a `-k` expression, which
 #              $TESTS cannot carry: it is split at spaces), $TESTS_LIMIT s (default 240)
-#   attention  the attention microbenchmark (dev/microbench/attention_bench.py)
+#   attention  the attention microbenchmark (dev/microbench/attention_bench.py $ATTENTION_ARGS, e.g. --prefill
+#              for the masked prefills only), attention-bench.json
 #   gemv       one-row projections, every built GEMV tile against cuBLAS on the presets' shapes
 #              (dev/microbench/gemv_bench.py); gemv.log holds the table
 #   evaluate   every inventory Solution through `cutile-kernels evaluate --all` (one process):
@@ -27,7 +28,8 @@
 #              (dev/diagnostics/host_profile.py: cProfile, synchronizing calls, $DRIFT prefills GC on/off;
 #              also ours with the opt-in patches $HOSTPROF_INCLUDE)
 #   hostab     the same paths timed against each other in one process, $ROUNDS_AB rounds of one prefill
-#              each in rotating order (host_profile.py --interleave): a drifting host slows all alike;
+#              each in rotating order (host_profile.py --interleave; $HOSTPROF_EXCLUDE adds ours without those
+#              default patches): a drifting host slows all alike;
 #              hostab-$MODEL.log
 #   rank       autokernelize's ranking of $MODEL's uncovered regions on the GPU (default llama-3.2-1b)
 #   score      `autokernelize $MODEL --score $CANDIDATE`: evaluate, then the bench of stock and
@@ -71,7 +73,8 @@ for stage in "$@"; do
       cd "$root" && step tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
           ${TESTS_K:+-k "$TESTS_K"} ${TESTS:-tests} ;;
     attention)
-      cd "$root/dev/microbench" && step attention 100 python3 attention_bench.py --json /tmp/attention-bench.json ;;
+      cd "$root/dev/microbench" && step attention "${ATTENTION_LIMIT:-100}" python3 attention_bench.py \
+          --json "$OUT/attention-bench.json" ${ATTENTION_ARGS:-} ;;
     gemv)
       cd "$root" && step gemv 150 python3 dev/microbench/gemv_bench.py ;;
     evaluate)
@@ -102,7 +105,7 @@ for stage in "$@"; do
           ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
     hostab)
       cd "$root/dev/diagnostics" && step "hostab-${MODEL:-llama-3.2-1b}" 150 python3 host_profile.py "${MODEL:-llama-3.2-1b}" --interleave ${ROUNDS_AB:-60} \
-          ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ;;
+          ${HOSTPROF_INCLUDE:+--include $HOSTPROF_INCLUDE} ${HOSTPROF_EXCLUDE:+--exclude $HOSTPROF_EXCLUDE} ;;
     rank)
       cd /tmp && step rank 90 python3 -m cutile_kernels_tools.cli autokernelize "${MODEL:-llama-3.2-1b}" --top 12 \
           --json /tmp/rank.json ;;

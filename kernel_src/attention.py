@@ -46,6 +46,11 @@ import cuda.tile as ct
 from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, ScalarParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
+#: Classes of a mask tile (attention_mask_tiles_kernel): no key visible, some, all.
+TILE_HIDDEN, TILE_PARTIAL, TILE_FULL = 0, 1, 2
+#: KV tiles of one query block's class row the prefill kernel reads at once for its bounds
+#: (16384 keys at 64 a tile); past that it visits every KV tile and reads each one's class.
+TILE_ROW = 256
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 NEG_INF = -math.inf
 
@@ -85,10 +90,12 @@ def _tail_rows_zeroed(vt, j, skv, BN: ct.Constant[int]):
 
 
 @ct.function
-def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, has_len, causal,
-            D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
+def _attend(q, k, v, mask, tiles, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, has_tiles, has_len,
+            causal, D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
     """Online softmax over KV tiles [j_lo, j_hi) of the first ``skv`` keys, for one (batch, head
-    block, query block).
+    block, query block). With ``has_tiles`` the mask's classes of this query block's KV tiles
+    (:func:`attention_mask_tiles_kernel`) say which tiles to skip (hidden), which to run without
+    reading the mask (full) and which need it (partial).
 
     Returns the unnormalised float32 accumulator (M, D), the running max (M, 1) in log2 units
     (-inf for a row that saw no visible key) and the running sum (M, 1), M = HB * BS.
@@ -113,7 +120,14 @@ def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, h
         # cache slots) is skipped: exact for any mask, and it restores causal block skipping.
         mt = ct.full((1, BS, BN), 1, dtype=ct.int8)
         live = has_mask == 0
-        if has_mask != 0:
+        partial = has_mask != 0
+        if has_tiles != 0:  # one byte says what the tile's mask holds: no mask read for a full tile
+            cls = ct.gather(tiles, (mb, qb, j))
+            live = cls != TILE_HIDDEN
+            partial = cls == TILE_PARTIAL
+            if partial:
+                mt = ct.load(mask, index=(mb, qb, j), shape=(1, BS, BN), padding_mode=ZERO)
+        elif has_mask != 0:
             mt = ct.load(mask, index=(mb, qb, j), shape=(1, BS, BN), padding_mode=ZERO)
             live = ct.max(mt) != 0
         if live:
@@ -125,7 +139,7 @@ def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, h
                 s = s * qk_scale
             # Element masks only on tiles that need them: the KV end, the causal diagonal, the
             # window's lower edge, or a mask tensor. Interior tiles of a prefill skip the work.
-            edge = (has_mask != 0) | ((j + 1) * BN > skv)
+            edge = partial | ((j + 1) * BN > skv)
             if causal != 0:
                 edge = edge | ((j + 1) * BN - 1 > first_pos)
             if window > 0:
@@ -133,7 +147,7 @@ def _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, h
             if edge:
                 kidx = j * BN + cols
                 valid = ct.broadcast_to(kidx < skv, (M, BN))
-                if has_mask != 0:
+                if partial:
                     valid = valid & (ct.reshape(ct.broadcast_to(mt, (HB, BS, BN)), (M, BN)) != 0)
                 if causal != 0:
                     valid = valid & (kidx <= pos)
@@ -174,16 +188,6 @@ def attention_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap:
                      has_len, causal, num_splits, D, HB, BS, BN)
 
 
-@ct.kernel
-def _attention_full_length(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
-                           has_mask: int, has_len: int, causal: int, num_splits: int,
-                           D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
-    """attention_kernel over all of k (kv_len and has_len are not read): the prefill tiles, whose
-    code then is what it was before kv_len existed (the host passes kv_len to decode tiles only)."""
-    _attention_block(q, k, v, mask, o, part, lse, k.shape[2], scale, softcap, window, has_mask, 0, causal,
-                     num_splits, D, HB, BS, BN)
-
-
 @ct.function
 def _attention_block(q, k, v, mask, o, part, lse, skv, scale, softcap, window, has_mask, has_len, causal,
                      num_splits, D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int],
@@ -199,8 +203,8 @@ def _attention_block(q, k, v, mask, o, part, lse, skv, scale, softcap, window, h
         per = ct.cdiv(j_hi - j_lo, num_splits)
         j_lo = ct.minimum(j_lo + split * per, j_hi)
         j_hi = ct.minimum(j_lo + per, j_hi)
-    acc, m_i, l_i = _attend(q, k, v, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, has_len,
-                            causal, D, HB, BS, BN)
+    acc, m_i, l_i = _attend(q, k, v, mask, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, 0,
+                            has_len, causal, D, HB, BS, BN)
     out = acc / ct.where(l_i == 0.0, 1.0, l_i)
     if num_splits > 1:
         lse_rows = ct.where(l_i == 0.0, NEG_INF, m_i + ct.log2(ct.where(l_i == 0.0, 1.0, l_i)))
@@ -211,9 +215,63 @@ def _attention_block(q, k, v, mask, o, part, lse, skv, scale, softcap, window, h
         ct.store(o, index=(b, hb, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, HB, BS, D)))
 
 
+@ct.kernel
+def _attention_prefill(q, k, v, mask, tiles, o, scale: float, softcap: float, window: int, has_mask: int,
+                       has_tiles: int, causal: int, D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int],
+                       BN: ct.Constant[int]):
+    """Attention forward over all of k for one (query block, batch x head block): the prefill tiles.
+
+    Arguments as attention_kernel's (no KV length, no split), and tiles: with has_tiles (which
+    needs has_mask), the ``(MB, cdiv(Sq, BS), cdiv(Skv, BN))`` int8 classes
+    :func:`attention_mask_tiles_kernel` wrote for this mask and these tiles. The block then runs
+    only from the first to the last KV tile the mask leaves visible to its rows (where the KV
+    tiles number at most ``TILE_ROW``), reads the mask only on partial tiles and skips hidden
+    ones without a read. Grid: (cdiv(Sq, BS), B * cdiv(Hq, HB)).
+    """
+    qb = ct.bid(0)
+    nhb = ct.cdiv(q.shape[1], HB)
+    b = ct.bid(1) // nhb
+    hb = ct.bid(1) % nhb
+    skv = k.shape[2]
+    j_lo, j_hi = _kv_tile_range(qb, q.shape[2], skv, causal, window, BS, BN)
+    if has_tiles != 0:
+        if ct.cdiv(skv, BN) <= TILE_ROW:
+            row = ct.load(tiles, index=(b % tiles.shape[0], qb, 0), shape=(1, 1, TILE_ROW), padding_mode=ZERO)
+            idx = ct.reshape(ct.arange(TILE_ROW, dtype=ct.int32), (1, 1, TILE_ROW))
+            j_lo = ct.maximum(j_lo, ct.min(ct.where(row != TILE_HIDDEN, idx, TILE_ROW)))
+            j_hi = ct.minimum(j_hi, ct.max(ct.where(row != TILE_HIDDEN, idx + 1, 0)))
+    acc, m_i, l_i = _attend(q, k, v, mask, tiles, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask,
+                            has_tiles, 0, causal, D, HB, BS, BN)
+    out = acc / ct.where(l_i == 0.0, 1.0, l_i)
+    ct.store(o, index=(b, hb, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, HB, BS, D)))
+
+
 #: The prefill tiles (128 query rows) on sm_90 take two warpgroups, one per 64-row wgmma; with one,
 #: head_dim 256 does not compile (tileiras 13.4). Elsewhere the default (4 warps) compiles them all.
-attention_prefill_kernel = _attention_full_length.replace_hints(num_worker_warps=ct.ByTarget(sm_90=8, default=4))
+attention_prefill_kernel = _attention_prefill.replace_hints(num_worker_warps=ct.ByTarget(sm_90=8, default=4))
+
+
+@ct.kernel
+def attention_mask_tiles_kernel(mask, tiles, BS: ct.Constant[int], BN: ct.Constant[int]):
+    """Classify one (BS query rows x BN keys) tile of a boolean mask for the prefill tiles.
+
+    mask: ``(MB, Sq, Skv)`` int8 (0 hides a key); tiles: ``(MB, cdiv(Sq, BS), cdiv(Skv, BN))``
+    int8, written at this block's tile: ``TILE_HIDDEN`` when no element inside the mask's bounds
+    is visible, ``TILE_FULL`` when all are, else ``TILE_PARTIAL``. Elements past Sq or Skv count
+    for neither (the attention masks the KV end itself and stores no row past Sq).
+    Grid: (cdiv(Skv, BN), cdiv(Sq, BS), MB).
+    """
+    j = ct.bid(0)
+    qb = ct.bid(1)
+    mb = ct.bid(2)
+    mt = ct.load(mask, index=(mb, qb, j), shape=(1, BS, BN), padding_mode=ZERO)
+    rows = ct.reshape(qb * BS + ct.arange(BS, dtype=ct.int32), (1, BS, 1))
+    cols = ct.reshape(j * BN + ct.arange(BN, dtype=ct.int32), (1, 1, BN))
+    inside = (rows < mask.shape[1]) & (cols < mask.shape[2])
+    seen = ct.max(ct.where(inside & (mt != 0), 1, 0))
+    hidden = ct.max(ct.where(inside & (mt == 0), 1, 0))
+    cls = ct.where(seen == 0, TILE_HIDDEN, ct.where(hidden == 0, TILE_FULL, TILE_PARTIAL))
+    ct.store(tiles, index=(mb, qb, j), tile=ct.reshape(cls.astype(ct.int8), (1, 1, 1)))
 
 
 @ct.kernel
@@ -287,6 +345,22 @@ def _attention_params(dtype: str, consts: dict) -> tuple:
     ] + [ConstParam(n, val) for n, val in consts.items()])
 
 
+def _prefill_params(dtype: str, consts: dict) -> tuple:
+    qkv = [array(n, dtype, 4, "aligned") for n in ("q", "k", "v")]
+    return tuple(qkv + [
+        ArrayParam("mask", "int8", 3),                # any strides and length
+        ArrayParam("tiles", "int8", 3),               # the mask's tile classes: any length
+        array("o", dtype, 4, "aligned"),
+        ScalarParam("scale", "float32"), ScalarParam("softcap", "float32"), ScalarParam("window", "int32"),
+        ScalarParam("has_mask", "int32"), ScalarParam("has_tiles", "int32"), ScalarParam("causal", "int32"),
+    ] + [ConstParam(n, val) for n, val in consts.items()])
+
+
+def _mask_tiles_params(consts: dict) -> tuple:
+    return (ArrayParam("mask", "int8", 3), ArrayParam("tiles", "int8", 3)) + tuple(
+        ConstParam(n, val) for n, val in consts.items())
+
+
 def _combine_params(dtype: str, consts: dict) -> tuple:
     return (array("part", "float32", 4, "aligned"), ArrayParam("lse", "float32", 3), array("o", dtype, 4, "aligned"),
             ScalarParam("num_splits", "int32")) + tuple(ConstParam(n, val) for n, val in consts.items())
@@ -302,11 +376,15 @@ def _matrix() -> list[VariantSpec]:
                         for bn in sorted({DECODE_BN[dp], DECODE_BN_LONG[dp]})]
             for (hb, bs, bn), function in configs:
                 consts = {"D": dp, "HB": hb, "BS": bs, "BN": bn}
-                specs.append(VariantSpec("attention", "attention", function,
-                                         f"{d}.d{dp}.h{hb}.m{bs}.n{bn}", _attention_params(dtype, consts)))
+                params = (_prefill_params if function == "attention_prefill_kernel" else _attention_params)(dtype, consts)
+                specs.append(VariantSpec("attention", "attention", function, f"{d}.d{dp}.h{hb}.m{bs}.n{bn}", params))
             consts = {"D": dp, "BS": COMBINE_BS}
             specs.append(VariantSpec("attention_combine", "attention", "attention_combine_kernel",
                                      f"{d}.d{dp}.m{COMBINE_BS}", _combine_params(dtype, consts)))
+    for bs, bn in sorted({PREFILL[dp][1:] for dp in HEAD_DIMS}):  # one per prefill tile shape: int8 masks
+        consts = {"BS": bs, "BN": bn}
+        specs.append(VariantSpec("attention_mask_tiles", "attention", "attention_mask_tiles_kernel",
+                                 f"i8.m{bs}.n{bn}", _mask_tiles_params(consts)))
     return specs
 
 

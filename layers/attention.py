@@ -14,9 +14,12 @@ builds exactly the masks ``"sdpa"`` would:
   declared route (:func:`route`). Ours: decode (``Sq <= DECODE_MAX_SQ``) over a static cache
   (``cutile_kv_len``: only the filled slots are read; or sdpa's boolean mask, whose hidden tiles
   are skipped, where sdpa expands the mask and reads every slot: 3-36x, H200 2026-12-02b call 4),
-  decode of a padded batch (a boolean mask), and every call with a logit softcap (sdpa has none).
+  decode of a padded batch (a boolean mask), prefill with a boolean mask at head dims 64 and 256
+  (patch ``masked_prefill_attention``: the mask's tiles classified first, 1.1-3x sdpa's masked
+  kernel, H100 2026-12-05), and every call with a logit softcap (sdpa has none).
   sdpa's (cuDNN / flash, 2-5x our prefill kernel and 1.2-2.5x our decode kernel over an unmasked
-  DynamicCache): prefill (``Sq > DECODE_MAX_SQ``), unmasked decode without a filled length, every
+  DynamicCache): unmasked prefill (``Sq > DECODE_MAX_SQ``), masked prefill at head dim 128, unmasked
+  decode without a filled length, every
   call off the GPU or in a dtype or head dim the kernel has no variant for, and what the kernel does
   not take (dropout, additive masks, ``position_bias``), sdpa's arguments passed as they came.
 * ``"cutile_kernel"`` (:func:`cutile_kernel_attention_forward`): the kernel on every call it can
@@ -33,7 +36,8 @@ How transformers' arguments map onto the kernel (``ops.attention``), mirroring
   ``sliding_window`` is applied (a no-op whenever ``sdpa_mask`` skipped the mask).
 * a boolean ``(B or 1, 1, Sq, Skv)`` mask (padding, sliding window, static-cache slots not yet
   filled, packed sequences): the mask alone decides, as in sdpa; the kernel skips KV tiles the
-  mask hides entirely (so a causal mask still skips the upper triangle).
+  mask hides entirely (so a causal mask still skips the upper triangle), and at prefill reads no
+  mask on tiles it shows entirely (``ops.attention.launches``: its tiles classified first).
 * ``cutile_kv_len`` (passed by our reproduced attention forwards, ``_direct.attend``, for a
   ``StaticLayer`` of a static cache: its ``cumulative_length`` after the update): the kernel reads
   only the filled slots, the count read on the device (so a replayed CUDA graph follows it), and
@@ -53,7 +57,8 @@ import sys
 import torch
 
 from .. import dispatch
-from ..ops.attention import DECODE_MAX_SQ, HEAD_DIMS, KERNEL_DTYPES, attention, prepare, visible_mask
+from ..ops.attention import (DECODE_MAX_SQ, HEAD_DIMS, KERNEL_DTYPES, attention, padded_head_dim, prepare,
+                             visible_mask)
 from ._pins import Pin, holds, register
 
 logger = logging.getLogger("cutile_kernels")
@@ -177,32 +182,51 @@ def _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs) -
     return reason
 
 
+#: Attribute (in an attention module's ``__dict__``) set by patch ``masked_prefill_attention``:
+#: :func:`route` takes that module's masked prefills to the kernel.
+MASKED_PREFILL = "_cutile_masked_prefill"
+
+
 def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: float | None,
-          cutile_kv_len: torch.Tensor | None) -> bool:
+          cutile_kv_len: torch.Tensor | None, masked_prefill: bool = False) -> bool:
     """Whether ``"cutile"`` gives a call the kernel takes to the kernel (True) or to transformers'
     sdpa (False), by the H200 measurements in the module docstring: the kernel for a logit softcap
-    (sdpa has none) and for decode (``query`` ``(B, H, Sq, D)`` with ``Sq <= DECODE_MAX_SQ``) with a
-    boolean mask or a static cache's filled length; sdpa for prefill and unmasked decode over a
-    DynamicCache; sdpa for every call off the GPU (where the op would compute its reference: a
-    CPU model keeps stock's exact numbers) or in a dtype or head dim the kernel has no variant for
-    (float32, head_dim > 256), but a softcap's. A windowed prefill stays on sdpa too: on the boolean
-    mask alone the kernel took 175-233 us against sdpa's 132 (Gemma-3-1B 1 x 2048, window 512, H200
-    2026-12-05, dev/sweeps/attention_sweep.py); only with causal/window bounds was it faster, and
-    those would change a caller's own 4D mask, which transformers passes through as given. Device,
-    dtype, shapes and None-ness only: under torch.compile it is decided at trace time."""
+    (sdpa has none), for decode (``query`` ``(B, H, Sq, D)`` with ``Sq <= DECODE_MAX_SQ``) with a
+    boolean mask or a static cache's filled length, and (``masked_prefill``: the module's patch
+    ``masked_prefill_attention``) for a prefill with a boolean mask (padding, a sliding window),
+    whose tiles the kernel classifies first; sdpa for unmasked prefill (cuDNN's flash kernel, 2-3x
+    ours) and unmasked decode over a DynamicCache; sdpa for every call off the GPU (where the op
+    would compute its reference: a CPU model keeps stock's exact numbers) or in a dtype or head dim
+    the kernel has no variant for (float32, head_dim > 256), but a softcap's. Device, dtype, shapes
+    and None-ness only: under torch.compile it is decided at trace time."""
     if softcap:
         return True
     if (query.device.type not in _KERNEL_DEVICES or query.dtype not in KERNEL_DTYPES
             or query.shape[3] > HEAD_DIMS[-1]):
         return False
-    return query.shape[2] <= DECODE_MAX_SQ and (attention_mask is not None or cutile_kv_len is not None)
+    if query.shape[2] > DECODE_MAX_SQ:
+        return (masked_prefill and attention_mask is not None
+                and padded_head_dim(query.shape[3]) in MASKED_PREFILL_HEAD_DIMS)
+    return attention_mask is not None or cutile_kv_len is not None
+
+
+#: Padded head dims (``ops.attention.padded_head_dim``) whose masked prefill (a boolean mask, its
+#: tiles classified first) runs on the kernel under ``"cutile"`` and patch
+#: ``masked_prefill_attention``: where it beat sdpa's masked kernel (H100, 2026-12-05,
+#: ``dev/microbench/attention_bench.py --prefill``, us a call in CUDA graphs, ours / sdpa's). Head dim
+#: 256 (Gemma-3-1B's layout): 1 x 2048 with a window of 512 44.1 / 132.3, a causal mask 99.8 / 131.9,
+#: 1 x 512 33.5 / 41.0, 4 x 1024 left-padded 70.1 / 90.2; head dim 64 (Llama-3.2-1B's): 124.9 / 174.7,
+#: 159.8 / 176.5, a tie at 512 (28.1 / 27.8), 158.4 / 204.3. Head dim 128 (Qwen3-0.6B's) lost every
+#: case (e.g. a causal mask at 2048 313.8 / 151.6): sdpa keeps it.
+MASKED_PREFILL_HEAD_DIMS = frozenset({64, 256})
 
 
 def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
             cutile_kv_len, routed: bool, kwargs: dict) -> tuple[torch.Tensor, None]:
     reason = _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs)
     sdpa_takes = not softcap and not any(kwargs.get(k) is not None for k in _SINK_KWARGS)
-    if routed and sdpa_takes and (reason is not None or not route(query, attention_mask, softcap, cutile_kv_len)):
+    if routed and sdpa_takes and (reason is not None or not route(query, attention_mask, softcap, cutile_kv_len,
+                                                                  getattr(module, MASKED_PREFILL, False))):
         if reason is not None:
             _announce(f"{reason}; transformers' sdpa attends")
         return _SDPA(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

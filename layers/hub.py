@@ -205,10 +205,9 @@ def _names(arg, what: str, known: set) -> tuple:
 #: Opt-in patches that ``decode_graphs=True`` applies too (unless excluded): measured on the decode
 #: fast path by the end-to-end bench (H200; docs/results.md). Stacked q/k/v: Llama-3.2-1B and
 #: Qwen3-0.6B decode +10 % and +19 % at batch 1 (2026-12-02; its cost: Qwen3's eager prefill 15 %
-#: slower). Gemma's three (fewer launches a layer, which a replayed graph pays and a host-paced
-#: eager step hides): Gemma-3-1B decode +9 % at batch 1 and +8 % at 16 (2026-12-03). (OLMo 2's two
-#: fused patches, measured on both paths, are defaults.)
-DECODE_GRAPH_PATCHES = ("fused_qkv", "gemma_add_norm", "gemma3_qk_norm_rope", "fused_gate_up_geglu")
+#: slower). (Gemma's three, accepted here on 2026-12-03, and OLMo 2's two fused patches, measured on
+#: both paths, are defaults.)
+DECODE_GRAPH_PATCHES = ("fused_qkv",)
 
 
 def kernel_config(build_dir=None, exclude=(), include=(), decode_graphs: bool = False) -> KernelConfig:

@@ -287,7 +287,8 @@ MAPPING = {"SiLU": "CutileSiLU"}
 #: This module's patch row (gathered by ``layers/_registry.py``, after the decoder patch).
 PATCH_ROWS = [Patch("fused_gate_up", apply=fuse_mlp, undo=unfuse_mlp,
                     description="gate_proj and up_proj of each SwiGLU MLP as one GEMM, then our silu_and_mul"),
-              # Opt-in until the H200 bench accepts it (Gemma; estimate: ceiling ~1.02-1.04 for eager decode).
-              Patch("fused_gate_up_geglu", apply=fuse_geglu_mlp, undo=unfuse_geglu_mlp, default=False,
+              # Default since the same-run A/B of 2026-12-05 (Gemma-3-1B, with Gemma's gemma_add_norm and
+              # gemma3_qk_norm_rope: layers/models/gemma.py; estimate before: ceiling ~1.02-1.04 for eager decode).
+              Patch("fused_gate_up_geglu", apply=fuse_geglu_mlp, undo=unfuse_geglu_mlp,
                     description="gate_proj and up_proj of each GeGLU MLP (Gemma) as one GEMM, then our "
                                 "gelu_tanh_and_mul")]

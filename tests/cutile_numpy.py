@@ -79,7 +79,7 @@ def _spans(arr, index, shape):
         lo = int(i) * s
         if lo < 0 or lo >= n:
             raise UndefinedBehaviour(f"tile {index} x {shape} lies entirely outside an array of shape {arr.shape}")
-        hi = min(lo + s, n)
+        hi = np.minimum(lo + s, n)
         src.append(slice(lo, hi))
         dst.append(slice(0, hi - lo))
     return tuple(src), tuple(dst)
@@ -191,6 +191,10 @@ def minimum(x, y, propagate_nan=False, **_):
 
 def max(x, axis=None, keepdims=False, **_):  # noqa: A001 - the cuTile name
     return np.max(x, axis=axis, keepdims=keepdims)
+
+
+def min(x, axis=None, keepdims=False, **_):  # noqa: A001 - the cuTile name
+    return np.min(x, axis=axis, keepdims=keepdims)
 
 
 def sum(x, axis=None, keepdims=False, **_):  # noqa: A001 - the cuTile name

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import importlib
+import itertools
 import math
 import types
 
@@ -75,12 +76,19 @@ def emulated_attention(q, k, v, mask=None, scale=None, causal=True, window=None,
     out = torch.full((B, Sq, Hq, D), float("nan"), dtype=q.dtype)
     plan = attn_ops.launches(q, k, v, mask, out, scale, causal, window, softcap, splits, sms=sms, kv_len=kv_len)
     assert not isinstance(plan, str), plan
-    for kernel, want, args, _n, grid in plan:
-        (spec,) = {s.function: s for s in kattn.VARIANTS  # the bf16 and fp16 variants run the same code
-                   if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
-        run = emulate(getattr(kattn, spec.function), kattn)
-        run(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
+    for step in plan:
+        run_launch(step)
     return out.transpose(1, 2), [p[0] for p in plan]
+
+
+def run_launch(step) -> dict:
+    """Run one ``launches`` step ``(kernel, want, args, n_inputs, grid)`` in the NumPy interpreter;
+    returns the variant's constants."""
+    kernel, want, args, _n, grid = step
+    (spec,) = {s.function: s for s in kattn.VARIANTS  # the bf16 and fp16 variants run the same code
+               if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
+    emulate(getattr(kattn, spec.function), kattn)(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
+    return spec.constants
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,7 +230,97 @@ def test_emulated_kernel_with_transformers_masks(kind):
     got, kernels = emulated_attention(q, k, v, m, 0.125, causal=False, splits=splits)
     want = cutile_kernels.attention_reference(q, k, v, m, 0.125, False)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert len(kernels) == (2 if splits > 1 else 1)
+    prefill = Sq > attn_ops.DECODE_MAX_SQ
+    assert kernels == (["attention", "attention_combine"] if splits > 1
+                       else ["attention_mask_tiles", "attention"] if prefill else ["attention"])
+
+
+def mask_tile_classes(m: torch.Tensor, BS: int, BN: int) -> torch.Tensor:
+    """What attention_mask_tiles writes for a kernel mask ``(MB, Sq, Skv)``: per (query block, KV
+    tile) 0 when nothing inside the mask is visible, 2 when all is, else 1."""
+    MB, Sq, Skv = m.shape
+    out = torch.empty(MB, -(-Sq // BS), -(-Skv // BN), dtype=torch.int8)
+    for mb, qb, j in itertools.product(*map(range, out.shape)):
+        sub = m[mb, qb * BS:(qb + 1) * BS, j * BN:(j + 1) * BN] != 0
+        out[mb, qb, j] = 0 if not sub.any() else 2 if sub.all() else 1
+    return out
+
+
+def _holes(B, Sq, Skv, seed=0):
+    """A mask no causal or window rule makes: random holes, a query row that sees nothing, a band
+    of keys hidden from every query, a tile-sized block fully visible."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(B, 1, Sq, Skv, generator=g) < 0.6
+    m[:, :, 5] = False
+    m[:, :, :, 64:128] = False
+    m[:, :, 128:, 128:256] = True
+    return m
+
+
+#: (B, Hq, Hkv, Sq, Skv, D, mask kind, shared by the batch)
+MASK_TILE_CASES = [
+    (2, 4, 2, 300, 300, 64, "window 70 + padding", False),     # BS 128, the window's lower edge inside tiles
+    (1, 4, 1, 200, 333, 256, "window 100 over a cache", True),  # BS 64: Gemma 3's head layout, a ragged last tile
+    (2, 2, 2, 270, 290, 64, "holes", False),
+    (3, 2, 1, 150, 150, 128, "holes", True),                    # one mask for the batch (MB = 1)
+    (1, 2, 1, 17, 200, 64, "padding", False),                   # the shortest prefill: one query block
+]
+
+
+@pytest.mark.parametrize("case", MASK_TILE_CASES, ids=lambda c: f"{c[6]}-d{c[5]}-B{c[0]}" + ("-shared" if c[7] else ""))
+@pytest.mark.parametrize("row", [None, 2], ids=["bounds", "no-bounds"])
+def test_masked_prefill_classifies_mask_tiles(case, row, monkeypatch):
+    """A masked prefill: the classes match the mask tile by tile, and the attention that skips
+    hidden tiles, reads no mask on full ones and (``row``: TILE_ROW shrunk below the KV tiles, so
+    the kernel visits every tile and reads each class) bounds its loop by them matches the
+    reference."""
+    B, Hq, Hkv, Sq, Skv, D, kind, shared = case
+    if row is not None:
+        monkeypatch.setattr(kattn, "TILE_ROW", row)
+    MB = 1 if shared else B
+    if kind.startswith("window"):
+        pad = left_padding(MB, Skv, [0, 9, 40][:MB]) if "padding" in kind else None
+        m = hf_mask(MB, Sq, Skv, Skv - Sq, pad, window=int(kind.split()[1]))
+    elif kind == "padding":
+        m = hf_mask(MB, Sq, Skv, Skv - Sq, left_padding(MB, Skv, [70]))
+    else:
+        m = _holes(MB, Sq, Skv)
+    if shared:
+        m = m.expand(B, 1, Sq, Skv)
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    got, kernels = emulated_attention(q, k, v, m, 0.11, causal=False)
+    assert kernels == ["attention_mask_tiles", "attention"]
+    torch.testing.assert_close(got, cutile_kernels.attention_reference(q, k, v, m, 0.11, False), rtol=1e-4, atol=1e-4)
+    # The classes themselves, from the first launch alone.
+    out = torch.empty(B, Sq, Hq, D, dtype=q.dtype)
+    first = attn_ops.launches(q, k, v, m, out, 0.11, False)[0]
+    args = first[2]
+    args[1].fill_(-1)  # poisoned: every class must be written
+    consts = run_launch(first)
+    want_classes = mask_tile_classes(attn_ops.kernel_mask(m), consts["BS"], consts["BN"])
+    assert torch.equal(args[1], want_classes)
+    if kind == "holes":
+        assert set(want_classes.unique().tolist()) == {0, 1, 2}
+
+
+def test_masked_prefill_trusts_the_classes():
+    """The attention reads a full tile's class instead of its mask: mark a partial tile full and
+    the hidden keys in it count (so the classes are what decides, and a full tile costs no mask
+    read)."""
+    B, Hq, Hkv, Sq, Skv, D = 1, 2, 1, 40, 64, 64
+    m = hf_mask(B, Sq, Skv, Skv - Sq)  # causal over a cache: the one KV tile is partial
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    out = torch.full((B, Sq, Hq, D), float("nan"), dtype=q.dtype)
+    tiles, attn = attn_ops.launches(q, k, v, m, out, 0.2, False)
+    run_launch(tiles)
+    assert tiles[2][1].tolist() == [[[1]]]
+    run_launch(attn)
+    causal = out.transpose(1, 2).clone()
+    tiles[2][1].fill_(2)
+    run_launch(attn)
+    torch.testing.assert_close(causal, cutile_kernels.attention_reference(q, k, v, m, 0.2, False), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.transpose(1, 2), cutile_kernels.attention_reference(q, k, v, None, 0.2, False),
+                               rtol=1e-4, atol=1e-4)
 
 
 #: (B, Hq, Hkv, Sq, Skv, kv_len, D, extra): a static cache of Skv slots holding kv_len keys.
@@ -1366,8 +1464,10 @@ def test_prefill_sweep_candidate_matches_reference(lat, rev, fma, case):
     B, Hq, Hkv, Sq, Skv, D, (hb, bs, bn), extra = case
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, scale=extra.get("scale", 1.0))
     kw = {"causal": extra.get("causal", True), "window": extra.get("window"), "softcap": extra.get("softcap")}
+    from dev.sweeps.attention_sweep import candidate_args
+
     out = torch.full((B, Sq, Hq, D), float("nan"), dtype=q.dtype)
-    (_, _, args, _, _), = attn_ops.launches(q, k, v, None, out, 0.17, splits=1, **kw)
+    args = candidate_args(attn_ops, q, k, v, None, out, 0.17, **kw)
     dp = attn_ops.tiles_for(D, Sq, Hq // Hkv)[0]  # the padded head dim
     emulate(attention_variants.attention_pf2_kernel, attention_variants)(
         (-(-Sq // bs), B * Hq // hb, 1), tuple(args) + (dp, hb, bs, bn, lat, rev, fma))

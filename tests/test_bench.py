@@ -375,9 +375,10 @@ def test_path_specs_and_the_without_form(capsys):
         paths.spec("cutile+fused_gate_up")  # already in cutile
     c = paths.spec("cutile-compile~decoder_add_rms_norm")  # the compiled path takes both forms too
     assert c.compile and c.ours and c.exclude == ("decoder_add_rms_norm",)
-    assert paths.spec("cutile-compile+gemma_add_norm").compile and not paths.spec("cutile+gemma_add_norm").compile
+    assert paths.spec("cutile-compile+rope_cos_sin").compile and not paths.spec("cutile+rope_cos_sin").compile
     assert paths.spec("cutile-compile~rotary_pos_emb~fused_gate_up").exclude == ("rotary_pos_emb", "fused_gate_up")
-    assert paths.spec("cutile+fused_gate_up_geglu+gemma_add_norm").include == ("fused_gate_up_geglu", "gemma_add_norm")
+    assert paths.spec("cutile+rope_cos_sin+fused_qkv").include == ("rope_cos_sin", "fused_qkv")
+    assert paths.spec("cutile~fused_gate_up_geglu~gemma_add_norm").exclude == ("fused_gate_up_geglu", "gemma_add_norm")
     g = paths.spec("cutile-graphs~fused_gate_up")  # the decode fast path keeps its attention and graphs
     assert g.graphs and g.attn == "cutile" and g.ours and not g.compile and g.exclude == ("fused_gate_up",)
     assert paths.spec("stock-graphs").graphs and not paths.spec("stock-graphs").ours
@@ -419,20 +420,21 @@ def test_round_ratios_pair_rounds_and_refuse_mixed_runs():
 
 
 def test_an_opt_in_patch_that_changes_nothing_is_said(capsys, monkeypatch):
-    # cutile+gemma_add_norm on a Llama model measures the cutile model again: the report says so.
+    # cutile+rope_cos_sin on an OLMo 2 model (its own rotary code) measures the cutile model again: the
+    # report says so.
     import families
     from cutile_kernels_tools.bench import paths
     from cutile_kernels_tools.bench.worker import inert_patches
 
     import cutile_kernels
 
-    spec = paths.spec("cutile+gemma_add_norm")
-    llama, gemma3 = families.model("llama"), families.model("gemma3_text")
-    for m in (llama, gemma3):
-        cutile_kernels.patch(m, names=["gemma_add_norm"])
-    assert inert_patches(llama, spec, "cuda") == ["gemma_add_norm"]
-    assert inert_patches(gemma3, spec, "cuda") == [] and inert_patches(llama, spec, "cpu") == []
-    assert inert_patches(llama, paths.spec("cutile"), "cuda") == []
+    spec = paths.spec("cutile+rope_cos_sin")
+    olmo2, llama = families.model("olmo2"), families.model("llama")
+    for m in (olmo2, llama):
+        cutile_kernels.patch(m, names=["rope_cos_sin"])
+    assert inert_patches(olmo2, spec, "cuda") == ["rope_cos_sin"]
+    assert inert_patches(llama, spec, "cuda") == [] and inert_patches(olmo2, spec, "cpu") == []
+    assert inert_patches(olmo2, paths.spec("cutile"), "cuda") == []
     # An opt-in hub layer the model has no function of (Qwen3.5's chunked delta rule on Llama, as
     # when it was opt-in; none is today).
     monkeypatch.setattr(cutile_kernels.layers, "OPT_IN_LAYERS", {"chunk_gated_delta_rule"})
@@ -440,10 +442,10 @@ def test_an_opt_in_patch_that_changes_nothing_is_said(capsys, monkeypatch):
     assert inert_patches(llama, hub, "cuda") == ["chunk_gated_delta_rule"]
     assert inert_patches(families.model("qwen3_5_text"), hub, "cuda") == []
     report = json.loads((ROOT / "benchmarks/results/h200-2026-12-01/call4/bench-llama-3.2-1b/bench.json").read_text())
-    report["paths"]["cutile+gemma_add_norm"] = dict(report["paths"]["cutile"], inert_patches=["gemma_add_norm"])
+    report["paths"]["cutile+rope_cos_sin"] = dict(report["paths"]["cutile"], inert_patches=["rope_cos_sin"])
     bench.print_report(report)
     said = " ".join(capsys.readouterr().out.split())
-    assert "cutile+gemma_add_norm: gemma_add_norm changed nothing in this model" in said
+    assert "cutile+rope_cos_sin: rope_cos_sin changed nothing in this model" in said
 
 
 def test_only_the_fla_path_sees_flash_linear_attention(tmp_path, monkeypatch):

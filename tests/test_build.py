@@ -326,8 +326,9 @@ def test_matrix_order_and_tags():
     # Families built for one layout only (attention: TMA tiles, bf16/fp16) carry no layout suffix.
     for kernel in {s.kernel for s in specs}:
         dtypes = {s.tag.split(".", 1)[0] for s in specs if s.kernel == kernel}
-        # A dtype tag, "c32" after it where another operand is float32 (rope's OLMo 2 variants: cos/sin).
-        assert dtypes and {d.removesuffix("c32") for d in dtypes} <= {"bf16", "fp16", "fp32"}, (kernel, dtypes)
+        # A dtype tag, "c32" after it where another operand is float32 (rope's OLMo 2 variants: cos/sin);
+        # "i8" for a kernel of int8 arrays only (attention_mask_tiles: a boolean mask's bytes).
+        assert dtypes and {d.removesuffix("c32") for d in dtypes} <= {"bf16", "fp16", "fp32", "i8"}, (kernel, dtypes)
         suffixes = {s.tag.rsplit(".", 1)[1] for s in specs if s.kernel == kernel}
         if not suffixes <= {"aligned", "generic"}:
             assert not suffixes & {"aligned", "generic"}, kernel  # all or nothing

@@ -46,9 +46,12 @@ FAMILY_OPS = {
     "qwen3": {"rms_norm", "add_rms_norm", "qk_norm_rope", "silu_and_mul_fused"},
     "granite": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},  # branch times residual_multiplier, then our add
     "smollm3": {"rms_norm", "add_rms_norm", "rope", "silu_and_mul_fused"},
-    "gemma": {"rms_norm_gemma", "rope"},  # (1 + weight) norms; GeGLU is opt-in
-    "gemma3_text": {"rms_norm_gemma", "rope"},
-    "gemma2": {"rms_norm_gemma", "rope", "attention"},  # no sdpa path: patch gemma2_attention runs ours
+    "gemma": {"rms_norm_gemma", "rope", "gelu_tanh_and_mul_fused"},  # (1 + weight) norms, GeGLU on fused gate/up
+    # the attention residual add fused into the next norm (gemma_add_norm), q/k norms + RoPE in one
+    # launch (gemma3_qk_norm_rope)
+    "gemma3_text": {"rms_norm_gemma", "add_rms_norm_gemma", "qk_norm_rope_gemma", "gelu_tanh_and_mul_fused"},
+    # no sdpa path: patch gemma2_attention runs ours
+    "gemma2": {"rms_norm_gemma", "add_rms_norm_gemma", "rope", "gelu_tanh_and_mul_fused", "attention"},
     "phi3": {"add_rms_norm", "rms_norm", "rope", "silu_and_mul"},  # Llama-code norms and adds; phi3_rope; phi3_mlp
     # float32-order norms (offset 0): the final one alone, the post-norms with their adds, the q/k
     # norms with the float32-cos RoPE
@@ -61,6 +64,9 @@ FAMILY_OPS = {
     "qwen3_5_text": {"rms_norm_gemma", "add_rms_norm_gemma", "silu_and_mul_fused", "rms_norm_gated",
                      "gated_delta_gates", "qk_norm_rope_gemma", "sigmoid_and_mul"},
 }
+#: Families whose sliding layers get a boolean mask at this prefill (20 tokens, a window of 4): under
+#: "cutile" (patch masked_prefill_attention) the kernel takes them (the tiny head dim 16 loads as 64).
+MASKED_PREFILL = {"gemma3_text", "olmo3"}
 #: Ops a CUDA prefill adds: hub-function layers that give CPU calls to transformers' functions.
 CUDA_PREFILL_OPS = {"qwen3_5_text": {"gated_delta_rule", "causal_conv1d"}}
 
@@ -206,14 +212,14 @@ def test_kernelized_forward_compiles_fullgraph_with_our_ops(model_type, attn, va
     _route_as_on_a_gpu(monkeypatch)
     assert _all_norms_swapped(model)
     assert model.config._attn_implementation == (attn or "cutile")
-    ids = torch.randint(0, 256, (2, 20))  # a prefill (> DECODE_MAX_SQ queries): "cutile" gives it to sdpa
+    ids = torch.randint(0, 256, (2, 20))  # a prefill (> DECODE_MAX_SQ queries): "cutile" gives it to sdpa unmasked
     with torch.no_grad():
         want = model(ids).logits
         rec = Recorder()
         got = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
     assert rec.graphs == 1
-    # "cutile" hands a prefill to sdpa (a softcap's to the kernel: Gemma 2's)
-    assert set(rec.ops) == FAMILY_OPS[model_type] | ({"attention"} if attn else set())
+    # "cutile" hands an unmasked prefill to sdpa (a softcap's to the kernel: Gemma 2's; a masked one too)
+    assert set(rec.ops) == FAMILY_OPS[model_type] | ({"attention"} if attn or model_type in MASKED_PREFILL else set())
     torch.testing.assert_close(got, want)
 
 

@@ -860,7 +860,7 @@ def test_enable_on_a_cpu_model_without_an_emulation_does_nothing(caplog):
 def test_kernel_config_carries_the_switch(built_package_dir):
     on = cutile_kernels.kernel_config(decode_graphs=True)
     assert on.decode_graphs and "fused_qkv" in on.include_patches  # the fast path stacks q/k/v
-    assert {"gemma_add_norm", "gemma3_qk_norm_rope", "fused_gate_up_geglu"} <= set(on.include_patches)
+    assert set(on.include_patches) == {"fused_qkv"}  # Gemma's three, which it applied too, are defaults now
     assert "fused_qkv" not in cutile_kernels.kernel_config(decode_graphs=True, exclude=["fused_qkv"]).include_patches
     assert not cutile_kernels.kernel_config().decode_graphs
     assert "fused_qkv" not in cutile_kernels.kernel_config().include_patches

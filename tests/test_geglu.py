@@ -69,7 +69,7 @@ def test_emulated_kernel_matches_float64_and_writes_only_its_output(rows, n, dty
 
 
 # ---------------------------------------------------------------------------------------------
-# The opt-in patch on models (CPU: the reference path, so stock numbers exactly)
+# The patch on models (CPU: the reference path, so stock numbers exactly)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("model_type", ["gemma", "gemma3_text"])
@@ -79,8 +79,12 @@ def test_patch_fuses_every_geglu_mlp_and_keeps_stock_logits(model_type, tmp_path
     with torch.no_grad():
         want = model(ids).logits
     model.save_pretrained(tmp_path / "stock")
-    assert cutile_kernels.patch(model).changed.get("fused_gate_up_geglu", 0) == 0  # opt-in: not by default
     n = model.config.num_hidden_layers
+    assert cutile_kernels.patch(model).changed["fused_gate_up_geglu"] == n  # a default patch
+    dispatch.reset_stats()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    assert cutile_kernels.unpatch(model).changed["fused_gate_up_geglu"] == n
     assert cutile_kernels.patch(model, names=["fused_gate_up_geglu"]).changed["fused_gate_up_geglu"] == n
     dispatch.reset_stats()
     with torch.no_grad():

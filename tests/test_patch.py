@@ -103,8 +103,9 @@ def test_a_patch_that_does_not_apply_is_not_active(scratch_registry):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))  # no decoder layers: patch gemv leaves the Linear
     report = patcher.patch(model)
     assert isinstance(report, PatchReport)
-    assert report.changed == {"gemma2_attention": 0, "cutile_attention": 0, "decoder_add_rms_norm": 0,
-                              "fused_gate_up": 0, "qk_norm_rope": 0,
+    assert report.changed == {"gemma2_attention": 0, "cutile_attention": 0, "masked_prefill_attention": 0,
+                              "decoder_add_rms_norm": 0, "fused_gate_up": 0, "fused_gate_up_geglu": 0,
+                              "gemma_add_norm": 0, "gemma3_qk_norm_rope": 0, "qk_norm_rope": 0,
                               "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0,
                               "phi3_rope": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
                               "qwen3_5_stacked_proj": 0, "dynamic_cache_prefill": 0, "gemv": 0, "olmo2_norm_add": 0,
@@ -147,8 +148,8 @@ def test_weight_changing_patch_saves_the_stock_checkpoint(scratch_registry, tmp_
     dbl = _DoubleWeight()
     patcher.register(Patch("double", apply=dbl.apply, undo=dbl.undo, changes_weights=True))
     report = cutile_kernels.patch(model)
-    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "dynamic_cache_prefill", "cutile_attention", "gemv",
-                             "double"]
+    assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "dynamic_cache_prefill", "cutile_attention",
+                             "masked_prefill_attention", "gemv", "double"]
     assert report.changed["double"] > 0
     assert "save_pretrained" in model.__dict__  # the save is wrapped while a weight patch is active
     model.save_pretrained(tmp_path / "patched")
@@ -201,20 +202,21 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     n = len(_decoder_layers(model))
     qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # Qwen3 attention only
     qkv = {"fused_qkv": n}  # Llama-code attention, and Qwen3's under qk_norm_rope's forward
-    assert report.changed == {"gemma2_attention": 0, "cutile_attention": n, "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0,
-                              "decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
+    assert report.changed == {"gemma2_attention": 0, "cutile_attention": n, "masked_prefill_attention": n,
+                              "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0, "decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 0, "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0, "phi3_rope": 0,
                               "fused_gate_up_geglu": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
                               "gemma_add_norm": 0, "gemma3_qk_norm_rope": 0, "qwen3_5_stacked_proj": 0,
                               "dynamic_cache_prefill": n,  # one full-attention cache layer a decoder layer
                               **qk, **qkv, "gemv": 4 * n}  # qkv_proj, o_proj, gate_up_proj, down_proj
     assert report.active == ["decoder_add_rms_norm", "fused_gate_up", "rope_cos_sin", "dynamic_cache_prefill",
-                             "cutile_attention", *qk, *qkv, "gemv"]
+                             "cutile_attention", "masked_prefill_attention", *qk, *qkv, "gemv"]
     assert torch.equal(_logits(model, ids).logits, want)
     model.save_pretrained(tmp_path / "patched")
     a = (tmp_path / "stock" / "model.safetensors").read_bytes()
     assert (tmp_path / "patched" / "model.safetensors").read_bytes() == a
-    assert cutile_kernels.unpatch(model).changed == {"gemv": 4 * n, **qkv, **qk, "cutile_attention": n,
+    assert cutile_kernels.unpatch(model).changed == {"gemv": 4 * n, **qkv, **qk, "masked_prefill_attention": n,
+                                                     "cutile_attention": n,
                                                      "dynamic_cache_prefill": n, "rope_cos_sin": 1, "fused_gate_up": n, "decoder_add_rms_norm": n}
     assert model.config._attn_implementation == "sdpa"
     assert torch.equal(_logits(model, ids).logits, want)
@@ -344,7 +346,8 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
         report = cutile_kernels.patch(model, names=list(patcher.PATCHES))
     # GELU MLP; the rotary embedding and the attention are Llama's code (rope_cos_sin, fused_qkv).
     # Its norms compute Gemma's formula: rms_norm_gemma takes all 7 (2 per layer, the final one).
-    assert report.changed == {"gemma2_attention": 0, "cutile_attention": 3, "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0,
+    assert report.changed == {"gemma2_attention": 0, "cutile_attention": 3, "masked_prefill_attention": 3,
+                              "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0,
                               "decoder_add_rms_norm": 0, "fused_gate_up": 0, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 3, "rms_norm_gemma": 7, "rms_norm_olmo2": 0, "phi3_mlp": 0,
                               "phi3_rope": 0, "fused_gate_up_geglu": 3, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
@@ -352,7 +355,7 @@ def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
                               "dynamic_cache_prefill": 3,
                               "gemv": 12}  # the stacked q/k/v and gate/up, o_proj, down_proj of 3 layers
     assert report.active == ["fused_gate_up_geglu", "rope_cos_sin", "dynamic_cache_prefill", "cutile_attention",
-                             "fused_qkv", "rms_norm_gemma", "gemv"]
+                             "masked_prefill_attention", "fused_qkv", "rms_norm_gemma", "gemv"]
     assert torch.equal(_logits(model, ids).logits, want)
     assert not any(_fused(layer) for layer in _decoder_layers(model))
     assert "leaves 3 GemmaDecoderLayer alone: its post_attention_layernorm is not a Llama-formula RMSNorm" \

@@ -22,6 +22,7 @@ from cutile_kernels.layers.models import claimed_model_types
 CLAIMS = {
     "gemma2_attention": {"gemma2"},  # the one family here without an sdpa path
     "cutile_attention": set(families.FAMILIES) - {"gemma2"},  # every claimed family attending with sdpa
+    "masked_prefill_attention": set(families.FAMILIES),  # a mark on every attention module ("cutile" reads it)
     "decoder_add_rms_norm": {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite"},  # Phi-3: dropouts p = 0
     "fused_gate_up": {"llama", "mistral", "qwen2", "qwen3", "olmo2", "olmo3", "granite", "smollm3", "qwen3_5_text"},  # LlamaMLP
     "rope_cos_sin": {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "granite", "smollm3", "phi3"},  # Llama's rotary

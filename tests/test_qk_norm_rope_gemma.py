@@ -310,7 +310,7 @@ def test_definition_constraints_are_the_kernels_tiles():
 
 
 # ---------------------------------------------------------------------------------------------
-# The opt-in patch gemma3_qk_norm_rope (layers/models/gemma.py): Gemma 3 attention on this kernel
+# The patch gemma3_qk_norm_rope (layers/models/gemma.py): Gemma 3 attention on this kernel
 # ---------------------------------------------------------------------------------------------
 
 def _gemma3_attention(model):
@@ -326,9 +326,8 @@ def test_gemma3_patch_keeps_stock_logits_hooks_and_undoes(caplog):
     model = families.model("gemma3_text", sliding_window=4)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
     want = families.prefill_and_step(model, ids)
-    assert "gemma3_qk_norm_rope" not in cutile_kernels.patch(model).changed  # opt-in
     n = len(_gemma3_attention(model))
-    assert n and cutile_kernels.patch(model, names=["gemma3_qk_norm_rope"]).changed == {"gemma3_qk_norm_rope": n}
+    assert n and cutile_kernels.patch(model).changed["gemma3_qk_norm_rope"] == n  # a default patch
     dispatch.reset_stats()
     assert torch.equal(families.prefill_and_step(model, ids), want)  # sliding and global layers, cached step
     assert dispatch.stats()["reference_calls"][NAME] == 2 * n

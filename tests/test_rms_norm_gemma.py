@@ -180,14 +180,16 @@ def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
     assert torch.equal(got, want)
     # Qwen3.5's post-attention norms run in the fused add + norm (patch qwen3_5_add_norm), its
     # attention's q/k norms in the fused q/k norm + RoPE (patch qwen3_5_rope: two norms a call);
-    # OLMo 2's post-norms with their adds (olmo2_norm_add), its q/k norms with RoPE (olmo2_qk_norm_rope).
+    # OLMo 2's post-norms with their adds (olmo2_norm_add), its q/k norms with RoPE (olmo2_qk_norm_rope);
+    # Gemma 3's pre-feedforward norms with the attention's add (gemma_add_norm), its q/k norms with
+    # RoPE (gemma3_qk_norm_rope).
     calls = dispatch.stats()["reference_calls"]
     fused_add = calls.get("add_rms_norm_gemma", 0) + calls.get("rms_norm_add_gemma", 0)
     fused_qk = 2 * (calls.get("qk_norm_rope_gemma", 0) + calls.get("qk_norm_rope_olmo2", 0))
     assert calls["rms_norm_gemma"] + fused_add + fused_qk == n
     layers = model.config.num_hidden_layers
-    assert fused_add == {"qwen3_5_text": 3, "olmo2": 2 * layers}.get(model_type, 0)
-    assert fused_qk == {"qwen3_5_text": 2, "olmo2": 2 * layers}.get(model_type, 0)
+    assert fused_add == {"qwen3_5_text": 3, "olmo2": 2 * layers, "gemma3_text": layers}.get(model_type, 0)
+    assert fused_qk == {"qwen3_5_text": 2, "olmo2": 2 * layers, "gemma3_text": 2 * layers}.get(model_type, 0)
 
 
 def test_patch_leaves_llama_norms_alone():
@@ -460,7 +462,7 @@ def test_gpu_qwen3_5_decoder_patch_is_as_close_to_float32_as_stock(strict, stock
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
 def test_gemma_decoder_patch_keeps_stock_logits_and_undoes(model_type, dtype):
-    """The opt-in ``gemma_add_norm`` (CPU: the reference path) gives the stock logits bit for bit
+    """Patch ``gemma_add_norm`` (CPU: the reference path) gives the stock logits bit for bit
     over a prefill and a cached step, in float16 too (where Gemma's activations may overflow, NaN
     exactly where stock has them); unpatch restores the class forward."""
     from cutile_kernels.layers.models import gemma as fam
@@ -469,12 +471,12 @@ def test_gemma_decoder_patch_keeps_stock_logits_and_undoes(model_type, dtype):
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(6))
     want = families.prefill_and_step(model, ids)
     layers = model.config.num_hidden_layers
-    # The default patches but gemma2_attention (Gemma 2's attention on ours is not eager's bits:
-    # tests/test_attention.py holds it to tolerance); gemma_add_norm is not among them (opt-in).
+    # The other default patches but gemma2_attention (Gemma 2's attention on ours is not eager's bits:
+    # tests/test_attention.py holds it to tolerance), then this one.
     from cutile_kernels.layers._patching import PATCHES
 
-    assert "gemma_add_norm" not in cutile_kernels.patch(model, names=[n for n, p in PATCHES.items() if p.default
-                                                                      and n != "gemma2_attention"]).changed
+    others = [n for n, p in PATCHES.items() if p.default and n not in ("gemma2_attention", "gemma_add_norm")]
+    assert "gemma_add_norm" not in cutile_kernels.patch(model, names=others).changed
     assert cutile_kernels.patch(model, names=["gemma_add_norm"]).changed == {"gemma_add_norm": layers}
     dispatch.reset_stats()
     torch.testing.assert_close(families.prefill_and_step(model, ids), want, rtol=0, atol=0, equal_nan=True)

@@ -137,6 +137,8 @@ def main():
     p.add_argument("--drift", type=int, default=0, metavar="N", help="time N more prefills, GC on and off")
     p.add_argument("--include", nargs="*", default=[], metavar="PATCH",
                    help="also profile ours with these opt-in patches (e.g. fused_qkv)")
+    p.add_argument("--exclude", nargs="*", default=[], metavar="PATCH",
+                   help="with --interleave, also time ours without these default patches")
     p.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="only time the paths against each other, N rounds of one prefill each")
     a = p.parse_args()
@@ -153,6 +155,9 @@ def main():
         if a.include:
             models[f"ours+{'+'.join(a.include)}"] = load(use_kernels=True, kernel_config=cutile_kernels.kernel_config(
                 include=a.include))
+        if a.exclude:
+            models[f"ours~{'~'.join(a.exclude)}"] = load(use_kernels=True, kernel_config=cutile_kernels.kernel_config(
+                exclude=a.exclude))
         interleave(models, ids, a.interleave)
         return
     profile("stock", load(), ids, a.calls, a.top, a.sync_debug, a.drift)

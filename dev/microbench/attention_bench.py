@@ -5,7 +5,8 @@
 Shapes of Llama-3.2-1B (32 query / 8 KV heads, head_dim 64) and Qwen3-0.6B (16 / 8, 128), bf16.
 Both sides are timed as a model calls them, through transformers' attention-function signature
 (``cutile_kernel_attention_forward``, the kernel on every call, vs ``sdpa_attention_forward``; the
-``"cutile"`` column of the JSON is the kernel, ``route`` says which of the two ``"cutile"`` runs:
+``"cutile"`` column of the JSON is the kernel, ``route`` says which of the two ``"cutile"`` runs
+under the default patches (``masked_prefill_attention`` included):
 q a transposed projection, K/V cache
 tensors, output the contiguous (B, S, H, D) tensor), plus torch SDPA's best case for prefill
 (``is_causal=True, enable_gqa=True``: cuDNN / flash):
@@ -34,6 +35,8 @@ import types
 from cutile_kernels_tools.timing import events_us, graph_us
 
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen3-0.6b": (16, 8, 128)}
+#: Masked prefills only (``--prefill``): Gemma-3-1B's layout, whose sliding layers pass a mask.
+PREFILL_SHAPES = {**SHAPES, "gemma-3-1b": (4, 1, 256)}
 KV_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 STATIC_SLOTS = 4096
 
@@ -51,15 +54,17 @@ def _inputs(B, Hq, Hkv, D, Sq, Skv, device="cuda"):
     return q, k, v
 
 
-def _mask(B, Sq, Skv, q_offset, seen, pads):
-    """sdpa_mask's boolean mask: ``seen`` tokens of which the first ``pads[b]`` are padding."""
+def _mask(B, Sq, Skv, q_offset, seen, pads, window=None):
+    """sdpa_mask's boolean mask: ``seen`` tokens of which the first ``pads[b]`` are padding; with
+    ``window`` a sliding window's (transformers' ``sliding_window_causal_mask_function``)."""
     import torch
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    from transformers.masking_utils import causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
 
     pad = torch.ones(B, seen, dtype=torch.bool, device="cuda")
     for b, p in enumerate(pads):
         pad[b, :p] = False
-    return sdpa_mask(batch_size=B, q_length=Sq, kv_length=Skv, q_offset=q_offset, mask_function=causal_mask_function,
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    return sdpa_mask(batch_size=B, q_length=Sq, kv_length=Skv, q_offset=q_offset, mask_function=fn,
                      attention_mask=pad, allow_is_causal_skip=False, device="cuda")
 
 
@@ -69,7 +74,7 @@ def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes, filled=None):
     from cutile_kernels.layers.attention import cutile_kernel_attention_forward, route
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    Hq, Hkv, D = SHAPES[shape]
+    Hq, Hkv, D = PREFILL_SHAPES[shape]
     q, k, v = _inputs(B, Hq, Hkv, D, Sq, Skv)
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=Hq // Hkv, training=False)
     scale = D ** -0.5
@@ -91,7 +96,7 @@ def _case(name, shape, B, Sq, Skv, mask, pairs, kv_bytes, filled=None):
     assert rel < 2e-2, f"{name} {shape}: cutile differs from sdpa by {rel:.3g}"
     row = {"case": name, "shape": shape, "B": B, "Sq": Sq, "Skv": Skv, "filled": filled, "masked": mask is not None,
            "rel_diff_vs_sdpa": rel,
-           "route": "kernel" if route(q, mask, None, length.get("cutile_kv_len")) else "sdpa"}
+           "route": "kernel" if route(q, mask, None, length.get("cutile_kv_len"), masked_prefill=True) else "sdpa"}
     for path, fn in paths.items():
         us = events_us(fn, reps=11, inner=10, warmup=0)
         gus = graph_us(fn, reps=11)
@@ -124,6 +129,25 @@ def run():
     return cases
 
 
+def run_prefill():
+    """Prefills with a boolean mask, where the kernel classifies the mask's tiles first: a causal
+    mask passed as such (a full-attention layer given one), a sliding window of 512 (Gemma 3's
+    local layers) and left padding, against sdpa with the same mask."""
+    cases = []
+    for shape in PREFILL_SHAPES:
+        for S in (512, 2048):
+            full = lambda B, S, p: sum((S - x) * (S - x + 1) // 2 for x in p)  # noqa: E731
+            cases.append(_case(f"prefill-1x{S}-causal-mask", shape, 1, S, S, _mask(1, S, S, 0, S, [0]),
+                               full(1, S, [0]), lambda hkv, d: 0))
+            win = sum(min(i + 1, 512) for i in range(S))
+            cases.append(_case(f"prefill-1x{S}-window512", shape, 1, S, S, _mask(1, S, S, 0, S, [0], window=512),
+                               win, lambda hkv, d: 0))
+        pads = [0, 100, 400, 900]
+        cases.append(_case("prefill-4x1024-padded", shape, 4, 1024, 1024, _mask(4, 1024, 1024, 0, 1024, pads),
+                           sum((1024 - p) * (1024 - p + 1) // 2 for p in pads), lambda hkv, d: 0))
+    return cases
+
+
 def _table(cases):
     lines = ["| case | shape | KV (filled) | cutile us (graph) | sdpa us (graph) | speedup | cutile TFLOP/s | cutile GB/s | "
              "torch causal GQA us | cutile mask only, graph us | \"cutile\" runs |",
@@ -141,13 +165,14 @@ def _table(cases):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--prefill", action="store_true", help="masked prefills only (run_prefill)")
     args = parser.parse_args()
     os.environ["CUTILE_KERNELS_STRICT"] = "1"
     import cutile_kernels
     import torch
 
     torch.manual_seed(0)
-    cases = run()
+    cases = run_prefill() if args.prefill else run()
     stats = cutile_kernels.stats()
     print(_table(cases))
     print("launches:", json.dumps(stats["launches"], indent=None)[:2000])

@@ -98,9 +98,23 @@ def candidates():
     from cutile_kernels.kernel_src import attention
     from cutile_kernels.kernel_src._spec import VariantSpec
 
+    def params(function, consts):
+        shipped = function == "attention_prefill_kernel"
+        return (attention._prefill_params if shipped else attention._attention_params)("bfloat16", consts)
+
     return [VariantSpec("attention", module, function, f"bf16.d{dp}.h{hb}.m{bs}.n{bn}.{label}",
-                        attention._attention_params("bfloat16", {"D": dp, "HB": hb, "BS": bs, "BN": bn, **extra}))
+                        params(function, {"D": dp, "HB": hb, "BS": bs, "BN": bn, **extra}))
             for dp, hb, bs, bn, module, function, label, extra in CANDIDATES]
+
+
+def candidate_args(ops, q, k, v, mask, out, scale, causal=True, window=None, softcap=None) -> tuple:
+    """A candidate's arguments (attention_variants.py's kernels take the short tiles' convention:
+    mask, KV length, output, split buffers, then the scalars), from q, k, v of the op's layout."""
+    m = ops.kernel_mask(mask)
+    dp = ops.padded_head_dim(q.shape[3])
+    return (q, k, v, ops._dummy("mask", q.device) if m is None else m, ops._dummy("kv_len", q.device),
+            out.transpose(1, 2), ops._dummy("part", q.device, dp), ops._dummy("lse", q.device), float(scale),
+            float(softcap or 0.0), int(window or 0), int(m is not None), 0, int(bool(causal)), 1)
 
 
 def run(sweep_dir: str, json_out: str | None) -> None:
@@ -150,10 +164,15 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                      "max_abs_err": bound / 2, "elapsed_s": round(time.perf_counter() - t0, 1)})
         print(json.dumps(rows[-1]), flush=True)
         out = torch.empty(B, S, hq, D, device="cuda", dtype=torch.bfloat16)
-        arg_sets = [("", ops.launches(q, k, v, None, out, scale, window=window or None, softcap=softcap or None)[0][2])]
-        if window and not softcap:  # also as "cutile" gets a sliding layer: the boolean mask alone, no bounds
-            arg_sets.append((".mask", ops.launches(q, k, v, vis, out, scale, causal=False)[0][2]))
+        shipped = ops.launches(q, k, v, None, out, scale, window=window or None, softcap=softcap or None)[0][2]
+        arg_sets = [("", candidate_args(ops, q, k, v, None, out, scale, window=window, softcap=softcap))]
+        if window and not softcap:  # also the boolean mask alone, no bounds (the shipped masked path: attention_bench)
+            arg_sets.append((".mask", candidate_args(ops, q, k, v, vis, out, scale, causal=False)))
         for variant, (suffix, args) in ((v_, a) for v_ in reg.variants("attention", "sm_90") for a in arg_sets):
+            if variant.function == "attention_prefill_kernel":
+                if suffix:
+                    continue
+                args = shipped
             c = variant.constants
             if c["D"] != max(64, 1 << (D - 1).bit_length()) or (hq // hkv) % c["HB"]:
                 continue  # another head dim; or a block's heads would span two KV heads (Phi-4-mini's 3)

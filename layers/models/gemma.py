@@ -5,15 +5,16 @@ after the multiply, in float32 (not decorated for the hub: the patch ``rms_norm_
 ``layers/norm.py`` reaches it, on the ``rms_norm_gemma`` kernel, by default since the H200 bench of
 2026-12-01: gemma-3-1b decode 1.8x, prefill 1.7x over our build without it); four norms per decoder layer
 (Gemma 2 and 3), GeGLU with ``gelu_pytorch_tanh`` (LlamaMLP's code with another activation: the
-opt-in ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs our GeGLU), the embedding scaled by sqrt(hidden), sliding
+patch ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs our GeGLU), the embedding scaled by sqrt(hidden), sliding
 and global layers, logit softcaps (Gemma 2: transformers attends eagerly, sdpa having no softcap;
 the default patch ``gemma2_attention`` below runs our kernel instead), q/k norms
 and two RoPE bases (Gemma 3). Gemma's
 attention and rotary embedding are Llama's code, so the opt-in ``fused_qkv`` and ``rope_cos_sin``
-apply to Gemma 1 as they are. The opt-in patch ``gemma_add_norm`` (below) fuses Gemma 2 and 3's
-attention-block residual add into the ``pre_feedforward_layernorm`` that follows it; the opt-in
+apply to Gemma 1 as they are. The patch ``gemma_add_norm`` (below) fuses Gemma 2 and 3's
+attention-block residual add into the ``pre_feedforward_layernorm`` that follows it;
 ``gemma3_qk_norm_rope`` runs Gemma 3 attention's ``q_norm``, ``k_norm`` and RoPE on one
-``qk_norm_rope_gemma`` launch (the kernel Qwen3.5's attention runs, full rotary here).
+``qk_norm_rope_gemma`` launch (the kernel Qwen3.5's attention runs, full rotary here). Both, with
+``fused_gate_up_geglu``, are defaults since the same-run A/B of 2026-12-05 (``PATCH_ROWS``).
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ FAMILY = Family(
           Pin("gemma2", "Gemma2Attention.forward", "f1ef0bcee80badb9",
               "patch gemma2_attention (the attention interface gets its softcap, window and scaling)")),
     presets=("gemma-3-1b", "gemma-2-2b"),
-    covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); Gemma 2's attention with "
-            "its softcap and windows (patch gemma2_attention); Gemma 1 and 3's static-cache and padded decode "
-            "attention (patch cutile_attention); opt-in "
-            "(include=['fused_gate_up_geglu']): GeGLU on one fused gate/up GEMM",
-    not_covered="embedding scale, the final logit softcap, Gemma 1 and 3's prefill attention (sdpa), the residual adds "
-                "(opt-in patch gemma_add_norm fuses one per layer), Gemma 3's q/k norms + RoPE as one launch "
-                "(opt-in patch gemma3_qk_norm_rope), GEMMs",
+    covered="every RMSNorm in Gemma's order (q/k norms included), RoPE (Llama's code); GeGLU on one fused "
+            "gate/up GEMM (patch fused_gate_up_geglu); the attention residual add fused into the next norm "
+            "(patch gemma_add_norm); Gemma 3's q/k norms + RoPE in one launch (patch gemma3_qk_norm_rope); Gemma "
+            "2's attention with its softcap and windows (patch gemma2_attention); Gemma 1 and 3's static-cache and "
+            "padded decode attention (patch cutile_attention) and masked prefill attention (their sliding layers; "
+            "patch masked_prefill_attention)",
+    not_covered="embedding scale, the final logit softcap, Gemma 1 and 3's unmasked prefill attention (sdpa), the "
+                "MLP block's residual add, GEMMs",
     default=True,
 )
 
@@ -286,12 +288,16 @@ def unpatch_gemma3_qk_norm_rope(model: nn.Module) -> int:
 
 
 #: This module's patch rows (gathered by ``layers/_registry.py``): gemma2_attention by default since
-#: the H200 bench of 2026-12-03 (gemma-2-2b 1.6-2.3x stock eager); the other two opt-in until the
-#: bench accepts them (their kernels run by default in Qwen3.5's decoder and attention).
+#: the H200 bench of 2026-12-03 (gemma-2-2b 1.6-2.3x stock eager); gemma_add_norm and
+#: gemma3_qk_norm_rope (with layers/mlp.py's fused_gate_up_geglu) since the same-run A/B of
+#: 2026-12-05 on an H100 (gemma-3-1b, the three against our build without them, per round: eager
+#: prefill 1.78x / 1.20x, decode 1.20x / 1.19x at batch 1, 1.10x / 1.07x at 16; the coverage pass's
+#: non-GEMM device time 1950 against 2101 us at a 512-token prefill, 4851 against 5526 over four
+#: decode steps; benchmarks/results/h100-2026-12-05e).
 PATCH_ROWS = [Patch("gemma2_attention", apply=patch_gemma2_attention, undo=unpatch_gemma2_attention,
                     description="Gemma 2 (no sdpa path: its softcap) attends with our kernel instead of eager"),
-              Patch("gemma_add_norm", apply=patch_gemma_add_norm, undo=unpatch_gemma_add_norm, default=False,
+              Patch("gemma_add_norm", apply=patch_gemma_add_norm, undo=unpatch_gemma_add_norm,
                     description="Gemma 2 / 3 decoder layers' attention residual add fused into their "
                                 "pre_feedforward_layernorm"),
               Patch("gemma3_qk_norm_rope", apply=patch_gemma3_qk_norm_rope, undo=unpatch_gemma3_qk_norm_rope,
-                    default=False, description="Gemma 3 attention's q_norm, k_norm and RoPE in one cuTile launch")]
+                    description="Gemma 3 attention's q_norm, k_norm and RoPE in one cuTile launch")]

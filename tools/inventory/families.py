@@ -437,8 +437,22 @@ def _attention() -> Entry:
         f"if not _op(q, k, v, None, out, scale, causal=True, splits={FORCED_SPLITS}):\n"
         "    raise RuntimeError('attention_into: no cuTile path for these inputs')\n"
         "return out.transpose(1, 2)\n")
+    masked = (
+        "from cutile_kernels.ops.attention import visible_mask\n\n"
+        "B, Hq, Sq, D = q.shape\n"
+        "mask = visible_mask(B, Sq, k.shape[2], None, True, device=q.device)  # the causal rule as a boolean mask\n"
+        "out = q.new_empty(B, Sq, Hq, D)\n"
+        "if not _op(q, k, v, mask, out, scale, causal=False):\n"
+        "    raise RuntimeError('attention_into: no cuTile path for these inputs')\n"
+        "return out.transpose(1, 2)\n")
     return Entry("attention", d, rows, [
         SolutionSpec("attention", "attention", body="return _op(q, k, v, scale=scale)"),
+        SolutionSpec("attention_mask_tiles", "attention_into", body=masked, description=(
+            "cuTile kernels attention_mask_tiles_kernel classifying the tiles of the causal rule passed as a "
+            "boolean mask (hidden, partial, full), then the prefill attention reading only the visible tiles and "
+            "the mask only on partial ones (kernel_src/attention.py; decode-sized Workloads take the short tiles, "
+            "which read the mask tile by tile), prebuilt per variant of the build matrix for "
+            f"{', '.join(DEFAULT_ARCHS)}.")),
         SolutionSpec("attention_combine", "attention_into", body=combine, description=(
             f"cuTile kernels attention_kernel with the KV split in {FORCED_SPLITS} slices, then "
             "attention_combine_kernel merging them (kernel_src/attention.py; the op splits on its own only "

@@ -131,6 +131,12 @@ def _check(q, k, v, mask, kv_len=None) -> None:
 # Dispatch
 # ---------------------------------------------------------------------------------------------
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernel's tiles load for ``head_dim`` (zero-padded lanes): the next power of
+    two, at least the smallest built (``HEAD_DIMS``); a built variant exists when it is in it."""
+    return max(HEAD_DIMS[0], next_power_of_2(head_dim))
+
+
 @functools.lru_cache(maxsize=None)
 def tiles_for(head_dim: int, sq: int, group: int) -> tuple | None:
     """The (D, HB, BS, BN) tile constants for a call, or None when no variant takes the head dim.
@@ -140,7 +146,7 @@ def tiles_for(head_dim: int, sq: int, group: int) -> tuple | None:
     (:func:`decode_bn` may widen them for a launch); longer queries take the prefill tiles, one head
     per block.
     """
-    dp = max(HEAD_DIMS[0], next_power_of_2(head_dim))
+    dp = padded_head_dim(head_dim)
     if dp not in HEAD_DIMS:
         return None
     if sq <= DECODE_MAX_SQ:
@@ -261,7 +267,11 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
     One launch of ``attention``, or with ``splits > 1`` KV splits (default: :func:`num_splits`, for
     decode-sized queries) the split launch then
-    ``attention_combine``. ``sms`` defaults to the device's multiprocessor count. ``kv_len`` is
+    ``attention_combine`` (a split call takes the short tiles at any length); an unsplit
+    prefill-sized call (``Sq > DECODE_MAX_SQ``) with a mask first classifies the mask's tiles
+    (``attention_mask_tiles``: hidden, partial, full), which its ``attention`` launch reads to skip
+    hidden tiles and the mask reads of full ones. ``sms`` defaults to the device's multiprocessor
+    count. ``kv_len`` is
     for the decode tiles (``Sq <= DECODE_MAX_SQ``) only; their splits are chosen for k's whole
     length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles;
     their keys per tile follow (:func:`decode_bn`). A decode-sized call whose KV group no built
@@ -271,10 +281,13 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     """
     B, Hq, Sq, D = q.shape
     Skv = k.shape[2]
-    tiles = tiles_for(D, Sq, Hq // k.shape[1])
+    # Decode-sized queries, and any call split over the KV (the prefill tiles do not split), take
+    # the short tiles.
+    short = Sq <= DECODE_MAX_SQ or (splits or 1) > 1
+    tiles = tiles_for(D, 1 if short else Sq, Hq // k.shape[1])
     if tiles is None:
         return f"head_dim {D} > {HEAD_DIMS[-1]}"
-    if kv_len is not None and Sq > DECODE_MAX_SQ:
+    if kv_len is not None and not short:
         return "kv_len with prefill tiles (attention_into makes it part of the mask)"
     dp, hb, bs, bn = tiles
     o = out.transpose(1, 2)
@@ -284,7 +297,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         m = _dummy("mask", q.device)
     n = _dummy("kv_len", q.device) if kv_len is None else kv_len.view(1)
     q_blocks = -(-Sq // bs)
-    if Sq <= DECODE_MAX_SQ:
+    if short:
         if splits is None:
             sms = sms if sms is not None else dispatch.sm_count(q.device.index or 0)
         # A group no HB divides, unsplit, mask shared by the batch: B * Hkv batches of one KV head.
@@ -296,14 +309,25 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
                 (q, k, v, o), hb, bs, q_blocks, splits = views, pad, DECODE_ROWS // pad, pad_blocks, 1
     if splits is None:
         splits = 1
-        if Sq <= DECODE_MAX_SQ:
+        if short:
             splits = num_splits(q_blocks * B * (Hq // hb), Skv, sms)
-    if Sq <= DECODE_MAX_SQ:  # the keys per tile depend on the split count, known only now
+    if short:  # the keys per tile depend on the split count, known only now
         bn = decode_bn(dp, Skv, splits)
     want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
+    grid = (q_blocks * splits, q.shape[0] * -(-q.shape[1] // hb), 1)
+    if not short:  # the prefill tiles; with a mask, its tiles classified first
+        if not has_mask:
+            args = (q, k, v, m, _dummy("mask", q.device), o, float(scale), float(softcap or 0.0), int(window or 0),
+                    0, 0, int(bool(causal)))
+            return [("attention", want, args, 5, lambda consts: grid)]
+        kv_tiles = -(-Skv // bn)
+        classes = torch.empty(m.shape[0], q_blocks, kv_tiles, dtype=torch.int8, device=q.device)
+        args = (q, k, v, m, classes, o, float(scale), float(softcap or 0.0), int(window or 0), 1, 1, int(bool(causal)))
+        tgrid = (kv_tiles, q_blocks, m.shape[0])
+        return [("attention_mask_tiles", (("BS", bs), ("BN", bn)), (m, classes), 1, lambda consts: tgrid),
+                ("attention", want, args, 5, lambda consts: grid)]
     scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(kv_len is not None),
                int(bool(causal)), splits)
-    grid = (q_blocks * splits, q.shape[0] * -(-q.shape[1] // hb), 1)
     if splits == 1:
         args = (q, k, v, m, n, o, _dummy("part", q.device, dp), _dummy("lse", q.device)) + scalars
         return [("attention", want, args, 5, lambda consts: grid)]
@@ -340,7 +364,7 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         return False
     for step in plan[1:]:
         if not dispatch.run(*step):
-            raise RuntimeError(f"attention: the split kernel ran but {step[0]} could not (the build must "
+            raise RuntimeError(f"attention: {plan[0][0]} ran but {step[0]} could not (the build must "
                                "hold every attention kernel)")
     return True
 
