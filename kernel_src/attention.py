@@ -32,6 +32,11 @@ stored. Every tile dimension is a power of two: the head dim is loaded as ``D =
 next_power_of_2(head_dim)`` lanes with zero padding (zeros add nothing to ``<q, k>``; the padded
 output lanes are not stored).
 
+Masked prefill: ``attention_mask_tiles_kernel`` first writes each (query block, KV tile) of the
+mask as hidden, partial or full; the prefill kernel then bounds its loop by the first and last
+visible tile of its query block, skips hidden tiles on that one byte and reads the mask only on
+partial ones (exact for any mask: full and hidden tiles need no element of it).
+
 Split-KV (decode over long contexts): with ``num_splits > 1`` a block handles one slice of its
 KV tiles and writes the slice's normalised float32 output and log2-sum-exp (``part``, ``lse``);
 ``attention_combine_kernel`` merges the slices (the log-sum-exp rescaling of FlashDecoding).
@@ -376,7 +381,8 @@ def _matrix() -> list[VariantSpec]:
                         for bn in sorted({DECODE_BN[dp], DECODE_BN_LONG[dp]})]
             for (hb, bs, bn), function in configs:
                 consts = {"D": dp, "HB": hb, "BS": bs, "BN": bn}
-                params = (_prefill_params if function == "attention_prefill_kernel" else _attention_params)(dtype, consts)
+                make = _prefill_params if function == "attention_prefill_kernel" else _attention_params
+                params = make(dtype, consts)
                 specs.append(VariantSpec("attention", "attention", function, f"{d}.d{dp}.h{hb}.m{bs}.n{bn}", params))
             consts = {"D": dp, "BS": COMBINE_BS}
             specs.append(VariantSpec("attention_combine", "attention", "attention_combine_kernel",

@@ -15,8 +15,8 @@ builds exactly the masks ``"sdpa"`` would:
   (``cutile_kv_len``: only the filled slots are read; or sdpa's boolean mask, whose hidden tiles
   are skipped, where sdpa expands the mask and reads every slot: 3-36x, H200 2026-12-02b call 4),
   decode of a padded batch (a boolean mask), prefill with a boolean mask at head dims 64 and 256
-  (patch ``masked_prefill_attention``: the mask's tiles classified first, 1.1-3x sdpa's masked
-  kernel, H100 2026-12-05), and every call with a logit softcap (sdpa has none).
+  (patch ``masked_prefill_attention``: the mask's tiles classified first; from a tie at 512 tokens to
+  3x sdpa's masked kernel, H100 2026-12-05), and every call with a logit softcap (sdpa has none).
   sdpa's (cuDNN / flash, 2-5x our prefill kernel and 1.2-2.5x our decode kernel over an unmasked
   DynamicCache): unmasked prefill (``Sq > DECODE_MAX_SQ``), masked prefill at head dim 128, unmasked
   decode without a filled length, every
@@ -193,8 +193,10 @@ def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: flo
     sdpa (False), by the H200 measurements in the module docstring: the kernel for a logit softcap
     (sdpa has none), for decode (``query`` ``(B, H, Sq, D)`` with ``Sq <= DECODE_MAX_SQ``) with a
     boolean mask or a static cache's filled length, and (``masked_prefill``: the module's patch
-    ``masked_prefill_attention``) for a prefill with a boolean mask (padding, a sliding window),
-    whose tiles the kernel classifies first; sdpa for unmasked prefill (cuDNN's flash kernel, 2-3x
+    ``masked_prefill_attention``) for a prefill with a boolean mask (padding, a sliding window) at
+    the padded head dims of ``MASKED_PREFILL_HEAD_DIMS``, whose tiles the kernel classifies first
+    (under torch.compile before torch 2.14 transformers keeps even a plain causal mask, so a
+    compiled prefill takes this route too); sdpa for unmasked prefill (cuDNN's flash kernel, 2-3x
     ours) and unmasked decode over a DynamicCache; sdpa for every call off the GPU (where the op
     would compute its reference: a CPU model keeps stock's exact numbers) or in a dtype or head dim
     the kernel has no variant for (float32, head_dim > 256), but a softcap's. Device, dtype, shapes

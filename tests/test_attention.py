@@ -710,6 +710,30 @@ def test_route_hands_what_the_kernel_cannot_take_to_sdpa(caplog, monkeypatch, ro
         lattn.cutile_attention_forward(_module(2, training=True), q, k, v, boolean, dropout=0.5)
 
 
+@pytest.mark.parametrize("plan", ["prefill", "masked prefill", "decode", "masked decode", "split", "kv_len"])
+def test_launch_inputs_never_alias_with_prepared_stand_ins(plan, monkeypatch):
+    """With the stand-ins kept (what ``prepare`` does on a GPU: one array per kind and device), no
+    launch gets one array as two inputs, which the launcher refuses as aliased (the call would then
+    take the reference, or raise under CUTILE_KERNELS_STRICT=1)."""
+    from cutile_kernels import registry
+
+    cpu = torch.device("cpu")
+    kept = {(kind, cpu, dp if kind == "part" else 0): attn_ops._new_dummy(kind, cpu, dp if kind == "part" else 0)
+            for kind in attn_ops._DUMMY_KINDS for dp in (kattn.HEAD_DIMS if kind == "part" else (0,))}
+    monkeypatch.setattr(attn_ops, "_DUMMIES", kept)
+    Sq = 1 if "decode" in plan or plan == "kv_len" else 40
+    B, Hq, Hkv, Skv, D = 2, 4, 2, 200, 64
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D)
+    mask = hf_mask(B, Sq, Skv, Skv - Sq) if "masked" in plan else None
+    kv_len = torch.tensor([150]) if plan == "kv_len" else None
+    out = torch.empty(B, Sq, Hq, D, dtype=q.dtype)
+    steps = attn_ops.launches(q, k, v, mask, out, 0.1, causal=mask is None, splits=3 if plan == "split" else None,
+                              sms=132, kv_len=kv_len)
+    assert steps[-1 if plan != "split" else 0][0] == "attention"
+    for kernel, _want, args, n_inputs, _grid in steps:
+        assert registry.overlapping_pair([a for a in args[:n_inputs]]) is None, (kernel, plan)
+
+
 def test_stand_ins_are_kept_only_when_prepared(monkeypatch):
     """A launch's stand-in arrays are made per launch unless ``prepare`` made them for the device
     (nothing kept from inside a call: it may run in torch.compile's CUDA-graph warm-up); prepare

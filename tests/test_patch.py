@@ -203,7 +203,8 @@ def test_every_registered_patch_together_keeps_stock_logits(model_type, ids, tmp
     qk = {"qk_norm_rope": n} if model_type == "qwen3" else {}  # Qwen3 attention only
     qkv = {"fused_qkv": n}  # Llama-code attention, and Qwen3's under qk_norm_rope's forward
     assert report.changed == {"gemma2_attention": 0, "cutile_attention": n, "masked_prefill_attention": n,
-                              "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0, "decoder_add_rms_norm": n, "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
+                              "olmo2_norm_add": 0, "olmo2_qk_norm_rope": 0, "decoder_add_rms_norm": n,
+                              "fused_gate_up": n, "rope_cos_sin": 1, "qk_norm_rope": 0,
                               "fused_qkv": 0, "rms_norm_gemma": 0, "rms_norm_olmo2": 0, "phi3_mlp": 0, "phi3_rope": 0,
                               "fused_gate_up_geglu": 0, "qwen3_5_add_norm": 0, "qwen3_5_rope": 0,
                               "gemma_add_norm": 0, "gemma3_qk_norm_rope": 0, "qwen3_5_stacked_proj": 0,
@@ -337,6 +338,24 @@ def test_compile_fullgraph_matches_eager(ids):
 # ---------------------------------------------------------------------------------------------
 # What the patch leaves alone, and when it steps aside at run time
 # ---------------------------------------------------------------------------------------------
+
+def test_masked_prefill_marks_once_and_says_so(caplog):
+    """Patch masked_prefill_attention marks each attention module once (idempotent, as every patch:
+    a second patch() changes nothing more), logs what it does, and unpatch removes the marks."""
+    from cutile_kernels.layers.attention import MASKED_PREFILL
+
+    model = _model("llama")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        report = cutile_kernels.patch(model, names=["masked_prefill_attention"])
+    assert report.changed == {"masked_prefill_attention": 3}
+    assert "send a prefill with a boolean mask to our kernel" in caplog.text
+    assert cutile_kernels.patch(model, names=["masked_prefill_attention"]).changed == {"masked_prefill_attention": 0}
+    assert patcher.applied(model) == {"masked_prefill_attention": 3}
+    attn = [m for m in model.modules() if MASKED_PREFILL in m.__dict__]
+    assert len(attn) == 3 and all(type(m).__name__ == "LlamaAttention" for m in attn)
+    assert cutile_kernels.unpatch(model).changed == {"masked_prefill_attention": 3}
+    assert not any(MASKED_PREFILL in m.__dict__ for m in model.modules())
+
 
 def test_gemma_layers_are_left_alone_with_a_log_line(ids, caplog):
     # Gemma's decoder layer has Llama's forward code, but its norms are (1 + weight) norms.

@@ -29,7 +29,7 @@ from .._patching import Patch
 from .._pins import Pin
 from ..attention import NAME as CUTILE_ATTENTION
 from ..attention import NAMES as CUTILE_ATTENTIONS
-from ..attention import MASKED_PREFILL, kernel_missing_on, prepare_devices
+from ..attention import MASKED_PREFILL, MASKED_PREFILL_HEAD_DIMS, kernel_missing_on, prepare_devices
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -198,7 +198,7 @@ def patch_cutile_attention(model: nn.Module) -> int:
         model.__dict__["init_continuous_batching"] = types.MethodType(_continuous_batching_on_stock_attention, model)
     n = len(attention_modules(model))
     logger.info("cutile_kernels: patch cutile_attention: %s attends with %r instead of %r (%d attention modules: "
-                "our kernel for static-cache and padded decode, sdpa for prefill)", type(model).__name__,
+                "our kernel for static-cache and padded decode, sdpa for unmasked prefill)", type(model).__name__,
                 CUTILE_ATTENTION, before, n)
     return n
 
@@ -227,11 +227,16 @@ def patch_masked_prefill_attention(model: nn.Module) -> int:
     (padding, a sliding window) runs on our kernel (``attention.route``; the mask's tiles are
     classified first, so hidden tiles cost nothing and full ones no mask read) instead of sdpa's
     masked kernel. ``kernel_config(exclude=["masked_prefill_attention"])`` keeps such prefills on
-    sdpa. Marks each attention module; returns how many."""
-    attn = attention_modules(model)
-    for m in attn:
+    sdpa. Marks each attention module (a mark only ``"cutile"`` reads, so a model attending
+    otherwise is unaffected); returns how many were not marked yet (0 when already applied)."""
+    new = [m for m in attention_modules(model) if not m.__dict__.get(MASKED_PREFILL)]
+    for m in new:
         m.__dict__[MASKED_PREFILL] = True
-    return len(attn)
+    if new:
+        logger.info("cutile_kernels: patch masked_prefill_attention: %d attention modules of %s send a prefill "
+                    "with a boolean mask to our kernel under %r (head dims %s), sdpa otherwise", len(new),
+                    type(model).__name__, CUTILE_ATTENTION, sorted(MASKED_PREFILL_HEAD_DIMS))
+    return len(new)
 
 
 def unpatch_masked_prefill_attention(model: nn.Module) -> int:
@@ -249,5 +254,5 @@ PATCH_ROWS = [Patch("cutile_attention", apply=patch_cutile_attention, undo=unpat
                                 "kernel, the mask's tiles classified first")]
 
 __all__ = ["FAMILIES", "PATCH_ROWS", "Family", "attention_modules", "claimed_model_types", "discover", "family_of",
-           "modules", "patch_cutile_attention", "patch_masked_prefill_attention", "sdpa_attention_verdict", "switch_back", "switchable_verdict",
-           "unpatch_cutile_attention", "unpatch_masked_prefill_attention"]
+           "modules", "patch_cutile_attention", "patch_masked_prefill_attention", "sdpa_attention_verdict",
+           "switch_back", "switchable_verdict", "unpatch_cutile_attention", "unpatch_masked_prefill_attention"]

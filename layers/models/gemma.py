@@ -5,7 +5,8 @@ after the multiply, in float32 (not decorated for the hub: the patch ``rms_norm_
 ``layers/norm.py`` reaches it, on the ``rms_norm_gemma`` kernel, by default since the H200 bench of
 2026-12-01: gemma-3-1b decode 1.8x, prefill 1.7x over our build without it); four norms per decoder layer
 (Gemma 2 and 3), GeGLU with ``gelu_pytorch_tanh`` (LlamaMLP's code with another activation: the
-patch ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs our GeGLU), the embedding scaled by sqrt(hidden), sliding
+patch ``fused_gate_up_geglu`` of ``layers/mlp.py`` stacks gate and up and runs our GeGLU), the
+embedding scaled by sqrt(hidden), sliding
 and global layers, logit softcaps (Gemma 2: transformers attends eagerly, sdpa having no softcap;
 the default patch ``gemma2_attention`` below runs our kernel instead), q/k norms
 and two RoPE bases (Gemma 3). Gemma's
@@ -290,10 +291,11 @@ def unpatch_gemma3_qk_norm_rope(model: nn.Module) -> int:
 #: This module's patch rows (gathered by ``layers/_registry.py``): gemma2_attention by default since
 #: the H200 bench of 2026-12-03 (gemma-2-2b 1.6-2.3x stock eager); gemma_add_norm and
 #: gemma3_qk_norm_rope (with layers/mlp.py's fused_gate_up_geglu) since the same-run A/B of
-#: 2026-12-05 on an H100 (gemma-3-1b, the three against our build without them, per round: eager
-#: prefill 1.78x / 1.20x, decode 1.20x / 1.19x at batch 1, 1.10x / 1.07x at 16; the coverage pass's
-#: non-GEMM device time 1950 against 2101 us at a 512-token prefill, 4851 against 5526 over four
-#: decode steps; benchmarks/results/h100-2026-12-05e).
+#: 2026-12-05 on an H100 (gemma-3-1b, the three against our build without them: eager prefill
+#: interleaved in one process 18.04 against 19.99 ms; per round, host-paced, decode faster in all
+#: five rounds of two runs at batch 1 and 16, prefill in four of five (2.5 % slower in one); the coverage
+#: pass's non-GEMM device time 1950 against 2101 us at a 512-token prefill, 4851 against 5526 over
+#: four decode steps; benchmarks/results/h100-2026-12-05e).
 PATCH_ROWS = [Patch("gemma2_attention", apply=patch_gemma2_attention, undo=unpatch_gemma2_attention,
                     description="Gemma 2 (no sdpa path: its softcap) attends with our kernel instead of eager"),
               Patch("gemma_add_norm", apply=patch_gemma_add_norm, undo=unpatch_gemma_add_norm,

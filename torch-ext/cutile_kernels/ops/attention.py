@@ -205,8 +205,9 @@ def num_splits(blocks: int, keys: int, sms: int) -> int:
 
 #: (kind, device, padded head dim or 0) -> a stand-in array made by :func:`prepare`.
 _DUMMIES: dict = {}
-_DUMMY_KINDS = {"mask": ((1, 1, 1), torch.int8), "part": ((1, 1, 1, None), torch.float32),
-                "lse": ((1, 1, 1), torch.float32), "kv_len": ((1,), torch.int64)}
+_DUMMY_KINDS = {"mask": ((1, 1, 1), torch.int8), "tiles": ((1, 1, 1), torch.int8),
+                "part": ((1, 1, 1, None), torch.float32), "lse": ((1, 1, 1), torch.float32),
+                "kv_len": ((1,), torch.int64)}
 
 
 def _new_dummy(kind: str, device: torch.device, dp: int) -> torch.Tensor:
@@ -272,7 +273,7 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     (``attention_mask_tiles``: hidden, partial, full), which its ``attention`` launch reads to skip
     hidden tiles and the mask reads of full ones. ``sms`` defaults to the device's multiprocessor
     count. ``kv_len`` is
-    for the decode tiles (``Sq <= DECODE_MAX_SQ``) only; their splits are chosen for k's whole
+    for the short tiles (decode-sized or split calls) only; their splits are chosen for k's whole
     length (a graph replays them for every ``kv_len``) and share the first ``kv_len`` keys' tiles;
     their keys per tile follow (:func:`decode_bn`). A decode-sized call whose KV group no built
     ``HB`` divides (:func:`padded_heads`) runs unsplit as ``B * Hkv`` batches of one KV head where
@@ -317,7 +318,8 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     grid = (q_blocks * splits, q.shape[0] * -(-q.shape[1] // hb), 1)
     if not short:  # the prefill tiles; with a mask, its tiles classified first
         if not has_mask:
-            args = (q, k, v, m, _dummy("mask", q.device), o, float(scale), float(softcap or 0.0), int(window or 0),
+            # Stand-ins of their own kind: one array passed as two inputs would be refused as aliased.
+            args = (q, k, v, m, _dummy("tiles", q.device), o, float(scale), float(softcap or 0.0), int(window or 0),
                     0, 0, int(bool(causal)))
             return [("attention", want, args, 5, lambda consts: grid)]
         kv_tiles = -(-Skv // bn)
