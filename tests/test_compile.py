@@ -16,6 +16,7 @@ with inductor, and ``generate``'s own compile (CUDA graphs), against the eager k
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -67,6 +68,9 @@ FAMILY_OPS = {
 #: Families whose sliding layers get a boolean mask at this prefill (20 tokens, a window of 4): under
 #: "cutile" (patch masked_prefill_attention) the kernel takes them (the tiny head dim 16 loads as 64).
 MASKED_PREFILL = {"gemma3_text", "olmo3"}
+
+
+@functools.lru_cache(maxsize=None)
 def _compile_keeps_masks() -> bool:
     """Whether transformers builds, under torch.compile, the causal masks it skips in eager
     (``masking_utils._ignore_causal_mask_sdpa`` never skips while ``is_torchdynamo_exporting()``,

@@ -174,7 +174,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                     continue
                 args = shipped
             c = variant.constants
-            if c["D"] != max(64, 1 << (D - 1).bit_length()) or (hq // hkv) % c["HB"]:
+            if c["D"] != ops.padded_head_dim(D) or (hq // hkv) % c["HB"]:
                 continue  # another head dim; or a block's heads would span two KV heads (Phi-4-mini's 3)
             if not variant.tag.startswith("bf16."):
                 continue  # the inputs are bf16 (an fp16 variant would read them as fp16)

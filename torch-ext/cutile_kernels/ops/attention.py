@@ -317,17 +317,17 @@ def launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     want = (("D", dp), ("HB", hb), ("BS", bs), ("BN", bn))
     grid = (q_blocks * splits, q.shape[0] * -(-q.shape[1] // hb), 1)
     if not short:  # the prefill tiles; with a mask, its tiles classified first
-        if not has_mask:
-            # Stand-ins of their own kind: one array passed as two inputs would be refused as aliased.
-            args = (q, k, v, m, _dummy("tiles", q.device), o, float(scale), float(softcap or 0.0), int(window or 0),
-                    0, 0, int(bool(causal)))
-            return [("attention", want, args, 5, lambda consts: grid)]
         kv_tiles = -(-Skv // bn)
-        classes = torch.empty(m.shape[0], q_blocks, kv_tiles, dtype=torch.int8, device=q.device)
-        args = (q, k, v, m, classes, o, float(scale), float(softcap or 0.0), int(window or 0), 1, 1, int(bool(causal)))
+        # Without a mask, a stand-in of its own kind: one array passed as two inputs would be refused as aliased.
+        classes = (torch.empty(m.shape[0], q_blocks, kv_tiles, dtype=torch.int8, device=q.device) if has_mask
+                   else _dummy("tiles", q.device))
+        args = (q, k, v, m, classes, o, float(scale), float(softcap or 0.0), int(window or 0), has_mask, has_mask,
+                int(bool(causal)))
+        attend = [("attention", want, args, 5, lambda consts: grid)]
+        if not has_mask:
+            return attend
         tgrid = (kv_tiles, q_blocks, m.shape[0])
-        return [("attention_mask_tiles", (("BS", bs), ("BN", bn)), (m, classes), 1, lambda consts: tgrid),
-                ("attention", want, args, 5, lambda consts: grid)]
+        return [("attention_mask_tiles", (("BS", bs), ("BN", bn)), (m, classes), 1, lambda consts: tgrid)] + attend
     scalars = (float(scale), float(softcap or 0.0), int(window or 0), has_mask, int(kv_len is not None),
                int(bool(causal)), splits)
     if splits == 1:
