@@ -1346,6 +1346,42 @@ def test_cuda_graph_replay_and_compile(strict):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 256])
+def test_masked_prefill_replays_in_a_cuda_graph_and_compiles(D, strict):
+    """A masked prefill (its tiles classified, then the attention: two launches and the classes
+    allocated inside the call) captured in a CUDA graph follows new q and a new mask at replay, and
+    under torch.compile(fullgraph=True) gives the eager op's numbers; with the stand-ins kept, as a
+    patched model has them (an unmasked prefill then passes no array twice)."""
+    attn_ops.prepare("cuda")
+    B, Hq, Hkv, S = 2, 4, 1, 300
+    q, k, v = make_qkv(B, Hq, Hkv, S, S, D, torch.bfloat16, "cuda")
+    m = hf_mask(B, S, S, 0, left_padding(B, S, [0, 37], "cuda"), window=100, device="cuda").clone()  # written below
+    eager = cutile_kernels.attention(q, k, v, m, causal=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cutile_kernels.attention(q, k, v, m, causal=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cutile_kernels.attention(q, k, v, m, causal=False)
+    q.copy_(torch.randn_like(q))
+    m.copy_(hf_mask(B, S, S, 0, left_padding(B, S, [150, 0], "cuda"), window=40, device="cuda"))
+    g.replay()
+    torch.cuda.synchronize()
+    want = cutile_kernels.attention(q, k, v, m, causal=False)
+    assert torch.equal(out, want) and not torch.equal(out, eager)
+    ref = cutile_kernels.attention_reference(q.double(), k.double(), v.double(), m, causal=False)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    compiled = torch.compile(lambda q, k, v, m: cutile_kernels.attention(q * 1, k, v, m, causal=False), fullgraph=True)
+    assert torch.equal(compiled(q, k, v, m), want)
+    # The unmasked prefill with the stand-ins kept: strict mode raises if the launch falls back.
+    ref = cutile_kernels.attention_reference(q.double(), k.double(), v.double())
+    got = cutile_kernels.attention(q, k, v).double()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
 def test_unsupported_dtype_falls_back(caplog):
     q, k, v = make_qkv(1, 4, 2, 5, 5, 64, torch.float32, "cuda")
     with caplog.at_level("WARNING", logger="cutile_kernels"):
