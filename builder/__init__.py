@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -154,6 +155,26 @@ def _load_manifest(path: Path) -> dict:
 MAX_SYMBOL_FILE = 160
 
 
+def _params_json(spec: VariantSpec) -> list[dict]:
+    """The manifest's record of ``spec``'s parameters: each one's fields, and for an array the
+    dimensions its module's ``ARRAY_FLAT_DIMS`` says every tile indexes with extent 1 (``flat_dims``,
+    read by the registry's int32 offset bound; empty when the module says nothing). A key is a
+    parameter name, whose dims must hold in every kernel of the module with a parameter of that
+    name, or a ``(function, name)`` pair for one kernel, which wins over the name. The builder can
+    check only that the dims exist: raises :class:`BuildError` for a dim past the array's rank."""
+    module = importlib.import_module(spec.module if "." in spec.module else f"{kernel_src.__name__}.{spec.module}")
+    flat = getattr(module, "ARRAY_FLAT_DIMS", {})
+    params = spec.params_json()
+    for p in params:
+        if p["kind"] == "array":
+            dims = list(flat.get((spec.function, p["name"]), flat.get(p["name"], ())))
+            if any(not 0 <= d < p["ndim"] for d in dims):
+                raise BuildError(f"{spec.module}.ARRAY_FLAT_DIMS[{p['name']!r}] = {dims}: {spec.tag}'s {p['name']} has "
+                                 f"{p['ndim']} dims")
+            p["flat_dims"] = dims
+    return params
+
+
 def cubin_file(symbol: str) -> str:
     """The cubin's file name of a variant: ``<symbol>.cubin``, or for a symbol longer than
     :data:`MAX_SYMBOL_FILE` its first characters and a digest of the whole (unique, stable)."""
@@ -219,7 +240,7 @@ def build(out_dir: str | os.PathLike = "build", archs=DEFAULT_ARCHS, kernels=Non
                 "kernel": spec.kernel, "variant": spec.tag, "arch": arch, "symbol": sig.symbol,
                 "function": spec.function, "module": spec.module, "cubin": rel,
                 "calling_convention": CALLING_CONVENTION, "constants": spec.constants,
-                "params": spec.params_json(), "hash": variant_hash(spec, arch), **tool,
+                "params": _params_json(spec), "hash": variant_hash(spec, arch), **tool,
             }
             prev = old.get(key)
             if not force and prev and prev.get("hash") == entry["hash"] and (old_pkg / rel).is_file():

@@ -311,6 +311,14 @@ def attention_combine_kernel(part, lse, o, num_splits: int, D: ct.Constant[int],
 # Build matrix
 # ---------------------------------------------------------------------------------------------
 
+#: Per array parameter, the dimensions every tile of this family's kernels indexes with extent 1 (a
+#: batch, a head, a split): no lane reaches past their edge, so the registry's int32 offset bound
+#: (``registry.ArrayCheck``) counts a tile's reach only along the others. Without it a static cache
+#: of 16 x 32 heads x 4096 slots x 128 (OLMo-3-7B at batch 16) was refused as past int32 and took the
+#: PyTorch fallback (H100, 2026-12-05), though its largest offset is an eighth of the limit.
+ARRAY_FLAT_DIMS = {"q": (0,), "k": (0, 1), "v": (0, 1), "mask": (0,), "tiles": (0,), "o": (0,), "part": (0,),
+                   "lse": (0,)}
+
 #: Padded head dims built (64 takes head_dim <= 64, e.g. 32 and 64; 128 takes 80, 96, 128).
 HEAD_DIMS = (64, 128, 256)
 #: Prefill tiles per padded head dim: (HB, BS, BN). One query head per block, 128 query rows

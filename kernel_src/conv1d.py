@@ -24,6 +24,13 @@ from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, VariantSpec
 RN = ct.RoundingMode.RN
 
 
+#: Per array, the dimensions every gather and scatter indexes with one value (the batch row; the state's
+#: and the weight's tap): the registry's int32 bound (``registry.ArrayCheck``) counts a tile's reach
+#: only along the others. Without it a batched prefill of Qwen3.5's 6144 channels was refused from
+#: B=2 x 2800 tokens on (the batch stride times the tile) and took the PyTorch path.
+ARRAY_FLAT_DIMS = {"x": (0,), "y": (0,), "state": (0, 2), "weight": (1,)}
+
+
 @ct.function
 def _silu_rounded(acc, dtype):
     # F.conv1d's output rounded to the input dtype, then SiLU in float32, rounded again.

@@ -47,6 +47,14 @@ RN = ct.RoundingMode.RN
 L2_EPS = 1e-6
 
 
+#: Per array, the dimensions every tile indexes with extent 1 (batch and head; see
+#: ``registry.ArrayCheck``'s int32 bound). g and beta are (B, T, H) in the delta-rule kernels but
+#: (rows, H) tiles of ROWS rows in the gates kernel: declared for those three kernels only.
+ARRAY_FLAT_DIMS = {**{a: (0, 2) for a in ("q", "k", "v", "o", "w", "u")}, "state": (0, 1), "attn": (0, 1),
+                   **{(f"gated_delta_{kernel}_kernel", a): (0, 2) for kernel in ("recurrent", "prepare", "scan")
+                      for a in ("g", "beta")}}
+
+
 @ct.function
 def _l2_normalize(x):
     # Rows of a float32 (R, DK) tile over the last axis: x * rsqrt(sum(x^2) + 1e-6).

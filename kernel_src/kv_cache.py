@@ -48,6 +48,9 @@ def kv_append_kernel(keys, values, k, v, length, BS: ct.Constant[int], D: ct.Con
 # Build matrix
 # ---------------------------------------------------------------------------------------------
 
+#: Per array, the dimensions every tile indexes with extent 1 (batch and head; see
+#: ``registry.ArrayCheck``): the int32 bound counts a tile's reach only along slots and lanes.
+ARRAY_FLAT_DIMS = {"keys": (0, 1), "values": (0, 1), "k": (0, 1), "v": (0, 1)}
 #: Padded head dims built (head_dim <= 256; 80 and 96 take 128).
 HEAD_DIMS = (64, 128, 256)
 #: New rows per block: one decode token, or a short chunk (longer writes take more blocks).

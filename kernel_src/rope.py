@@ -199,6 +199,14 @@ def rope_append_pass_kernel(q, k, v, cos, sin, keys, values, length, q_pass, k_p
 # Build matrix
 # ---------------------------------------------------------------------------------------------
 
+#: Per array, the dimensions every tile of this family's kernels indexes with extent 1 (see
+#: ``registry.ArrayCheck``'s int32 bound): the batch everywhere, and the half index of the rotated
+#: arrays (each half is its own tile). The cache's slot dim is not declared: the append tiles are one
+#: position, but its stride is below the head's, which the bound counts anyway.
+ARRAY_FLAT_DIMS = {**{a: (0, 3) for a in ("q", "k", "q_out", "k_out", "keys")},
+                   **{a: (0,) for a in ("v", "values", "q_pass", "k_pass", "v_pass", "q_pass_out", "k_pass_out",
+                                        "keys_pass", "values_pass")}}
+
 #: Half-widths built (R/2 padded up to one of them): 32 serves head_dim <= 64, 64 serves 80, 96
 #: and 128, 128 serves 256. Wider rotary dims take the PyTorch path.
 BLOCKS = (32, 64, 128)

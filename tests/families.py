@@ -50,6 +50,11 @@ FAMILIES = {
     "gemma2": {"sliding_window": 4},
 }
 
+#: Fields over the OLMo rows (olmo2, olmo3) that give heads qk_norm_rope_olmo2's tiles take (head_dim
+#: 66 to 128; every OLMo 2 and 3 checkpoint has 128): the default patch olmo2_qk_norm_rope, and
+#: fused_qkv that stacks only what it patches, leave the rows' head_dim 16 alone.
+OLMO_KERNEL_HEADS = {"head_dim": 128}
+
 
 def config(model_type: str, layers: int = 3, **fields):
     """The tiny config of ``model_type`` with ``layers`` decoder layers (``fields`` override; a

@@ -1296,6 +1296,27 @@ def test_kernel_reads_only_the_filled_static_slots(heads, B, Sq, filled, splits,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B,filled,slots", [(16, 3000, 4096), (16, 2100, 2176), (4, 4000, 4096)])
+def test_mha_decode_over_a_long_static_cache_runs_the_kernel(B, filled, slots, strict):
+    """OLMo-3-7B's layout (32 heads of 128, MHA) at batch 16 over a static cache of thousands of
+    slots: the long tile (256 keys) launches (strict: a fallback raises; before the flat dims the
+    int32 bound refused k, H100 2026-12-05) and matches float64 attention over the filled keys."""
+    q, k, v = make_qkv(B, 32, 32, 1, slots, 128, torch.bfloat16, "cuda")
+    k[:, :, filled:], v[:, :, filled:] = float("nan"), float("nan")
+    out = torch.full((B, 1, 32, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kv_len = torch.tensor(filled, device="cuda")
+    plan = attn_ops.launches(q, k, v, None, out, 128 ** -0.5, True, kv_len=kv_len)
+    assert dict(plan[0][1])["BN"] == attn_ops.DECODE_BN_LONG[128] or plan[0][2][-1] > 1
+    assert attn_ops.attention_into(q, k, v, None, out, 128 ** -0.5, True, kv_len=kv_len)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any()
+    cut = (slice(None), slice(None), slice(0, filled))
+    ref = cutile_kernels.attention_reference(q.double(), k[cut].double(), v[cut].double(), None, 128 ** -0.5,
+                                             True).transpose(1, 2)
+    assert _rel(out, ref) <= 4e-3
+
+
+@pytest.mark.gpu
 def test_kv_len_is_read_at_replay(strict):
     """A CUDA graph captured with kv_len replays the length the tensor holds at replay time."""
     B, Hq, Hkv, D, Skv = 2, 16, 8, 128, 1024

@@ -32,6 +32,20 @@ def manifest(built_package_dir):
 # The build directory the tests run against
 # ---------------------------------------------------------------------------------------------
 
+def test_flat_dims_past_an_arrays_rank_are_refused(monkeypatch):
+    # A name declared for a kernel where it has fewer dims (gated_delta's g: 3-D in the delta-rule
+    # kernels, 2-D in the gates kernel) stops the build instead of reaching the manifest.
+    from cutile_kernels.kernel_src import gated_delta
+
+    gates = next(s for s in gated_delta.VARIANTS if s.kernel == "gated_delta_gates")
+    assert {p["name"]: p["flat_dims"] for p in builder._params_json(gates) if p["kind"] == "array"}["g"] == []
+    monkeypatch.setattr(gated_delta, "ARRAY_FLAT_DIMS", {**gated_delta.ARRAY_FLAT_DIMS, "g": (0, 2)})
+    with pytest.raises(BuildError, match=r"ARRAY_FLAT_DIMS\['g'\] = \[0, 2\].* has 2 dims"):
+        builder._params_json(gates)
+    scan = next(s for s in gated_delta.VARIANTS if s.kernel == "gated_delta_scan")
+    assert {p["name"]: p["flat_dims"] for p in builder._params_json(scan) if p["kind"] == "array"}["g"] == [0, 2]
+
+
 def test_manifest_covers_every_variant_and_arch(built_package_dir, manifest):
     archs = manifest["archs"]
     assert archs and set(archs) <= {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
@@ -50,7 +64,11 @@ def test_manifest_covers_every_variant_and_arch(built_package_dir, manifest):
             assert not missing, f"{spec.tag} {arch} lacks {missing}"
             assert e["symbol"] == aot.signature(spec).symbol
             assert e["constants"] == spec.constants
-            assert e["params"] == json.loads(json.dumps(spec.params_json()))
+            assert e["params"] == json.loads(json.dumps(builder._params_json(spec)))
+            flat = getattr(sys.modules.get(f"{kernel_src.__name__}.{spec.module}"), "ARRAY_FLAT_DIMS", {})
+            for p in e["params"]:  # each array's flat dims: its family's declaration (one kernel's first), else none
+                want = flat.get((spec.function, p["name"]), flat.get(p["name"], ()))
+                assert p.get("flat_dims") == (list(want) if p["kind"] == "array" else None)
             assert e["function"] == spec.function and e["module"] == spec.module
             assert e["calling_convention"] == "cutile_python_v1"
             assert e["cuda_tile"] == manifest["cuda_tile"] and e["tileiras"] == manifest["tileiras"]

@@ -29,7 +29,7 @@ import cutile_kernels
 from cutile_kernels.layers import patch as patcher
 from cutile_kernels.layers._match import class_verdict
 
-from families import CLAIMED, model as tiny_model
+from families import CLAIMED, OLMO_KERNEL_HEADS, model as tiny_model
 
 transformers = pytest.importorskip("transformers")
 kernels = pytest.importorskip("kernels")
@@ -54,10 +54,11 @@ FAMILY_OPS = {
     # no sdpa path: patch gemma2_attention runs ours
     "gemma2": {"rms_norm_gemma", "add_rms_norm_gemma", "rope", "gelu_tanh_and_mul_fused", "attention"},
     "phi3": {"add_rms_norm", "rms_norm", "rope", "silu_and_mul"},  # Llama-code norms and adds; phi3_rope; phi3_mlp
-    # float32-order norms (offset 0): the final one alone, the post-norms with their adds, the q/k
-    # norms with the float32-cos RoPE
-    "olmo2": {"rms_norm_gemma", "rms_norm_add_gemma", "qk_norm_rope_olmo2", "silu_and_mul_fused"},
-    "olmo3": {"rms_norm_gemma", "rms_norm_add_gemma", "qk_norm_rope_olmo2", "silu_and_mul_fused"},  # + sliding layers
+    # float32-order norms (offset 0): the final one and the q/k norms alone, the post-norms with their
+    # adds, the float32-cos RoPE (the tiny head_dim 16, which olmo2_qk_norm_rope's tiles do not take:
+    # at head_dim 128 OLMO_FUSED_QK replaces the q/k norms and RoPE)
+    "olmo2": {"rms_norm_gemma", "rms_norm_add_gemma", "rope_cast", "silu_and_mul_fused"},
+    "olmo3": {"rms_norm_gemma", "rms_norm_add_gemma", "rope_cast", "silu_and_mul_fused"},  # + sliding layers
     # (1 + weight) norms (one fused with the residual add), SwiGLU, the gated norm, the gates (the
     # block's hub layer). The delta rule and conv layers give CPU calls to
     # transformers' functions; on CUDA they are ours (test_gpu_static_generate_... traces them).
@@ -65,6 +66,9 @@ FAMILY_OPS = {
     "qwen3_5_text": {"rms_norm_gemma", "add_rms_norm_gemma", "silu_and_mul_fused", "rms_norm_gated",
                      "gated_delta_gates", "qk_norm_rope_gemma", "sigmoid_and_mul"},
 }
+#: OLMo's ops at head_dim 128 (every OLMo 2 and 3 checkpoint's): the q/k norms and RoPE as one
+#: qk_norm_rope_olmo2 a layer (patch olmo2_qk_norm_rope), the final norm alone.
+OLMO_FUSED_QK = {"rms_norm_gemma", "rms_norm_add_gemma", "qk_norm_rope_olmo2", "silu_and_mul_fused"}
 #: Families whose sliding layers get a boolean mask at this prefill (20 tokens, a window of 4): under
 #: "cutile" (patch masked_prefill_attention) the kernel takes them (the tiny head dim 16 loads as 64).
 MASKED_PREFILL = {"gemma3_text", "olmo3"}
@@ -238,6 +242,24 @@ def test_kernelized_forward_compiles_fullgraph_with_our_ops(model_type, attn, va
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_kernelized_olmo_at_head_dim_128_compiles_fullgraph_with_the_fused_qk_op(model_type, variant, monkeypatch,
+                                                                                  no_breaks):
+    """At a head dim the kernel's tiles take, the default patch olmo2_qk_norm_rope owns every
+    attention module: one qk_norm_rope_olmo2 op a layer in the graph, no RoPE op of its own."""
+    model = _kernelize_on_cpu(tiny_model(model_type, **OLMO_KERNEL_HEADS), variant, monkeypatch)
+    assert "olmo2_qk_norm_rope" in patcher.applied(model)
+    ids = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        want = model(ids).logits
+        rec = Recorder()
+        got = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
+    assert rec.graphs == 1
+    assert set(rec.ops) - {"attention"} == OLMO_FUSED_QK
+    assert rec.ops["qk_norm_rope_olmo2"] == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want)
+
+
 def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
     # The opt-in patches too (rope_cos_sin, fused_qkv), on the family that takes all but Qwen3's and
     # the other families' own (tests/test_rms_norm_gemma.py and tests/test_phi3.py compile those).
@@ -297,11 +319,14 @@ def _costly_guards(model) -> set[str]:
 
 
 #: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
-_OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope"), ("qwen3", "fused_qkv"), ("olmo3", "fused_qkv")]
+#: (family, patch, config fields): OLMo's stacking needs olmo2_qk_norm_rope, so heads its kernel takes.
+_OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope", {}), ("qwen3", "fused_qkv", {}),
+                    ("olmo3", "fused_qkv", OLMO_KERNEL_HEADS)]
 
 
-@pytest.mark.parametrize("model_type,opt_in", [(m, None) for m in CLAIMED] + _OPT_IN_FORWARDS)
-def test_compiled_decode_step_adds_no_costly_guards(model_type, opt_in, variant, monkeypatch, no_breaks):
+@pytest.mark.parametrize("model_type,opt_in,fields", [(m, None, {}) for m in CLAIMED] + _OPT_IN_FORWARDS,
+                         ids=[f"{m}-None" for m in CLAIMED] + [f"{m}-{p}" for m, p, _ in _OPT_IN_FORWARDS])
+def test_compiled_decode_step_adds_no_costly_guards(model_type, opt_in, fields, variant, monkeypatch, no_breaks):
     """Every compiled call checks its guards on the host before the CUDA graph replays, so a guard
     our forwards add is paid on each decode step. The kernelized and patched model's decode step
     (the default patches, and the opt-in ones with their own attention forwards) holds none of the
@@ -311,8 +336,8 @@ def test_compiled_decode_step_adds_no_costly_guards(model_type, opt_in, variant,
     patches = None
     if opt_in is not None:
         patches = [name for name, p in patcher.PATCHES.items() if p.default] + [opt_in]
-    stock = _costly_guards(tiny_model(model_type))
-    model = _kernelize_on_cpu(tiny_model(model_type), variant, monkeypatch, patches=patches)
+    stock = _costly_guards(tiny_model(model_type, **fields))
+    model = _kernelize_on_cpu(tiny_model(model_type, **fields), variant, monkeypatch, patches=patches)
     if opt_in is not None:
         assert opt_in in patcher.applied(model)
     ours = _costly_guards(model)

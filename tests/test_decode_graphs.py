@@ -176,7 +176,9 @@ def test_generate_replays_and_matches_eager(model_type, fields, emulated):
 @pytest.mark.parametrize("model_type,fields,patches", [
     ("qwen3_5_text", {}, ["qwen3_5_rope", "qwen3_5_stacked_proj"]),
     ("gemma3_text", {"sliding_window": 6}, ["gemma_add_norm", "gemma3_qk_norm_rope"]),
-    ("olmo3", {}, ["olmo2_qk_norm_rope", "fused_qkv", "olmo2_norm_add"])], ids=["qwen3_5", "gemma3", "olmo3"])
+    # head_dim 128: qk_norm_rope_olmo2's tiles (the patch, and so fused_qkv, leaves the tiny 16 alone)
+    ("olmo3", {"head_dim": 128}, ["olmo2_qk_norm_rope", "fused_qkv", "olmo2_norm_add"])],
+    ids=["qwen3_5", "gemma3", "olmo3"])
 def test_family_patches_replay_and_match_eager(model_type, fields, patches, emulated):
     """Patches in the replayed decode steps, against the stock model's static-cache generate:
     Qwen3.5's qwen3_5_rope (q/k norms + partial RoPE, the output gate) and qwen3_5_stacked_proj (one

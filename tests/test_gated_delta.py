@@ -597,6 +597,19 @@ def test_gpu_delta_rule_does_not_drift_over_16k_tokens(strict):
 
 
 @pytest.mark.gpu
+def test_gpu_batched_long_prefill_runs_the_chunked_kernels(strict):
+    """Qwen3.5-0.8B's linear heads at 2 x 4096 tokens, q/k/v sliced from the conv output: past the
+    int32 bound the registry used before the flat dims (the batch stride times the tile: the PyTorch
+    path then ran, or in strict mode an error), within int32 itself."""
+    q, k, v, g, beta, s0 = _delta_inputs(2, 4096, 16, 128, 128, torch.bfloat16, "cuda", seed=11, strided=True)
+    want, want_state = _float64_rule(q, k, v, g, beta, s0)
+    state = s0.clone()
+    out = cutile_kernels.gated_delta_rule(q, k, v, g, beta, state)
+    assert float((out.double() - want).norm() / want.norm()) < 1e-2
+    assert float((state.double() - want_state).norm() / want_state.norm()) < 1e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 3])
 def test_gpu_chunked_state_equals_token_by_token(B, strict):
     q, k, v, g, beta, s0 = _delta_inputs(B, 100, 4, 128, 128, torch.bfloat16, "cuda", seed=B)
@@ -629,7 +642,7 @@ def test_gpu_recurrent_step_replays_in_a_cuda_graph(strict):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("L", [1, 3, 64, 2049])
+@pytest.mark.parametrize("L", [1, 3, 64, 2049, 4096])  # 2 x 4096: past the int32 bound without the flat dims
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_conv_matches_transformers(L, dtype, strict, stock_functions):
     gen = torch.Generator().manual_seed(L)

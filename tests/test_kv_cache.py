@@ -117,6 +117,18 @@ def test_gpu_writes_exactly_the_new_rows(shape, dtype, strided, strict):
 
 
 @pytest.mark.gpu
+def test_gpu_appends_into_a_long_mha_cache(strict):
+    # OLMo-3-7B's cache at batch 16 (32 heads x 4096 slots x 128): past the int32 bound the registry
+    # used before the flat dims (a tile's reach along the batch stride), well within int32 itself.
+    keys, values = _cache(16, 32, 4096, 128, torch.bfloat16, "cuda", fill=0.0)
+    k, v = _rows(16, 32, 1, 128, torch.bfloat16, "cuda")
+    cutile_kernels.kv_append(keys, values, k, v, torch.tensor(4000, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(keys[:, :, 4000:4001], k) and torch.equal(values[:, :, 4000:4001], v)
+    assert keys[:, :, :4000].abs().sum() == 0 and keys[:, :, 4001:].abs().sum() == 0
+
+
+@pytest.mark.gpu
 def test_gpu_rows_past_the_end_are_not_written(strict):
     keys, values = _cache(2, 4, 10, 64, torch.bfloat16, "cuda")
     k, v = _rows(2, 4, 3, 64, torch.bfloat16, "cuda")

@@ -195,6 +195,18 @@ def test_tile_choice():
     assert ops._olmo2_tile(64, 16) is None and ops._olmo2_tile(130, 16) is None and ops._olmo2_tile(128, 65) is None
 
 
+def test_tile_reason_is_the_one_rule():
+    """olmo2_tile_reason (what the patch asks at kernelize time) and olmo2_unsupported (each call)
+    give the same answer and words for a head dim and head count."""
+    assert ops.olmo2_tile_reason(128, 16) is None and ops.olmo2_tile_reason(128, 64) is None
+    assert ops.olmo2_tile_reason(66, 1) is None and ops.olmo2_tile_reason(96, 40) is None
+    for d, heads in ((16, 4), (64, 16), (130, 16), (256, 8), (128, 65)):
+        why = ops.olmo2_tile_reason(d, heads)
+        assert why.startswith(f"head_dim {d} with {heads} heads") and str(src.OLMO2_TILES) in why, why
+    q, k, qw, kw, cos, sin = _inputs(1, 4, 2, 3, d=16)
+    assert ops.olmo2_unsupported(q, k, qw, kw, cos, sin) == ops.olmo2_tile_reason(16, 4)
+
+
 def test_unsupported_inputs_say_why():
     q, k, qw, kw, cos, sin = _inputs(1, 16, 16, 3)
     assert ops.olmo2_unsupported(q, k, qw, kw, cos, sin) is None
@@ -240,6 +252,9 @@ def test_definition_constraints_are_the_kernels_tiles():
 # ---------------------------------------------------------------------------------------------
 # CPU: the patch olmo2_qk_norm_rope (layers/models/olmo2.py, a default)
 # ---------------------------------------------------------------------------------------------
+#
+# Models with head_dim 128 (families.OLMO_KERNEL_HEADS; the kernel's tiles) where the patch must
+# apply; the family rows' head_dim 16, which no tile takes, where it must not.
 
 def _logits(model, ids):
     with torch.no_grad():
@@ -255,9 +270,9 @@ def test_patch_keeps_stock_logits_stacks_and_undoes(model_type):
     """On the CPU the op is its reference, bit for bit stock: the patched model's logits equal stock's,
     alone and with its q/k/v stacked by fused_qkv (OLMo 3: sliding layers with their window); the
     fused op runs once a layer; the undo leaves no instance forward or window attribute behind."""
-    from families import model as tiny
+    from families import OLMO_KERNEL_HEADS, model as tiny
 
-    model, stock = tiny(model_type), tiny(model_type)
+    model, stock = tiny(model_type, **OLMO_KERNEL_HEADS), tiny(model_type, **OLMO_KERNEL_HEADS)
     ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(5))
     want = _logits(stock, ids)
     assert cutile_kernels.patch(model, names=["olmo2_qk_norm_rope"]).changed == {"olmo2_qk_norm_rope": 3}
@@ -268,6 +283,10 @@ def test_patch_keeps_stock_logits_stacks_and_undoes(model_type):
     assert cutile_kernels.stats()["reference_calls"].get(NAME) == 3
     assert cutile_kernels.patch(model, names=["fused_qkv"]).changed == {"fused_qkv": 3}
     assert all(hasattr(m, "qkv_proj") and not hasattr(m, "q_proj") for m in _attention(model))
+    assert torch.equal(_logits(model, ids), want)
+    # the verdict also judges stacked modules (no q_proj / k_proj: their heads from the norms' widths)
+    assert cutile_kernels.unpatch(model, names=["olmo2_qk_norm_rope"]).changed == {"olmo2_qk_norm_rope": 3}
+    assert cutile_kernels.patch(model, names=["olmo2_qk_norm_rope"]).changed == {"olmo2_qk_norm_rope": 3}
     assert torch.equal(_logits(model, ids), want)
     assert cutile_kernels.unpatch(model, names=["fused_qkv", "olmo2_qk_norm_rope"]).changed == \
         {"fused_qkv": 3, "olmo2_qk_norm_rope": 3}
@@ -282,7 +301,7 @@ def test_a_stacked_module_keeps_passing_its_window_after_the_undo(monkeypatch):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import AttentionInterface
 
-    from families import model as tiny
+    from families import OLMO_KERNEL_HEADS, model as tiny
 
     seen = []
 
@@ -292,7 +311,7 @@ def test_a_stacked_module_keeps_passing_its_window_after_the_undo(monkeypatch):
 
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", recording)
     ids = torch.randint(1, 256, (1, 9), generator=torch.Generator().manual_seed(4))
-    stock, model = tiny("olmo3"), tiny("olmo3")
+    stock, model = tiny("olmo3", **OLMO_KERNEL_HEADS), tiny("olmo3", **OLMO_KERNEL_HEADS)
     _logits(stock, ids)
     want, seen[:] = list(seen), []
     assert want == [(0, 4), (1, None), (2, 4)]
@@ -307,9 +326,9 @@ def test_a_stacked_module_keeps_passing_its_window_after_the_undo(monkeypatch):
 
 
 def test_hooked_or_mismatched_norms_run_the_stock_lines():
-    from families import model as tiny
+    from families import OLMO_KERNEL_HEADS, model as tiny
 
-    model, stock = tiny("olmo2"), tiny("olmo2")
+    model, stock = tiny("olmo2", **OLMO_KERNEL_HEADS), tiny("olmo2", **OLMO_KERNEL_HEADS)
     ids = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(6))
     cutile_kernels.patch(model, names=["olmo2_qk_norm_rope"])
     seen = []
@@ -318,18 +337,18 @@ def test_hooked_or_mismatched_norms_run_the_stock_lines():
     stock.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3
     cutile_kernels.reset_stats()
     assert torch.equal(_logits(model, ids), _logits(stock, ids))
-    assert seen == [(1, 7, model.config.hidden_size)]  # the hook fired on the stock line
+    assert seen == [(1, 7, 4 * 128)]  # the hook fired on the stock line (4 heads of 128)
     assert cutile_kernels.stats()["reference_calls"].get(NAME) == 1  # only the third layer fused
 
 
 def test_patch_leaves_other_attention_code_alone(caplog):
-    from families import model as tiny
+    from families import OLMO_KERNEL_HEADS, model as tiny
 
     class Changed(olmo2.Olmo2Attention):
         def forward(self, *args, **kwargs):  # another forward: not OLMo 2's code
             return super().forward(*args, **kwargs)
 
-    model = tiny("olmo2")
+    model = tiny("olmo2", **OLMO_KERNEL_HEADS)
     model.model.layers[0].self_attn.__class__ = Changed
     with caplog.at_level("INFO", logger=LOGGER):
         assert cutile_kernels.patch(model, names=["olmo2_qk_norm_rope"]).changed == {"olmo2_qk_norm_rope": 2}
@@ -338,13 +357,41 @@ def test_patch_leaves_other_attention_code_alone(caplog):
     assert cutile_kernels.patch(llama, names=["olmo2_qk_norm_rope"]).changed == {"olmo2_qk_norm_rope": 0}
 
 
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_patch_leaves_heads_no_tile_takes_alone(model_type, caplog):
+    """The family rows' head_dim 16 (4 query heads over 2 KV heads): no tile of the kernel takes it,
+    so the patch declines every attention module when the model is kernelized, with the tile rule's
+    reason logged once per class; the modules keep their class forward (no fused call, no fallback
+    on any forward: under CUTILE_KERNELS_STRICT=1 on CUDA each forward raised before), the logits
+    are stock's, and fused_qkv, which stacks only modules this patch owns, stacks none of them."""
+    from families import model as tiny
+
+    model, stock = tiny(model_type), tiny(model_type)
+    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    want = _logits(stock, ids)
+    cls = type(_attention(model)[0]).__name__
+    with caplog.at_level("INFO", logger=LOGGER):
+        report = cutile_kernels.patch(model, names=["olmo2_qk_norm_rope", "fused_qkv"])
+    assert report.changed == {"olmo2_qk_norm_rope": 0, "fused_qkv": 0}
+    assert f"patch olmo2_qk_norm_rope leaves 3 {cls} alone: {ops.olmo2_tile_reason(16, 4)}" in caplog.text
+    assert "head_dim 16 with 4 heads" in caplog.text
+    assert "stacking it needs the olmo2_qk_norm_rope patch" in caplog.text
+    assert not any("forward" in vars(m) or "_cutile_olmo_window" in vars(m) or hasattr(m, "qkv_proj")
+                   for m in _attention(model))
+    cutile_kernels.reset_stats()
+    assert torch.equal(_logits(model, ids), want)
+    assert NAME not in cutile_kernels.stats()["reference_calls"]
+    # the default patches (what kernelize applies) leave them alone too
+    assert cutile_kernels.patch(model).changed.get("olmo2_qk_norm_rope") == 0
+
+
 @pytest.mark.parametrize("stack", [False, True], ids=["separate", "stacked"])
 def test_patched_model_compiles_fullgraph_with_the_op(stack):
     """Under torch.compile(fullgraph=True) the patched attention traces without a graph break into
     one qk_norm_rope_olmo2 op a layer (OLMo 3: its sliding layers too), with stock's logits."""
-    from families import model as tiny
+    from families import OLMO_KERNEL_HEADS, model as tiny
 
-    model, stock = tiny("olmo3"), tiny("olmo3")
+    model, stock = tiny("olmo3", **OLMO_KERNEL_HEADS), tiny("olmo3", **OLMO_KERNEL_HEADS)
     ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(7))
     cutile_kernels.patch(model, names=["olmo2_qk_norm_rope", *(["fused_qkv"] if stack else [])])
     ops_seen = []

@@ -159,13 +159,17 @@ def _norms(model):
 #: model type -> the float-order patch that takes its norms, and whether it is a default patch.
 FLOAT_NORMS = {"gemma": ("rms_norm_gemma", True), "gemma3_text": ("rms_norm_gemma", True),
                "qwen3_5_text": ("rms_norm_gemma", True), "olmo2": ("rms_norm_olmo2", True)}
+#: Fields over a family's tiny row: OLMo 2 at head_dim 128, whose q/k norms the default
+#: olmo2_qk_norm_rope fuses with RoPE (it leaves the row's head_dim 16, which its kernel has no tile
+#: for, to rms_norm_olmo2).
+FIELDS = {"olmo2": families.OLMO_KERNEL_HEADS}
 
 
 @pytest.mark.parametrize("model_type", sorted(FLOAT_NORMS))
 def test_patch_takes_every_float_order_norm_and_keeps_stock_logits(model_type):
     name, default = FLOAT_NORMS[model_type]
     other = ({"rms_norm_gemma", "rms_norm_olmo2"} - {name}).pop()
-    model = families.model(model_type)
+    model = families.model(model_type, **FIELDS.get(model_type, {}))
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         want = model(ids).logits
@@ -298,9 +302,9 @@ def _launches_over_every_copy(model, ids) -> tuple[int, dict]:
 def test_gpu_from_pretrained_runs_the_kernel_on_olmo2s_hub_decorated_norms(tmp_path, strict):
     # The real order: from_pretrained applies the patch, then kernelize binds our hub layer to
     # Olmo2RMSNorm (decorated "RMSNorm"); the marked norms still launch the kernel, none falls back.
-    # Without the default olmo2_qk_norm_rope, whose kernel takes the q/k norms of real head dims (66-128)
-    # and would announce its fallback on this tiny model's 16 (strict: an error); this test is the norms'.
-    model = _load_tiny("olmo2", tmp_path, exclude=["olmo2_qk_norm_rope"])  # rms_norm_olmo2: a default patch
+    # The default olmo2_qk_norm_rope, whose kernel takes the q/k norms of real head dims (66-128), leaves
+    # this tiny model's 16 alone when it is kernelized: its q/k norms are norms here too.
+    model = _load_tiny("olmo2", tmp_path)  # rms_norm_olmo2: a default patch
     assert all(m.__dict__.get(norm_layer.FLOAT_NORM_MARK) == 0.0 for m in _norms(model))  # offset 0: present, falsy
     n, fallbacks = _launches_over_every_copy(model, torch.randint(0, 256, (1, 9), device="cuda"))
     assert n == len(_norms(model))

@@ -420,6 +420,22 @@ def test_gpu_slots_past_the_end_are_not_written(strict):
 
 
 @pytest.mark.gpu
+def test_gpu_appends_into_a_long_cache_in_one_launch(strict):
+    # OLMo-3-7B's layout at batch 16 over 8192 slots: past the int32 bound the registry used before the
+    # flat dims (the batch stride times 64 lanes), within int32 itself; strict mode raises on a fallback.
+    q, k, v, cos, sin = _step(16, 32, 32, 1, 128, torch.bfloat16, "cuda", pos0=8000)
+    keys, values = _cache(16, 32, 8192, 128, torch.bfloat16, "cuda")
+    before = dict(cutile_kernels.stats()["launches"])
+    got = cutile_kernels.rope_append(q, k, v, cos, sin, keys, values, torch.tensor(8000, device="cuda"))
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["rope_append"]
+    want_q, want_k = cutile_kernels.apply_rope(q, k, cos, sin)
+    assert torch.equal(got, want_q)
+    assert torch.equal(keys[:, :, 8000:8001], want_k) and torch.equal(values[:, :, 8000:8001], v)
+    assert torch.isnan(keys[:, :, 8001:].float()).all() and torch.isnan(values[:, :, :8000].float()).all()
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replay_writes_at_the_length_it_finds(strict):
     q, k, v, cos, sin = _step(4, 32, 8, 1, 64, torch.bfloat16, "cuda")
     keys, values = _cache(4, 8, 64, 64, torch.bfloat16, "cuda")

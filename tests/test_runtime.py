@@ -333,11 +333,105 @@ def test_select_reason_names_int32_for_huge_bf16(reg, sel_arch):
     assert "int32" in why
 
 
+def test_flat_dims_bound_a_tiles_reach_to_the_other_dims():
+    # A static cache of OLMo-3-7B at batch 16 (16 x 32 KV heads x 4096 slots x 128): its largest offset
+    # is an eighth of int32's, but a 256-key tile reaching past the batch dim's stride would not be.
+    k = torch.empty(16, 32, 4096, 128, device="meta", dtype=BF16)
+    numel_reach = k.numel() - 1
+    assert registry._max_offset(k, 256) == numel_reach + 256 * k.stride(0) > registry._INT32_MAX
+    assert registry._max_offset(k, 256, (0, 1)) == numel_reach + 256 * k.stride(2) <= registry._INT32_MAX
+    # Every dim flat (a tile of one element): the reach is one stride-1 step.
+    assert registry._max_offset(k, 256, (0, 1, 2, 3)) == numel_reach + 256
+    check = registry.ArrayCheck(index=1, name="k", dtype=BF16, ndim=4, stride_one=(3,), stride_divisible_by=(8,) * 3 + (1,),
+                                shape_divisible_by=(1, 1, 1, 16), base_addr_divisible_by=16, index_bits=32,
+                                tile_extent=256, flat_dims=(0, 1))
+    assert check.violation(k) is None
+    assert registry.ArrayCheck(**{**check.__dict__, "flat_dims": ()}).violation(k) == "k: offsets exceed int32 indexing"
+    # The flat dims do not excuse offsets past int32 within the tensor itself.
+    assert check.violation(torch.empty(64, 32, 8192, 128, device="meta", dtype=BF16)) == "k: offsets exceed int32 indexing"
+
+
+def test_attention_variants_carry_their_flat_dims(reg, sel_arch):
+    from cutile_kernels.kernel_src.attention import ARRAY_FLAT_DIMS
+
+    variants = [v for k in ("attention", "attention_combine", "attention_mask_tiles") for v in reg.variants(k, sel_arch)]
+    assert variants
+    for v in variants:
+        for check in v.arrays:
+            assert check.flat_dims == ARRAY_FLAT_DIMS.get(check.name, ()), (v.tag, check.name)
+    # A family that declares none (rms_norm) bounds a tile's reach along every dim, as before.
+    assert all(c.flat_dims == () for v in reg.variants("rms_norm", sel_arch) for c in v.arrays)
+
+
+def test_mha_decode_over_a_long_static_cache_has_a_variant(reg, sel_arch):
+    # OLMo-3-7B's layout at batch 16 over 3000 of 4096 slots: the plan's every launch finds a prebuilt
+    # variant (the H100 took the PyTorch fallback here before the flat dims: "k: offsets exceed int32").
+    import importlib
+
+    ops = importlib.import_module("cutile_kernels.ops.attention")
+    for B, slots in ((16, 4096), (16, 2176), (64, 4096)):
+        q = torch.empty(B, 1, 32, 128, device="meta", dtype=BF16).transpose(1, 2)
+        k = torch.empty(B, 32, slots, 128, device="meta", dtype=BF16)
+        out = torch.empty(B, 1, 32, 128, device="meta", dtype=BF16)
+        n = torch.empty(1, device="meta", dtype=torch.int64)
+        plan = ops.launches(q, k, k.clone(), None, out, 128 ** -0.5, True, kv_len=n, sms=132)
+        for kernel, want, args, _n, _grid in plan:
+            v, why = reg.select(kernel, sel_arch, dict(want), args)
+            assert v is not None, (B, slots, kernel, why)
+
+
+def test_kv_append_into_a_long_mha_cache_has_a_variant(reg, sel_arch):
+    keys = torch.empty(16, 32, 4096, 128, device="meta", dtype=BF16)
+    new = torch.empty(16, 1, 32, 128, device="meta", dtype=BF16).transpose(1, 2)
+    args = (keys, keys.clone(), new, new.clone(), torch.empty(1, device="meta", dtype=torch.int64))
+    v, why = reg.select("kv_append", sel_arch, {"D": 128}, args)
+    assert v is not None, why
+    assert [c.flat_dims for c in v.arrays[:4]] == [(0, 1)] * 4
+
+
+def test_rope_append_into_a_long_cache_has_a_variant(reg, sel_arch):
+    # OLMo-3-7B's layout at batch 16 over 8192 slots, in the (B, H, L, 2, D/2) halves view the op
+    # launches with: refused by the bound before the flat dims (the batch stride times 64 lanes).
+    B, H, L = 16, 32, 8192
+    new = torch.empty(B, 1, H, 2, 64, device="meta", dtype=BF16).transpose(1, 2)
+    cache = torch.empty(B, H, L, 2, 64, device="meta", dtype=BF16)
+    cos = torch.empty(1, 1, 2, 64, device="meta", dtype=BF16)
+    args = (new, new.clone(), new.clone(), cos, cos.clone(), cache, cache.clone(),
+            torch.empty(1, device="meta", dtype=torch.int64), new.clone())
+    v, why = reg.select("rope_append", sel_arch, {"BLOCK": 64, "ROWS": 1}, args)
+    assert v is not None, why
+    assert registry._max_offset(cache, v.arrays[5].tile_extent) > registry._INT32_MAX  # the old bound's verdict
+
+
+def test_batched_long_prefill_of_qwen35s_linear_attention_has_variants(reg, sel_arch):
+    # Qwen3.5's gated DeltaNet at 4 x 8192 tokens: the conv over its 6144 channels and the chunked
+    # delta rule over q/k/v sliced from the conv's output (16 heads of 128). The old bound (the batch
+    # stride times the tile) refused all of these and sent them to the PyTorch paths.
+    B, T, C, H = 4, 8192, 6144, 16
+    x = torch.empty(B, T, C, device="meta", dtype=BF16)
+    w = torch.empty(C, 4, device="meta", dtype=BF16)
+    v, why = reg.select("causal_conv1d", sel_arch, {"K": 4}, (x, w, x.clone()))
+    assert v is not None, why
+    assert registry._max_offset(x, v.arrays[0].tile_extent) > registry._INT32_MAX  # the old bound's verdict
+    q, k, vv = (x[..., i * H * 128:(i + 1) * H * 128].unflatten(-1, (H, 128)) for i in range(3))
+    g = torch.empty(B, T, H, device="meta", dtype=torch.float32)
+    beta = torch.empty(B, T, H, device="meta", dtype=BF16)
+    work = torch.empty(B, T, H, 128, device="meta", dtype=torch.float32)
+    attn = torch.empty(B, H, T, 32, device="meta", dtype=torch.float32)
+    o = torch.empty(B, T, H, 128, device="meta", dtype=BF16)
+    state = torch.empty(B, H, 128, 128, device="meta", dtype=torch.float32)
+    want = {"DK": 128, "BT": 32}
+    for kernel, args in (("gated_delta_prepare", (q, k, vv, g, beta, work, work.clone(), attn, 0.1)),
+                         ("gated_delta_scan", (q, k, g, work, work.clone(), attn, state, o, 0.1))):
+        v, why = reg.select(kernel, sel_arch, want, args)
+        assert v is not None, (kernel, why)
+
+
 def test_int32_overflow_via_max_offset(reg, sel_arch, monkeypatch):
     check = _check(reg, sel_arch, "aligned")
     x = torch.randn(4, 64, dtype=BF16)
     assert check.violation(x) is None
-    monkeypatch.setattr(registry, "_max_offset", lambda t, extent=1: 2**31)
+    monkeypatch.setattr(registry, "_max_offset", lambda t, extent=1, flat_dims=(): 2**31)
     assert "int32" in check.violation(x)
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ...ops.norm import rms_norm_add_gemma
-from ...ops.qk_norm_rope import qk_norm_rope_olmo2
+from ...ops.qk_norm_rope import olmo2_tile_reason, qk_norm_rope_olmo2
 from .._direct import attend
 from .._patching import (Patch, _unhooked, modeling_globals, restore_forwards, stock_class, swap_forwards,
                          swapped)
@@ -221,7 +221,18 @@ def _attention_verdict(m: nn.Module) -> str | None:
         return window
     if not (olmo2_formula_norm(getattr(m, "q_norm", None)) and olmo2_formula_norm(getattr(m, "k_norm", None))):
         return "its q_norm / k_norm are not Olmo2RMSNorm-formula norms (an (N,) weight, a float eps, their own forward)"
-    return None
+    return _tile_verdict(m)
+
+
+def _tile_verdict(m: nn.Module) -> str | None:
+    # Whether a tile of the kernel takes the module's heads, so that no forward falls back: head_dim
+    # and the larger head count of q and k, from the norms' widths (the op's q_weight / k_weight,
+    # which are the projections' widths; a stacked module keeps its norms but not q_proj / k_proj).
+    d = getattr(m, "head_dim", None)
+    widths = (m.q_norm.weight.shape[0], m.k_norm.weight.shape[0])
+    if not (isinstance(d, int) and d > 0 and all(w % d == 0 for w in widths)):
+        return f"its q_norm / k_norm widths {widths} are not multiples of its head_dim {d}"
+    return olmo2_tile_reason(d, max(widths) // d)
 
 
 def _set_window(m: nn.Module) -> None:
@@ -231,8 +242,9 @@ def _set_window(m: nn.Module) -> None:
 def patch_olmo2_qk_norm_rope(model: nn.Module) -> int:
     """Patch ``olmo2_qk_norm_rope``: bind :func:`fused_attention_forward` to every attention module
     whose class's forward is OLMo 2's or OLMo 3's (pinned) calling OLMo 2's RoPE, with
-    ``Olmo2RMSNorm``-formula q/k norms; others are left alone with a log line per class. Returns
-    the modules newly patched."""
+    ``Olmo2RMSNorm``-formula q/k norms and heads a tile of the kernel takes
+    (:func:`~cutile_kernels.ops.qk_norm_rope.olmo2_tile_reason`: head_dim 66 to 128, at most 64
+    heads); others are left alone with a log line per class. Returns the modules newly patched."""
     new = swap_forwards(model, "olmo2_qk_norm_rope", fused_attention_forward,
                         lambda m: all(hasattr(m, a) for a in _ATTRS[3:]) and
                         (all(hasattr(m, a) for a in _ATTRS[:3]) or hasattr(m, FUSED_NAME)),

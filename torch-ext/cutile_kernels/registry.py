@@ -79,6 +79,8 @@ class ArrayCheck:
     base_addr_divisible_by: int
     index_bits: int
     tile_extent: int = 1
+    #: Dimensions every tile indexes with extent 1 (the manifest's ``flat_dims``): no reach past them.
+    flat_dims: tuple[int, ...] = ()
 
     def violation(self, t: torch.Tensor) -> str | None:
         """Why ``t`` breaks this parameter's assumptions, or None if it satisfies all of them."""
@@ -101,15 +103,16 @@ class ArrayCheck:
                 return f"{self.name}: shape[{d}]={shape[d]} not divisible by {self.shape_divisible_by[d]}"
         if t.data_ptr() % self.base_addr_divisible_by:
             return f"{self.name}: base address not {self.base_addr_divisible_by}-byte aligned"
-        if self.index_bits == 32 and _max_offset(t, self.tile_extent) > _INT32_MAX:
+        if self.index_bits == 32 and _max_offset(t, self.tile_extent, self.flat_dims) > _INT32_MAX:
             return f"{self.name}: offsets exceed int32 indexing"
         return None
 
 
-def _max_offset(t: torch.Tensor, tile_extent: int = 1) -> int:
-    # Largest element offset, plus a tile's reach past the edge along any dimension (those lanes
-    # are masked, but their offsets are still computed in the index type).
-    strides = [st for s, st in zip(t.shape, t.stride()) if s > 1] or [1]
+def _max_offset(t: torch.Tensor, tile_extent: int = 1, flat_dims: tuple[int, ...] = ()) -> int:
+    # Largest element offset, plus a tile's reach past the edge along any dimension but those every
+    # tile indexes with extent 1 (those lanes are masked, but their offsets are still computed in the
+    # index type).
+    strides = [st for d, (s, st) in enumerate(zip(t.shape, t.stride())) if s > 1 and d not in flat_dims] or [1]
     return sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) + tile_extent * max(strides)
 
 
@@ -203,6 +206,7 @@ class Variant:
                     base_addr_divisible_by=p["base_addr_divisible_by"],
                     index_bits=64 if p["index_dtype"] == "int64" else 32,
                     tile_extent=max([1] + [v for v in entry["constants"].values() if isinstance(v, int)]),
+                    flat_dims=tuple(p.get("flat_dims", ())),
                 ))
         return cls(kernel=entry["kernel"], tag=entry["variant"], arch=entry["arch"], symbol=entry["symbol"],
                    function=entry["function"], module=entry["module"], cubin=pkg_dir / entry["cubin"],

@@ -405,14 +405,29 @@ def _olmo2_tile(d: int, heads: int) -> tuple | None:
     return tile if tile in OLMO2_TILES else None
 
 
+def olmo2_tile_reason(head_dim: int, heads: int) -> str | None:
+    """Why no tile of :func:`qk_norm_rope_olmo2`'s build matrix (``OLMO2_TILES``) takes heads of
+    ``head_dim`` elements, ``heads`` of them (the larger of q's and k's head counts), or None if
+    one does.
+
+    The one copy of the rule: :func:`olmo2_unsupported` asks it on each CUDA call, and the
+    ``olmo2_qk_norm_rope`` patch asks it when a model is kernelized (a module no tile takes keeps
+    its class forward). Shapes only: dtypes, devices and whether a build is present are not asked.
+    """
+    if _olmo2_tile(head_dim, heads) is None:
+        return (f"head_dim {head_dim} with {heads} heads (the more of q's and k's): the kernel is built for head_dim "
+                f"66 to 128 (128 in every OLMo 2 and 3) and up to 64 heads (tiles {OLMO2_TILES})")
+    return None
+
+
 def olmo2_unsupported(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> str | None:
     """Why :func:`qk_norm_rope_olmo2`'s kernel does not take these (well-shaped) inputs on CUDA, or
     None if it does."""
     d = cos.shape[-1]
-    if _olmo2_tile(d, max(q.shape[-1], k.shape[-1]) // d) is None:
-        return (f"head_dim {d} with {q.shape[-1] // d} / {k.shape[-1] // d} heads: the kernel is built for head_dim "
-                f"66 to 128 (128 in every OLMo 2 and 3) and up to 64 heads (tiles {OLMO2_TILES})")
+    why = olmo2_tile_reason(d, max(q.shape[-1], k.shape[-1]) // d)
+    if why is not None:
+        return why
     if q.dtype not in DECODE_TORCH_DTYPES or {k.dtype, q_weight.dtype, k_weight.dtype} != {q.dtype} or \
             cos.dtype != torch.float32 or sin.dtype != torch.float32:
         return (f"dtypes q {q.dtype}, k {k.dtype}, weights {q_weight.dtype} / {k_weight.dtype}, cos {cos.dtype}, sin "
