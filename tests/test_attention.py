@@ -1556,6 +1556,43 @@ def test_prefill_sweep_candidate_matches_reference(lat, rev, fma, case):
     torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("B,Hq,Hkv,D,slots,filled,masked,splits,window,softcap,use_len", [
+    (2, 4, 4, 128, 200, 150, True, None, 0, 0.0, False),   # MHA, a mask over every slot (a sliding layer)
+    (2, 8, 2, 64, 300, 211, True, 3, 0, 0.0, False),       # GQA, split
+    (1, 4, 1, 64, 90, 90, False, None, 7, 30.0, False),    # window and softcap, no mask
+    (3, 4, 4, 128, 130, 77, False, 2, 0, 0.0, True),       # kv_len over NaN-poisoned slots, split
+])
+def test_masked_decode_sweep_candidate_is_exact(B, Hq, Hkv, D, slots, filled, masked, splits, window, softcap,
+                                                use_len):
+    """dev/sweeps/decode_mask_sweep.py's candidate (every KV tile loaded, masked element-wise) run by
+    the NumPy interpreter with the shipped router's plan (its split combine after it) equals the
+    reference: a candidate that the GPU sweep would time must compute the op."""
+    from dev.sweeps import decode_mask_sweep
+
+    q = torch.randn(B, 1, Hq, D, dtype=torch.float64).transpose(1, 2)
+    k, v = torch.randn(2, B, Hkv, slots, D, dtype=torch.float64)
+    kv_len = torch.tensor([filled]) if use_len else None
+    if use_len:
+        k[:, :, filled:], v[:, :, filled:] = float("nan"), float("nan")
+    mask = torch.rand(B, 1, 1, slots, generator=torch.Generator().manual_seed(B)) > 0.3 if masked else None
+    want = cutile_kernels.attention_reference(q, k, v, mask, 0.1, not masked, window or None, softcap or None,
+                                              kv_len=kv_len)
+    out = torch.full((B, 1, Hq, D), float("nan"), dtype=torch.float64)
+    plan = attn_ops.launches(q, k, v, mask, out, 0.1, not masked, window or None, softcap or None, splits, sms=132,
+                             kv_len=kv_len)
+    _kernel, tile, args, _n, grid = plan[0]
+    args = list(args)
+    if len(plan) > 1:  # the split buffers the kernel writes in float32
+        args[6], args[7] = args[6].float().fill_(float("nan")), args[7].float().fill_(float("nan"))
+        plan[1] = plan[1][:2] + ((args[6], args[7]) + plan[1][2][2:],) + plan[1][3:]
+    tile = dict(tile)
+    emulate(decode_mask_sweep.attention_maskfree_kernel, decode_mask_sweep)(grid(tile), tuple(args) + tuple(tile.values()))
+    for step in plan[1:]:
+        run_launch(step)
+    torch.testing.assert_close(out.transpose(1, 2), want, rtol=1e-5, atol=1e-5)
+    assert {s.constants["D"] for s in decode_mask_sweep.candidates()} == {64, 128}
+
+
 def test_decode_sweep_candidates_include_what_ships():
     """dev/sweeps/decode_attention_sweep.py (run on the GPU by hand) times every decode tile the
     router can pick (both keys-per-tile choices) beside the other candidates, one tag each, and its
