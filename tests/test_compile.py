@@ -423,6 +423,29 @@ def test_gpu_forward_under_inductor_fullgraph(model_type, attn, checkpoints, str
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["olmo2", "olmo3"])
+def test_gpu_olmo_at_head_dim_128_runs_the_fused_qk_op_under_inductor(model_type, tmp_path, strict, no_breaks):
+    """The tiny OLMo rows above have head dim 16, which olmo2_qk_norm_rope declines: at a head dim
+    its tiles take, the compiled forward runs one qk_norm_rope_olmo2 a layer on the GPU (strict: no
+    fallback) and matches eager."""
+    tiny_model(model_type, dtype=torch.bfloat16, layers=4, **OLMO_KERNEL_HEADS).save_pretrained(tmp_path)
+    model = _load(tmp_path)
+    assert "olmo2_qk_norm_rope" in patcher.applied(model)
+    ids = torch.randint(0, 256, (2, 37), device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits
+        rec = Recorder("inductor")
+        got = torch.compile(model, backend=rec, fullgraph=True)(ids).logits
+    assert rec.ops["qk_norm_rope_olmo2"] == model.config.num_hidden_layers
+    err = _error(got, want)
+    if err >= 1e-2:  # bounded, as above, by what compiling does to the stock model itself
+        stock = _load_stock(tmp_path)
+        with torch.no_grad():
+            stock_err = _error(torch.compile(stock, backend="inductor", fullgraph=True)(ids).logits, stock(ids).logits)
+        assert err <= 1.5 * stock_err, (err, stock_err)
+
+
+@pytest.mark.gpu
 @ATTNS
 @pytest.mark.parametrize("model_type", CLAIMED)
 def test_gpu_static_generate_compiles_and_replays_cuda_graphs(model_type, attn, checkpoints, strict, no_breaks):
