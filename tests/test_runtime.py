@@ -342,19 +342,21 @@ def test_flat_dims_bound_a_tiles_reach_to_the_other_dims():
     assert registry._max_offset(k, 256, (0, 1)) == numel_reach + 256 * k.stride(2) <= registry._INT32_MAX
     # Every dim flat (a tile of one element): the reach is one stride-1 step.
     assert registry._max_offset(k, 256, (0, 1, 2, 3)) == numel_reach + 256
-    check = registry.ArrayCheck(index=1, name="k", dtype=BF16, ndim=4, stride_one=(3,), stride_divisible_by=(8,) * 3 + (1,),
-                                shape_divisible_by=(1, 1, 1, 16), base_addr_divisible_by=16, index_bits=32,
-                                tile_extent=256, flat_dims=(0, 1))
+    check = registry.ArrayCheck(index=1, name="k", dtype=BF16, ndim=4, stride_one=(3,),
+                                stride_divisible_by=(8,) * 3 + (1,), shape_divisible_by=(1, 1, 1, 16),
+                                base_addr_divisible_by=16, index_bits=32, tile_extent=256, flat_dims=(0, 1))
     assert check.violation(k) is None
     assert registry.ArrayCheck(**{**check.__dict__, "flat_dims": ()}).violation(k) == "k: offsets exceed int32 indexing"
     # The flat dims do not excuse offsets past int32 within the tensor itself.
-    assert check.violation(torch.empty(64, 32, 8192, 128, device="meta", dtype=BF16)) == "k: offsets exceed int32 indexing"
+    huge = torch.empty(64, 32, 8192, 128, device="meta", dtype=BF16)
+    assert check.violation(huge) == "k: offsets exceed int32 indexing"
 
 
 def test_attention_variants_carry_their_flat_dims(reg, sel_arch):
     from cutile_kernels.kernel_src.attention import ARRAY_FLAT_DIMS
 
-    variants = [v for k in ("attention", "attention_combine", "attention_mask_tiles") for v in reg.variants(k, sel_arch)]
+    variants = [v for k in ("attention", "attention_combine", "attention_mask_tiles")
+                for v in reg.variants(k, sel_arch)]
     assert variants
     for v in variants:
         for check in v.arrays:

@@ -25,15 +25,16 @@ slots: 7.86 us for the best, 7.61 shipped, H100); batch 16, one copy of the cach
 ahead by 1.04-1.11x (OLMo-3-7B 27.4 / 33.8 / 71.3 against 30.4 / 37.4 / 74.4 over 150/169, 200/272,
 700/1024); six copies (H200, L2-cold) 31.6 against 33.9 over 200 of 272 but 68.7 against 65.5 over 700
 of 1024; splits lost throughout. The 55 us a layer of the model's profile is not the tile: the same
-shipped launch takes 34-37 us here, even with SDPA over the masked slots. A first run also tried the
-shipped kernel with ``occupancy=2``: its first launch never returned (the sweep timed out), so it is
-not a candidate here.
+shipped launch takes 37.4 us (H100, one copy) and 33.9 us (H200, six) over 200 of 272 slots, even with
+SDPA over the masked slots. A first run also tried the shipped kernel with ``occupancy=2``: the run
+timed out where its first launch came (inferred from the log), so it is not a candidate here.
 
 ``run`` ($ROWS_SWEEP_SHAPES, $ROWS_SWEEP_B, $ROWS_SWEEP_TAGS, $ROWS_SWEEP_LENGTHS as filled/slots pairs,
 $ROWS_SWEEP_SPLITS and $ROWS_SWEEP_COPIES, the copies of the cache each call cycles through, pick
-presets, batches, candidates, lengths, splits and the working set) builds, for the MHA presets' head layouts, a bf16 static cache with ``filled`` of its ``slots``
-written (the length read on the device), poisons the output with NaN, checks each candidate against
-float32 attention over the filled keys (relative L2 < 1e-2), and times it as CUDA-graph replays, beside
+presets, batches, candidates, lengths, splits and the working set) builds, for the MHA presets' head
+layouts, a bf16 static cache with ``filled`` of its ``slots`` written (the length read on the device),
+poisons the output with NaN, checks each candidate against float32 attention over the filled keys
+(relative L2 < 1e-2), and times it as CUDA-graph replays, beside
 the shipped tile (the router's choice) and torch's SDPA as stock calls it on a static cache (every
 slot, a boolean mask) and on the filled keys only.
 """
@@ -237,7 +238,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                 by = {r["tag"]: r["us"] for r in mine if r["tag"] in ("shipped", "sdpa-masked-slots", "sdpa-filled")}
                 cands = [r for r in mine if r["tag"] not in by]
                 best = min(cands, key=lambda r: r["us"]) if cands else None
-                print(f"| {preset} | {B} | {filled}/{slots} | {by.get('shipped', '-')} | {by.get('sdpa-masked-slots', '-')} "
+                print(f"| {preset} | {B} | {filled}/{slots} | {by.get('shipped', '-')} | "
+                      f"{by.get('sdpa-masked-slots', '-')} "
                       f"| {by.get('sdpa-filled', '-')} | "
                       f"{(best['tag'] + ' s' + str(best['splits']) + ' ' + str(best['us'])) if best else '-'} |")
     write_rows(rows, json_out)
