@@ -23,6 +23,7 @@ import cutile_kernels
 from cutile_kernels import dispatch
 
 from dev.microbench.decode_splits import decode_inputs
+from dev.sweeps._common import cycling
 
 ops = importlib.import_module("cutile_kernels.ops.attention")
 #: (batch, query heads, KV heads, head_dim, filled, slots)
@@ -39,14 +40,6 @@ def timings() -> None:
     q, k0, v0, n, scale, ref, out = decode_inputs(B, H, H, D, slots, filled)
     kv = [(k0, v0)] + [(k0.clone(), v0.clone()) for _ in range(5)]
     mask = (torch.arange(slots, device="cuda") < filled).view(1, 1, 1, slots)
-
-    def cycling(calls):  # each call takes the next copy of the cache
-        it = [0]
-
-        def call():
-            it[0] += 1
-            calls[it[0] % len(calls)]()
-        return call
 
     plans = [ops.launches(q, k, v, None, out, scale, True, kv_len=n) for k, v in kv]
     ours = graph_us(cycling([lambda p=p: [dispatch.run(*s) for s in p] for p in plans]))

@@ -41,6 +41,38 @@ def launched(launch, row: dict, rows: list) -> bool:
         return False
 
 
+def cycling(calls: list):
+    """One call that runs the next of ``calls`` each time (the same work over copies of its inputs:
+    a working set past the L2 cache, as in a model step, where other layers' data evicts it)."""
+    it = [0]
+
+    def call():
+        calls[it[0] % len(calls)]()
+        it[0] += 1
+    return call
+
+
+def checked_timing(call, row: dict, rows: list, out, ref, reps: int = 11) -> None:
+    """Run ``call`` (an attention launch writing ``out``, a ``(B, Sq, Hq, D)`` buffer, poisoned with NaN
+    first) and check it against ``ref`` ``(B, Hq, Sq, D)``: ``row`` gets the relative L2 error
+    (``rel``), ``ok`` (finite and ``rel`` < 1e-2) and, when ok, the median GPU microseconds of CUDA-graph
+    replays (``us``); it is appended to ``rows`` and printed. A call that cannot launch is reported
+    by :func:`launched`."""
+    import torch
+    from cutile_kernels_tools.timing import graph_us
+
+    out.fill_(float("nan"))
+    if not launched(call, row, rows):
+        return
+    got = out.transpose(1, 2).float()
+    row["rel"] = ((got - ref).norm() / ref.norm()).item()
+    row["ok"] = bool(torch.isfinite(got).all()) and row["rel"] < 1e-2
+    if row["ok"]:
+        row["us"] = round(graph_us(call, reps=reps), 2)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def write_rows(rows: list, json_out: str | None) -> None:
     """The sweep's rows as a JSON file, when one was asked for."""
     if json_out:

@@ -32,7 +32,6 @@ SDPA with that mask (what stock runs).
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
 import cuda.tile as ct
@@ -40,7 +39,7 @@ import cuda.tile as ct
 from cutile_kernels.kernel_src.attention import (LOG2E, NEG_INF, ZERO, _kv_length, _kv_tile_range,
                                                  _tail_rows_zeroed)
 
-from dev.sweeps._common import launched, main, write_rows
+from dev.sweeps._common import checked_timing, cycling, main, write_rows
 
 
 @ct.kernel
@@ -137,7 +136,6 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     import torch.nn.functional as F
     from cutile_kernels import dispatch, registry
     from cutile_kernels.launcher import Launcher
-    from cutile_kernels_tools.timing import graph_us
 
     from dev.microbench.decode_splits import decode_inputs
     ops = importlib.import_module("cutile_kernels.ops.attention")  # the module; ops.attention is the op
@@ -148,24 +146,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     rows = []
 
     def timed(row, call, out, ref):
-        out.fill_(float("nan"))
-        if not launched(call, row, rows):
-            return
-        got = out.transpose(1, 2).float()
-        row["rel"] = ((got - ref).norm() / ref.norm()).item()
-        row["ok"] = bool(torch.isfinite(got).all()) and row["rel"] < 1e-2
-        if row["ok"]:
-            row["us"] = round(graph_us(call, reps=11), 2)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    def cycling(calls):  # each call takes the next copy of the cache
-        it = [0]
-
-        def call():
-            it[0] += 1
-            calls[it[0] % len(calls)]()
-        return call
+        checked_timing(call, row, rows, out, ref)
 
     for preset, (hq, hkv, D) in SHAPES.items():
         for B in (1, 16):

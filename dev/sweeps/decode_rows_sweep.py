@@ -42,7 +42,6 @@ slot, a boolean mask) and on the filled keys only.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from pathlib import Path
 
@@ -50,7 +49,7 @@ import cuda.tile as ct
 
 from cutile_kernels.kernel_src.attention import LOG2E, NEG_INF, ZERO, _kv_length, _kv_tile_range
 
-from dev.sweeps._common import launched, main, write_rows
+from dev.sweeps._common import checked_timing, cycling, main, write_rows
 
 
 @ct.kernel
@@ -145,7 +144,6 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     import torch.nn.functional as F
     from cutile_kernels import dispatch, registry
     from cutile_kernels.launcher import Launcher
-    from cutile_kernels_tools.timing import graph_us
 
     from dev.microbench.decode_splits import decode_inputs
     ops = importlib.import_module("cutile_kernels.ops.attention")  # the module; ops.attention is the op
@@ -156,16 +154,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     rows = []
 
     def timed(row, call, out, ref):
-        out.fill_(float("nan"))
-        if not launched(call, row, rows):
-            return
-        got = out.transpose(1, 2).float()
-        row["rel"] = ((got - ref).norm() / ref.norm()).item()
-        row["ok"] = bool(torch.isfinite(got).all()) and row["rel"] < 1e-2
-        if row["ok"]:
-            row["us"] = round(graph_us(call, reps=11), 2)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        checked_timing(call, row, rows, out, ref)
 
     shapes = os.environ.get("ROWS_SWEEP_SHAPES", ",".join(SHAPES)).split(",")
     batches = [int(b) for b in os.environ.get("ROWS_SWEEP_B", "1,16").split(",")]
@@ -186,13 +175,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                 base = {"preset": preset, "B": B, "filled": filled, "slots": slots, "copies": copies}
                 slot_mask = (torch.arange(slots, device="cuda") < filled).view(1, 1, 1, slots)
 
-                def cycling(make):  # make(k, v) -> a call; returns a call that takes the next copy each time
-                    fns, it = [make(k, v) for k, v in kv], [0]
-
-                    def call():
-                        fns[it[0] % len(fns)]()
-                        it[0] += 1
-                    return call
+                def per_copy(make):  # make(k, v) -> a call; one call taking the next copy each time
+                    return cycling([make(k, v) for k, v in kv])
 
                 def shipped_call(k, v):
                     plan = ops.launches(q, k, v, None, out, scale, True, kv_len=n)
@@ -207,9 +191,9 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                                                                             scale=scale).transpose(1, 2))
                 timed({**base, "tag": "shipped",
                        "splits": ops.launches(q, k0, v0, None, out, scale, True, kv_len=n)[0][2][-1]},
-                      cycling(shipped_call), out, ref)
-                timed({**base, "tag": "sdpa-masked-slots"}, cycling(sdpa_mask), out, ref)
-                timed({**base, "tag": "sdpa-filled"}, cycling(sdpa_filled), out, ref)
+                      per_copy(shipped_call), out, ref)
+                timed({**base, "tag": "sdpa-masked-slots"}, per_copy(sdpa_mask), out, ref)
+                timed({**base, "tag": "sdpa-filled"}, per_copy(sdpa_filled), out, ref)
                 for splits in SPLITS:
                     for variant in variants:
                         c = variant.constants
@@ -226,7 +210,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                                     dispatch.run(*step)
                             return call
 
-                        timed({**base, "tag": variant.tag, "splits": splits}, cycling(make), out, ref)
+                        timed({**base, "tag": variant.tag, "splits": splits}, per_copy(make), out, ref)
     print("\n| preset | B | filled/slots | shipped us | sdpa masked slots | sdpa filled | best candidate |")
     print("|---|---|---|---|---|---|---|")
     for preset in shapes:
