@@ -68,7 +68,14 @@ logger = logging.getLogger("cutile_kernels")
 PIN = Pin("cache_utils", "StaticLayer.update", "3f3c0040cf17c086",
           "attention: a StaticLayer's cumulative_length after update is the filled slots the kernel reads (kv_len); "
           "decode graphs: _kernel_static_update reproduces its writes with kv_append")
-register(PIN)
+#: ``cutile_kv_len`` for a sliding-window layer relies on its update writing slots 0, 1, ... in
+#: order and advancing ``cumulative_length`` with ``cumulative_length_int`` while the window has
+#: room (the branch every update takes until the Python count passes the window).
+SLIDING_PIN = Pin("cache_utils", "StaticSlidingWindowLayer.update", "ac666cc2c7f97556",
+                  "attention: while cumulative_length_int <= the window its cumulative_length is the filled slots "
+                  "(kv_len); decode graphs: its full-window one-token step, reproduced without the "
+                  "host-to-device copy a CUDA graph cannot capture (_capturable_sliding_update)")
+register(PIN, SLIDING_PIN)
 
 
 def cache_layer(module: torch.nn.Module, past_key_values):
@@ -92,19 +99,46 @@ def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
     """``{"cutile_kv_len": length}`` for the attention call of ``module`` (after its cache update)
     when the model attends with ``"cutile"`` and the module's cache layer is a ``StaticLayer``
     (the pinned one): its ``cumulative_length``, a device tensor (in a decode-graph step that
-    advances it at the end, :data:`STEP_FILLED`). Else ``{}``."""
+    advances it at the end, :data:`STEP_FILLED`); or a ``StaticSlidingWindowLayer`` (pinned,
+    :data:`SLIDING_PIN`) whose window has not passed full with this update
+    (``cumulative_length_int`` at most its slots: its ``cumulative_length`` is then the filled
+    slots; past that it rolls, and returns more keys than it holds while a chunk crosses the end).
+    Else ``{}``. The window's own mask still applies where one is passed; the length only spares
+    the kernel the slots not yet written."""
     if _STATIC_LAYER is None or getattr(module.config, "_attn_implementation", None) not in NAMES:
         return {}
     layer = cache_layer(module, past_key_values)
-    if type(layer) is not _STATIC_LAYER:
+    kind = type(layer)
+    if kind is _SLIDING_LAYER and layer.cumulative_length_int <= layer.max_cache_len:
+        return {"cutile_kv_len": layer.cumulative_length}
+    if kind is not _STATIC_LAYER:
         return {}
     filled = layer.__dict__.get(STEP_FILLED)
     return {"cutile_kv_len": layer.cumulative_length if filled is None else filled}
 
 
+#: Instance attribute of a cache layer during a decode-graph step whose masks are an unpadded
+#: batch's (``decode_graphs``, ``DecodeGraphs.forward``): where the layer's filled length goes to our
+#: attention (:func:`static_kv_length`), the mask hides nothing the length, causality and the window
+#: do not, and is not passed (:func:`step_mask`): the kernel then loads no mask tile.
+STEP_PLAIN_MASKS = "_cutile_step_plain_masks"
+
+
+def step_mask(module: torch.nn.Module, past_key_values, attention_mask, length: dict):
+    """The mask to pass with ``length`` (:func:`static_kv_length`'s result) for the attention call of
+    ``module``: None where a filled length goes along and the step's masks are plain
+    (:data:`STEP_PLAIN_MASKS` on the module's cache layer), else ``attention_mask`` as given."""
+    if attention_mask is None or not length:
+        return attention_mask
+    layer = cache_layer(module, past_key_values)
+    return None if layer is not None and layer.__dict__.get(STEP_PLAIN_MASKS) else attention_mask
+
+
 #: transformers' StaticLayer while :data:`PIN` holds (set by :func:`register_attention`, so that no
 #: check runs inside a forward), else None.
 _STATIC_LAYER = None
+#: transformers' StaticSlidingWindowLayer while :data:`SLIDING_PIN` holds too, else None.
+_SLIDING_LAYER = None
 
 #: The name to pass as ``attn_implementation``: our kernel where it is faster, sdpa elsewhere.
 NAME = "cutile"
@@ -351,15 +385,16 @@ def register_attention(replace: bool = True) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    global _SDPA, _STATIC_LAYER
+    global _SDPA, _STATIC_LAYER, _SLIDING_LAYER
     _SDPA = sdpa_attention_forward
     if replace or not _another_copys(AttentionInterface._global_mapping.get(NAME)):
         for name, forward in ((NAME, cutile_attention_forward), (KERNEL_NAME, cutile_kernel_attention_forward)):
             AttentionInterface.register(name, forward)
             AttentionMaskInterface.register(name, sdpa_mask)
-    from transformers.cache_utils import StaticLayer
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
     _STATIC_LAYER = StaticLayer if holds(PIN.name) else None
+    _SLIDING_LAYER = StaticSlidingWindowLayer if _STATIC_LAYER is not None and holds(SLIDING_PIN.name) else None
     if _STATIC_LAYER is None:
         logger.info(
             "cutile_kernels: transformers' StaticLayer.update is not the pinned one; our attention reads every "

@@ -78,13 +78,12 @@ from ..ops.rope import rope_append, rope_append_takes
 from ._pins import Pin, holds, register
 from .attention import NAMES as ATTENTION_NAMES
 from .attention import PIN as STATIC_UPDATE_PIN
-from .attention import STEP_FILLED
+from .attention import SLIDING_PIN
+from .attention import STEP_FILLED, STEP_PLAIN_MASKS
 
 #: The transformers code the decode graphs reproduce (gating) or follow.
 PINS = (
-    Pin("cache_utils", "StaticSlidingWindowLayer.update", "ac666cc2c7f97556",
-        "decode graphs: its full-window one-token step, reproduced without the host-to-device copy a CUDA graph "
-        "cannot capture (_capturable_sliding_update)"),
+    SLIDING_PIN,
     # Followed, not reproduced: the hooks generate calls.
     Pin("generation.utils", "GenerationMixin._prepare_static_cache", "d48d96b8ecc7e8b3",
         "decode graphs: DecodeGraphs.prepare_static_cache takes its arguments and returns its cache", gates=False),
@@ -95,7 +94,7 @@ PINS = (
 )
 register(*PINS)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("cutile_kernels")  # the package's one logger, whichever copy this is
 
 #: ``model`` attribute holding the :class:`DecodeGraphs` of an enabled model.
 ATTR = "_cutile_decode_graphs"
@@ -261,7 +260,7 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
     if getattr(cache, "_cutile_capturable", False):
         return False
     cache._cutile_capturable = True
-    sliding_ok = holds("cache_utils.StaticSlidingWindowLayer.update")
+    sliding_ok = holds(SLIDING_PIN.name)
     if not sliding_ok and _sliding_layers(cache):
         logger.warning("cutile_kernels: transformers' StaticSlidingWindowLayer.update is not the pinned one; "
                        "decode graphs leave it alone")
@@ -495,15 +494,16 @@ class DecodeGraphs:
         length at its first step (see the module docstring for what that does not see)."""
         return _Session(self)
 
-    def _key(self, cache, sig) -> tuple:
+    def _key(self, cache, sig, plain: bool) -> tuple:
         full = tuple([layer.cumulative_length_int >= layer.max_cache_len for layer in _sliding_layers(cache)])
         # The storage a graph reads: beam search's reorder_cache puts new tensors in the layers.
         storage = _storage(cache)
-        return (id(cache), tuple(sig), full, storage, torch.is_inference_mode_enabled())
+        return (id(cache), tuple(sig), full, storage, torch.is_inference_mode_enabled(), plain)
 
-    def step(self, kwargs: dict, cache_why: str | None):
+    def step(self, kwargs: dict, cache_why: str | None, plain: bool = False):
         """Run one decode step: eagerly, by capture, or by replay. Returns the model output.
-        ``cache_why``: :func:`_graphable_cache`'s verdict on the step's cache (the session has it)."""
+        ``cache_why``: :func:`_graphable_cache`'s verdict on the step's cache (the session has it).
+        ``plain``: the step's masks are those of an unpadded batch (:meth:`forward`)."""
         cache = kwargs.get("past_key_values")
         why = self._why_eager(kwargs, cache_why)
         if why is not None:
@@ -513,7 +513,7 @@ class DecodeGraphs:
             self._changed.add(cache)
         self._watch(cache)
         tensors, sig = _flatten(kwargs)
-        key = self._key(cache, sig)
+        key = self._key(cache, sig, plain)
         entry = self.entries.get(key)
         if entry is None:
             if sum(k[0] == key[0] for k in self.entries) >= MAX_SHAPES_PER_CACHE:
@@ -526,9 +526,9 @@ class DecodeGraphs:
             return self.model(**kwargs)
         if entry.seen < self.warmup:
             entry.seen += 1
-            return self.graph_factory.warm(lambda: self.forward(kwargs))
+            return self.graph_factory.warm(lambda: self.forward(kwargs, plain))
         if entry.graph is None:
-            return self._capture(entry, kwargs, tensors, cache)
+            return self._capture(entry, kwargs, tensors, cache, plain)
         for path, t in tensors:
             entry.inputs[path].copy_(t)
         entry.graph.replay()
@@ -537,11 +537,26 @@ class DecodeGraphs:
         self.replays += 1
         return _copy_out(entry.output, cache)
 
-    def forward(self, kwargs: dict):
+    def forward(self, kwargs: dict, plain: bool = False):
         """``model(**kwargs)`` as a warm-up or captured decode step runs it (a replay repeats what it
         launched): where the cache's full layers share one length buffer (:func:`_grouped`), each
         layer writes at its length and its attention reads the filled length (``STEP_FILLED``,
-        computed once), and the buffer advances in one launch after the forward."""
+        computed once), and the buffer advances in one launch after the forward. With ``plain``
+        (the step's masks are an unpadded batch's: each query sees every filled slot of a full
+        layer, and of a sliding layer whose window has room), the cache's attention layers carry
+        ``STEP_PLAIN_MASKS`` through the forward: our attention forwards then attend by the layers'
+        filled lengths and pass no mask (``layers/_direct.attend``): the kernel loads no mask tile."""
+        cache = kwargs.get("past_key_values")
+        marked = [layer for layer in cache.layers if not _linear(layer)] if plain else []
+        for layer in marked:
+            layer.__dict__[STEP_PLAIN_MASKS] = True
+        try:
+            return self._forward(kwargs)
+        finally:
+            for layer in marked:
+                layer.__dict__.pop(STEP_PLAIN_MASKS, None)
+
+    def _forward(self, kwargs: dict):
         group = _grouped(kwargs.get("past_key_values"))
         if group is None:
             return self.model(**kwargs)
@@ -584,14 +599,14 @@ class DecodeGraphs:
             return "autograd is recording (decode graphs are for inference)"
         return cache_why
 
-    def _capture(self, entry: _Entry, kwargs: dict, tensors: list, cache):
+    def _capture(self, entry: _Entry, kwargs: dict, tensors: list, cache, plain: bool = False):
         entry.inputs = {path: t.clone() for path, t in tensors}
         static_kwargs = _with(kwargs, entry.inputs)
         objs = {id(o): o for o in (cache, *cache.layers)}
         before = _python_state(cache)
         graph = self.graph_factory()
         try:
-            output = graph.capture(lambda: self.forward(static_kwargs), self)
+            output = graph.capture(lambda: self.forward(static_kwargs, plain), self)
         except Exception as exc:  # noqa: BLE001 - e.g. a host sync in the step; nothing ran on the device
             for (oid, name), value in before.items():
                 setattr(objs[oid], name, value)
@@ -709,6 +724,8 @@ class _Session:
         self.lengths: dict = {}
         #: cache id -> the :func:`_window_layout` :meth:`_device_inputs` fills, or why it cannot.
         self.device_masks: dict = {}
+        #: cache id -> whether the masks passed with this generation's steps are an unpadded batch's.
+        self.plain: dict = {}
 
     def __call__(self, input_ids=None, **kwargs):
         kwargs["input_ids"] = input_ids
@@ -716,6 +733,7 @@ class _Session:
             return self.graphs.model(**kwargs)
         cache = kwargs.get("past_key_values")
         cache_why = _graphable_cache(cache)
+        plain = False
         if cache_why is None and input_ids is not None:
             self._check_room(cache, input_ids.shape[1])
             # With sliding layers, positions and masks come from the cache's length as a Python
@@ -731,6 +749,7 @@ class _Session:
                 made = self._device_inputs(input_ids, cache)
             if made is not None:
                 kwargs["position_ids"], kwargs["attention_mask"] = made
+                plain = True  # made for an unpadded batch
             else:
                 if (grows or _sliding_layers(cache)) and kwargs.get("position_ids") is None:
                     past = cache.get_seq_length()
@@ -738,7 +757,22 @@ class _Session:
                                               + past).unsqueeze(0)
                 if kwargs.get("position_ids") is not None and (mask is None or grows):
                     kwargs["attention_mask"] = self._masks(input_ids, mask, cache, kwargs["position_ids"])
-        return self.graphs.step(kwargs, cache_why)
+                plain = self._plain(input_ids, kwargs.get("attention_mask"), cache, kwargs.get("position_ids"))
+        return self.graphs.step(kwargs, cache_why, plain)
+
+    def _plain(self, input_ids, mask, cache, position_ids) -> bool:
+        """Whether the masks of this generation's steps over ``cache`` are an unpadded batch's (each
+        query sees every filled slot of a full layer and the window of a sliding one: what
+        :meth:`DecodeGraphs.forward`'s ``plain`` lets our attention read from the layers' lengths).
+        Checked at the first such step against the boolean masks transformers makes for an
+        unpadded step at ``position_ids`` (one device read a generation); the later steps of a
+        generation extend the same rows (``generate`` appends a visible column a step), so the
+        answer holds for them. No mask or no positions: False (nothing to check against)."""
+        if mask is None or position_ids is None:
+            return False
+        if id(cache) not in self.plain:
+            self.plain[id(cache)] = _same_masks(mask, self._masks(input_ids, None, cache, position_ids))
+        return self.plain[id(cache)]
 
     def _device_inputs(self, input_ids, cache):
         """``(position_ids, attention_mask)`` of an unpadded one-token step over a cache with
@@ -801,6 +835,22 @@ class _Session:
             raise CacheFullError(f"cutile_kernels: the static KV cache is full ({room} tokens); pass a larger "
                                  f"max_cache_len (or max_new_tokens to generate) to decode further")
         self.lengths[id(cache)] = length
+
+
+def _same_masks(a, b) -> bool:
+    """Whether two masks as a model takes them (a boolean tensor, None, or a dict of those by layer
+    type) hold the same values, a batch dimension of 1 broadcast against the other's."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same_masks(a[k], b[k]) for k in a))
+    if a is None or b is None:
+        return a is None and b is None
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or {a.dtype, b.dtype} != {torch.bool}:
+        return False
+    try:
+        return bool(torch.equal(*torch.broadcast_tensors(a, b)))
+    except RuntimeError:  # shapes that do not broadcast
+        return False
 
 
 class CudaGraph:

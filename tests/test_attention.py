@@ -978,6 +978,29 @@ def test_patched_model_passes_the_static_cache_length(family, monkeypatch):
             assert {s for _, s in lengths} == {16}
 
 
+def test_patched_sliding_layers_pass_their_length_until_the_window_fills(monkeypatch):
+    """A ``StaticSlidingWindowLayer`` passes its filled length while its window has room (Mistral,
+    window 14: the 11-token prompt, then steps at 12, 13 and 14 keys) and none once it rolls (15 and
+    16 tokens: its slots then hold the last 14); generate() gives stock's tokens and scores."""
+    cfg = copy.deepcopy(small_configs()["mistral-window"])
+    cfg.sliding_window = 14
+    stock, ours = build_models(cfg, torch.float32, "cpu")
+    cutile_kernels.patch(ours)
+    calls = []
+
+    def via_kernel(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None, kv_len=None):
+        calls.append((None if kv_len is None else int(kv_len), k.shape[2]))
+        return emulated_attention(q, k, v, mask, scale, causal, window, softcap, kv_len=kv_len)[0]
+
+    monkeypatch.setattr(attn_ops, "attention_reference", via_kernel)
+    ids, mask = padded_batch(cfg.vocab_size, [11, 7, 3], "cpu")
+    assert_generate_matches(stock, ours, ids, mask, "static")
+    layers = cfg.num_hidden_layers
+    assert len(calls) == 6 * layers and {s for _, s in calls} == {14}
+    assert [n for n, _ in calls[::layers]] == [11, 12, 13, 14, None, None]
+    assert all(calls[i] == calls[i - i % layers] for i in range(len(calls)))
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral-window"])
 def test_cpu_routed_model_matches_stock(family, route_spy):
     """``"cutile"`` routing as on a GPU: a padded batch's prefill (more than 16 queries) on sdpa,

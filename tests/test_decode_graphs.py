@@ -22,6 +22,7 @@ kernel_config=kernel_config(decode_graphs=True))``, our kernels and attention in
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import weakref
 
@@ -54,6 +55,7 @@ class ReplayEmulation:
         # Held weakly, as a CUDA graph holds addresses, not the cache object. A replay repeats the
         # step as the owner ran it (DecodeGraphs.forward: the grouped lengths' one advance included).
         self.cache_ref, self.owner = weakref.ref(cache), owner
+        self.plain = _closure(fn, "plain", False)  # a replay repeats the captured step's mask choice
         self.static = {k: v for k, v in static_kwargs.items() if k != "past_key_values"}
         tensors = _cache_tensors(cache)
         saved = [t.clone() for t in tensors]
@@ -76,7 +78,7 @@ class ReplayEmulation:
         held = [_held(layer) for layer in cache.layers]
         for layer, kv in zip(cache.layers, self.storage):
             _hold(layer, kv)
-        fresh = self.owner.forward({**self.static, "past_key_values": cache})
+        fresh = self.owner.forward({**self.static, "past_key_values": cache}, self.plain)
         for layer, kv in zip(cache.layers, held):
             _hold(layer, kv)
         for (oid, name), value in now.items():
@@ -86,8 +88,13 @@ class ReplayEmulation:
                 value.copy_(fresh[key])
 
 
+def _closure(fn, name, default=None):
+    names = fn.__code__.co_freevars
+    return fn.__closure__[names.index(name)].cell_contents if name in names else default
+
+
 def _static_kwargs(fn):
-    return fn.__closure__[fn.__code__.co_freevars.index("static_kwargs")].cell_contents
+    return _closure(fn, "static_kwargs")
 
 
 def _cache_of(fn):
@@ -490,6 +497,78 @@ def test_chunked_attention_keeps_host_masks():
     assert not session.device_masks and graphs.replays > 0
 
 
+def _attention_calls(monkeypatch) -> list:
+    """The one-query calls of the attention op (its reference on the CPU): (mask passed, length passed)."""
+    attn_ops = importlib.import_module("cutile_kernels.ops.attention")  # the package exports the function too
+    calls, real = [], attn_ops.attention_reference
+
+    def spy(q, k, v, mask=None, scale=None, causal=True, window=None, softcap=None, kv_len=None):
+        if q.shape[2] == 1:
+            calls.append((mask is not None, kv_len is not None))
+        return real(q, k, v, mask, scale, causal, window, softcap, kv_len)
+
+    monkeypatch.setattr(attn_ops, "attention_reference", spy)
+    return calls
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
+def test_plain_steps_attend_by_length_without_the_mask(model_type, emulated, monkeypatch):
+    """Steps of an unpadded batch (the bench's: no mask, made on the device): our attention forwards
+    pass the layers' filled lengths and no mask while each layer has one (a sliding layer until its
+    window of 12 fills); the logits are eager's."""
+    from transformers import StaticCache
+
+    model = tiny_model(model_type, sliding_window=12, attn="cutile_kernel")
+    cutile_kernels.patch(model)
+    ids = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(9))
+    want = _direct_steps(model, model, ids)
+    graphs = emulated(model)
+    calls = _attention_calls(monkeypatch)
+    session = model.get_compiled_call(None)
+    steps = []  # the attention calls of each step (a capture runs the step twice)
+    got = _decode(model, session, ids, StaticCache(config=model.config, max_cache_len=32), 10,
+                  between=lambda i: (steps.append(list(calls)), calls.clear()))
+    steps = steps[1:] + [calls]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert graphs.replays > 0 and session.device_masks
+    # Until the windows fill (the steps to 12 tokens), every layer by length, no mask; then the
+    # sliding layers keep their (all-visible) masks and the full ones go on by length.
+    sliding = [layer.is_sliding for layer in StaticCache(config=model.config, max_cache_len=32).layers]
+    assert all(set(step) == {(False, True)} for step in steps[:9])
+    assert steps[9] == [(True, False) if s else (False, True) for s in sliding] and any(sliding)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_generate_drops_the_masks_of_an_unpadded_batch(padded, emulated, monkeypatch):
+    """generate() passes its 4-D masks to every step: the session compares the first step's with an
+    unpadded batch's (one device read) and, where they agree, our attention reads the layers'
+    lengths without them; a left-padded batch keeps its masks. Tokens and logits are stock's."""
+    model = tiny_model("llama", attn="cutile_kernel")
+    cutile_kernels.patch(model)
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :2], mask[1, :2] = 0, 0
+    want = _generate(model, ids, attention_mask=mask, cache_implementation="static", disable_compile=True)
+    emulated(model)
+    calls = _attention_calls(monkeypatch)
+    got = _generate(model, ids, attention_mask=mask, compile_config=_cpu_compile_config())
+    _same(got, want)
+    assert set(calls) == ({(True, True)} if padded else {(False, True)})
+
+
+def test_same_masks_compares_values_dicts_and_broadcast_batches():
+    one = torch.tensor([True, True, False]).view(1, 1, 1, 3)
+    assert dg._same_masks(one, one.expand(2, 1, 1, 3).clone())
+    assert not dg._same_masks(one, torch.tensor([True, False, False]).view(1, 1, 1, 3))
+    assert dg._same_masks({"full_attention": one, "sliding_attention": None},
+                          {"full_attention": one.clone(), "sliding_attention": None})
+    assert not dg._same_masks({"full_attention": one}, one)
+    assert not dg._same_masks(one, one.float())  # an additive mask is not compared
+    assert not dg._same_masks(one, torch.ones(1, 1, 1, 4, dtype=torch.bool))
+
+
 def test_window_layout_takes_only_full_and_sliding_layer_types():
     length = torch.tensor(2)
     mask = dg._window_mask(4, length)
@@ -509,7 +588,7 @@ def test_masks_other_than_the_windows_stay_on_the_host(emulated, monkeypatch, ca
     monkeypatch.setattr(dg, "_window_mask", lambda width, length: torch.ones(1, 1, 1, width, dtype=torch.bool))
     host = _count_host_masks(monkeypatch)
     session = model.get_compiled_call(None)
-    with caplog.at_level(logging.INFO, logger=dg.__name__):
+    with caplog.at_level(logging.INFO, logger="cutile_kernels"):
         got = _direct_steps(model, session, ids)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

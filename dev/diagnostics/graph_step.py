@@ -13,7 +13,9 @@ replays in alternating rounds, in one process: the whole model's step with and w
 ``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03;
 ``--ab-rope-append`` with RoPE and the cache write as two launches (no ``rope_append``);
 ``--ab-lengths`` with each full layer advancing its own cache length (16 launches for Llama-3.2-1B)
-instead of the one advance of the grouped lengths (``decode_graphs._group_lengths``). For a compiled path
+instead of the one advance of the grouped lengths (``decode_graphs._group_lengths``); ``--ab-gemv-upto N``
+with the batch-1 GEMV (patch ``gemv``) also taking projections up to ``N`` wide (``ops.gemv.TILE_BY_N``
+extended by ``--ab-gemv-tile``; e.g. 3072 takes Llama-3.2-1B's stacked q/k/v). For a compiled path
 ``--ab-guards`` times the step with dynamo's guard check and without it
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
 entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
@@ -239,6 +241,11 @@ def main(argv=None) -> None:
                     help="also time the step with RoPE and kv_append as two launches, alternating with ours")
     ap.add_argument("--ab-lengths", action="store_true",
                     help="also time the step with a length advance per layer, alternating with ours")
+    ap.add_argument("--ab-gemv-upto", type=int, default=0, metavar="N",
+                    help="also time the step with the one-row GEMV taking projections up to N wide (on the "
+                         "--ab-gemv-tile), alternating with ours")
+    ap.add_argument("--ab-gemv-tile", type=int, nargs=2, default=(16, 256), metavar=("BN", "BK"),
+                    help="the built GEMV tile --ab-gemv-upto adds (default 16 256)")
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
     ap.add_argument("--host", action="store_true",
@@ -294,6 +301,14 @@ def main(argv=None) -> None:
             ours, theirs = _alternating((entry, cache), (per_entry, per_cache), args.steps)
             row.update(ab_replay_ms_one_advance=ours, ab_replay_ms_per_layer_advances=theirs,
                        ab_step_ms_per_layer_advances=per_step)
+        if args.ab_gemv_upto:
+            # Every loaded copy of the router takes the wider projections while the graph is captured.
+            mods = [m for n, m in list(sys.modules.items()) if n.endswith(".ops.gemv") and hasattr(m, "TILE_BY_N")]
+            wider = mods[0].TILE_BY_N + ((args.ab_gemv_upto, tuple(args.ab_gemv_tile)),)
+            with _set_in(mods, "TILE_BY_N", wider):
+                wide_entry, wide_cache, wide_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
+            ours, theirs = _alternating((entry, cache), (wide_entry, wide_cache), args.steps)
+            row.update(ab_replay_ms_shipped=ours, ab_replay_ms_gemv_wider=theirs, ab_step_ms_gemv_wider=wide_step)
         _rewind(cache)
         print(json.dumps(row))
         _kernels(entry.graph.replay, 5, args.top)

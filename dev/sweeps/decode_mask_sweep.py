@@ -166,6 +166,9 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                       cycling([lambda p=p: [dispatch.run(*s) for s in p] for p in full]), out, ref)
                 timed({**base, "tag": "shipped mask", "splits": sliding[0][0][2][-1]},
                       cycling([lambda p=p: [dispatch.run(*s) for s in p] for p in sliding]), out, ref)
+                both = plans(mask, n)  # a full layer in generate(), a sliding one since: the mask and kv_len
+                timed({**base, "tag": "shipped mask+kv_len", "splits": both[0][0][2][-1]},
+                      cycling([lambda p=p: [dispatch.run(*s) for s in p] for p in both]), out, ref)
                 timed({**base, "tag": "sdpa mask"},
                       cycling([lambda k=k, v=v: out.copy_(F.scaled_dot_product_attention(
                           q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv).transpose(1, 2))
@@ -184,15 +187,16 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                                 dispatch.run(*step)
                         calls.append(call)
                     timed({**base, "tag": variant.tag, "splits": splits}, cycling(calls), out, ref)
-    print("\n| preset | B | filled/slots | shipped, kv_len | shipped, mask | candidate, mask | SDPA, mask |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| preset | B | filled/slots | shipped, kv_len | shipped, mask | shipped, mask + kv_len | candidate, mask "
+          "| SDPA, mask |")
+    print("|---|---|---|---|---|---|---|---|")
     for preset in SHAPES:
         for B in (1, 16):
             for filled, slots in LENGTHS:
                 mine = {r["tag"].split(".")[-1] if "maskfree" in r["tag"] else r["tag"]: r.get("us", "-")
                         for r in rows if (r["preset"], r["B"], r["filled"]) == (preset, B, filled)}
                 print(f"| {preset} | {B} | {filled}/{slots} | {mine.get('shipped kv_len', '-')} | "
-                      f"{mine.get('shipped mask', '-')} | {mine.get('maskfree', '-')} | {mine.get('sdpa mask', '-')} |")
+                      f"{mine.get('shipped mask', '-')} | {mine.get('shipped mask+kv_len', '-')} | {mine.get('maskfree', '-')} | {mine.get('sdpa mask', '-')} |")
     write_rows(rows, json_out)
 
 
