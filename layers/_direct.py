@@ -29,7 +29,7 @@ from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
 from ._patching import _unhooked, swapped
-from .attention import cache_layer, static_kv_length, step_mask
+from .attention import cache_layer, static_kv_length, step_plain
 from .decode_graphs import ROPE_UPDATE
 from .linear import gemv_linear_forward
 from .norm import _float_norm_eps
@@ -173,8 +173,8 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     ``(B, S, heads * head_dim)``: the output gate of gated attention (Qwen3.5's ``attn_output *
     torch.sigmoid(gate)`` before ``o_proj``), on the ``sigmoid_and_mul`` kernel. With our
     attention over a static cache layer, the layer's filled length goes along
-    (:func:`.attention.static_kv_length`), without the mask in a decode-graph step whose masks are an
-    unpadded batch's (:func:`.attention.step_mask`). ``cache_written``: ``key_states`` / ``value_states`` are
+    (:func:`.attention.static_kv_length`), and in a decode-graph step whose masks are an unpadded
+    batch's, word that the kernel may attend without the mask (:func:`.attention.step_plain`). ``cache_written``: ``key_states`` / ``value_states`` are
     already the cache layer's tensors, updated (:func:`rope_and_cache`). Returns ``(attn_output (B,
     S, hidden), attn_weights)``."""
     length = {}
@@ -182,7 +182,7 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
         if not cache_written:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
         length = static_kv_length(self, past_key_values)
-        attention_mask = step_mask(self, past_key_values, attention_mask, length)
+        length.update(step_plain(self, past_key_values, length))
 
     attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
         self.config._attn_implementation, glob["eager_attention_forward"]

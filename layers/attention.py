@@ -120,18 +120,20 @@ def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
 #: Instance attribute of a cache layer during a decode-graph step whose masks are an unpadded
 #: batch's (``decode_graphs``, ``DecodeGraphs.forward``): where the layer's filled length goes to our
 #: attention (:func:`static_kv_length`), the mask hides nothing the length, causality and the window
-#: do not, and is not passed (:func:`step_mask`): the kernel then loads no mask tile.
+#: do not: where the kernel takes the call it reads no mask tile (:func:`step_plain`).
 STEP_PLAIN_MASKS = "_cutile_step_plain_masks"
 
 
-def step_mask(module: torch.nn.Module, past_key_values, attention_mask, length: dict):
-    """The mask to pass with ``length`` (:func:`static_kv_length`'s result) for the attention call of
-    ``module``: None where a filled length goes along and the step's masks are plain
-    (:data:`STEP_PLAIN_MASKS` on the module's cache layer), else ``attention_mask`` as given."""
-    if attention_mask is None or not length:
-        return attention_mask
+def step_plain(module: torch.nn.Module, past_key_values, length: dict) -> dict:
+    """``{"cutile_plain_mask": True}`` for the attention call of ``module`` where a filled length goes
+    along (``length``, :func:`static_kv_length`'s result) and the step's masks are plain
+    (:data:`STEP_PLAIN_MASKS` on the module's cache layer), else ``{}``. The mask itself is passed
+    as given: only a call the kernel takes drops it (``_attend``); sdpa and the eager fallback,
+    which take no length, keep it."""
+    if not length:
+        return {}
     layer = cache_layer(module, past_key_values)
-    return None if layer is not None and layer.__dict__.get(STEP_PLAIN_MASKS) else attention_mask
+    return {"cutile_plain_mask": True} if layer is not None and layer.__dict__.get(STEP_PLAIN_MASKS) else {}
 
 
 #: transformers' StaticLayer while :data:`PIN` holds (set by :func:`register_attention`, so that no
@@ -258,7 +260,7 @@ MASKED_PREFILL_HEAD_DIMS = frozenset({64, 256})
 
 
 def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
-            cutile_kv_len, routed: bool, kwargs: dict) -> tuple[torch.Tensor, None]:
+            cutile_kv_len, routed: bool, kwargs: dict, plain: bool = False) -> tuple[torch.Tensor, None]:
     reason = _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs)
     sdpa_takes = not softcap and not any(kwargs.get(k) is not None for k in _SINK_KWARGS)
     if routed and sdpa_takes and (reason is not None or not route(query, attention_mask, softcap, cutile_kv_len,
@@ -272,6 +274,8 @@ def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding
         return _eager_fallback(module, query, key, value, attention_mask, reason, causal, scaling=scaling,
                                dropout=dropout, sliding_window=sliding_window, softcap=softcap, **kwargs)
     window = sliding_window
+    if plain and cutile_kv_len is not None and query.shape[2] <= DECODE_MAX_SQ:
+        attention_mask = None  # the kernel's length, causal bound and window show the same keys (STEP_PLAIN_MASKS)
     if attention_mask is None:
         sq, skv = query.shape[2], key.shape[2]
         if causal and sq > 1 and skv > sq:  # sdpa's upper-left is_causal on an empty static cache
@@ -292,7 +296,7 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              sliding_window: int | None = None, softcap: float | None = None,
                              is_causal: bool | None = None, cutile_kv_len: torch.Tensor | None = None,
-                             **kwargs) -> tuple[torch.Tensor, None]:
+                             cutile_plain_mask: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """``"cutile"``: attention for transformers' ``AttentionInterface`` (the signature of
     ``sdpa_attention_forward``), our kernel where :func:`route` says it is faster, transformers'
     ``sdpa_attention_forward`` (v5.22.2) elsewhere.
@@ -310,6 +314,9 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         is_causal: overrides ``module.is_causal``.
         cutile_kv_len: a static cache layer's filled length (one int64 on the device), from
             :func:`static_kv_length`: the keys past it are not read.
+        cutile_plain_mask: the mask is an unpadded batch's (:func:`step_plain`): where the kernel
+            takes a decode call with ``cutile_kv_len``, it attends by the length, causality and the
+            window without reading the mask; sdpa and the eager fallback get the mask as given.
 
     Returns:
         ``(attn_output, None)``, ``attn_output`` the contiguous ``(B, Sq, Hq, D)`` tensor.
@@ -320,7 +327,7 @@ def cutile_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
             inputs the kernel cannot take (not for :func:`route`'s choice of sdpa).
     """
     return _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
-                   cutile_kv_len, True, kwargs)
+                   cutile_kv_len, True, kwargs, cutile_plain_mask)
 
 
 def cutile_kernel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -328,12 +335,12 @@ def cutile_kernel_attention_forward(module: torch.nn.Module, query: torch.Tensor
                                     scaling: float | None = None, dropout: float = 0.0,
                                     sliding_window: int | None = None, softcap: float | None = None,
                                     is_causal: bool | None = None, cutile_kv_len: torch.Tensor | None = None,
-                                    **kwargs) -> tuple[torch.Tensor, None]:
+                                    cutile_plain_mask: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """``"cutile_kernel"``: :func:`cutile_attention_forward` with the kernel on every call it can take
     (prefill and unmasked decode too); what it cannot take goes to the model's own eager attention.
     Arguments, returns and errors as there."""
     return _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
-                   cutile_kv_len, False, kwargs)
+                   cutile_kv_len, False, kwargs, cutile_plain_mask)
 
 
 def _gpus(model: torch.nn.Module) -> set:

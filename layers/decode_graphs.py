@@ -545,7 +545,8 @@ class DecodeGraphs:
         (the step's masks are an unpadded batch's: each query sees every filled slot of a full
         layer, and of a sliding layer whose window has room), the cache's attention layers carry
         ``STEP_PLAIN_MASKS`` through the forward: our attention forwards then attend by the layers'
-        filled lengths and pass no mask (``layers/_direct.attend``): the kernel loads no mask tile."""
+        filled lengths, and where our kernel takes the call it reads no mask (``layers/attention.py``
+        ``step_plain``): it loads no mask tile."""
         cache = kwargs.get("past_key_values")
         marked = [layer for layer in cache.layers if not _linear(layer)] if plain else []
         for layer in marked:
@@ -757,21 +758,25 @@ class _Session:
                                               + past).unsqueeze(0)
                 if kwargs.get("position_ids") is not None and (mask is None or grows):
                     kwargs["attention_mask"] = self._masks(input_ids, mask, cache, kwargs["position_ids"])
-                plain = self._plain(input_ids, kwargs.get("attention_mask"), cache, kwargs.get("position_ids"))
+                    # Made here from no mask (an unpadded batch's), or from a 2-D mask: plain if all ones.
+                    plain = mask is None or self._plain(cache, lambda: bool(mask.all()))
+                elif isinstance(mask, (torch.Tensor, dict)) and kwargs.get("position_ids") is not None:
+                    plain = self._plain(cache, lambda: _same_masks(
+                        mask, self._masks(input_ids, None, cache, kwargs["position_ids"])))
         return self.graphs.step(kwargs, cache_why, plain)
 
-    def _plain(self, input_ids, mask, cache, position_ids) -> bool:
+    def _plain(self, cache, check) -> bool:
         """Whether the masks of this generation's steps over ``cache`` are an unpadded batch's (each
         query sees every filled slot of a full layer and the window of a sliding one: what
-        :meth:`DecodeGraphs.forward`'s ``plain`` lets our attention read from the layers' lengths).
-        Checked at the first such step against the boolean masks transformers makes for an
-        unpadded step at ``position_ids`` (one device read a generation); the later steps of a
-        generation extend the same rows (``generate`` appends a visible column a step), so the
-        answer holds for them. No mask or no positions: False (nothing to check against)."""
-        if mask is None or position_ids is None:
-            return False
+        :meth:`DecodeGraphs.forward`'s ``plain`` lets our attention read from the layers' lengths):
+        ``check()`` at the first such step (a 2-D mask all ones; ``generate``'s 4-D masks equal to
+        those transformers makes for an unpadded step at those positions: one device read a
+        generation). The later steps of a generation extend the same rows (``generate`` appends a
+        visible column a step), so the answer holds for them: a decode loop of one's own that later
+        hides a key its first step's masks showed needs a new session
+        (``model.get_compiled_call(None)``)."""
         if id(cache) not in self.plain:
-            self.plain[id(cache)] = _same_masks(mask, self._masks(input_ids, None, cache, position_ids))
+            self.plain[id(cache)] = check()
         return self.plain[id(cache)]
 
     def _device_inputs(self, input_ids, cache):

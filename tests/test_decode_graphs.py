@@ -558,6 +558,24 @@ def test_generate_drops_the_masks_of_an_unpadded_batch(padded, emulated, monkeyp
     assert set(calls) == ({(True, True)} if padded else {(False, True)})
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_plain_steps_that_sdpa_takes_keep_their_masks(model_type, emulated, monkeypatch):
+    """``"cutile"`` routes a float32 call to sdpa (no kernel variant), which takes no filled length:
+    in a plain step it must still get the mask, or it attends to the static cache's empty slots."""
+    from cutile_kernels.layers import attention as lattn
+
+    monkeypatch.setattr(lattn, "_KERNEL_DEVICES", ("cuda", "cpu"))  # only the dtype decides the route
+    model = tiny_model(model_type, attn="cutile", **({"sliding_window": 12} if model_type == "mistral" else {}))
+    cutile_kernels.patch(model)
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    want = _generate(model, ids, attention_mask=torch.ones_like(ids), cache_implementation="static",
+                     disable_compile=True)
+    graphs = emulated(model)
+    got = _generate(model, ids, attention_mask=torch.ones_like(ids), compile_config=_cpu_compile_config())
+    _same(got, want)
+    assert graphs.replays > 0
+
+
 def test_same_masks_compares_values_dicts_and_broadcast_batches():
     one = torch.tensor([True, True, False]).view(1, 1, 1, 3)
     assert dg._same_masks(one, one.expand(2, 1, 1, 3).clone())
@@ -1134,10 +1152,10 @@ def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
     with torch.no_grad():
         windowed(torch.randint(1, 256, (1, 2)), past_key_values=cache, use_cache=True)
     graphs = dg.DecodeGraphs(windowed)
-    assert graphs._key(cache, ())[2] == (False, False)  # two sliding layers of 4 slots, 2 filled
+    assert graphs._key(cache, (), False)[2] == (False, False)  # two sliding layers of 4 slots, 2 filled
     cache.layers[0] = copy.deepcopy(cache.layers[0])
     cache.layers[0].cumulative_length_int = cache.layers[0].max_cache_len
-    assert graphs._key(cache, ())[2] == (True, False)
+    assert graphs._key(cache, (), False)[2] == (True, False)
 
     hybrid = tiny_model("qwen3_5_text")
     cache = StaticCache(config=hybrid.config, max_cache_len=16)
