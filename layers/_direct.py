@@ -174,8 +174,9 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     torch.sigmoid(gate)`` before ``o_proj``), on the ``sigmoid_and_mul`` kernel. With our
     attention over a static cache layer, the layer's filled length goes along
     (:func:`.attention.static_kv_length`), and in a decode-graph step whose masks are an unpadded
-    batch's, word that the kernel may attend without the mask (:func:`.attention.step_plain`). ``cache_written``: ``key_states`` / ``value_states`` are
-    already the cache layer's tensors, updated (:func:`rope_and_cache`). Returns ``(attn_output (B,
+    batch's, word that the kernel may attend without the mask (:func:`.attention.step_plain`).
+    ``cache_written``: ``key_states`` / ``value_states`` are already the cache layer's tensors,
+    updated (:func:`rope_and_cache`). Returns ``(attn_output (B,
     S, hidden), attn_weights)``."""
     length = {}
     if past_key_values is not None:
