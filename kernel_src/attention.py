@@ -49,6 +49,7 @@ import math
 import cuda.tile as ct
 
 from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, ScalarParam, VariantSpec, array
+from .rope import _cos_sin, _rounded_mul
 
 ZERO = ct.PaddingMode.ZERO
 #: Classes of a mask tile (attention_mask_tiles_kernel): no key visible, some, all.
@@ -116,7 +117,6 @@ def _attend(q, k, v, mask, tiles, b, hb, qb, j_lo, j_hi, skv, scale, softcap, wi
     last_pos = ct.minimum(qb * BS + BS, sq) - 1 + (skv - sq)  # rows past Sq are never stored
     cols = ct.reshape(ct.arange(BN, dtype=ct.int32), (1, BN))
     mb = b % mask.shape[0]
-    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
     m_i = ct.full((M, 1), NEG_INF, dtype=ct.float32)
     l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((M, D), 0.0, dtype=ct.float32)
@@ -136,12 +136,7 @@ def _attend(q, k, v, mask, tiles, b, hb, qb, j_lo, j_hi, skv, scale, softcap, wi
             mt = ct.load(mask, index=(mb, qb, j), shape=(1, BS, BN), padding_mode=ZERO)
             live = ct.max(mt) != 0
         if live:
-            kt = ct.load(k, index=(b, kvh, 0, j), shape=(1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO)
-            s = ct.mma(qt, ct.reshape(kt, (D, BN)), ct.full((M, BN), 0.0, dtype=ct.float32))
-            if softcap > 0.0:
-                s = ct.tanh(s * (scale / softcap)) * (softcap * LOG2E)
-            else:
-                s = s * qk_scale
+            s = _tile_logits(qt, k, b, kvh, j, scale, softcap, M, D, BN)
             # Element masks only on tiles that need them: the KV end, the causal diagonal, the
             # window's lower edge, or a mask tensor. Interior tiles of a prefill skip the work.
             edge = partial | ((j + 1) * BN > skv)
@@ -159,19 +154,44 @@ def _attend(q, k, v, mask, tiles, b, hb, qb, j_lo, j_hi, skv, scale, softcap, wi
                 if window > 0:
                     valid = valid & (kidx > pos - window)
                 s = ct.where(valid, s, NEG_INF)
-            m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
-            # A row with no visible key so far keeps max -inf: subtract 0 instead, so that its
-            # probabilities are exp2(-inf) = 0 and not exp2(-inf + inf) = NaN.
-            m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
-            p = ct.exp2(s - m_use)
-            alpha = ct.exp2(m_i - m_use)
-            l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+            p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
             vt = ct.reshape(ct.load(v, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO), (BN, D))
             if has_len != 0:
                 vt = _tail_rows_zeroed(vt, j, skv, BN)
             acc = ct.mma(p.astype(v.dtype), vt, acc * alpha)
             m_i = m_new
     return acc, m_i, l_i
+
+
+@ct.function
+def _logits(s, scale, softcap):
+    # Scores q.k (float32) as the softmax's logits in base 2 (exp(x) = exp2(x * log2 e)): times
+    # scale, or softcap * tanh(scale * s / softcap) with a softcap.
+    if softcap > 0.0:
+        s = ct.tanh(s * (scale / softcap)) * (softcap * LOG2E)
+    else:
+        s = s * (scale * LOG2E)
+    return s
+
+
+@ct.function
+def _tile_logits(qt, k, b, kvh, j, scale, softcap, M: ct.Constant[int], D: ct.Constant[int], BN: ct.Constant[int]):
+    # The logits of the M query rows qt (M, D) against KV tile j of head kvh of k (B, Hkv, S, D).
+    kt = ct.load(k, index=(b, kvh, 0, j), shape=(1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO)
+    return _logits(ct.mma(qt, ct.reshape(kt, (D, BN)), ct.full((M, BN), 0.0, dtype=ct.float32)), scale, softcap)
+
+
+@ct.function
+def _softmax_step(s, m_i, l_i):
+    # Online softmax over one KV tile's logits s (M, BN), float32 in log2 units (-inf where hidden):
+    # the tile's probabilities, the rescale of the running state, the new max and the new sum.
+    m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
+    # A row with no visible key so far keeps max -inf: subtract 0 instead, so that its
+    # probabilities are exp2(-inf) = 0 and not exp2(-inf + inf) = NaN.
+    m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
+    p = ct.exp2(s - m_use)
+    alpha = ct.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + ct.sum(p, axis=1, keepdims=True)
 
 
 @ct.kernel
@@ -204,12 +224,26 @@ def _attention_block(q, k, v, mask, o, part, lse, skv, scale, softcap, window, h
     b = ct.bid(1) // nhb
     hb = ct.bid(1) % nhb
     j_lo, j_hi = _kv_tile_range(qb, q.shape[2], skv, causal, window, BS, BN)
+    j_lo, j_hi = _split_tiles(j_lo, j_hi, split, num_splits)
+    acc, m_i, l_i = _attend(q, k, v, mask, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, 0,
+                            has_len, causal, D, HB, BS, BN)
+    _store_block(acc, m_i, l_i, o, part, lse, b, hb, nhb, qb, split, num_splits, D, HB, BS)
+
+
+@ct.function
+def _split_tiles(j_lo, j_hi, split, num_splits):
+    # Split `split` of num_splits's share of KV tiles [j_lo, j_hi): even slices, the last may be short.
     if num_splits > 1:
         per = ct.cdiv(j_hi - j_lo, num_splits)
         j_lo = ct.minimum(j_lo + split * per, j_hi)
         j_hi = ct.minimum(j_lo + per, j_hi)
-    acc, m_i, l_i = _attend(q, k, v, mask, mask, b, hb, qb, j_lo, j_hi, skv, scale, softcap, window, has_mask, 0,
-                            has_len, causal, D, HB, BS, BN)
+    return j_lo, j_hi
+
+
+@ct.function
+def _store_block(acc, m_i, l_i, o, part, lse, b, hb, nhb, qb, split, num_splits, D: ct.Constant[int],
+                 HB: ct.Constant[int], BS: ct.Constant[int]):
+    # A block's normalised output into o, or with num_splits > 1 its split's output and log2-sum-exp.
     out = acc / ct.where(l_i == 0.0, 1.0, l_i)
     if num_splits > 1:
         lse_rows = ct.where(l_i == 0.0, NEG_INF, m_i + ct.log2(ct.where(l_i == 0.0, 1.0, l_i)))
@@ -218,6 +252,94 @@ def _attention_block(q, k, v, mask, o, part, lse, skv, scale, softcap, window, h
         ct.store(lse, index=(split, bh, qb), tile=ct.reshape(lse_rows, (1, HB, BS)))
     else:
         ct.store(o, index=(b, hb, qb, 0), tile=ct.reshape(out.astype(o.dtype), (1, HB, BS, D)))
+
+
+@ct.function
+def _rotated(x, b, h, c1, c2, s1, s2, rdtype, HEADS: ct.Constant[int], ROWS: ct.Constant[int],
+             HALF: ct.Constant[int]):
+    # RoPE of the (1, HEADS, ROWS) tile (b, h, 0) of x, a (B, H, S, 2, HALF) halves view, as
+    # kernel_src/rope.py's rope_kernel computes and rounds it (c*, s*: (1, HALF) float32 halves of
+    # one position's cos and sin): (HEADS * ROWS, 2 * HALF) in x's dtype, rows past S zero.
+    shape = (1, HEADS, ROWS, 1, HALF)
+    x1 = ct.reshape(ct.load(x, index=(b, h, 0, 0, 0), shape=shape, padding_mode=ZERO),
+                    (HEADS * ROWS, HALF)).astype(ct.float32)
+    x2 = ct.reshape(ct.load(x, index=(b, h, 0, 1, 0), shape=shape, padding_mode=ZERO),
+                    (HEADS * ROWS, HALF)).astype(ct.float32)
+    o1 = _rounded_mul(x1, c1, rdtype) - _rounded_mul(x2, s1, rdtype)
+    o2 = _rounded_mul(x2, c2, rdtype) + _rounded_mul(x1, s2, rdtype)
+    return ct.cat((o1.astype(x.dtype), o2.astype(x.dtype)), 1)
+
+
+@ct.kernel
+def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, part, lse, scale: float, softcap: float,
+                                 window: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
+                                 BS: ct.Constant[int], BN: ct.Constant[int]):
+    """A decode step's RoPE of q and k, the static KV cache write of the rotated k and of v, and the
+    attention of the query over the cache, for one (batch x head block[, KV split]).
+
+    What ``kernel_src/rope.py``'s ``rope_append_kernel`` (RoPE rounded as transformers rounds it,
+    the new key and value written at slot ``n = length[0]``) followed by :func:`attention_kernel`
+    over the first ``n + 1`` keys (causal, window, softcap; no mask) compute, in one launch: the
+    block attends to the ``n`` cached keys and to the new key, which it holds in registers (a block
+    never reads slot ``n``: the write is not ordered with the other blocks' reads). The first head
+    block of each KV group writes the group's key and value (split 0 of it, with splits).
+
+    q: (B, Hq, 1, 2, D/2), the un-rotated queries as halves; k: (B, Hkv, 1, 2, D/2) likewise; v:
+    (B, Hkv, 1, D); cos, sin: (B or 1, 1, 2, D/2) (the whole head rotated); keys, values: (B, Hkv,
+    L, D), the cache, written at slot n when n < L; length: (1,) int64, n (not advanced: the
+    caller adds 1); o: (B, Hq, 1, D). part, lse and num_splits as :func:`attention_kernel`'s (the
+    new key goes to split 0). HB divides Hq // Hkv. Grid: (num_splits, B * Hq // HB).
+    """
+    split = ct.bid(0)
+    nhb = q.shape[1] // HB
+    b = ct.bid(1) // nhb
+    hb = ct.bid(1) % nhb
+    group = q.shape[1] // keys.shape[1]
+    kvh = (hb * HB) // group
+    n = ct.gather(length, 0).astype(ct.int32)  # the cached keys; the new key's slot and position
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, 0, D // 2, 1)
+    c1, c2 = ct.reshape(c1, (1, D // 2)), ct.reshape(c2, (1, D // 2))
+    s1, s2 = ct.reshape(s1, (1, D // 2)), ct.reshape(s2, (1, D // 2))
+    qt = _rotated(q, b, hb, c1, c2, s1, s2, cos.dtype, HB, BS, D // 2)  # (M, D)
+    kn = _rotated(k, b, kvh, c1, c2, s1, s2, cos.dtype, 1, 1, D // 2)   # (1, D)
+    vn = ct.reshape(ct.load(v, index=(b, kvh, 0, 0), shape=(1, 1, 1, D), padding_mode=ZERO), (1, D))
+    if split == 0 and (hb * HB) % group == 0 and n < keys.shape[2]:
+        ct.store(keys, index=(b, kvh, n, 0), tile=ct.reshape(kn, (1, 1, 1, D)))
+        ct.store(values, index=(b, kvh, n, 0), tile=ct.reshape(vn, (1, 1, 1, D)))
+    M = HB * BS
+    # The new key starts split 0's state: it is visible to the query (its own position).
+    s_new = _logits(ct.sum(qt.astype(ct.float32) * kn.astype(ct.float32), axis=1, keepdims=True), scale, softcap)
+    m_i = ct.full((M, 1), NEG_INF, dtype=ct.float32)
+    l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
+    acc = ct.full((M, D), 0.0, dtype=ct.float32)
+    if split == 0:
+        m_i = s_new
+        l_i = ct.full((M, 1), 1.0, dtype=ct.float32)
+        acc = ct.broadcast_to(vn.astype(ct.float32), (M, D))
+    # The cached keys the query sees: [lo, n), lo past the window's start.
+    lo = 0
+    if window > 0:
+        lo = ct.maximum(n - window + 1, 0)
+    j_lo = lo // BN
+    j_hi = ct.cdiv(n, BN)
+    j_lo, j_hi = _split_tiles(j_lo, j_hi, split, num_splits)
+    cols = ct.reshape(ct.arange(BN, dtype=ct.int32), (1, BN))
+    for j in range(j_lo, j_hi):
+        s = _tile_logits(qt, keys, b, kvh, j, scale, softcap, M, D, BN)
+        edge = (j + 1) * BN > n  # the tail tile, and the window's lower edge
+        if window > 0:
+            edge = edge | (j * BN <= n - window)
+        if edge:
+            kidx = j * BN + cols
+            valid = kidx < n
+            if window > 0:
+                valid = valid & (kidx > n - window)
+            s = ct.where(ct.broadcast_to(valid, (M, BN)), s, NEG_INF)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        vt = ct.reshape(ct.load(values, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO), (BN, D))
+        vt = _tail_rows_zeroed(vt, j, n, BN)
+        acc = ct.mma(p.astype(values.dtype), vt, acc * alpha)
+    _store_block(acc, m_i, l_i, o, part, lse, b, hb, nhb, 0, split, num_splits, D, HB, BS)
 
 
 @ct.kernel
@@ -317,7 +439,7 @@ def attention_combine_kernel(part, lse, o, num_splits: int, D: ct.Constant[int],
 #: of 16 x 32 heads x 4096 slots x 128 (OLMo-3-7B at batch 16) was refused as past int32 and took the
 #: PyTorch fallback (H100, 2026-12-05), though its largest offset is an eighth of the limit.
 ARRAY_FLAT_DIMS = {"q": (0,), "k": (0, 1), "v": (0, 1), "mask": (0,), "tiles": (0,), "o": (0,), "part": (0,),
-                   "lse": (0,)}
+                   "lse": (0,), "cos": (0,), "sin": (0,), "keys": (0, 1), "values": (0, 1)}
 
 #: Padded head dims built (64 takes head_dim <= 64, e.g. 32 and 64; 128 takes 80, 96, 128).
 HEAD_DIMS = (64, 128, 256)
@@ -379,6 +501,17 @@ def _combine_params(dtype: str, consts: dict) -> tuple:
             ScalarParam("num_splits", "int32")) + tuple(ConstParam(n, val) for n, val in consts.items())
 
 
+def _rope_append_params(dtype: str, consts: dict) -> tuple:
+    # The halves views (q, k, cos, sin) and the cache as the decode steps hand them: aligned.
+    return tuple([array("q", dtype, 5, "aligned"), array("k", dtype, 5, "aligned"), array("v", dtype, 4, "aligned"),
+                  array("cos", dtype, 4, "aligned"), array("sin", dtype, 4, "aligned"),
+                  array("keys", dtype, 4, "aligned"), array("values", dtype, 4, "aligned"),
+                  ArrayParam("length", "int64", 1), array("o", dtype, 4, "aligned"),
+                  array("part", "float32", 4, "aligned"), ArrayParam("lse", "float32", 3),
+                  ScalarParam("scale", "float32"), ScalarParam("softcap", "float32"), ScalarParam("window", "int32"),
+                  ScalarParam("num_splits", "int32")] + [ConstParam(n, val) for n, val in consts.items()])
+
+
 def _matrix() -> list[VariantSpec]:
     specs = []
     for dtype in DTYPES:
@@ -392,6 +525,11 @@ def _matrix() -> list[VariantSpec]:
                 make = _prefill_params if function == "attention_prefill_kernel" else _attention_params
                 params = make(dtype, consts)
                 specs.append(VariantSpec("attention", "attention", function, f"{d}.d{dp}.h{hb}.m{bs}.n{bn}", params))
+            for hb in DECODE_HEADS:  # RoPE, the cache write and decode attention in one launch: the short tile
+                consts = {"D": dp, "HB": hb, "BS": DECODE_ROWS // hb, "BN": DECODE_BN[dp]}
+                specs.append(VariantSpec("rope_append_attention", "attention", "rope_append_attention_kernel",
+                                         f"{d}.d{dp}.h{hb}.m{DECODE_ROWS // hb}.n{DECODE_BN[dp]}",
+                                         _rope_append_params(dtype, consts)))
             consts = {"D": dp, "BS": COMBINE_BS}
             specs.append(VariantSpec("attention_combine", "attention", "attention_combine_kernel",
                                      f"{d}.d{dp}.m{COMBINE_BS}", _combine_params(dtype, consts)))

@@ -29,8 +29,8 @@ from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
 from ._patching import _unhooked, swapped
-from .attention import cache_layer, static_kv_length, step_plain
-from .decode_graphs import ROPE_UPDATE
+from .attention import STEP_PLAIN_MASKS, cache_layer, static_kv_length, step_plain, takes_plain_decode
+from .decode_graphs import ROPE_ATTEND, ROPE_UPDATE
 from .linear import gemv_linear_forward
 from .norm import _float_norm_eps
 from .rope import CutileRotaryPosEmb, computes_llama_rope
@@ -145,12 +145,19 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
     offloaded cache (``Cache.update`` does more than the layer's update then), nor where the layer
     declines (``decode_graphs._kernel_rope_update``: its ``update`` replaced since, a gradient
     asked for, shapes RoPE's kernel does not take)."""
+    update = _armed(self, rope, past_key_values, ROPE_UPDATE)
+    return None if update is None else update(query_states, key_states, value_states, cos, sin)
+
+
+def _armed(self: nn.Module, rope, past_key_values, attr: str):
+    # The one-launch step `attr` (ROPE_UPDATE, ROPE_ATTEND) that the decode graphs gave the cache layer
+    # of attention module `self`, where rope_and_cache's conditions hold; else None.
     if (_compiling() or past_key_values is None or type(past_key_values).update is not _CACHE_UPDATE
             or getattr(past_key_values, "offloading", False)):
         return None
     layer = cache_layer(self, past_key_values)
-    update = None if layer is None else layer.__dict__.get(ROPE_UPDATE)
-    if update is None:
+    step = None if layer is None else layer.__dict__.get(attr)
+    if step is None:
         return None
     if rope is not None:
         if not isinstance(rope, nn.Module) or not direct_ok(rope):
@@ -158,7 +165,34 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
         bound = getattr(rope.__dict__.get("forward"), "__func__", None)
         if getattr(bound, "__qualname__", None) != _OUR_ROPE or not computes_llama_rope(type(rope)):
             return None
-    return update(query_states, key_states, value_states, cos, sin)
+    if attr == ROPE_ATTEND and not layer.__dict__.get(STEP_PLAIN_MASKS):
+        return None
+    return step
+
+
+def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states: torch.Tensor,
+                key_states: torch.Tensor, value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                window: dict, kwargs: dict) -> torch.Tensor | None:
+    """RoPE, the cache update and the attention of attention module ``self`` as one
+    ``rope_append_attention`` launch, for a decode step of the decode graphs whose masks are an
+    unpadded batch's (``decode_graphs.ROPE_ATTEND`` armed on the module's cache layer and
+    :data:`~.attention.STEP_PLAIN_MASKS` on it): where :func:`rope_and_cache` would take the step,
+    and the attention function the config names (``glob``, as the forward reads it) is ours and
+    would attend the step on our kernel without its mask (:func:`.attention.takes_plain_decode`).
+    ``window`` is the ``sliding_window`` keyword as the stock forward passes it. Shapes as
+    :func:`rope_and_cache` takes them, one position.
+
+    Returns the attention output ``(B, 1, Hq * D)`` (before ``o_proj``), or None: the caller runs
+    :func:`rope_and_cache` and :func:`attend` (the same numbers in three launches)."""
+    step = _armed(self, rope, past_key_values, ROPE_ATTEND)
+    if step is None or query_states.shape[2] != 1:
+        return None
+    forward = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(self.config._attn_implementation,
+                                                              glob["eager_attention_forward"])
+    if not takes_plain_decode(forward, self, query_states, kwargs):
+        return None
+    out = step(query_states, key_states, value_states, cos, sin, self.scaling, window.get("sliding_window"))
+    return None if out is None else out.transpose(1, 2).reshape(query_states.shape[0], 1, -1)
 
 
 def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor, key_states: torch.Tensor,

@@ -259,6 +259,28 @@ def route(query: torch.Tensor, attention_mask: torch.Tensor | None, softcap: flo
 MASKED_PREFILL_HEAD_DIMS = frozenset({64, 256})
 
 
+def takes_plain_decode(forward, module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> bool:
+    """Whether ``forward``, the attention function ``module``'s forward would call, is ours and gives
+    a plain decode step (one position per row, the layer's filled length passed, the mask dropped:
+    :func:`step_plain`) of ``query`` ``(B, Hq, 1, D)`` with these keyword arguments to our kernel,
+    as :func:`_attend` decides it: then a caller may attend that step with the kernel itself
+    (``_direct.rope_attend``: RoPE, the cache write and the attention in one launch). The module's
+    scale and window go along; no softcap, dropout, attention sinks, ``position_bias`` or
+    ``output_attentions``."""
+    if forward is cutile_kernel_attention_forward:
+        routed = False
+    elif forward is cutile_attention_forward:
+        routed = True
+    else:
+        return False
+    if query.shape[2] != 1 or (module.training and getattr(module, "attention_dropout", 0.0)):
+        return False
+    if kwargs.get("output_attentions") or kwargs.get("softcap") or any(kwargs.get(k) is not None
+                                                                       for k in _UNSUPPORTED_KWARGS):
+        return False
+    return not routed or route(query, None, None, query)  # query stands for the length (None-ness only)
+
+
 def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
             cutile_kv_len, routed: bool, kwargs: dict, plain: bool = False) -> tuple[torch.Tensor, None]:
     reason = _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs)

@@ -73,6 +73,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from .. import dispatch
+from ..ops.attention import rope_append_attention, rope_append_attention_takes
 from ..ops.kv_cache import kv_append
 from ..ops.rope import rope_append, rope_append_takes
 from ._pins import Pin, holds, register
@@ -214,6 +215,54 @@ def _rope_append_step(layer, armed, query_states, key_states, value_states, cos,
     return q_rot, layer.keys, layer.values
 
 
+#: Attribute that :func:`_make_capturable` sets beside :data:`ROPE_UPDATE`: ``(q, k, v, cos, sin,
+#: scale, window) -> attention output (B, Hq, 1, D)``, RoPE, the layer's cache write and the decode
+#: attention over its filled slots as one ``rope_append_attention`` launch
+#: (:func:`_kernel_rope_attend`, :func:`_kernel_rope_sliding_attend`), or None where a step is not
+#: one launch. The reproduced Llama-code attention forward takes it in a plain step whose attention
+#: our kernel takes (``layers/_direct.py``, ``rope_attend``).
+ROPE_ATTEND = "_cutile_rope_attend"
+
+
+def _rope_attend_step(layer, armed, query_states, key_states, value_states, cos, sin, scale, window):
+    # RoPE, the writes of `armed` and the attention over the layer's filled slots as one launch, then
+    # the length advanced as _rope_append_step does; None where the layer's update is no longer
+    # `armed` or the one launch does not take the call.
+    update = layer.__dict__.get("update")
+    if (getattr(update, "func", None) is not armed or update.args[0] is not layer
+            or not rope_append_attention_takes(query_states, key_states, value_states, cos, sin, layer.keys,
+                                               layer.values)):
+        return None
+    out = rope_append_attention(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
+                                layer.cumulative_length, scale=scale, window=window)
+    if STEP_FILLED not in layer.__dict__:  # else the step advances it (DecodeGraphs.forward)
+        layer.cumulative_length.add_(1)
+    return out
+
+
+def _kernel_rope_attend(layer, query_states, key_states, value_states, cos, sin, scale, window=None):
+    """:func:`_kernel_rope_update` and the decode attention over the layer's filled slots (causal,
+    ``window``; no mask: a plain step's) as one ``rope_append_attention`` launch. Returns the
+    attention output ``(B, Hq, 1, D)`` (laid out as ``(B, 1, Hq, D)``), or None (nothing done)
+    where the layer's ``update`` is no longer the one armed or the launch does not take the call
+    (:func:`~..ops.attention.rope_append_attention_takes`)."""
+    return _rope_attend_step(layer, _kernel_static_update, query_states, key_states, value_states, cos, sin, scale,
+                             window)
+
+
+def _kernel_rope_sliding_attend(layer, query_states, key_states, value_states, cos, sin, scale, window=None):
+    """:func:`_kernel_rope_attend` for a sliding-window layer whose window has room for the step
+    (its slots are then the positions), both lengths advanced as :func:`_kernel_sliding_update`
+    advances them; None otherwise."""
+    if not (layer.is_initialized and layer.cumulative_length_int + 1 <= layer.max_cache_len):
+        return None
+    out = _rope_attend_step(layer, _kernel_sliding_update, query_states, key_states, value_states, cos, sin, scale,
+                            window)
+    if out is not None:
+        layer.cumulative_length_int += 1
+    return out
+
+
 def _kernel_rope_update(layer, query_states, key_states, value_states, cos, sin):
     """RoPE of q and k (our ``apply_rope``'s formula), then :func:`_kernel_static_update`'s writes
     of the rotated keys and the values and its advance, on one ``rope_append`` launch for a decode
@@ -279,9 +328,11 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
                                                  layer)
                 if kernel:
                     setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_sliding_update, layer))
+                    setattr(layer, ROPE_ATTEND, functools.partial(_kernel_rope_sliding_attend, layer))
         elif full_ok and layer.is_initialized and layer.keys.shape == layer.values.shape:
             layer.update = functools.partial(_kernel_static_update, layer)
             setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_update, layer))
+            setattr(layer, ROPE_ATTEND, functools.partial(_kernel_rope_attend, layer))
             armed.append(layer)
     _group_lengths(cache, armed)
     return True
@@ -344,6 +395,7 @@ def _restore_updates(cache) -> None:
     for layer in cache.layers:
         layer.__dict__.pop("update", None)
         layer.__dict__.pop(ROPE_UPDATE, None)
+        layer.__dict__.pop(ROPE_ATTEND, None)
     cache.__dict__.pop(LENGTHS, None)
     cache._cutile_capturable = False
 
@@ -763,6 +815,8 @@ class _Session:
                 elif isinstance(mask, (torch.Tensor, dict)) and kwargs.get("position_ids") is not None:
                     plain = self._plain(cache, lambda: _same_masks(
                         mask, self._masks(input_ids, None, cache, kwargs["position_ids"])))
+                elif mask is None:  # the step makes an unpadded batch's masks itself (cache_position's)
+                    plain = True
         return self.graphs.step(kwargs, cache_why, plain)
 
     def _plain(self, cache, check) -> bool:

@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ._direct import attend, call, linear, rope_and_cache
+from ._direct import attend, call, linear, rope_and_cache, rope_attend
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
 from ._patching import Patch, own_forward_on_instance, swapped
@@ -285,6 +285,14 @@ def _attend(self, glob, window, input_shape, query_states, key_states, value_sta
     # The stock forward from RoPE on, its globals read as it reads them.
     cos, sin = position_embeddings
     rope = glob["apply_rotary_pos_emb"]  # a kernels hub function is an nn.Module
+    # Passed as the stock forward passes it (a second sliding_window in kwargs raises, as there).
+    extra = {} if window == _NO_WINDOW else {"sliding_window": getattr(self.config, "sliding_window", None)
+                                             if window == _CONFIG_WINDOW else self.sliding_window}
+    # A plain decode-graph step: RoPE, the cache write and the attention in one launch.
+    attn_output = rope_attend(self, glob, rope, past_key_values, query_states, key_states, value_states, cos, sin,
+                              extra, kwargs)
+    if attn_output is not None:
+        return linear(self.o_proj, attn_output), None
     # A decode-graph step: RoPE and the cache write in one launch where the cache layer allows it.
     written = rope_and_cache(self, rope, past_key_values, query_states, key_states, value_states, cos, sin)
     if written is not None:
@@ -293,9 +301,6 @@ def _attend(self, glob, window, input_shape, query_states, key_states, value_sta
         query_states, key_states = (call(rope, query_states, key_states, cos, sin) if isinstance(rope, nn.Module)
                                     else rope(query_states, key_states, cos, sin))
 
-    # Passed as the stock forward passes it (a second sliding_window in kwargs raises, as there).
-    extra = {} if window == _NO_WINDOW else {"sliding_window": getattr(self.config, "sliding_window", None)
-                                             if window == _CONFIG_WINDOW else self.sliding_window}
     return attend(self, glob, input_shape, query_states, key_states, value_states, attention_mask, past_key_values,
                   kwargs, extra, cache_written=written is not None)
 

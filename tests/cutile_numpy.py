@@ -175,6 +175,13 @@ def mma(x, y, acc, **_):
     return (np.matmul(x.astype(acc.dtype), y.astype(acc.dtype)) + acc).astype(acc.dtype)
 
 
+def cat(tiles, axis):
+    a, b = (np.asarray(t) for t in tiles)
+    if a.shape != b.shape:
+        raise UndefinedBehaviour(f"cat of tiles of shapes {a.shape} and {b.shape} (cuTile: the same shape)")
+    return np.concatenate((a, b), axis=axis)
+
+
 def where(cond, x, y):
     out = np.where(cond, x, y)
     return out

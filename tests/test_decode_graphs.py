@@ -539,6 +539,23 @@ def test_plain_steps_attend_by_length_without_the_mask(model_type, emulated, mon
     assert steps[9] == [(True, False) if s else (False, True) for s in sliding] and any(sliding)
 
 
+def test_steps_without_a_mask_over_full_layers_attend_by_length(emulated, monkeypatch):
+    """Steps called without a mask over a cache of full layers (the bench's Llama steps): the step
+    makes transformers' masks itself, from cache_position, an unpadded batch's; our attention reads
+    the layers' filled lengths and no mask (before, each call got the mask and the length); the
+    logits are eager's."""
+    model = tiny_model("llama", attn="cutile_kernel")
+    cutile_kernels.patch(model)
+    ids = torch.randint(1, 256, (2, 3), generator=torch.Generator().manual_seed(9))
+    want = _direct_steps(model, model, ids, steps=6)
+    graphs = emulated(model)
+    calls = _attention_calls(monkeypatch)
+    got = _direct_steps(model, model.get_compiled_call(None), ids, steps=6)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert graphs.replays > 0 and calls and set(calls) == {(False, True)}
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 def test_generate_drops_the_masks_of_an_unpadded_batch(padded, emulated, monkeypatch):
     """generate() passes its 4-D masks to every step: the session compares the first step's with an

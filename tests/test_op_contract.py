@@ -32,6 +32,9 @@ CALLS = {
     "rope_cos_sin": (lambda d: cutile_kernels.rope_cos_sin(_f(8, dtype=d), torch.arange(5)[None], 1.0,
                                                            torch.float32), "inv_freq"),
     "attention": (lambda d: cutile_kernels.attention(_f(1, 4, 5, 16, dtype=d), _f(1, 2, 5, 16), _f(1, 2, 5, 16)), "q"),
+    "rope_append_attention": (lambda d: cutile_kernels.rope_append_attention(
+        _f(1, 4, 1, 16, dtype=d), _f(1, 2, 1, 16), _f(1, 2, 1, 16), _f(1, 1, 16), _f(1, 1, 16), _f(1, 2, 4, 16),
+        _f(1, 2, 4, 16), torch.tensor(2)), "q"),
     "rope_append": (lambda d: cutile_kernels.rope_append(_f(1, 4, 1, 16, dtype=d), _f(1, 2, 1, 16), _f(1, 2, 1, 16),
                                                          _f(1, 1, 16), _f(1, 1, 16), _f(1, 2, 4, 16), _f(1, 2, 4, 16),
                                                          torch.tensor(2)), "q"),
@@ -155,6 +158,11 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
         (_, _), (cos, sin) = _rope_args(dtype, device, s=2, d=d)
         return (qkv[:, :4], qkv[:, 4:6], qkv[:, 6:], cos, sin, f(1, 2, 9, d), f(1, 2, 9, d),
                 torch.tensor(4, device=device), torch.empty(1, 4, 2, d, dtype=dtype, device=device))
+    if name == "rope_append_attention":  # a decode step of stacked q/k/v views into slot 4 of 9, its attention
+        qkv = f(1, 1, 8 * d).view(1, 1, 8, d).transpose(1, 2)
+        (_, _), (cos, sin) = _rope_args(dtype, device, s=1, d=d)
+        return (qkv[:, :4], qkv[:, 4:6], qkv[:, 6:], cos, sin, f(1, 2, 9, d), f(1, 2, 9, d),
+                torch.tensor(4, device=device), torch.empty(1, 1, 4, d, dtype=dtype, device=device), d ** -0.5, 0.0, 0)
     if name == "attention":
         mask = torch.ones(1, 1, 5, 9, dtype=torch.bool, device=device).tril(4)
         return f(1, 4, 5, d), f(1, 2, 9, d), f(1, 2, 9, d), mask, d ** -0.5, False, 0, 0.0, None

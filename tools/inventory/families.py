@@ -56,10 +56,11 @@ class Entry:
 
 def entries() -> list[Entry]:
     """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's, Phi-3's partial),
-    attention, qk_norm_rope, kv_cache and the RoPE + cache writes, then gated DeltaNet's: gated_delta,
-    conv1d, the gated norm)."""
+    attention, qk_norm_rope, kv_cache and the RoPE + cache writes, the RoPE + cache write + decode
+    attention, then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
     return [*_activation(), _rope(), _rope_cast(), _rope_partial(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(),
-            _qk_norm_rope_olmo2(), _kv_append(), _rope_append(), _rope_append_partial(), *_gemv(), *_gated_deltanet()]
+            _qk_norm_rope_olmo2(), _kv_append(), _rope_append(), _rope_append_partial(), _rope_append_attention(),
+            *_gemv(), *_gated_deltanet()]
 
 
 def solution(entry: Entry, spec: SolutionSpec, checkout: Path) -> Solution:
@@ -682,6 +683,66 @@ def _kv_append() -> Entry:
             "_op(keys, values, k, v, torch.tensor(length, device=keys.device))\n"
             "return keys, values\n")
     return Entry("kv_cache", d, rows, [SolutionSpec("kv_append", "kv_append", body=body)])
+
+
+def _rope_append_attention() -> Entry:
+    # A plain decode step's RoPE, static cache write and attention over the filled slots in one launch.
+    ops, rope, kv = _ops("attention"), _ops("rope"), _ops("kv_cache")
+    src = f"{LLAMA}::LlamaAttention.forward (apply_rotary_pos_emb, {CACHE_UTILS}::StaticLayer.update, sdpa)"
+    axes, spec, _ = _qk_axes("head dimension, all of it rotated (partial_rotary_factor 1)")
+    axes["seq_len"] = AxisConst(value=1, description="one token per sequence: a decode step")
+    axes["cache_len"] = AxisVar(description="the static cache's slots (max_cache_len)")
+    q_shape, k_shape = ["batch", "num_q_heads", "seq_len", "head_dim"], ["batch", "num_kv_heads", "seq_len", "head_dim"]
+    cache = ["batch", "num_kv_heads", "cache_len", "head_dim"]
+    d = Definition(
+        name="rope_append_attention", op_type="rope_kv_cache_append_attention", axes=axes,
+        inputs={"q": spec(q_shape, "queries after q_proj, heads before positions"),
+                "k": spec(k_shape, "the step's keys after k_proj"), "v": spec(k_shape, "the step's values"),
+                "cos": spec(["batch", "seq_len", "head_dim"], "cos of the rotary angles at the step's position"),
+                "sin": spec(["batch", "seq_len", "head_dim"], "sin of the rotary angles, likewise"),
+                "keys": spec(cache, "the layer's key cache before the step"),
+                "values": spec(cache, "the layer's value cache before the step"),
+                "length": TensorSpec(shape=None, dtype="int64", description="slots already filled "
+                                                                            "(cumulative_length): the step's slot"),
+                "scale": TensorSpec(shape=None, dtype="float32", description="logit scale (module.scaling)")},
+        outputs={"o": spec(q_shape, "attention output of the rotated q over the length + 1 filled keys"),
+                 "keys_out": spec(cache, "keys with the rotated k written at slot length"),
+                 "values_out": spec(cache, "values with v written at slot length")},
+        reference=reference_source(
+            [rope._rotate_half, rope._rotate, rope.apply_rope_reference, kv.kv_append_reference,
+             rope.rope_append_reference, ops.visible_mask, ops._check, ops.attention_reference,
+             ops.rope_append_attention_reference],
+            ["q", "k", "v", "cos", "sin", "keys", "values", "length", "scale"],
+            "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
+            "B, Hq, _, D = q.shape\n"
+            "out = q.new_empty(B, 1, Hq, D)\n"
+            "rope_append_attention_reference(q, k, v, cos, sin, keys, values, torch.tensor(length, "
+            "device=keys.device), out, scale, 0.0, 0)\n"
+            "return out.transpose(1, 2), keys, values",
+            _header(src, "RoPE of q and k as apply_rotary_pos_emb (each op rounded to the dtype), the rotated key "
+                         "and the value written at slot cumulative_length, then causal attention of the rotated q "
+                         "over the first cumulative_length + 1 slots, softmax in float32.",
+                    "cutile_kernels.ops.attention"), ("import math", "import torch")),
+        tags=_tags("attention", src),
+        description=(f"A decode step's rotary position embedding, static KV cache write and attention over the "
+                     f"filled slots (transformers v{TRANSFORMERS_PIN}, {src}): what the decode graphs run as one "
+                     "launch in a step of an unpadded batch."),
+        constraints=["num_q_heads % num_kv_heads == 0", "head_dim % 16 == 0", f"1 + {MAX_FILLED} <= cache_len"],
+    )
+    rows = []
+    for preset in WORKLOAD_PRESETS:
+        m = model_shapes(preset)
+        for phase in ("decode-b1", "decode-b16"):
+            filled, slots = KV_APPEND_CACHE[phase]
+            rows.append(Workload(axes={"batch": PHASES[phase][0], "num_q_heads": m["q_heads"],
+                                       "num_kv_heads": m["kv_heads"], "cache_len": slots, "head_dim": m["head_dim"]},
+                                 inputs=_inputs(d, length=filled, scale=m["head_dim"] ** -0.5),
+                                 uuid=f"{preset}/{phase}"))
+    body = ("import torch\n\n"
+            "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
+            "o = _op(q, k, v, cos, sin, keys, values, torch.tensor(length, device=keys.device), scale=scale)\n"
+            "return o, keys, values\n")
+    return Entry("attention", d, rows, [SolutionSpec("rope_append_attention", "rope_append_attention", body=body)])
 
 
 def _rope_append() -> Entry:

@@ -18,7 +18,8 @@ from .dispatch import FallbackError, reset_stats, stats
 from .layers import CacheFullError, disable_decode_graphs, enable_decode_graphs, kernel_config, kernelize
 from .ops import attention, attention_reference, gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference
 from .ops import (apply_rope, apply_rope_cast, apply_rope_cast_reference, apply_rope_reference, rope_append,
-                  rope_append_reference, rope_cos_sin, rope_cos_sin_reference)
+                  rope_append_attention, rope_append_attention_reference, rope_append_reference, rope_cos_sin,
+                  rope_cos_sin_reference)
 from .ops import (kv_append, kv_append_reference, qk_norm_rope, qk_norm_rope_gemma, qk_norm_rope_gemma_reference,
                   qk_norm_rope_olmo2, qk_norm_rope_olmo2_reference, qk_norm_rope_reference, sigmoid_and_mul,
                   sigmoid_and_mul_reference)
@@ -91,6 +92,8 @@ __all__ = [
     "rms_norm_gemma_reference",
     "rms_norm_reference",
     "rope_append",
+    "rope_append_attention",
+    "rope_append_attention_reference",
     "rope_append_reference",
     "rope_cos_sin",
     "rope_cos_sin_reference",

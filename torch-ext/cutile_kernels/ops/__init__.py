@@ -3,7 +3,7 @@
 from .activation import (gelu_tanh_and_mul_fused, gelu_tanh_and_mul_fused_reference, sigmoid_and_mul,
                          sigmoid_and_mul_reference, silu, silu_and_mul, silu_and_mul_fused, silu_and_mul_fused_reference,
                          silu_and_mul_reference, silu_reference)
-from .attention import attention, attention_reference
+from .attention import attention, attention_reference, rope_append_attention, rope_append_attention_reference
 from .conv1d import causal_conv1d, causal_conv1d_reference, causal_conv1d_update, causal_conv1d_update_reference
 from .gemv import (gemv, gemv_geglu, gemv_geglu_reference, gemv_reference, gemv_swiglu, gemv_swiglu_reference,
                    glu_linear, linear)
@@ -18,7 +18,7 @@ from .rope import (apply_rope, apply_rope_cast, apply_rope_cast_reference, apply
                    rope_append_reference)
 from .rope_cos_sin import rope_cos_sin, rope_cos_sin_reference
 
-__all__ = ["attention", "attention_reference", "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_update",
+__all__ = ["attention", "attention_reference", "rope_append_attention", "rope_append_attention_reference", "causal_conv1d", "causal_conv1d_reference", "causal_conv1d_update",
            "causal_conv1d_update_reference", "gated_delta_gates", "gated_delta_gates_reference", "gemv", "gemv_geglu", "gemv_geglu_reference", "gemv_reference",
            "gemv_swiglu", "gemv_swiglu_reference", "glu_linear", "linear", "gated_delta_rule", "gated_delta_rule_reference", "rms_norm_gated",
            "rms_norm_gated_reference", "kv_append", "kv_append_reference", "gelu_tanh_and_mul_fused", "gelu_tanh_and_mul_fused_reference", "add_rms_norm", "add_rms_norm_gemma", "add_rms_norm_gemma_reference",

@@ -24,6 +24,7 @@ The output is ``(B, Hq, Sq, D)`` laid out as a contiguous ``(B, Sq, Hq, D)`` buf
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -31,6 +32,12 @@ import torch
 from .. import dispatch
 from ._dtypes import check_float
 from ._define import define_op
+from .kv_cache import mismatch as kv_mismatch
+from .rope import _append_check as rope_append_check
+from .rope import _halves
+from .rope import _result_dtype as rope_result_dtype
+from .rope import _mismatch as rope_mismatch
+from .rope import rope_append, rope_append_reference
 from ..kernel_src._spec import next_power_of_2
 from ..kernel_src.attention import (COMBINE_BS, DECODE_BN, DECODE_BN_LONG, DECODE_HEADS, DECODE_LONG_KEYS, DECODE_ROWS,
                                     HEAD_DIMS, PREFILL)
@@ -449,3 +456,186 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     return _attention.call_checked(q, k, v, mask, scale, bool(causal), int(window or 0), float(softcap or 0.0),
                                    kv_len)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE, the static KV cache write and decode attention in one launch
+# ---------------------------------------------------------------------------------------------
+
+ROPE_APPEND_KERNEL = "rope_append_attention"
+#: Reasons :func:`rope_append_attention` took two launches, logged once each.
+_SAID: set = set()
+logger = logging.getLogger("cutile_kernels")
+
+
+def _one_launch_plan(q: torch.Tensor, keys: torch.Tensor) -> tuple:
+    # (HB, splits) of the one launch: the decode tile's head block and the split count the
+    # attention op would choose for this grid and cache (the short tile at that count: checked by
+    # the caller).
+    group = q.shape[1] // keys.shape[1]
+    hb = max(h for h in DECODE_HEADS if group % h == 0)
+    splits = num_splits(q.shape[0] * (q.shape[1] // hb), keys.shape[2], dispatch.sm_count(q.device.index or 0))
+    return hb, splits
+
+
+def _one_launch_reason(q, k, v, cos, sin, keys, values) -> str | None:
+    """Why :func:`rope_append_attention`'s one launch does not take these arguments (the op then runs
+    ``rope_append`` and ``attention``), or None; shapes already checked."""
+    D = q.shape[3]
+    if D not in HEAD_DIMS or cos.shape[-1] != D:
+        return f"head_dim {D} rotated over {cos.shape[-1]} (one launch: all of a head of {'/'.join(map(str, HEAD_DIMS))})"
+    if len({q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype, keys.dtype, values.dtype}) != 1 \
+            or q.dtype not in KERNEL_DTYPES:
+        return f"dtypes q {q.dtype}, cos {cos.dtype}, cache {keys.dtype} (one of bfloat16/float16 throughout)"
+    if padded_heads(q.shape[1] // k.shape[1]) is not None:
+        return f"a KV group of {q.shape[1] // k.shape[1]} heads (attention pads it: B * Hkv batches of one KV head)"
+    if q.device.type == "cuda":
+        hb, splits = _one_launch_plan(q, keys)
+        if decode_bn(D, keys.shape[2], splits) != DECODE_BN[D]:
+            return f"one pass over {keys.shape[2]} slots (attention's long tile)"
+    return None
+
+
+def rope_append_attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether :func:`rope_append_attention` runs these arguments as its one launch: a decode step
+    (one position) in its shape contract, the whole head rotated (``R == D``, D one of 64, 128,
+    256), one 16-bit dtype throughout, a KV group the decode tile packs as it is, a cache the decode
+    attention reads with its short tile, and no gradient asked for. A caller that gets False runs
+    :func:`~.rope.rope_append` and :func:`attention` itself (the op would run them too, and say so)."""
+    if q.dim() != 4 or q.shape[2] != 1 or _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)):
+        return False
+    return _one_launch_reason(q, k, v, cos, sin, keys, values) is None
+
+
+def _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values) -> str | None:
+    if q.dim() != 4 or q.shape[2] != 1:
+        return f"q {tuple(q.shape)} is not (B, Hq, 1, D): one position (a decode step)"
+    why = rope_mismatch(q, k, cos, sin) or kv_mismatch(keys, values, k, v)
+    if why is not None:
+        return why
+    if q.shape[3] != keys.shape[3] or q.shape[1] % keys.shape[1]:
+        return f"q {tuple(q.shape)} and the cache {tuple(keys.shape)}: not (B, Hq, 1, D) over (B, Hkv, L, D), Hkv | Hq"
+    return None
+
+
+def _rope_append_attention_check(q, k, v, cos, sin, keys, values, length, out, scale, softcap, window) -> None:
+    why = _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values)
+    if why is not None:
+        raise ValueError(f"rope_append_attention: {why}")
+    B, Hq, _, D = q.shape
+    dtype = rope_result_dtype(q.dtype, cos.dtype, sin.dtype)  # the rotated q's, as apply_rope promotes
+    rope_append_check(q, k, v, cos, sin, keys, values, length, q.new_empty((), dtype=dtype).expand(q.shape))
+    if out.shape != (B, 1, Hq, D) or out.dtype != dtype:
+        raise ValueError(f"rope_append_attention: out {tuple(out.shape)} {out.dtype} is not ({B}, 1, {Hq}, {D}) "
+                         f"{dtype}")
+
+
+def rope_append_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                    sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                                    out: torch.Tensor, scale: float, softcap: float, window: int) -> None:
+    """:func:`~.rope.rope_append_reference` (RoPE of q and k, the rotated k and v written at slot
+    ``length``), then :func:`attention_reference` of the rotated q over the first ``length + 1``
+    keys (causal, ``window``, ``softcap``; 0 says none) into ``out`` ``(B, 1, Hq, D)``."""
+    q_rot = torch.empty_like(q, dtype=out.dtype)
+    rope_append_reference(q, k, v, cos, sin, keys, values, length, q_rot)
+    o = attention_reference(q_rot, keys, values, None, scale, True, window or None, softcap or None,
+                            kv_len=length.reshape(1) + 1)
+    out.copy_(o.transpose(1, 2))
+
+
+def _rope_attention_layout(args: tuple) -> tuple:
+    # q, k, cos and sin as (..., 2, D/2) halves (the whole head rotated); the rest as they are.
+    d = args[0].shape[-1]
+    return tuple(_halves(t, d) if i in (0, 1, 3, 4) else t for i, t in enumerate(args))
+
+
+def _rope_append_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                                out: torch.Tensor, scale: float, softcap: float, window: int) -> None:
+    why = _one_launch_reason(q, k, v, cos, sin, keys, values)
+    if why is None:
+        (B, Hq, _, D), (hb, splits) = q.shape, _one_launch_plan(q, keys)
+        o = out.transpose(1, 2)
+        if splits == 1:
+            part, lse = _dummy("part", q.device, D), _dummy("lse", q.device)
+        else:
+            part = torch.empty(splits, B * Hq, 1, D, dtype=torch.float32, device=q.device)
+            lse = torch.empty(splits, B * Hq, 1, dtype=torch.float32, device=q.device)
+        want = (("D", D), ("HB", hb), ("BS", DECODE_ROWS // hb), ("BN", DECODE_BN[D]))
+        args = (q, k, v, cos, sin, keys, values, length.view(1), o, part, lse, float(scale), float(softcap),
+                int(window), splits)
+        grid = (splits, B * Hq // hb, 1)
+        if dispatch.run(ROPE_APPEND_KERNEL, want, args, 8, lambda consts: grid, _rope_attention_layout,
+                        optional=True):
+            if splits > 1 and not dispatch.run("attention_combine", (("D", D), ("BS", COMBINE_BS)),
+                                               (part, lse, o, splits), 2, lambda consts: (1, B * Hq, 1)):
+                raise RuntimeError(f"{ROPE_APPEND_KERNEL} ran but attention_combine could not (the build must "
+                                   "hold every attention kernel)")
+            return
+        why = f"no {ROPE_APPEND_KERNEL} variant fits these tensors"
+    if why not in _SAID:  # not a fallback: our two kernels run (each says so if it cannot)
+        _SAID.add(why)
+        logger.info("cutile_kernels: %s runs rope_append, then attention: %s", ROPE_APPEND_KERNEL, why)
+    q_rot = rope_append(q, k, v, cos, sin, keys, values, length)
+    o = attention(q_rot, keys, values, None, scale=scale, causal=True, window=window or None, softcap=softcap or None,
+                  kv_len=length.reshape(1) + 1)
+    out.copy_(o.transpose(1, 2))
+
+
+def _rope_append_attention_fake(q, k, v, cos, sin, keys, values, length, out, scale, softcap, window) -> None:
+    return None
+
+
+_rope_append_attention = define_op(ROPE_APPEND_KERNEL, _rope_append_attention_cuda,
+                                   reference=rope_append_attention_reference, fake=_rope_append_attention_fake,
+                                   check=_rope_append_attention_check, cpu=rope_append_attention_reference,
+                                   backward=None, mutates_args=("keys", "values", "out"))
+
+
+def rope_append_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, *,
+                          scale: float | None = None, softcap: float | None = None,
+                          window: int | None = None) -> torch.Tensor:
+    """A decode step's RoPE of q and k, the static KV cache write of the rotated k and of v, and
+    causal attention of the rotated q over the filled cache, in one launch: what
+    :func:`~.rope.rope_append` (transformers' ``apply_rotary_pos_emb`` then ``StaticLayer.update``'s
+    writes, cache_utils.py v5.22.2) followed by :func:`attention` with ``kv_len = length + 1``
+    compute. The new key is attended from registers; the cached ones as the decode tiles do.
+
+    Args:
+        q: ``(B, Hq, 1, D)`` queries before RoPE, any strides (views of a stacked projection).
+        k, v: ``(B, Hkv, 1, D)`` the step's key (rotated here) and value.
+        cos, sin: ``(B or 1, 1, R)`` as the model's rotary embedding returns them.
+        keys, values: ``(B, Hkv, L, D)`` the cache layer's tensors, written at slot ``length`` (on
+            CUDA not where ``length >= L``: the caller checks room first).
+        length: one int64 element on the cache's device: the keys already cached (read on the
+            device, not advanced: the caller adds 1 as ``update`` does).
+        scale: logit scale (default ``1 / sqrt(D)``); softcap: ``softcap * tanh(s / softcap)``;
+            window: sliding window in keys (``j > length - window``); None or 0 for none.
+
+    Returns:
+        The attention output ``(B, Hq, 1, D)`` in the rotated q's dtype (q's, promoted with cos's
+        as :func:`~.rope.apply_rope` promotes), laid out as contiguous ``(B, 1, Hq, D)``
+        (as :func:`attention`).
+
+    The one launch (cuTile ``rope_append_attention_kernel``) takes the calls of
+    :func:`rope_append_attention_takes`; other calls (and a GPU without a fitting variant) run
+    :func:`~.rope.rope_append` and :func:`attention`, said once a reason; off the GPU
+    :func:`rope_append_attention_reference`. Under ``torch.compile`` the custom op
+    ``<namespace>::rope_append_attention`` (mutating the cache), without a backward.
+
+    Raises:
+        TypeError: a tensor is not floating point, or ``length`` is not a tensor.
+        ValueError: shapes or dtypes do not match (a q of more than one position among them).
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    check_float(ROPE_APPEND_KERNEL, "q, k, v, cos, sin, keys, values", q, k, v, cos, sin, keys, values)
+    B, Hq, _, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty(B, 1, Hq, D, dtype=rope_result_dtype(q.dtype, cos.dtype, sin.dtype), device=q.device)
+    _rope_append_attention(q, k, v, cos, sin, keys, values, length, out, scale, float(softcap or 0.0),
+                           int(window or 0))
+    return out.transpose(1, 2)
