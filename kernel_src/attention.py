@@ -273,7 +273,7 @@ def _rotated(x, b, h, c1, c2, s1, s2, rdtype, HEADS: ct.Constant[int], ROWS: ct.
 @ct.kernel
 def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, part, lse, scale: float, softcap: float,
                                  window: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
-                                 BS: ct.Constant[int], BN: ct.Constant[int]):
+                                 BS: ct.Constant[int], BN: ct.Constant[int], STORE_LAST: ct.Constant[int]):
     """A decode step's RoPE of q and k, the static KV cache write of the rotated k and of v, and the
     attention of the query over the cache, for one (batch x head block[, KV split]).
 
@@ -286,9 +286,10 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
 
     q: (B, Hq, 1, 2, D/2), the un-rotated queries as halves; k: (B, Hkv, 1, 2, D/2) likewise; v:
     (B, Hkv, 1, D); cos, sin: (B or 1, 1, 2, D/2) (the whole head rotated); keys, values: (B, Hkv,
-    L, D), the cache, written at slot n when n < L; length: (1,) int64, n (not advanced: the
-    caller adds 1); o: (B, Hq, 1, D). part, lse and num_splits as :func:`attention_kernel`'s (the
-    new key goes to split 0). HB divides Hq // Hkv. Grid: (num_splits, B * Hq // HB).
+    L, D), the cache, written at slot n when n < L (before the KV loop, or with STORE_LAST after
+    the output's store); length: (1,) int64, n (not advanced: the caller adds 1); o: (B, Hq, 1,
+    D). part, lse and num_splits as :func:`attention_kernel`'s (the new key goes to split 0). HB
+    divides Hq // Hkv. Grid: (num_splits, B * Hq // HB).
     """
     split = ct.bid(0)
     nhb = q.shape[1] // HB
@@ -303,9 +304,11 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
     qt = _rotated(q, b, hb, c1, c2, s1, s2, cos.dtype, HB, BS, D // 2)  # (M, D)
     kn = _rotated(k, b, kvh, c1, c2, s1, s2, cos.dtype, 1, 1, D // 2)   # (1, D)
     vn = ct.reshape(ct.load(v, index=(b, kvh, 0, 0), shape=(1, 1, 1, D), padding_mode=ZERO), (1, D))
-    if split == 0 and (hb * HB) % group == 0 and n < keys.shape[2]:
-        ct.store(keys, index=(b, kvh, n, 0), tile=ct.reshape(kn, (1, 1, 1, D)))
-        ct.store(values, index=(b, kvh, n, 0), tile=ct.reshape(vn, (1, 1, 1, D)))
+    writer = split == 0 and (hb * HB) % group == 0 and n < keys.shape[2]
+    if STORE_LAST == 0:
+        if writer:
+            ct.store(keys, index=(b, kvh, n, 0), tile=ct.reshape(kn, (1, 1, 1, D)))
+            ct.store(values, index=(b, kvh, n, 0), tile=ct.reshape(vn, (1, 1, 1, D)))
     M = HB * BS
     # The new key starts split 0's state: it is visible to the query (its own position).
     s_new = _logits(ct.sum(qt.astype(ct.float32) * kn.astype(ct.float32), axis=1, keepdims=True), scale, softcap)
@@ -340,6 +343,10 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
         vt = _tail_rows_zeroed(vt, j, n, BN)
         acc = ct.mma(p.astype(values.dtype), vt, acc * alpha)
     _store_block(acc, m_i, l_i, o, part, lse, b, hb, nhb, 0, split, num_splits, D, HB, BS)
+    if STORE_LAST != 0:
+        if writer:
+            ct.store(keys, index=(b, kvh, n, 0), tile=ct.reshape(kn, (1, 1, 1, D)))
+            ct.store(values, index=(b, kvh, n, 0), tile=ct.reshape(vn, (1, 1, 1, D)))
 
 
 @ct.kernel
@@ -501,13 +508,14 @@ def _combine_params(dtype: str, consts: dict) -> tuple:
             ScalarParam("num_splits", "int32")) + tuple(ConstParam(n, val) for n, val in consts.items())
 
 
-def _rope_append_params(dtype: str, consts: dict) -> tuple:
-    # The halves views (q, k, cos, sin) and the cache as the decode steps hand them: aligned.
-    return tuple([array("q", dtype, 5, "aligned"), array("k", dtype, 5, "aligned"), array("v", dtype, 4, "aligned"),
-                  array("cos", dtype, 4, "aligned"), array("sin", dtype, 4, "aligned"),
+def _rope_append_params(dtype: str, consts: dict, small: str = "aligned") -> tuple:
+    # The halves views (q, k, cos, sin) and the cache as the decode steps hand them: aligned (the
+    # step's small arrays in the `small` layout: the 2026-12-06 candidates tried "generic").
+    return tuple([array("q", dtype, 5, small), array("k", dtype, 5, small), array("v", dtype, 4, small),
+                  array("cos", dtype, 4, small), array("sin", dtype, 4, small),
                   array("keys", dtype, 4, "aligned"), array("values", dtype, 4, "aligned"),
-                  ArrayParam("length", "int64", 1), array("o", dtype, 4, "aligned"),
-                  array("part", "float32", 4, "aligned"), ArrayParam("lse", "float32", 3),
+                  ArrayParam("length", "int64", 1), array("o", dtype, 4, small),
+                  array("part", "float32", 4, small), ArrayParam("lse", "float32", 3),
                   ScalarParam("scale", "float32"), ScalarParam("softcap", "float32"), ScalarParam("window", "int32"),
                   ScalarParam("num_splits", "int32")] + [ConstParam(n, val) for n, val in consts.items()])
 
@@ -526,7 +534,7 @@ def _matrix() -> list[VariantSpec]:
                 params = make(dtype, consts)
                 specs.append(VariantSpec("attention", "attention", function, f"{d}.d{dp}.h{hb}.m{bs}.n{bn}", params))
             for hb in DECODE_HEADS:  # RoPE, the cache write and decode attention in one launch: the short tile
-                consts = {"D": dp, "HB": hb, "BS": DECODE_ROWS // hb, "BN": DECODE_BN[dp]}
+                consts = {"D": dp, "HB": hb, "BS": DECODE_ROWS // hb, "BN": DECODE_BN[dp], "STORE_LAST": 0}
                 specs.append(VariantSpec("rope_append_attention", "attention", "rope_append_attention_kernel",
                                          f"{d}.d{dp}.h{hb}.m{DECODE_ROWS // hb}.n{DECODE_BN[dp]}",
                                          _rope_append_params(dtype, consts)))

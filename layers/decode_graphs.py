@@ -215,13 +215,21 @@ def _rope_append_step(layer, armed, query_states, key_states, value_states, cos,
     return q_rot, layer.keys, layer.values
 
 
-#: Attribute that :func:`_make_capturable` sets beside :data:`ROPE_UPDATE`: ``(q, k, v, cos, sin,
-#: scale, window) -> attention output (B, Hq, 1, D)``, RoPE, the layer's cache write and the decode
+#: Attribute that :func:`_make_capturable` sets beside :data:`ROPE_UPDATE` while
+#: :data:`ROPE_ATTEND_ON`: ``(q, k, v, cos, sin, scale, window) -> attention output (B, Hq, 1,
+#: D)``, RoPE, the layer's cache write and the decode
 #: attention over its filled slots as one ``rope_append_attention`` launch
 #: (:func:`_kernel_rope_attend`, :func:`_kernel_rope_sliding_attend`), or None where a step is not
 #: one launch. The reproduced Llama-code attention forward takes it in a plain step whose attention
 #: our kernel takes (``layers/_direct.py``, ``rope_attend``).
 ROPE_ATTEND = "_cutile_rope_attend"
+#: Whether :func:`_make_capturable` arms :data:`ROPE_ATTEND`. Off: measured on an H100 (2026-12-06,
+#: ``graph_step.py llama-3.2-1b --ab-rope-attend``), the one launch took 13.6 us a layer of
+#: Llama-3.2-1B's batch-1 replay against 7.9 + 3.4 for ``attention`` and ``rope_append`` (replay
+#: 1.382 against 1.329 ms; batch 16 1.524 against 1.476): its cubin has five times the attention
+#: kernel's tensor-core instructions for the same tile. The op, its kernel and this plumbing stay
+#: (tested) for a kernel that wins.
+ROPE_ATTEND_ON = False
 
 
 def _rope_attend_step(layer, armed, query_states, key_states, value_states, cos, sin, scale, window):
@@ -328,11 +336,13 @@ def _make_capturable(cache, cache_kernel: bool = True) -> bool:
                                                  layer)
                 if kernel:
                     setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_sliding_update, layer))
-                    setattr(layer, ROPE_ATTEND, functools.partial(_kernel_rope_sliding_attend, layer))
+                    if ROPE_ATTEND_ON:
+                        setattr(layer, ROPE_ATTEND, functools.partial(_kernel_rope_sliding_attend, layer))
         elif full_ok and layer.is_initialized and layer.keys.shape == layer.values.shape:
             layer.update = functools.partial(_kernel_static_update, layer)
             setattr(layer, ROPE_UPDATE, functools.partial(_kernel_rope_update, layer))
-            setattr(layer, ROPE_ATTEND, functools.partial(_kernel_rope_attend, layer))
+            if ROPE_ATTEND_ON:
+                setattr(layer, ROPE_ATTEND, functools.partial(_kernel_rope_attend, layer))
             armed.append(layer)
     _group_lengths(cache, armed)
     return True

@@ -24,6 +24,7 @@ from cutile_kernels.layers.rope import CutileRotaryPosEmb
 from cutile_kernels.ops import rope as rope_ops
 
 from families import model as tiny_model
+from launches import launched_variants
 from test_rope_append import _cache, _step, our_llama_rope  # noqa: F401 - a fixture
 
 attn_ops = importlib.import_module("cutile_kernels.ops.attention")
@@ -36,7 +37,10 @@ def _transformers(q, k, v, cos, sin, keys, values, n, scale, window=None, softca
     """What the decode step computes in transformers: ``apply_rotary_pos_emb``, the cache write
     ``StaticLayer.update`` makes at slot ``n``, then attention of the rotated q over the first
     ``n + 1`` slots in float64 (sdpa's math; a window hides keys ``j <= n - window``)."""
-    q_rot, k_rot = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    # transformers' formula, not the hub function (which a kernelized model in the same process binds to ours)
+    c, s_ = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_rot = q * c + modeling_llama.rotate_half(q) * s_
+    k_rot = k * c + modeling_llama.rotate_half(k) * s_
     layer = StaticLayer(keys.shape[2])
     layer.lazy_initialization(k_rot, v)
     layer.keys.copy_(keys), layer.values.copy_(values)
@@ -83,7 +87,7 @@ def _emulate(q, k, v, cos, sin, keys, values, n, scale, window=0, softcap=0.0, h
     o = out.transpose(1, 2)
     part = torch.full((splits, B * Hq, 1, D), float("nan"))
     lse = torch.full((splits, B * Hq, 1), float("nan"))
-    consts = (D, hb, kattn.DECODE_ROWS // hb, kattn.DECODE_BN[D])
+    consts = (D, hb, kattn.DECODE_ROWS // hb, kattn.DECODE_BN[D], 0)
     args = attn_ops._rope_attention_layout((q, k, v, cos, sin, keys, values, torch.tensor([n]), o, part, lse, scale,
                                             softcap, window, splits))
     emulate(kattn.rope_append_attention_kernel, kattn)((splits, B * Hq // hb), args + consts)
@@ -118,7 +122,7 @@ def test_emulated_kernel_is_the_reference(B, hq, hkv, D, L, n, hb, splits, windo
                                                  n, scale, window or None, softcap or None)
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
     want_keys_f = before_keys.clone()
-    want_keys_f[:, :, n] = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)[1][:, :, 0]
+    want_keys_f[:, :, n] = (k * cos.unsqueeze(1) + modeling_llama.rotate_half(k) * sin.unsqueeze(1))[:, :, 0]
     torch.testing.assert_close(keys, want_keys_f, rtol=1e-6, atol=1e-6, equal_nan=True)
     want_values_f = before_values.clone()
     want_values_f[:, :, n] = v[:, :, 0]
@@ -171,15 +175,24 @@ def test_variants_are_the_short_decode_tiles():
 
 @pytest.fixture
 def float32_one_launch(monkeypatch, our_llama_rope):
-    """The one launch's dtype rule widened to float32, so that a CPU model of float32 (exact against
-    stock) takes it (its reference); our Llama RoPE bound as ``kernelize`` binds it."""
+    """The one launch armed (off by default: ``decode_graphs.ROPE_ATTEND_ON``) and its dtype rule
+    widened to float32, so that a CPU model of float32 (exact against stock) takes it (its
+    reference); our Llama RoPE bound as ``kernelize`` binds it."""
+    monkeypatch.setattr(dg, "ROPE_ATTEND_ON", True)
     monkeypatch.setattr(attn_ops, "KERNEL_DTYPES", (*attn_ops.KERNEL_DTYPES, torch.float32))
     cutile_kernels.reset_stats()
     yield
 
 
-def test_decode_graphs_arm_every_kernel_layer_with_the_one_launch():
+def test_decode_graphs_arm_every_kernel_layer_with_the_one_launch_when_asked(monkeypatch):
     from transformers import StaticCache
+
+    off = StaticCache(config=tiny_model("llama").config, max_cache_len=16)
+    for layer in off.layers:
+        layer.update(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))
+    dg._make_capturable(off)
+    assert all(dg.ROPE_ATTEND not in vars(layer) and dg.ROPE_UPDATE in vars(layer) for layer in off.layers)
+    monkeypatch.setattr(dg, "ROPE_ATTEND_ON", True)
 
     cache = StaticCache(config=tiny_model("mistral", sliding_window=4).config, max_cache_len=16)
     full = StaticCache(config=tiny_model("llama").config, max_cache_len=16)
@@ -268,7 +281,15 @@ def test_gpu_kernel_against_float64_and_the_two_launches(strict, layout, B, L, n
     fused = attn_ops.rope_append_attention_takes(q, k, v, cos, sin, keys, values)
     assert fused == (hq // hkv != 6)  # Qwen2.5's group of 6 is padded by attention: declined
     length = torch.tensor(n, device="cuda")
+    before = dict(cutile_kernels.stats()["launches"])
     got = attn_ops.rope_append_attention(q, k, v, cos, sin, keys, values, length)
+    torch.cuda.synchronize()
+    launched = sorted(v.kernel for v in launched_variants(before))
+    if fused:  # the one launch (and a split's combine), not its fallback
+        _, splits = attn_ops._one_launch_plan(q, keys)
+        assert launched == (["attention_combine", "rope_append_attention"] if splits > 1 else ["rope_append_attention"])
+    else:
+        assert "rope_append_attention" not in launched
     q_rot = rope_ops.rope_append(q, k, v, cos, sin, keys2, values2, length.clone())
     two = attn_ops.attention(q_rot, keys2, values2, None, kv_len=length.view(1) + 1)
     err = (got.double() - want).abs().max().item()
@@ -288,7 +309,9 @@ def test_gpu_replays_in_a_cuda_graph_over_advancing_lengths(strict):
     keys2, values2 = keys.clone(), values.clone()
     length = torch.tensor(140, device="cuda")
     static = [t.clone() for t in (q, k, v, cos, sin)]
+    before = dict(cutile_kernels.stats()["launches"])
     attn_ops.rope_append_attention(*static, keys.clone(), values.clone(), length.clone())  # load the variant
+    assert [v.kernel for v in launched_variants(before)] == ["rope_append_attention"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attn_ops.rope_append_attention(*static, keys, values, length)

@@ -483,7 +483,8 @@ def _one_launch_reason(q, k, v, cos, sin, keys, values) -> str | None:
     ``rope_append`` and ``attention``), or None; shapes already checked."""
     D = q.shape[3]
     if D not in HEAD_DIMS or cos.shape[-1] != D:
-        return f"head_dim {D} rotated over {cos.shape[-1]} (one launch: all of a head of {'/'.join(map(str, HEAD_DIMS))})"
+        dims = "/".join(map(str, HEAD_DIMS))
+        return f"head_dim {D} rotated over {cos.shape[-1]} (one launch: all of a head of {dims})"
     if len({q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype, keys.dtype, values.dtype}) != 1 \
             or q.dtype not in KERNEL_DTYPES:
         return f"dtypes q {q.dtype}, cos {cos.dtype}, cache {keys.dtype} (one of bfloat16/float16 throughout)"
