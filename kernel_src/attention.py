@@ -328,20 +328,25 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
     j_lo, j_hi = _split_tiles(j_lo, j_hi, split, num_splits)
     cols = ct.reshape(ct.arange(BN, dtype=ct.int32), (1, BN))
     for j in range(j_lo, j_hi):
-        s = _tile_logits(qt, keys, b, kvh, j, scale, softcap, M, D, BN)
-        edge = (j + 1) * BN > n  # the tail tile, and the window's lower edge
-        if window > 0:
-            edge = edge | (j * BN <= n - window)
-        if edge:
-            kidx = j * BN + cols
-            valid = kidx < n
+        # Always true: a runtime condition around the body, as the attention kernel's per-tile test.
+        # Without it tileiras 13.4 emitted the loop in about five copies (160 HMMA against 32 for
+        # this tile, 7696 instructions against 3336) and the launch took 13.6 us against 7.9 (H100).
+        if j * BN < n:
+            s = _tile_logits(qt, keys, b, kvh, j, scale, softcap, M, D, BN)
+            edge = (j + 1) * BN > n  # the tail tile, and the window's lower edge
             if window > 0:
-                valid = valid & (kidx > n - window)
-            s = ct.where(ct.broadcast_to(valid, (M, BN)), s, NEG_INF)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        vt = ct.reshape(ct.load(values, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO), (BN, D))
-        vt = _tail_rows_zeroed(vt, j, n, BN)
-        acc = ct.mma(p.astype(values.dtype), vt, acc * alpha)
+                edge = edge | (j * BN <= n - window)
+            if edge:
+                kidx = j * BN + cols
+                valid = kidx < n
+                if window > 0:
+                    valid = valid & (kidx > n - window)
+                s = ct.where(ct.broadcast_to(valid, (M, BN)), s, NEG_INF)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+            vt = ct.reshape(ct.load(values, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO),
+                            (BN, D))
+            vt = _tail_rows_zeroed(vt, j, n, BN)
+            acc = ct.mma(p.astype(values.dtype), vt, acc * alpha)
     _store_block(acc, m_i, l_i, o, part, lse, b, hb, nhb, 0, split, num_splits, D, HB, BS)
     if STORE_LAST != 0:
         if writer:

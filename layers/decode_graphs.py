@@ -226,9 +226,10 @@ ROPE_ATTEND = "_cutile_rope_attend"
 #: Whether :func:`_make_capturable` arms :data:`ROPE_ATTEND`. Off: measured on an H100 (2026-12-06,
 #: ``graph_step.py llama-3.2-1b --ab-rope-attend``), the one launch took 13.6 us a layer of
 #: Llama-3.2-1B's batch-1 replay against 7.9 + 3.4 for ``attention`` and ``rope_append`` (replay
-#: 1.382 against 1.329 ms; batch 16 1.524 against 1.476): its cubin has five times the attention
-#: kernel's tensor-core instructions for the same tile. The op, its kernel and this plumbing stay
-#: (tested) for a kernel that wins.
+#: 1.382 against 1.329 ms; batch 16 1.524 against 1.476): its cubin had five times the attention
+#: kernel's tensor-core instructions for the same tile. The kernel now puts its loop body under a
+#: runtime condition, which brings its SASS to the attention kernel's size
+#: (``dev/sweeps/rope_attend_variants.py``); not timed on a GPU yet, so still off.
 ROPE_ATTEND_ON = False
 
 
