@@ -10,7 +10,6 @@ graph (the decode fast path's tests run it inside models: tests/test_decode_grap
 from __future__ import annotations
 
 import importlib
-import math
 import types
 
 import pytest
