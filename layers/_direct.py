@@ -145,13 +145,13 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
     offloaded cache (``Cache.update`` does more than the layer's update then), nor where the layer
     declines (``decode_graphs._kernel_rope_update``: its ``update`` replaced since, a gradient
     asked for, shapes RoPE's kernel does not take)."""
-    update = _armed(self, rope, past_key_values, ROPE_UPDATE)
-    return None if update is None else update(query_states, key_states, value_states, cos, sin)
+    armed = _armed(self, rope, past_key_values, ROPE_UPDATE)
+    return None if armed is None else armed[1](query_states, key_states, value_states, cos, sin)
 
 
 def _armed(self: nn.Module, rope, past_key_values, attr: str):
-    # The one-launch step `attr` (ROPE_UPDATE, ROPE_ATTEND) that the decode graphs gave the cache layer
-    # of attention module `self`, where rope_and_cache's conditions hold; else None.
+    # (cache layer, step): the one-launch step `attr` (ROPE_UPDATE, ROPE_ATTEND) that the decode graphs
+    # gave the cache layer of attention module `self`, where rope_and_cache's conditions hold; else None.
     if (_compiling() or past_key_values is None or type(past_key_values).update is not _CACHE_UPDATE
             or getattr(past_key_values, "offloading", False)):
         return None
@@ -165,9 +165,7 @@ def _armed(self: nn.Module, rope, past_key_values, attr: str):
         bound = getattr(rope.__dict__.get("forward"), "__func__", None)
         if getattr(bound, "__qualname__", None) != _OUR_ROPE or not computes_llama_rope(type(rope)):
             return None
-    if attr == ROPE_ATTEND and not layer.__dict__.get(STEP_PLAIN_MASKS):
-        return None
-    return step
+    return layer, step
 
 
 def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states: torch.Tensor,
@@ -184,9 +182,10 @@ def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states
 
     Returns the attention output ``(B, 1, Hq * D)`` (before ``o_proj``), or None: the caller runs
     :func:`rope_and_cache` and :func:`attend` (the same numbers in three launches)."""
-    step = _armed(self, rope, past_key_values, ROPE_ATTEND)
-    if step is None or query_states.shape[2] != 1:
+    armed = _armed(self, rope, past_key_values, ROPE_ATTEND)
+    if armed is None or not armed[0].__dict__.get(STEP_PLAIN_MASKS) or query_states.shape[2] != 1:
         return None
+    step = armed[1]
     forward = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(self.config._attn_implementation,
                                                               glob["eager_attention_forward"])
     if not takes_plain_decode(forward, self, query_states, kwargs):

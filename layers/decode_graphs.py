@@ -200,19 +200,39 @@ def _kernel_static_update(layer, key_states, value_states, *args, **kwargs):
 ROPE_UPDATE = "_cutile_rope_update"
 
 
-def _rope_append_step(layer, armed, query_states, key_states, value_states, cos, sin):
-    # RoPE and the writes of `armed` (the update _make_capturable gave the layer) as one rope_append
-    # launch, then the device-side length advanced; None where the layer's update is no longer that
-    # one or rope_append does not compute what the two steps would.
+def _armed_step(layer, armed, new: int, takes, launch):
+    # launch() (one launch writing `new` rows at the layer's device-side length) where the layer's
+    # update is still `armed` (the one _make_capturable gave it) and takes(), then the length advanced
+    # (unless the step advances it at its end: DecodeGraphs.forward); None otherwise, nothing done.
     update = layer.__dict__.get("update")
-    if (getattr(update, "func", None) is not armed or update.args[0] is not layer
-            or not rope_append_takes(query_states, key_states, value_states, cos, sin, layer.keys, layer.values)):
+    if getattr(update, "func", None) is not armed or update.args[0] is not layer or not takes():
         return None
-    q_rot = rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
-                        layer.cumulative_length)
-    if STEP_FILLED not in layer.__dict__:  # else the step advances it (DecodeGraphs.forward)
-        layer.cumulative_length.add_(key_states.shape[-2])
-    return q_rot, layer.keys, layer.values
+    out = launch()
+    if STEP_FILLED not in layer.__dict__:
+        layer.cumulative_length.add_(new)
+    return out
+
+
+def _in_window(layer, new: int, step):
+    # step() for a sliding-window layer whose window has room for `new` rows (its slots are then the
+    # positions), its Python count advanced with the step; None otherwise (a full window shifts).
+    if not (layer.is_initialized and layer.cumulative_length_int + new <= layer.max_cache_len):
+        return None
+    out = step()
+    if out is not None:
+        layer.cumulative_length_int += new
+    return out
+
+
+def _rope_append_step(layer, armed, query_states, key_states, value_states, cos, sin):
+    # RoPE and the writes of `armed` as one rope_append launch, then the length advanced; None where
+    # rope_append does not compute what the two steps would.
+    def launch():
+        return (rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
+                            layer.cumulative_length), layer.keys, layer.values)
+
+    return _armed_step(layer, armed, key_states.shape[-2], lambda: rope_append_takes(
+        query_states, key_states, value_states, cos, sin, layer.keys, layer.values), launch)
 
 
 #: Attribute that :func:`_make_capturable` sets beside :data:`ROPE_UPDATE` while
@@ -235,18 +255,13 @@ ROPE_ATTEND_ON = False
 
 def _rope_attend_step(layer, armed, query_states, key_states, value_states, cos, sin, scale, window):
     # RoPE, the writes of `armed` and the attention over the layer's filled slots as one launch, then
-    # the length advanced as _rope_append_step does; None where the layer's update is no longer
-    # `armed` or the one launch does not take the call.
-    update = layer.__dict__.get("update")
-    if (getattr(update, "func", None) is not armed or update.args[0] is not layer
-            or not rope_append_attention_takes(query_states, key_states, value_states, cos, sin, layer.keys,
-                                               layer.values)):
-        return None
-    out = rope_append_attention(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
-                                layer.cumulative_length, scale=scale, window=window)
-    if STEP_FILLED not in layer.__dict__:  # else the step advances it (DecodeGraphs.forward)
-        layer.cumulative_length.add_(1)
-    return out
+    # the length advanced; None where the one launch does not take the call.
+    def launch():
+        return rope_append_attention(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
+                                     layer.cumulative_length, scale=scale, window=window)
+
+    return _armed_step(layer, armed, 1, lambda: rope_append_attention_takes(
+        query_states, key_states, value_states, cos, sin, layer.keys, layer.values), launch)
 
 
 def _kernel_rope_attend(layer, query_states, key_states, value_states, cos, sin, scale, window=None):
@@ -263,13 +278,8 @@ def _kernel_rope_sliding_attend(layer, query_states, key_states, value_states, c
     """:func:`_kernel_rope_attend` for a sliding-window layer whose window has room for the step
     (its slots are then the positions), both lengths advanced as :func:`_kernel_sliding_update`
     advances them; None otherwise."""
-    if not (layer.is_initialized and layer.cumulative_length_int + 1 <= layer.max_cache_len):
-        return None
-    out = _rope_attend_step(layer, _kernel_sliding_update, query_states, key_states, value_states, cos, sin, scale,
-                            window)
-    if out is not None:
-        layer.cumulative_length_int += 1
-    return out
+    return _in_window(layer, 1, lambda: _rope_attend_step(layer, _kernel_sliding_update, query_states, key_states,
+                                                         value_states, cos, sin, scale, window))
 
 
 def _kernel_rope_update(layer, query_states, key_states, value_states, cos, sin):
@@ -286,13 +296,8 @@ def _kernel_rope_sliding_update(layer, query_states, key_states, value_states, c
     """:func:`_kernel_rope_update` for a sliding-window layer whose window has room for the step
     (the steps :func:`_kernel_sliding_update` writes as a full layer's, both lengths advanced as
     there); None otherwise (a full window shifts: RoPE, then the layer's update)."""
-    new = key_states.shape[-2]
-    if not (layer.is_initialized and layer.cumulative_length_int + new <= layer.max_cache_len):
-        return None
-    out = _rope_append_step(layer, _kernel_sliding_update, query_states, key_states, value_states, cos, sin)
-    if out is not None:
-        layer.cumulative_length_int += new
-    return out
+    return _in_window(layer, key_states.shape[-2], lambda: _rope_append_step(
+        layer, _kernel_sliding_update, query_states, key_states, value_states, cos, sin))
 
 
 def _kernel_sliding_update(layer, key_states, value_states, *args, **kwargs):

@@ -145,7 +145,7 @@ def test_takes_decode_steps_of_whole_heads_in_one_16_bit_dtype():
     assert not takes(q4, k4, v4, cos4, sin4, keys4, values4)  # head dim 80
     with torch.enable_grad():
         assert not takes(q.requires_grad_(), k, v, cos, sin, keys, values)
-    assert attn_ops._one_launch_reason(q4, k4, v4, cos4, sin4, keys4, values4).startswith("head_dim 80")
+    assert attn_ops._one_launch(q4, k4, v4, cos4, sin4, keys4, values4).startswith("head_dim 80")
 
 
 def test_checks_name_what_does_not_match():
@@ -285,7 +285,7 @@ def test_gpu_kernel_against_float64_and_the_two_launches(strict, layout, B, L, n
     torch.cuda.synchronize()
     launched = sorted(v.kernel for v in launched_variants(before))
     if fused:  # the one launch (and a split's combine), not its fallback
-        _, splits = attn_ops._one_launch_plan(q, keys)
+        _, splits = attn_ops._one_launch(q, k, v, cos, sin, keys, values)
         assert launched == (["attention_combine", "rope_append_attention"] if splits > 1 else ["rope_append_attention"])
     else:
         assert "rope_append_attention" not in launched

@@ -468,19 +468,11 @@ _SAID: set = set()
 logger = logging.getLogger("cutile_kernels")
 
 
-def _one_launch_plan(q: torch.Tensor, keys: torch.Tensor) -> tuple:
-    # (HB, splits) of the one launch: the decode tile's head block and the split count the
-    # attention op would choose for this grid and cache (the short tile at that count: checked by
-    # the caller).
-    group = q.shape[1] // keys.shape[1]
-    hb = max(h for h in DECODE_HEADS if group % h == 0)
-    splits = num_splits(q.shape[0] * (q.shape[1] // hb), keys.shape[2], dispatch.sm_count(q.device.index or 0))
-    return hb, splits
-
-
-def _one_launch_reason(q, k, v, cos, sin, keys, values) -> str | None:
-    """Why :func:`rope_append_attention`'s one launch does not take these arguments (the op then runs
-    ``rope_append`` and ``attention``), or None; shapes already checked."""
+def _one_launch(q, k, v, cos, sin, keys, values) -> tuple | str:
+    """The one launch's ``(HB, splits)`` for these arguments (the decode tile's head block and the
+    split count the attention op would choose for this grid and cache; off the GPU, one split), or
+    why :func:`rope_append_attention`'s one launch does not take them (the op then runs
+    ``rope_append`` and ``attention``); shapes already checked."""
     D = q.shape[3]
     if D not in HEAD_DIMS or cos.shape[-1] != D:
         dims = "/".join(map(str, HEAD_DIMS))
@@ -488,13 +480,16 @@ def _one_launch_reason(q, k, v, cos, sin, keys, values) -> str | None:
     if len({q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype, keys.dtype, values.dtype}) != 1 \
             or q.dtype not in KERNEL_DTYPES:
         return f"dtypes q {q.dtype}, cos {cos.dtype}, cache {keys.dtype} (one of bfloat16/float16 throughout)"
-    if padded_heads(q.shape[1] // k.shape[1]) is not None:
-        return f"a KV group of {q.shape[1] // k.shape[1]} heads (attention pads it: B * Hkv batches of one KV head)"
-    if q.device.type == "cuda":
-        hb, splits = _one_launch_plan(q, keys)
-        if decode_bn(D, keys.shape[2], splits) != DECODE_BN[D]:
-            return f"one pass over {keys.shape[2]} slots (attention's long tile)"
-    return None
+    group = q.shape[1] // k.shape[1]
+    if padded_heads(group) is not None:
+        return f"a KV group of {group} heads (attention pads it: B * Hkv batches of one KV head)"
+    hb = max(h for h in DECODE_HEADS if group % h == 0)
+    if q.device.type != "cuda":
+        return hb, 1
+    splits = num_splits(q.shape[0] * (q.shape[1] // hb), keys.shape[2], dispatch.sm_count(q.device.index or 0))
+    if decode_bn(D, keys.shape[2], splits) != DECODE_BN[D]:
+        return f"one pass over {keys.shape[2]} slots (attention's long tile)"
+    return hb, splits
 
 
 def rope_append_attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -504,11 +499,11 @@ def rope_append_attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     256), one 16-bit dtype throughout, a KV group the decode tile packs as it is, a cache the decode
     attention reads with its short tile, and no gradient asked for. A caller that gets False runs
     :func:`~.rope.rope_append` and :func:`attention` itself (the op would run them too, and say so)."""
-    if q.dim() != 4 or q.shape[2] != 1 or _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values):
+    if _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)):
         return False
-    return _one_launch_reason(q, k, v, cos, sin, keys, values) is None
+    return not isinstance(_one_launch(q, k, v, cos, sin, keys, values), str)
 
 
 def _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values) -> str | None:
@@ -556,9 +551,10 @@ def _rope_attention_layout(args: tuple) -> tuple:
 def _rope_append_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
                                 out: torch.Tensor, scale: float, softcap: float, window: int) -> None:
-    why = _one_launch_reason(q, k, v, cos, sin, keys, values)
+    plan = _one_launch(q, k, v, cos, sin, keys, values)
+    why = plan if isinstance(plan, str) else None
     if why is None:
-        (B, Hq, _, D), (hb, splits) = q.shape, _one_launch_plan(q, keys)
+        (B, Hq, _, D), (hb, splits) = q.shape, plan
         o = out.transpose(1, 2)
         if splits == 1:
             part, lse = _dummy("part", q.device, D), _dummy("lse", q.device)
