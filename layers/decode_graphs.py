@@ -67,6 +67,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import typing
 import weakref
 
 import torch
@@ -111,6 +112,7 @@ class CacheFullError(RuntimeError):
     """A decode step would write past the end of a static KV cache."""
 
 
+@functools.cache
 def _layer_classes():
     from transformers.cache_utils import LinearAttentionLayer, StaticLayer, StaticSlidingWindowLayer
 
@@ -122,6 +124,53 @@ def _linear(layer) -> bool:
     return hasattr(layer, "recurrent_states")
 
 
+class _Scan(typing.NamedTuple):
+    """One pass over a cache's layers as they are now (:func:`_scan`)."""
+
+    #: Why the cache cannot back a captured decode step, or None (:func:`_graphable_cache`).
+    why: str | None
+    #: The sliding-window layers (:func:`_sliding_layers`); empty where ``why`` is set.
+    sliding: tuple = ()
+    #: The addresses of the tensors the layers hold (:func:`_storage`); empty where ``why`` is set.
+    storage: tuple = ()
+    #: A full-attention layer (:func:`_full_layer`), or None.
+    full: object = None
+
+
+def _scan(cache, filled: bool = True) -> _Scan:
+    """What a decode step needs to know of ``cache``'s layers, read in one pass at every step (a
+    layer may be replaced, reordered or start recording between two steps): the verdict of
+    :func:`_graphable_cache`, and where it is None, the sliding layers, the storage addresses and a
+    full layer. One pass instead of four saves ~10 us of host time a step (16 layers, CPU)."""
+    from transformers.cache_utils import StaticCache
+
+    if not isinstance(cache, StaticCache):
+        return _Scan(f"the cache is a {type(cache).__name__}, not a StaticCache")
+    static, sliding_cls, linear_cls = _layer_classes()
+    sliding, storage, full = [], [], None
+    for layer in cache.layers:
+        kind = type(layer)
+        if kind is linear_cls:
+            if layer.record_past:
+                return _Scan("a linear-attention layer records past states (its conv state grows)")
+            storage += [t.data_ptr() for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
+                        if t is not None]
+            continue
+        if kind is not static and kind is not sliding_cls:
+            return _Scan(f"the static cache has a {kind.__name__} layer (only StaticLayer, "
+                         "StaticSlidingWindowLayer and LinearAttentionLayer)")
+        if not layer.is_initialized:
+            if filled:
+                return _Scan("the static cache is empty (a decode step comes after a prefill)")
+        else:
+            storage += [layer.keys.data_ptr(), layer.values.data_ptr()]
+        if kind is sliding_cls:
+            sliding.append(layer)
+        elif full is None:
+            full = layer
+    return _Scan(None, tuple(sliding), tuple(storage), full)
+
+
 def _graphable_cache(cache, filled: bool = True) -> str | None:
     """Why ``cache`` cannot back a captured decode step (``filled``: after its prefill), or None.
 
@@ -129,21 +178,7 @@ def _graphable_cache(cache, filled: bool = True) -> str | None:
     states once and updates them in place (static addresses), unless they record past states for
     a later ``crop``. Asked at every step, not remembered: ``Cache.activate_past_recording()`` or a
     replaced layer can change the answer between two steps."""
-    from transformers.cache_utils import StaticCache
-
-    if not isinstance(cache, StaticCache):
-        return f"the cache is a {type(cache).__name__}, not a StaticCache"
-    allowed = _layer_classes()
-    for layer in cache.layers:
-        if type(layer) not in allowed:
-            return (f"the static cache has a {type(layer).__name__} layer (only StaticLayer, "
-                    "StaticSlidingWindowLayer and LinearAttentionLayer)")
-        if _linear(layer):
-            if layer.record_past:
-                return "a linear-attention layer records past states (its conv state grows)"
-        elif filled and not layer.is_initialized:
-            return "the static cache is empty (a decode step comes after a prefill)"
-    return None
+    return _scan(cache, filled).why
 
 
 def _sliding(layer) -> bool:
@@ -243,14 +278,13 @@ def _rope_append_step(layer, armed, query_states, key_states, value_states, cos,
 #: one launch. The reproduced Llama-code attention forward takes it in a plain step whose attention
 #: our kernel takes (``layers/_direct.py``, ``rope_attend``).
 ROPE_ATTEND = "_cutile_rope_attend"
-#: Whether :func:`_make_capturable` arms :data:`ROPE_ATTEND`. Off: measured on an H100 (2026-12-06,
-#: ``graph_step.py llama-3.2-1b --ab-rope-attend``), the one launch took 13.6 us a layer of
-#: Llama-3.2-1B's batch-1 replay against 7.9 + 3.4 for ``attention`` and ``rope_append`` (replay
-#: 1.382 against 1.329 ms; batch 16 1.524 against 1.476): its cubin had five times the attention
-#: kernel's tensor-core instructions for the same tile. The kernel now puts its loop body under a
-#: runtime condition, which brings its SASS to the attention kernel's size
-#: (``dev/sweeps/rope_attend_variants.py``); not timed on a GPU yet, so still off.
-ROPE_ATTEND_ON = False
+#: Whether :func:`_make_capturable` arms :data:`ROPE_ATTEND`. On since 2026-12-06 (H100,
+#: ``graph_step.py llama-3.2-1b --ab-rope-attend``, alternating replays): Llama-3.2-1B's batch-1 replay
+#: 1.267 ms with the one launch against 1.326 with ``rope_append`` then ``attention``, batch 16 1.418
+#: against 1.481 (``dev/microbench/rope_attend_bench.py``: 8.8 against 12.3 us a layer at batch 1). A
+#: first version whose KV loop the compiler unrolled (five times the attention kernel's tensor-core
+#: instructions, ``dev/sweeps/rope_attend_variants.py``) had lost, 1.382 against 1.329 ms.
+ROPE_ATTEND_ON = True
 
 
 def _rope_attend_step(layer, armed, query_states, key_states, value_states, cos, sin, scale, window):
@@ -418,15 +452,8 @@ def _restore_updates(cache) -> None:
 
 def _storage(cache) -> tuple:
     """The addresses of every tensor the cache's layers hold: keys and values, or a linear-attention
-    layer's conv and recurrent states (read from the live layers at every step)."""
-    out = []
-    for layer in cache.layers:
-        if _linear(layer):
-            out += [t.data_ptr() for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
-                    if t is not None]
-        else:
-            out += [layer.keys.data_ptr(), layer.values.data_ptr()]
-    return tuple(out)
+    layer's conv and recurrent states (read from the live layers at every step, by :func:`_scan`)."""
+    return _scan(cache).storage
 
 
 def _python_state(cache) -> dict:
@@ -562,18 +589,19 @@ class DecodeGraphs:
         length at its first step (see the module docstring for what that does not see)."""
         return _Session(self)
 
-    def _key(self, cache, sig, plain: bool) -> tuple:
-        full = tuple([layer.cumulative_length_int >= layer.max_cache_len for layer in _sliding_layers(cache)])
+    def _key(self, cache, sig, plain: bool, scan: _Scan | None = None) -> tuple:
+        scan = scan or _scan(cache)
+        full = tuple([layer.cumulative_length_int >= layer.max_cache_len for layer in scan.sliding])
         # The storage a graph reads: beam search's reorder_cache puts new tensors in the layers.
-        storage = _storage(cache)
-        return (id(cache), tuple(sig), full, storage, torch.is_inference_mode_enabled(), plain)
+        return (id(cache), tuple(sig), full, scan.storage, torch.is_inference_mode_enabled(), plain)
 
-    def step(self, kwargs: dict, cache_why: str | None, plain: bool = False):
+    def step(self, kwargs: dict, scan: _Scan | None = None, plain: bool = False):
         """Run one decode step: eagerly, by capture, or by replay. Returns the model output.
-        ``cache_why``: :func:`_graphable_cache`'s verdict on the step's cache (the session has it).
-        ``plain``: the step's masks are those of an unpadded batch (:meth:`forward`)."""
+        ``scan``: :func:`_scan` of the step's cache as it is now (the session has it; read here
+        where None). ``plain``: the step's masks are those of an unpadded batch (:meth:`forward`)."""
         cache = kwargs.get("past_key_values")
-        why = self._why_eager(kwargs, cache_why)
+        scan = scan or _scan(cache)
+        why = self._why_eager(kwargs, scan.why)
         if why is not None:
             dispatch.fallback("decode_graphs", why)
             return self.model(**kwargs)
@@ -581,7 +609,7 @@ class DecodeGraphs:
             self._changed.add(cache)
         self._watch(cache)
         tensors, sig = _flatten(kwargs)
-        key = self._key(cache, sig, plain)
+        key = self._key(cache, sig, plain, scan)
         entry = self.entries.get(key)
         if entry is None:
             if sum(k[0] == key[0] for k in self.entries) >= MAX_SHAPES_PER_CACHE:
@@ -801,10 +829,10 @@ class _Session:
         if input_ids is not None and input_ids.shape[-1] > 1:  # a prefill chunk: not a decode step
             return self.graphs.model(**kwargs)
         cache = kwargs.get("past_key_values")
-        cache_why = _graphable_cache(cache)
+        scan = _scan(cache)
         plain = False
-        if cache_why is None and input_ids is not None:
-            self._check_room(cache, input_ids.shape[1])
+        if scan.why is None and input_ids is not None:
+            self._check_room(cache, input_ids.shape[1], scan.full)
             # With sliding layers, positions and masks come from the cache's length as a Python
             # integer: computed inside a graph, they would stay what they were at capture; a 2-D
             # mask changes shape every step. Then they are made here, as ``generate`` makes them
@@ -814,13 +842,13 @@ class _Session:
             mask = kwargs.get("attention_mask")
             grows = isinstance(mask, torch.Tensor) and mask.dim() == 2  # one more column a step
             made = None
-            if mask is None and kwargs.get("position_ids") is None and _sliding_layers(cache):
-                made = self._device_inputs(input_ids, cache)
+            if mask is None and kwargs.get("position_ids") is None and scan.sliding:
+                made = self._device_inputs(input_ids, cache, scan.full)
             if made is not None:
                 kwargs["position_ids"], kwargs["attention_mask"] = made
                 plain = True  # made for an unpadded batch
             else:
-                if (grows or _sliding_layers(cache)) and kwargs.get("position_ids") is None:
+                if (grows or scan.sliding) and kwargs.get("position_ids") is None:
                     past = cache.get_seq_length()
                     kwargs["position_ids"] = (torch.arange(input_ids.shape[1], device=input_ids.device)
                                               + past).unsqueeze(0)
@@ -833,7 +861,7 @@ class _Session:
                         mask, self._masks(input_ids, None, cache, kwargs["position_ids"])))
                 elif mask is None:  # the step makes an unpadded batch's masks itself (cache_position's)
                     plain = True
-        return self.graphs.step(kwargs, cache_why, plain)
+        return self.graphs.step(kwargs, scan, plain)
 
     def _plain(self, cache, check) -> bool:
         """Whether the masks of this generation's steps over ``cache`` are an unpadded batch's (each
@@ -849,7 +877,7 @@ class _Session:
             self.plain[id(cache)] = check()
         return self.plain[id(cache)]
 
-    def _device_inputs(self, input_ids, cache):
+    def _device_inputs(self, input_ids, cache, source):
         """``(position_ids, attention_mask)`` of an unpadded one-token step over a cache with
         sliding layers, made from a layer's length on the device (a few launches, no host work),
         or None where they cannot be.
@@ -862,13 +890,13 @@ class _Session:
         ``sliding_attention`` are made so (not Llama 4's chunked attention, whose mask a window's
         cannot be); the first step over each cache in a session checks them against
         ``create_masks_for_generate``'s at that length, and a model whose masks differ (its own
-        mask function, another attention's masks) keeps the host masks, said once."""
+        mask function, another attention's masks) keeps the host masks, said once. ``source``: the
+        cache's full layer (:func:`_full_layer`), or None."""
         model = self.graphs.model
         config = model.config.get_text_config(decoder=True)
         if model.config._attn_implementation not in ("sdpa", *ATTENTION_NAMES) or \
                 getattr(config, "attention_chunk_size", None):
             return None
-        source = _full_layer(cache)
         if source is None:
             layers = [layer for layer in cache.layers if not _linear(layer)]
             if not layers or any(layer.cumulative_length_int >= layer.max_cache_len for layer in layers):
@@ -898,8 +926,8 @@ class _Session:
         return make(config=model.config, inputs_embeds=torch.empty((b, s, 0), dtype=model.dtype, device=input_ids.device),
                     attention_mask=mask, past_key_values=cache, position_ids=position_ids)
 
-    def _check_room(self, cache, new: int) -> None:
-        layer = _full_layer(cache)
+    def _check_room(self, cache, new: int, layer) -> None:
+        # layer: the cache's full layer (_full_layer), or None
         if layer is None:
             return
         if id(cache) not in self.lengths:  # one device read per generation
@@ -966,10 +994,11 @@ def _check_prefill_fits(module, args, kwargs):
     embeds = kwargs.get("inputs_embeds")
     new = ids.shape[1] if ids is not None else embeds.shape[1] if embeds is not None else 0
     cache = kwargs.get("past_key_values")
-    if new <= 1 or cache is None or _graphable_cache(cache, filled=False) is not None:
+    if new <= 1 or cache is None:
         return None
-    layer = _full_layer(cache)
-    if layer is None:
+    scan = _scan(cache, filled=False)
+    layer = scan.full
+    if scan.why is not None or layer is None:
         return None
     used = int(layer.cumulative_length) if layer.is_initialized else 0
     if used + new > layer.max_cache_len:

@@ -174,7 +174,7 @@ def test_variants_are_the_short_decode_tiles():
 
 @pytest.fixture
 def float32_one_launch(monkeypatch, our_llama_rope):
-    """The one launch armed (off by default: ``decode_graphs.ROPE_ATTEND_ON``) and its dtype rule
+    """The one launch armed (as by default: ``decode_graphs.ROPE_ATTEND_ON``) and its dtype rule
     widened to float32, so that a CPU model of float32 (exact against stock) takes it (its
     reference); our Llama RoPE bound as ``kernelize`` binds it."""
     monkeypatch.setattr(dg, "ROPE_ATTEND_ON", True)
@@ -186,6 +186,8 @@ def float32_one_launch(monkeypatch, our_llama_rope):
 def test_decode_graphs_arm_every_kernel_layer_with_the_one_launch_when_asked(monkeypatch):
     from transformers import StaticCache
 
+    assert dg.ROPE_ATTEND_ON  # the default
+    monkeypatch.setattr(dg, "ROPE_ATTEND_ON", False)
     off = StaticCache(config=tiny_model("llama").config, max_cache_len=16)
     for layer in off.layers:
         layer.update(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))

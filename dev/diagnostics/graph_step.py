@@ -12,7 +12,8 @@ with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and time
 replays in alternating rounds, in one process: the whole model's step with and without
 ``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03;
 ``--ab-rope-append`` with RoPE and the cache write as two launches (no ``rope_append``);
-``--ab-rope-attend`` with ``rope_append_attention`` armed (RoPE, the cache write and the attention in one launch);
+``--ab-rope-attend`` with ``rope_append_attention`` (RoPE, the cache write and the attention in one launch) armed
+or not, the other way from the default;
 ``--ab-lengths`` with each full layer advancing its own cache length (16 launches for Llama-3.2-1B)
 instead of the one advance of the grouped lengths (``decode_graphs._group_lengths``); ``--ab-gemv-upto N``
 with the batch-1 GEMV (patch ``gemv``) also taking projections up to ``N`` wide (``ops.gemv.TILE_BY_N``
@@ -242,7 +243,7 @@ def main(argv=None) -> None:
                     help="also time the step with RoPE and kv_append as two launches, alternating with ours")
     ap.add_argument("--ab-rope-attend", action="store_true",
                     help="also time the step with rope_append_attention (RoPE, the cache write and the attention "
-                         "in one launch; off by default), alternating with ours")
+                         "in one launch) armed or not, the other way from the default, alternating with ours")
     ap.add_argument("--ab-lengths", action="store_true",
                     help="also time the step with a length advance per layer, alternating with ours")
     ap.add_argument("--ab-gemv-upto", type=int, default=0, metavar="N",
@@ -298,15 +299,16 @@ def main(argv=None) -> None:
             ours, theirs = _alternating((entry, cache), (two_entry, two_cache), args.steps)
             row.update(ab_replay_ms_rope_append=ours, ab_replay_ms_two_launches=theirs, ab_step_ms_two_launches=two_step)
         if args.ab_rope_attend:
-            # Every loaded copy arms the layers of a cache met now with rope_append_attention (off by
-            # default: decode_graphs.ROPE_ATTEND_ON), so that graph runs the one launch where the
-            # shipped one runs rope_append, then attention.
+            # Every loaded copy arms the layers of a cache met now the other way round from the
+            # default (decode_graphs.ROPE_ATTEND_ON): the one launch against rope_append, then attention.
             mods = [m for n, m in list(sys.modules.items()) if n.endswith(".layers.decode_graphs")]
-            with _set_in(mods, "ROPE_ATTEND_ON", True):
-                one_entry, one_cache, one_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
-            ours, theirs = _alternating((entry, cache), (one_entry, one_cache), args.steps)
-            row.update(ab_replay_ms_shipped=ours, ab_replay_ms_rope_append_attention=theirs,
-                       ab_step_ms_rope_append_attention=one_step)
+            on = dg.ROPE_ATTEND_ON
+            with _set_in(mods, "ROPE_ATTEND_ON", not on):
+                other_entry, other_cache, other_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
+            ours, theirs = _alternating((entry, cache), (other_entry, other_cache), args.steps)
+            one, two = (ours, theirs) if on else (theirs, ours)
+            row.update(ab_replay_ms_rope_append_attention=one, ab_replay_ms_rope_append_then_attention=two,
+                       **{f"ab_step_ms_{'rope_append_then_attention' if on else 'rope_append_attention'}": other_step})
         if args.ab_lengths:
             # Every loaded copy leaves the caches it arms now ungrouped: each layer advances its own length.
             mods = [m for n, m in list(sys.modules.items()) if n.endswith(".layers.decode_graphs")]
