@@ -133,7 +133,9 @@ class _Scan(typing.NamedTuple):
     sliding: tuple = ()
     #: The addresses of the tensors the layers hold (:func:`_storage`); empty where ``why`` is set.
     storage: tuple = ()
-    #: A full-attention layer (:func:`_full_layer`), or None.
+    #: A full-attention layer (they all hold the same length and room), or None when every layer
+    #: slides or is linear attention (then nothing fills: a window keeps the last tokens, a
+    #: recurrent state its size).
     full: object = None
 
 
@@ -189,13 +191,6 @@ def _sliding_layers(cache) -> list:
     """The sliding-window layers of ``cache`` as it is now (read at every step, not remembered: a
     layer replaced since would otherwise keep its old object's window state in the graph key)."""
     return [layer for layer in cache.layers if _sliding(layer)]
-
-
-def _full_layer(cache):
-    """A full-attention layer of ``cache`` (they all hold the same length and room), or None when
-    every layer slides or is linear attention (then nothing fills: a window keeps the last tokens,
-    a recurrent state its size)."""
-    return next((layer for layer in cache.layers if not _sliding(layer) and not _linear(layer)), None)
 
 
 def _capturable_sliding_update(layer, key_states, value_states, *args, **kwargs):
@@ -891,7 +886,7 @@ class _Session:
         cannot be); the first step over each cache in a session checks them against
         ``create_masks_for_generate``'s at that length, and a model whose masks differ (its own
         mask function, another attention's masks) keeps the host masks, said once. ``source``: the
-        cache's full layer (:func:`_full_layer`), or None."""
+        cache's full layer (``_Scan.full``), or None."""
         model = self.graphs.model
         config = model.config.get_text_config(decoder=True)
         if model.config._attn_implementation not in ("sdpa", *ATTENTION_NAMES) or \
@@ -927,7 +922,7 @@ class _Session:
                     attention_mask=mask, past_key_values=cache, position_ids=position_ids)
 
     def _check_room(self, cache, new: int, layer) -> None:
-        # layer: the cache's full layer (_full_layer), or None
+        # layer: the cache's full layer (_Scan.full), or None
         if layer is None:
             return
         if id(cache) not in self.lengths:  # one device read per generation

@@ -22,7 +22,8 @@ extended by ``--ab-gemv-tile``; e.g. 3072 takes Llama-3.2-1B's stacked q/k/v). F
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
 entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
 host time to submit a compiled step against its kernels' span on the GPU (host-bound or not).
-``--bind-instances`` binds each decoder module's own class forward to the instance first (as
+``--host-profile N`` lists the N host functions that take a decode-graph step's host time (cProfile,
+the timed steps again). ``--bind-instances`` binds each decoder module's own class forward to the instance first (as
 ``kernels.kernelize`` and our patches bind theirs; nothing else changes): on a stock path, what
 that binding alone costs a compiled step. On the GPU machine::
 
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -67,6 +70,15 @@ def _captured(model, graphs, batch: int, args, cache_kernel: bool):
             b.record()
             b.synchronize()
             ev_ms.append(a.elapsed_time(b))
+        if args.host_profile:  # the host's functions over the same steps (each waits for the GPU)
+            prof = cProfile.Profile()
+            for _ in range(args.steps):
+                prof.enable()
+                nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                prof.disable()
+                torch.cuda.synchronize()
+            print(f"host functions of {args.steps} steps at batch {batch} (cProfile, by own time):")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.host_profile)
     entry = next(e for k, e in graphs.entries.items() if k[0] == id(cache) and e.graph is not None)
     cache._lengths = [int(layer.cumulative_length) for layer in cache.layers]
     return entry, cache, statistics.median(ev_ms), statistics.median(host_ms)
@@ -255,6 +267,8 @@ def main(argv=None) -> None:
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
     ap.add_argument("--host", action="store_true",
                     help="compiled paths: also the host time to submit a step and the step's GPU span")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="decode-graph paths: the top N host functions of the timed steps (cProfile)")
     ap.add_argument("--bind-instances", action="store_true",
                     help="bind every decoder module's own class forward to its instance first")
     args = ap.parse_args(argv)
