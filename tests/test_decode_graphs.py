@@ -1136,6 +1136,45 @@ def test_gpu_switching_back_to_eager(checkpoints):
     assert torch.equal(got.sequences, again.sequences)
 
 
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}), ("olmo3", {}), ("gemma3_text", {}), ("mistral", {"sliding_window": 4}), ("qwen3_5_text", {}),
+])
+def test_one_scan_of_the_cache_names_its_layers_and_every_address(model_type, extra):
+    """``_scan`` reads a filled cache's layers in one pass: the sliding-window layers exactly, the
+    first full-attention layer (None where every layer slides or is linear attention), and the
+    addresses a graph is keyed on layer by layer (keys and values, or a linear-attention layer's
+    conv and recurrent states), which follow a state tensor replaced in place of another."""
+    from transformers.cache_utils import LinearAttentionLayer, StaticLayer, StaticSlidingWindowLayer
+
+    model = tiny_model(model_type, **extra)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 3)), past_key_values=cache, use_cache=True)
+    scan = dg._scan(cache)
+    assert scan.why is None
+    assert scan.sliding == tuple(layer for layer in cache.layers if type(layer) is StaticSlidingWindowLayer)
+    assert scan.full is next((layer for layer in cache.layers if type(layer) is StaticLayer), None)
+    want = []
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            want += [t.data_ptr() for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
+                     if t is not None]
+        else:
+            want += [layer.keys.data_ptr(), layer.values.data_ptr()]
+    assert scan.storage == tuple(want) and len(set(want)) == len(want) > 0
+    linear = [layer for layer in cache.layers if isinstance(layer, LinearAttentionLayer)]
+    if model_type == "qwen3_5_text":  # a hybrid: the states are in the key
+        assert linear and scan.full is not None
+        key = next(k for k, t in linear[0].recurrent_states.items() if t is not None)
+        before = linear[0].recurrent_states[key].data_ptr()
+        linear[0].recurrent_states[key] = linear[0].recurrent_states[key].clone()  # as a beam reorder does
+        after = dg._scan(cache).storage
+        assert before in scan.storage and before not in after
+        assert linear[0].recurrent_states[key].data_ptr() in after
+    if model_type == "mistral":  # every layer slides: nothing fills, no room to check
+        assert scan.full is None and len(scan.sliding) == len(cache.layers)
+
+
 def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
     """The per-step cache check (``_graphable_cache``) and the addresses a graph is keyed on are read
     afresh at every step: an empty cache and another cache class are refused, a filled one passes

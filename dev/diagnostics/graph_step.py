@@ -11,7 +11,8 @@ A step much slower than its replay is host-bound. ``--ab-cache-kernel`` also cap
 with transformers' own cache writes (``DecodeGraphs.cache_kernel`` off) and times the two graphs'
 replays in alternating rounds, in one process: the whole model's step with and without
 ``kv_append``; ``--ab-splits`` likewise with the split-KV choice before 2026-12-03;
-``--ab-rope-append`` with RoPE and the cache write as two launches (no ``rope_append``);
+``--ab-rope-append`` with RoPE, the cache write and the attention as three launches (no ``rope_append``, no
+one launch: ``rope_append_attention`` is armed by default, so the shipped arm runs it);
 ``--ab-rope-attend`` with ``rope_append_attention`` (RoPE, the cache write and the attention in one launch) armed
 or not, the other way from the default;
 ``--ab-lengths`` with each full layer advancing its own cache length (16 launches for Llama-3.2-1B)
@@ -45,7 +46,7 @@ import time
 import torch
 
 
-def _captured(model, graphs, batch: int, args, cache_kernel: bool):
+def _captured(model, graphs, batch: int, args, cache_kernel: bool, profile: bool = False):
     """A fresh static cache filled by a prompt, its step captured; returns (entry, cache, step ms
     as the bench times it, host ms of those steps). Replays advance the cache's length: rewind with
     :func:`_rewind` to the length it has on return (``cache._lengths``) before each timing."""
@@ -70,7 +71,7 @@ def _captured(model, graphs, batch: int, args, cache_kernel: bool):
             b.record()
             b.synchronize()
             ev_ms.append(a.elapsed_time(b))
-        if args.host_profile:  # the host's functions over the same steps (each waits for the GPU)
+        if profile and args.host_profile:  # the host's functions over the same steps (each waits for the GPU)
             prof = cProfile.Profile()
             for _ in range(args.steps):
                 prof.enable()
@@ -252,7 +253,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ab-splits", action="store_true",
                     help="also time the step captured with the previous split-KV choice, alternating with ours")
     ap.add_argument("--ab-rope-append", action="store_true",
-                    help="also time the step with RoPE and kv_append as two launches, alternating with ours")
+                    help="also time the step with RoPE, kv_append and the attention as three launches, alternating with ours")
     ap.add_argument("--ab-rope-attend", action="store_true",
                     help="also time the step with rope_append_attention (RoPE, the cache write and the attention "
                          "in one launch) armed or not, the other way from the default, alternating with ours")
@@ -285,7 +286,7 @@ def main(argv=None) -> None:
         return _compiled(model, args)
     graphs = getattr(model, dg.ATTR)
     for batch in args.batch:
-        entry, cache, step_ms, host_ms = _captured(model, graphs, batch, args, cache_kernel=True)
+        entry, cache, step_ms, host_ms = _captured(model, graphs, batch, args, cache_kernel=True, profile=True)
         replay_ms = _replay_ms(entry, cache, args.steps)
         row = {"model": args.model, "path": args.path, "batch": batch, "step_ms": step_ms, "step_host_ms": host_ms,
                "replay_ms": replay_ms}
@@ -306,12 +307,13 @@ def main(argv=None) -> None:
             row.update(ab_replay_ms_splits_now=ours, ab_replay_ms_splits_before=theirs, ab_step_ms_splits_before=old_step)
         if args.ab_rope_append:
             # Every loaded copy arms its layers under another attribute name, which the attention
-            # forwards do not look up: a graph captured now runs RoPE and kv_append apart.
+            # forwards do not look up, and none gets the one launch: a graph captured now runs RoPE, kv_append
+            # and the attention apart.
             mods = [m for n, m in list(sys.modules.items()) if n.endswith(".layers.decode_graphs")]
             with _set_in(mods, "ROPE_UPDATE", "_cutile_rope_update_unused"), _set_in(mods, "ROPE_ATTEND_ON", False):
                 two_entry, two_cache, two_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
             ours, theirs = _alternating((entry, cache), (two_entry, two_cache), args.steps)
-            row.update(ab_replay_ms_rope_append=ours, ab_replay_ms_two_launches=theirs, ab_step_ms_two_launches=two_step)
+            row.update(ab_replay_ms_shipped=ours, ab_replay_ms_three_launches=theirs, ab_step_ms_three_launches=two_step)
         if args.ab_rope_attend:
             # Every loaded copy arms the layers of a cache met now the other way round from the
             # default (decode_graphs.ROPE_ATTEND_ON): the one launch against rope_append, then attention.
