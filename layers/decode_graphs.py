@@ -127,11 +127,12 @@ def _linear(layer) -> bool:
 class _Scan(typing.NamedTuple):
     """One pass over a cache's layers as they are now (:func:`_scan`)."""
 
-    #: Why the cache cannot back a captured decode step, or None (:func:`_graphable_cache`).
+    #: Why the cache cannot back a captured decode step (``filled``: after its prefill), or None.
     why: str | None
     #: The sliding-window layers (:func:`_sliding_layers`); empty where ``why`` is set.
     sliding: tuple = ()
-    #: The addresses of the tensors the layers hold (:func:`_storage`); empty where ``why`` is set.
+    #: The addresses of every tensor the layers hold (keys and values, or a linear-attention layer's
+    #: conv and recurrent states), layer by layer: part of a graph's key. Empty where ``why`` is set.
     storage: tuple = ()
     #: A full-attention layer (they all hold the same length and room), or None when every layer
     #: slides or is linear attention (then nothing fills: a window keeps the last tokens, a
@@ -140,10 +141,13 @@ class _Scan(typing.NamedTuple):
 
 
 def _scan(cache, filled: bool = True) -> _Scan:
-    """What a decode step needs to know of ``cache``'s layers, read in one pass at every step (a
-    layer may be replaced, reordered or start recording between two steps): the verdict of
-    :func:`_graphable_cache`, and where it is None, the sliding layers, the storage addresses and a
-    full layer. One pass instead of four saves ~6 us of host time a step (16 layers, CPU)."""
+    """What a decode step needs to know of ``cache``'s layers, read in one pass at every step, not
+    remembered (a layer may be replaced or reordered, or ``Cache.activate_past_recording()`` called,
+    between two steps): why it cannot back a captured step, and where it can, the sliding layers,
+    the storage addresses and a full layer. Linear-attention layers (a hybrid model's, e.g. Qwen3.5)
+    qualify: transformers allocates their states once and updates them in place (static addresses),
+    unless they record past states for a later ``crop``. One pass instead of four saves ~6 us of
+    host time a step (16 layers, CPU)."""
     from transformers.cache_utils import StaticCache
 
     if not isinstance(cache, StaticCache):
@@ -171,16 +175,6 @@ def _scan(cache, filled: bool = True) -> _Scan:
         elif full is None:
             full = layer
     return _Scan(None, tuple(sliding), tuple(storage), full)
-
-
-def _graphable_cache(cache, filled: bool = True) -> str | None:
-    """Why ``cache`` cannot back a captured decode step (``filled``: after its prefill), or None.
-
-    Linear-attention layers (a hybrid model's, e.g. Qwen3.5) qualify: transformers allocates their
-    states once and updates them in place (static addresses), unless they record past states for
-    a later ``crop``. Asked at every step, not remembered: ``Cache.activate_past_recording()`` or a
-    replaced layer can change the answer between two steps."""
-    return _scan(cache, filled).why
 
 
 def _sliding(layer) -> bool:
@@ -443,12 +437,6 @@ def _restore_updates(cache) -> None:
         layer.__dict__.pop(ROPE_ATTEND, None)
     cache.__dict__.pop(LENGTHS, None)
     cache._cutile_capturable = False
-
-
-def _storage(cache) -> tuple:
-    """The addresses of every tensor the cache's layers hold: keys and values, or a linear-attention
-    layer's conv and recurrent states (read from the live layers at every step, by :func:`_scan`)."""
-    return _scan(cache).storage
 
 
 def _python_state(cache) -> dict:

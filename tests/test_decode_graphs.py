@@ -1176,7 +1176,7 @@ def test_one_scan_of_the_cache_names_its_layers_and_every_address(model_type, ex
 
 
 def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
-    """The per-step cache check (``_graphable_cache``) and the addresses a graph is keyed on are read
+    """The per-step cache check (``_scan``'s verdict) and the addresses a graph is keyed on are read
     afresh at every step: an empty cache and another cache class are refused, a filled one passes
     until a layer is replaced by one of another class or a hybrid cache starts recording its past
     (``activate_past_recording``), and the addresses follow a layer's new tensors (beam search's
@@ -1188,19 +1188,19 @@ def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
 
     model = tiny_model("llama")
     cache = StaticCache(config=model.config, max_cache_len=16)
-    assert "empty" in dg._graphable_cache(cache) and dg._graphable_cache(cache, filled=False) is None
-    assert "DynamicCache" in dg._graphable_cache(DynamicCache(config=model.config))
+    assert "empty" in dg._scan(cache).why and dg._scan(cache, filled=False).why is None
+    assert "DynamicCache" in dg._scan(DynamicCache(config=model.config)).why
     with torch.no_grad():
         model(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True)
-    assert dg._graphable_cache(cache) is None
-    before = dg._storage(cache)
+    assert dg._scan(cache).why is None
+    before = dg._scan(cache).storage
     assert before == tuple(p for layer in cache.layers for p in (layer.keys.data_ptr(), layer.values.data_ptr()))
     cache.layers[1].keys = cache.layers[1].keys.clone()
-    assert dg._storage(cache)[2] == cache.layers[1].keys.data_ptr() != before[2]
+    assert dg._scan(cache).storage[2] == cache.layers[1].keys.data_ptr() != before[2]
     cache.layers[0] = copy.deepcopy(cache.layers[0])
-    assert dg._storage(cache)[0] == cache.layers[0].keys.data_ptr() != before[0]
+    assert dg._scan(cache).storage[0] == cache.layers[0].keys.data_ptr() != before[0]
     cache.layers[2] = DynamicLayer()
-    assert "DynamicLayer" in dg._graphable_cache(cache)
+    assert "DynamicLayer" in dg._scan(cache).why
 
     # A replaced sliding-window layer: the graph key's window state is the new layer's.
     windowed = tiny_model("olmo3")
@@ -1217,6 +1217,6 @@ def test_the_cache_check_and_the_graph_key_follow_the_cache_as_it_is_now():
     cache = StaticCache(config=hybrid.config, max_cache_len=16)
     with torch.no_grad():
         hybrid(torch.randint(1, 256, (1, 4)), past_key_values=cache, use_cache=True)
-    assert dg._graphable_cache(cache) is None
+    assert dg._scan(cache).why is None
     cache.activate_past_recording()
-    assert "records past" in dg._graphable_cache(cache)
+    assert "records past" in dg._scan(cache).why
