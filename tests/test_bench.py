@@ -112,6 +112,67 @@ def test_gate_uses_paired_top5_test():
     assert "stock" not in bench.gate(paths, {"stock": stock, "cutile": stock})
 
 
+def test_gate_holds_each_decode_batch_to_stock():
+    c = {"rel_l2_err": 1.0, "kl": 1.0, "top5_agreement": 0.9}
+    paths = {"stock": {"correctness": dict(c), "decode_correctness": {"1": dict(c), "16": dict(c)}},
+             "cutile": {"correctness": dict(c), "decode_correctness": {"1": dict(c), "16": dict(c)}}}
+    assert bench.gate(paths)["cutile"]["passed"]
+    paths["cutile"]["decode_correctness"]["16"]["rel_l2_err"] = 1.2  # the prompt logits still pass
+    g = bench.gate(paths)["cutile"]
+    assert not g["passed"] and [x["metric"] for x in g["checks"] if not x["passed"]] == ["decode-b16 rel_l2_err"]
+    del paths["cutile"]["decode_correctness"]  # unchecked where stock was checked: not a pass
+    g = bench.gate(paths)["cutile"]
+    assert not g["passed"] and {x["metric"] for x in g["checks"] if not x["passed"]} == {"decode-b1 checked",
+                                                                                          "decode-b16 checked"}
+    hits = torch.ones(1, 8, 5, dtype=torch.bool)  # the paired top-5 test per batch, as for the prompt
+    miss = hits.clone()
+    miss[..., 0] = False
+    paths["cutile"]["decode_correctness"] = {"1": dict(c), "16": dict(c)}
+    g = bench.gate(paths, decode_hits={"stock": {"1": hits, "16": hits}, "cutile": {"1": miss, "16": hits}})["cutile"]
+    assert not g["passed"] and [(x["metric"], x["lost"]) for x in g["checks"] if not x["passed"]] == [
+        ("decode-b1 top5_agreement", 8)]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+def test_forced_decode_is_a_forward_over_the_same_tokens_and_sees_a_cache_bug(static, monkeypatch):
+    """The decode check's logits: a prompt prefilled, then steps fed given tokens through the
+    decoder's cache, equal a float32 forward over prompt + tokens at those positions; a cache that
+    loses the values written by decode steps (a bug the prompt logits, computed without a cache,
+    cannot show) is far off. The static decoder's step is the eager model here (on a GPU it is the
+    compiled call or the decode graphs)."""
+    from families import model as tiny_model
+    from transformers import cache_utils
+
+    from cutile_kernels_tools.bench.worker import Decoder
+    from cutile_kernels_tools.metrics import logit_metrics
+
+    model = tiny_model("llama", layers=2)
+    monkeypatch.setattr(model, "get_compiled_call", lambda config: model.__call__)
+    gen = torch.Generator().manual_seed(5)
+    ids, forced = torch.randint(1, 256, (3, 7), generator=gen), torch.randint(1, 256, (3, 5), generator=gen)
+    dec = Decoder(model, 3, 7, 6, "cpu", False, 0, graphs=static)
+    timed = dec.ids.clone()
+    got = dec.forced_logits(ids, forced)
+    with torch.no_grad():
+        want = model(torch.cat([ids, forced], 1), use_cache=False, logits_to_keep=5).logits
+    assert got.shape == (3, 5, 256)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(dec.ids, timed) and dec.pos == 7  # the timed prompt back, the cache reset
+    with pytest.raises(ValueError, match="room for"):
+        dec.forced_logits(ids, torch.ones(3, 7, dtype=torch.long)) if static else dec.forced_logits(ids[:2], forced)
+    layer = cache_utils.StaticLayer if static else cache_utils.DynamicLayer
+    real = layer.update
+
+    def lossy(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[-2] == 1:
+            value_states = torch.zeros_like(value_states)
+        return real(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(layer, "update", lossy)
+    bad = logit_metrics(dec.forced_logits(ids, forced), want)
+    assert bad["rel_l2_err"] > 0.05 and logit_metrics(got, want)["rel_l2_err"] < 1e-5
+
+
 def test_a_bench_cut_short_leaves_its_rounds(preset_cache, tmp_path, monkeypatch):
     """A bench killed before its report (a device call's time limit) keeps what it measured: after
     each timing round the rounds so far are in bench.partial.json; the report replaces it."""
@@ -176,8 +237,16 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
         assert phases["prefill"]["launches"] + phases["decode"]["launches"] == cov["launches"]
         assert phases["prefill"]["device_us"] + phases["decode"]["device_us"] == pytest.approx(cov["device_us"])
         assert all(0 < ph["non_gemm_us"] < ph["device_us"] and ph["ours_non_gemm_share"] == 0 for ph in phases.values())
+        # each decode batch size's teacher-forced steps against float32: bf16's distance, not 0, not noise
+        assert set(p["decode_correctness"]) == {"1", "4"}
+        assert all(1e-4 < c["rel_l2_err"] < 0.05 and c["top5_agreement"] > 0.8 for c in p["decode_correctness"].values())
     # On the CPU nothing is kernelized: both paths compute the same logits.
     assert report["paths"]["cutile"]["correctness"] == report["paths"]["stock"]["correctness"]
+    assert report["paths"]["cutile"]["decode_correctness"] == report["paths"]["stock"]["decode_correctness"]
+    steps = report["reference"]["decode_check_steps"]
+    assert steps == 3 + 1  # warmup + decode_steps: what the timed caches have room for (8 asked)
+    checks = {c["metric"] for c in report["gate"]["cutile"]["checks"]}
+    assert {f"decode-b{b} {m}" for b in (1, 4) for m in ("rel_l2_err", "kl", "top5_agreement")} <= checks
     assert report["gate"]["cutile"]["passed"] and report["cutile_kernels_ran"] is False
     by_round = report["speedup_by_round"]["cutile"]
     assert set(by_round) == {"prefill", "decode-b1", "decode-b4"} and all(len(v) == 2 for v in by_round.values())
@@ -201,6 +270,7 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert f"| {host} |" in md
     assert "## Speedup over stock by round" in md and "| cutile | " in md.split("## Speedup over stock by round")[1]
     assert "these ratios are the machine's noise" in md  # the CPU run: nothing of ours ran
+    assert f"then {steps} decode steps through the path's own cache" in md and "| cutile | 4 | " in md
     assert "## Rounds" in md and "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
     for png in ("throughput.png", "breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

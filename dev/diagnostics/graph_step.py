@@ -24,7 +24,7 @@ extended by ``--ab-gemv-tile``; e.g. 3072 takes Llama-3.2-1B's stacked q/k/v). F
 entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
 host time to submit a compiled step against its kernels' span on the GPU (host-bound or not).
 ``--host-profile N`` lists the N host functions that take a decode-graph step's host time (cProfile,
-the timed steps again). ``--bind-instances`` binds each decoder module's own class forward to the instance first (as
+the timed steps again); for a compiled path, those of its compiled steps, by own and by cumulative time. ``--bind-instances`` binds each decoder module's own class forward to the instance first (as
 ``kernels.kernelize`` and our patches bind theirs; nothing else changes): on a stock path, what
 that binding alone costs a compiled step. On the GPU machine::
 
@@ -217,7 +217,7 @@ def _compiled(model, args) -> None:
 
     for batch in args.batch:
         rounds = 10 if args.ab_guards else 0
-        dec = Decoder(model, batch, args.prompt, (2 + 2 * args.host + rounds) * args.steps + 20, "cuda", True, seed=0)
+        dec = Decoder(model, batch, args.prompt, (3 + 2 * args.host + rounds) * args.steps + 20, "cuda", True, seed=0)
         dec.prefill()
         for _ in range(5):  # compile and record the graphs
             dec.step()
@@ -237,7 +237,17 @@ def _compiled(model, args) -> None:
                 row["guard_check_us_per_entry"] = check_us(
                     model, (dec.next,), dict(past_key_values=dec.cache, use_cache=True, cache_position=pos), 200)
         print(json.dumps(row))
-        _kernels(dec.step, 5, args.top)
+        if args.host_profile:  # the host's functions over the same steps (each waits for the GPU at its end)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.steps):
+                dec.step()
+            prof.disable()
+            for key in ("tottime", "cumulative"):
+                print(f"host functions of {args.steps} compiled steps at batch {batch} (cProfile, by {key}):")
+                pstats.Stats(prof).sort_stats(key).print_stats(args.host_profile)
+        if args.top:
+            _kernels(dec.step, 5, args.top)
 
 
 def main(argv=None) -> None:
@@ -269,7 +279,7 @@ def main(argv=None) -> None:
     ap.add_argument("--host", action="store_true",
                     help="compiled paths: also the host time to submit a step and the step's GPU span")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
-                    help="decode-graph paths: the top N host functions of the timed steps (cProfile)")
+                    help="the top N host functions of the timed steps (cProfile; compiled paths: by own and cumulative time)")
     ap.add_argument("--bind-instances", action="store_true",
                     help="bind every decoder module's own class forward to its instance first")
     args = ap.parse_args(argv)

@@ -41,7 +41,8 @@ def markdown(report: dict, plots: list[str]) -> str:
                  f"untimed round(s) the paths are timed in {s.get('rounds', 1)} alternating rounds. Prefill: batch 1 x {s['prefill_len']} tokens, "
                  f"{s['repeats']} per round. Decode: greedy after {s['decode_prompt_len']} prompt tokens, "
                  f"{s['decode_steps']} steps per round after {s['warmup']} untimed. Medians over all samples. "
-                 f"Correctness: {s['prompt_batch']} x {s['prompt_len']} seeded tokens against float32 stock logits.")
+                 f"Correctness: {s['prompt_batch']} x {s['prompt_len']} seeded tokens against float32 stock logits"
+                 + ("; the decode steps: see Decode correctness." if _decode_checked(report) else "."))
     lines += ["", "## Paths", "",
               "| path | rel L2 err | KL | top-5 | gate | prefill ms | prefill tok/s | % roof | TTFT ms b1 | "
               "decode tok/s | % roof | peak GB |",
@@ -61,6 +62,7 @@ def markdown(report: dict, plots: list[str]) -> str:
             + ", ".join(f"{d['fraction']:.1%}" for d in r["decode"]) + f" | {p['peak_memory_bytes'] / 1e9:.2f} |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * 11)
+    lines += _decode_table(report)
     lines += _load_table(report)
     lines += _round_table(report)
     lines += _speedup_table(report)
@@ -87,6 +89,28 @@ def markdown(report: dict, plots: list[str]) -> str:
         if key in report:
             lines += ["", report[key]]
     return "\n".join(lines) + "\n"
+
+
+def _decode_checked(report: dict) -> dict:
+    return {n: p["decode_correctness"] for n, p in _ok(report).items() if p.get("decode_correctness")}
+
+
+def _decode_table(report: dict) -> list[str]:
+    """Each path's teacher-forced decode steps against float32 (the gate's ``decode-b<N>`` checks)."""
+    ok = _decode_checked(report)
+    if not ok:
+        return []
+    s = report["settings"]
+    lines = ["", "## Decode correctness", "",
+             f"Per decode batch size: {s['decode_prompt_len']} seeded prompt tokens prefilled, then "
+             f"{report['reference'].get('decode_check_steps')} decode steps through the path's own cache and step (compiled, "
+             "CUDA graphs or eager), each fed a seeded token; their logits against one float32 stock forward over "
+             "the same tokens. The gate holds each to stock eager's as it holds the prompt logits.", "",
+             "| path | batch | rel L2 err | KL | top-5 |", "|---|---|---|---|---|"]
+    for name, by_batch in ok.items():
+        for b, c in by_batch.items():
+            lines.append(f"| {name} | {b} | {c['rel_l2_err']:.3e} | {c['kl']:.2e} | {c['top5_agreement']:.4f} |")
+    return lines
 
 
 def _load_table(report: dict) -> list[str]:

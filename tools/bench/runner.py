@@ -13,7 +13,9 @@ that no patch leaks from one path into another:
    rehearsal and warm-up), peak memory, our launch counters, and for ours and stock the kernel
    coverage of a profiled prefill + decode (:mod:`.coverage`);
 4. gates, for every path against stock eager: relative L2 error and KL within 1.1x, top-5
-   agreement not significantly below (see :func:`gate`).
+   agreement not significantly below (see :func:`gate`), on the prompt batch's logits (a forward
+   without a cache) and on each decode batch size's teacher-forced decode steps (the path's own
+   cache and decode step: the compiled call, the decode graphs; ``decode_correctness``).
 
 The report (schema ``cutile-kernels/bench/2``, documented by :mod:`.schema`) is returned, printed
 as a table and, with an output directory, written as ``bench.json``, ``report.md`` and PNG plots
@@ -58,6 +60,10 @@ class BenchSettings:
     repeats: int = 10
     rounds: int = 3
     warm_rounds: int = 1
+    #: Decode steps of the correctness check of each decode batch size (teacher-forced through the
+    #: path's own cache and step, against a float32 forward over the same tokens; at most
+    #: ``warmup + decode_steps``, what the timed decoders' caches have room for).
+    decode_check_steps: int = 8
     coverage: bool = True
     coverage_steps: int = 4
     #: Tokens of the coverage pass's prefill (at most ``prefill_len``).
@@ -79,33 +85,49 @@ class BenchSettings:
 # Correctness
 # ---------------------------------------------------------------------------------------------
 
-def gate(paths: dict, hits: dict | None = None, baseline: str = "stock") -> dict:
+def _checks(ours: dict, base: dict, hits, base_hits, prefix: str = "") -> list[dict]:
+    # The three checks of one set of logit metrics against the baseline's (see gate).
+    checks = [
+        {"metric": prefix + "rel_l2_err", "path": ours["rel_l2_err"], "stock": base["rel_l2_err"],
+         "passed": ours["rel_l2_err"] <= 1.1 * base["rel_l2_err"] + 1e-7},
+        {"metric": prefix + "kl", "path": ours["kl"], "stock": base["kl"], "passed": ours["kl"] <= 1.1 * base["kl"] + 1e-9},
+    ]
+    top5 = {"metric": prefix + "top5_agreement", "path": ours["top5_agreement"], "stock": base["top5_agreement"]}
+    if hits is not None and base_hits is not None:
+        lost = int((base_hits & ~hits).sum())
+        won = int((hits & ~base_hits).sum())
+        top5.update(lost=lost, won=won, passed=lost - won <= 2 * (lost + won) ** 0.5)
+    else:
+        top5["passed"] = ours["top5_agreement"] >= base["top5_agreement"]
+    return checks + [top5]
+
+
+def gate(paths: dict, hits: dict | None = None, baseline: str = "stock", decode_hits: dict | None = None) -> dict:
     """Correctness gate of every path against ``baseline``.
 
     ``rel_l2_err`` and ``kl`` must be within 1.1x the baseline's. For top-5 agreement both paths
     are compared slot by slot with the reference's top 5: near-ties flip in bf16 for either path,
     so a path fails only if the slots it loses outnumber the ones it wins by more than two standard
-    deviations (a one-sided sign test); the raw agreements are reported beside it.
+    deviations (a one-sided sign test); the raw agreements are reported beside it. The same three
+    checks run on each decode batch size's teacher-forced decode (``decode_correctness``, metrics
+    named ``decode-b<N> <metric>``; ``decode_hits``: path -> batch -> slot hits) where both paths
+    have it: a path missing one the baseline has fails.
     """
     base = paths[baseline]["correctness"]
+    base_decode = paths[baseline].get("decode_correctness") or {}
+    hits, decode_hits = hits or {}, decode_hits or {}
     out = {}
     for name, p in paths.items():
         if name == baseline or "correctness" not in p:
             continue
-        ours = p["correctness"]
-        checks = [
-            {"metric": "rel_l2_err", "path": ours["rel_l2_err"], "stock": base["rel_l2_err"],
-             "passed": ours["rel_l2_err"] <= 1.1 * base["rel_l2_err"] + 1e-7},
-            {"metric": "kl", "path": ours["kl"], "stock": base["kl"], "passed": ours["kl"] <= 1.1 * base["kl"] + 1e-9},
-        ]
-        top5 = {"metric": "top5_agreement", "path": ours["top5_agreement"], "stock": base["top5_agreement"]}
-        if hits is not None and name in hits and baseline in hits:
-            lost = int((hits[baseline] & ~hits[name]).sum())
-            won = int((hits[name] & ~hits[baseline]).sum())
-            top5.update(lost=lost, won=won, passed=lost - won <= 2 * (lost + won) ** 0.5)
-        else:
-            top5["passed"] = ours["top5_agreement"] >= base["top5_agreement"]
-        checks.append(top5)
+        checks = _checks(p["correctness"], base, hits.get(name), hits.get(baseline))
+        decode = p.get("decode_correctness") or {}
+        for b, ref in base_decode.items():
+            if b not in decode:
+                checks.append({"metric": f"decode-b{b} checked", "path": 0.0, "stock": 1.0, "passed": False})
+                continue
+            checks += _checks(decode[b], ref, decode_hits.get(name, {}).get(b), decode_hits.get(baseline, {}).get(b),
+                              prefix=f"decode-b{b} ")
         out[name] = {"passed": all(c["passed"] for c in checks), "checks": checks}
     return out
 
@@ -245,17 +267,20 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
             bar.set_postfix_str(kind)
             report[kind] = _one_shot(tmp, kind, checkpoint, s)
             bar.update()
-        ref_logits = torch.load(tmp / "reference.pt")["logits"]
-        workers, setups, rounds, hits = {}, {}, {}, {}
+        ref = torch.load(tmp / "reference.pt")
+        workers, setups, rounds, hits, decode_hits = {}, {}, {}, {}, {}
         try:
             for name in runnable:
                 bar.set_postfix_str(f"{name}: setup")
                 spec = bench_paths.spec(name)
                 workers[name] = _Worker(tmp, name, "path", checkpoint, s, path=name, top5=str(tmp / f"{name}.top5.pt"),
+                                        decode_top5=str(tmp / f"{name}.decode-top5.pt"),
                                         coverage=s.coverage and (spec.ours or name == "stock"))
                 setups[name] = workers[name].call("setup")
                 if setups[name]["ok"]:
-                    hits[name] = top5_hits(torch.load(tmp / f"{name}.top5.pt"), ref_logits)
+                    hits[name] = top5_hits(torch.load(tmp / f"{name}.top5.pt"), ref["logits"])
+                    decode_hits[name] = {b: top5_hits(t, ref["decode_logits"][:int(b)])
+                                         for b, t in torch.load(tmp / f"{name}.decode-top5.pt").items()}
                     rounds[name] = []
                 else:
                     report["paths"][name] = setups[name]
@@ -288,7 +313,7 @@ def run(model: str = "tiny", s: BenchSettings | None = None, out_dir: str | None
                 w.close()
             bar.close()
     report["paths"] = {n: report["paths"][n] for n in runnable if n in report["paths"]}
-    _derive(report, {n: h for n, h in hits.items() if report["paths"].get(n, {}).get("ok")}, s)
+    _derive(report, {n: h for n, h in hits.items() if report["paths"].get(n, {}).get("ok")}, s, decode_hits)
     if out_dir is not None:
         from . import report as report_out
 
@@ -327,13 +352,13 @@ def round_ratios(path: dict, baseline: dict) -> dict[str, list[float]]:
     return out
 
 
-def _derive(report: dict, hits: dict, s: BenchSettings) -> None:
+def _derive(report: dict, hits: dict, s: BenchSettings, decode_hits: dict | None = None) -> None:
     """Gates, roofline fractions and the did-our-kernels-run summary, from the raw results."""
     from .limits import roofline
 
     ok = {n: p for n, p in report["paths"].items() if p.get("ok")}
     if "stock" in ok:
-        report["gate"] = gate(ok, hits)
+        report["gate"] = gate(ok, hits, decode_hits=decode_hits)
         report["speedup_by_round"] = {n: round_ratios(p, ok["stock"]) for n, p in ok.items() if n != "stock"}
     else:
         report["ungated"] = "nothing was gated: the gates compare each path with stock eager (add stock to --paths)"
@@ -399,6 +424,8 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
                   ("rel L2", lambda n, p: f"{p['correctness']['rel_l2_err']:.3e}"),
                   ("KL", lambda n, p: f"{p['correctness']['kl']:.2e}"),
                   ("top-5", lambda n, p: f"{p['correctness']['top5_agreement']:.4f}"),
+                  ("decode rel L2", lambda n, p: " / ".join(
+                      f"{c['rel_l2_err']:.2e}" for c in (p.get("decode_correctness") or {}).values()) or "-"),
                   ("ours time/launch", lambda n, p: cov_cell(n, p, "/"))]
         layout = [speed, checks]
     for table, cols in zip(tables, layout):

@@ -112,6 +112,10 @@ class PathResult(_Model):
     path: Optional[str] = None
     description: Optional[str] = None
     correctness: Optional[Correctness] = None
+    decode_correctness: Optional[dict[str, Correctness]] = Field(
+        default=None, description="per decode batch size: its teacher-forced decode steps (the path's own cache and "
+                                  "step) against a float32 forward over the same tokens (reports before 2026-12-06 "
+                                  "have none)")
     kernelized_layers: Optional[dict[str, int]] = None
     inert_patches: Optional[list[str]] = Field(default=None, description="opt-in patches the path names that "
                                                "changed nothing in this model (on CUDA): its row is the base path's")

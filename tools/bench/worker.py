@@ -113,7 +113,7 @@ class Decoder:
             self.cache = DynamicCache(config=model.config)
             self.step_fn = model
         self.prompt_len = self.pos = prompt_len
-        self.device = device
+        self.max_new, self.device = max_new, device
 
     @torch.inference_mode()
     def reset(self) -> None:
@@ -139,6 +139,39 @@ class Decoder:
                              cache_position=torch.arange(self.ids.shape[1], device=self.device))
             self.next = out.logits[:, -1:].argmax(-1)
         return self.timer(run)
+
+    @torch.inference_mode()
+    def forced_logits(self, ids: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+        """The logits of a teacher-forced decode: the prompt ``ids`` (batch, decode prompt len)
+        prefilled into the emptied cache, then one step per column of ``forced`` (batch, K) through
+        the path's own decode step (the compiled call, the decode graphs, or the eager model), each
+        step fed that column's token. Returns (batch, K, vocab) float32 on the CPU: row ``j`` is the
+        logits after ``forced[:, j]``, what a forward over ``cat(ids, forced)`` gives at position
+        ``len(ids) + j``. Leaves the decoder reset (its timed prompt back in place). Same shapes as
+        the timed steps, so a compiled path neither recompiles nor records again.
+
+        Raises:
+            ValueError: ``ids`` or ``forced`` is not the decoder's batch, ``ids`` not its prompt
+                length, or ``forced`` longer than its cache has room for."""
+        room = self.max_new if self.static else forced.shape[1]
+        if ids.shape != self.ids.shape or forced.shape[0] != ids.shape[0] or forced.shape[1] > room:
+            raise ValueError(f"forced decode of {tuple(ids.shape)} + {tuple(forced.shape)} tokens on a decoder "
+                             f"of {tuple(self.ids.shape)} with room for {room} steps")
+        timed, self.ids = self.ids, ids.to(self.device)
+        try:
+            self.reset()
+            self.prefill()
+            rows = []
+            for j in range(forced.shape[1]):
+                pos = torch.tensor([self.pos], device=self.device)
+                out = self.step_fn(forced[:, j:j + 1].to(self.device), past_key_values=self.cache, use_cache=True,
+                                   cache_position=pos)
+                rows.append(out.logits[:, -1].float().cpu())  # a copy: a replay overwrites its outputs
+                self.pos += 1
+        finally:
+            self.ids = timed
+            self.reset()
+        return torch.stack(rows, dim=1)
 
     @torch.inference_mode()
     def step(self) -> float:
@@ -283,7 +316,10 @@ class PathSession:
                "weight_bytes": limits.weight_bytes(model), "n_params": sum(p.numel() for p in model.parameters()),
                "load_to_token": load}
         torch.save(logits.topk(5, dim=-1).indices, job["top5"])
-        del logits, ref
+        del logits
+        out["decode_correctness"], top5 = self._decode_check(ref)
+        torch.save(top5, job["decode_top5"])
+        del ref
         if job.get("coverage"):
             out["coverage"] = run_coverage(model, s, self.spec.compile, self.spec.graphs)
         self.ids = prefill_ids(model, s)
@@ -295,6 +331,20 @@ class PathSession:
         for d in runtime_copies():
             d.reset_stats()
         return out
+
+    def _decode_check(self, ref: dict) -> tuple[dict, dict]:
+        """Each decode batch size's teacher-forced decode (:meth:`Decoder.forced_logits`, on the
+        timed decoder: the path's own decode step and cache) against the float32 reference's
+        (:func:`run_reference`): ``({"<batch>": logit metrics}, {"<batch>": top-5 indices (batch,
+        K, 5)})``. The prefill logits above never run a cached decode step; these do."""
+        from ..metrics import logit_metrics
+
+        metrics, top5 = {}, {}
+        for b, dec in self.decoders.items():
+            got = dec.forced_logits(ref["decode_prompt"][:b], ref["decode_forced"][:b])
+            metrics[str(b)] = logit_metrics(got, ref["decode_logits"][:b])
+            top5[str(b)] = got.topk(5, dim=-1).indices
+        return metrics, top5
 
     @torch.inference_mode()
     def round(self) -> dict:
@@ -363,15 +413,31 @@ def run_coverage(model, s: dict, compiled: bool, graphs: bool = False) -> dict:
     return out
 
 
+def decode_check_steps(s: dict) -> int:
+    """Decode steps of the decode check: ``decode_check_steps``, at most what a timed decoder's
+    cache has room for (``warmup + decode_steps``, at least :data:`LOAD_STEPS`)."""
+    return max(1, min(s["decode_check_steps"], max(s["warmup"] + s["decode_steps"], LOAD_STEPS)))
+
+
 def run_reference(job: dict) -> dict:
     s = job["settings"]
     model = paths.load("stock", Path(job["checkpoint"]), torch.float32, s["device"])
     gen = torch.Generator().manual_seed(s["seed"])
     prompt = torch.randint(0, model.config.vocab_size, (s["prompt_batch"], s["prompt_len"]), generator=gen)
+    # The decode check's reference: prompts of the decode length for the largest batch (each batch
+    # size takes the first rows) and the tokens its steps are fed; the logits of one forward over
+    # both at the fed positions are what each cached decode step must produce.
+    steps = decode_check_steps(s)
+    decode_prompt = torch.randint(0, model.config.vocab_size, (max(s["decode_batches"]), s["decode_prompt_len"]),
+                                  generator=gen)
+    forced = torch.randint(0, model.config.vocab_size, (decode_prompt.shape[0], steps), generator=gen)
     with torch.inference_mode():
         logits = model(prompt.to(s["device"]), use_cache=False).logits.float().cpu()
-    torch.save({"prompt": prompt, "logits": logits}, job["reference"])
-    return {"model_type": model.config.model_type, "vocab_size": model.config.vocab_size}
+        decode_logits = model(torch.cat([decode_prompt, forced], dim=1).to(s["device"]), use_cache=False,
+                              logits_to_keep=steps).logits.float().cpu()
+    torch.save({"prompt": prompt, "logits": logits, "decode_prompt": decode_prompt, "decode_forced": forced,
+                "decode_logits": decode_logits}, job["reference"])
+    return {"model_type": model.config.model_type, "vocab_size": model.config.vocab_size, "decode_check_steps": steps}
 
 
 class _OneShot:
