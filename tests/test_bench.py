@@ -114,10 +114,14 @@ def test_gate_uses_paired_top5_test():
 
 def test_gate_holds_each_decode_batch_to_stock():
     c = {"rel_l2_err": 1.0, "kl": 1.0, "top5_agreement": 0.9}
-    paths = {"stock": {"correctness": dict(c), "decode_correctness": {"1": dict(c), "16": dict(c)}},
-             "cutile": {"correctness": dict(c), "decode_correctness": {"1": dict(c), "16": dict(c)}}}
-    assert bench.gate(paths)["cutile"]["passed"]
-    paths["cutile"]["decode_correctness"]["16"]["rel_l2_err"] = 1.2  # the prompt logits still pass
+    d = {"rel_l2_err": 3.0, "kl": 2.0, "top5_agreement": 0.8}  # decode steps err more than the prompt
+    paths = {"stock": {"correctness": dict(c), "decode_correctness": {"1": dict(d), "16": dict(d)}},
+             "cutile": {"correctness": dict(c), "decode_correctness": {1: dict(d), "16": dict(d)}}}
+    g = bench.gate(paths)["cutile"]  # each decode batch against stock's decode batch (keys as str or int)
+    assert g["passed"] and [x["stock"] for x in g["checks"] if x["metric"] == "decode-b1 rel_l2_err"] == [3.0]
+    del paths["cutile"]["decode_correctness"][1]
+    paths["cutile"]["decode_correctness"]["1"] = dict(d)
+    paths["cutile"]["decode_correctness"]["16"]["rel_l2_err"] = 3.6  # the prompt logits still pass
     g = bench.gate(paths)["cutile"]
     assert not g["passed"] and [x["metric"] for x in g["checks"] if not x["passed"]] == ["decode-b16 rel_l2_err"]
     del paths["cutile"]["decode_correctness"]  # unchecked where stock was checked: not a pass
@@ -127,8 +131,8 @@ def test_gate_holds_each_decode_batch_to_stock():
     hits = torch.ones(1, 8, 5, dtype=torch.bool)  # the paired top-5 test per batch, as for the prompt
     miss = hits.clone()
     miss[..., 0] = False
-    paths["cutile"]["decode_correctness"] = {"1": dict(c), "16": dict(c)}
-    g = bench.gate(paths, decode_hits={"stock": {"1": hits, "16": hits}, "cutile": {"1": miss, "16": hits}})["cutile"]
+    paths["cutile"]["decode_correctness"] = {"1": dict(d), "16": dict(d)}
+    g = bench.gate(paths, decode_hits={"stock": {1: hits, 16: hits}, "cutile": {"1": miss, "16": hits}})["cutile"]
     assert not g["passed"] and [(x["metric"], x["lost"]) for x in g["checks"] if not x["passed"]] == [
         ("decode-b1 top5_agreement", 8)]
 
@@ -171,6 +175,52 @@ def test_forced_decode_is_a_forward_over_the_same_tokens_and_sees_a_cache_bug(st
     monkeypatch.setattr(layer, "update", lossy)
     bad = logit_metrics(dec.forced_logits(ids, forced), want)
     assert bad["rel_l2_err"] > 0.05 and logit_metrics(got, want)["rel_l2_err"] < 1e-5
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_forced_steps_feed_what_the_timed_steps_feed(batch, monkeypatch):
+    """A compiled step recompiles, and the decode graphs capture again, for an input of other
+    strides or inference mode: the forced steps must feed token tensors like the timed steps'."""
+    from families import model as tiny_model
+
+    from cutile_kernels_tools.bench.worker import Decoder
+
+    model = tiny_model("llama", layers=2)
+    seen = []
+
+    def spy(input_ids, **kw):
+        seen.append((input_ids.shape, input_ids.stride(), input_ids.is_inference(), input_ids.is_contiguous()))
+        return model(input_ids, **kw)
+
+    monkeypatch.setattr(model, "get_compiled_call", lambda config: spy)
+    dec = Decoder(model, batch, 7, 6, "cpu", False, 0, graphs=True)
+    dec.prefill()
+    dec.step()
+    timed = seen[-1]
+    forced = torch.randint(1, 256, (batch, 5), generator=torch.Generator().manual_seed(6))
+    seen.clear()
+    dec.forced_logits(torch.randint(1, 256, (batch, 7), generator=torch.Generator().manual_seed(7)), forced)
+    assert len(seen) == 5 and all(s == timed for s in seen), (timed, seen)
+
+
+def test_the_decode_check_saves_the_paths_top5_not_the_references():
+    from families import model as tiny_model
+
+    from cutile_kernels_tools.bench.worker import Decoder, PathSession
+    from cutile_kernels_tools.metrics import logit_metrics
+
+    model, other = tiny_model("llama", layers=2), tiny_model("llama", layers=2, seed=99)
+    gen = torch.Generator().manual_seed(8)
+    prompt, forced = torch.randint(1, 256, (3, 7), generator=gen), torch.randint(1, 256, (3, 4), generator=gen)
+    with torch.no_grad():  # a reference from another model: its top 5 differ from the path's
+        want = other(torch.cat([prompt, forced], 1), use_cache=False, logits_to_keep=4).logits
+    session = PathSession.__new__(PathSession)
+    session.decoders = {b: Decoder(model, b, 7, 6, "cpu", False, 0) for b in (1, 3)}
+    metrics, top5 = session._decode_check({"decode_prompt": prompt, "decode_forced": forced, "decode_logits": want})
+    for b in (1, 3):
+        got = session.decoders[b].forced_logits(prompt[:b], forced[:b])
+        assert torch.equal(top5[str(b)], got.topk(5, dim=-1).indices)
+        assert metrics[str(b)] == logit_metrics(got, want[:b]) and metrics[str(b)]["rel_l2_err"] > 0.1
 
 
 def test_a_bench_cut_short_leaves_its_rounds(preset_cache, tmp_path, monkeypatch):
@@ -247,6 +297,8 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert steps == 3 + 1  # warmup + decode_steps: what the timed caches have room for (8 asked)
     checks = {c["metric"] for c in report["gate"]["cutile"]["checks"]}
     assert {f"decode-b{b} {m}" for b in (1, 4) for m in ("rel_l2_err", "kl", "top5_agreement")} <= checks
+    paired = [c for c in report["gate"]["cutile"]["checks"] if c["metric"].endswith("top5_agreement")]
+    assert len(paired) == 3 and all(c["lost"] == c["won"] == 0 for c in paired)  # slot by slot, every set
     assert report["gate"]["cutile"]["passed"] and report["cutile_kernels_ran"] is False
     by_round = report["speedup_by_round"]["cutile"]
     assert set(by_round) == {"prefill", "decode-b1", "decode-b4"} and all(len(v) == 2 for v in by_round.values())

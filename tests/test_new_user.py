@@ -231,6 +231,9 @@ def test_bench_table_fits_100_columns():
     for p in r["paths"].values():
         p["decode"].insert(1, dict(p["decode"][0], batch=4, tokens_per_s=12345.6))
         p["coverage"] = {"ours_time_share": 0.123, "ours_launch_share": 0.456}
+        # the decode check's worst batch size (reports since 2026-12-06)
+        p["decode_correctness"] = {b: dict(p["correctness"], rel_l2_err=e)
+                                   for b, e in (("1", 2.954e-2), ("4", 3.125e-2), ("16", 2.92e-2))}
     buf = io.StringIO()
     bench.print_report(r, console=Console(file=buf, width=100))
     out = buf.getvalue()
@@ -238,6 +241,7 @@ def test_bench_table_fits_100_columns():
     for name in r["paths"]:  # every path and figure whole
         assert name in out
     assert "564.7" in out and "7595.1" in out and "12345.6" in out and "2.745e-02" in out
+    assert "decode" in out and "3.12e-02" in out and "2.95e-02" not in out
     assert "12.3%/45.6%" in out and out.count("12.3%/45.6%") == 4  # ours only; stock's share is "-"
     buf = io.StringIO()
     bench.print_report(json.loads(H200_REPORT.read_text()), wide=True, console=Console(file=buf, width=200))

@@ -168,7 +168,8 @@ class BenchReport(_Model):
     environment: dict
     settings: dict
     limits: Limits
-    reference: dict
+    reference: dict = Field(description="the float32 reference job: model_type, vocab_size and (since 2026-12-06) "
+                                        "decode_check_steps, the decode check's steps per batch size")
     paths: dict[str, PathResult]
     skipped: dict[str, str] = Field(description="path -> why it could not run here")
     gate: Optional[dict[str, Gate]] = Field(default=None, description="per path, against stock eager")

@@ -147,8 +147,9 @@ class Decoder:
         the path's own decode step (the compiled call, the decode graphs, or the eager model), each
         step fed that column's token. Returns (batch, K, vocab) float32 on the CPU: row ``j`` is the
         logits after ``forced[:, j]``, what a forward over ``cat(ids, forced)`` gives at position
-        ``len(ids) + j``. Leaves the decoder reset (its timed prompt back in place). Same shapes as
-        the timed steps, so a compiled path neither recompiles nor records again.
+        ``len(ids) + j``. Leaves the decoder reset (its timed prompt back in place). Each step's
+        input has the timed steps' shape, strides and inference mode, so a compiled path neither
+        recompiles nor records again and the decode graphs replay the timed step's graph.
 
         Raises:
             ValueError: ``ids`` or ``forced`` is not the decoder's batch, ``ids`` not its prompt
@@ -164,8 +165,11 @@ class Decoder:
             rows = []
             for j in range(forced.shape[1]):
                 pos = torch.tensor([self.pos], device=self.device)
-                out = self.step_fn(forced[:, j:j + 1].to(self.device), past_key_values=self.cache, use_cache=True,
-                                   cache_position=pos)
+                # A fresh contiguous (batch, 1) inference tensor, as the timed steps' argmax().clone(): a
+                # column view's strides, (K, 1), would make dynamo recompile and the decode graphs
+                # capture again at batch 1 (both key on strides), checking another graph than the timed one.
+                token = forced[:, j:j + 1].to(self.device).clone(memory_format=torch.contiguous_format)
+                out = self.step_fn(token, past_key_values=self.cache, use_cache=True, cache_position=pos)
                 rows.append(out.logits[:, -1].float().cpu())  # a copy: a replay overwrites its outputs
                 self.pos += 1
         finally:
