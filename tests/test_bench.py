@@ -249,7 +249,7 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
 
     out = tmp_path / "out"
     rc = cli.main(["bench", "--out", str(out), "--quiet", "--decode-steps", "3", "--repeats", "2",
-                   "--coverage-prefill-len", "24"])
+                   "--coverage-prefill-len", "24", "--decode-prompt-len", "10"])
     assert rc == 0
     assert not (out / "bench.partial.json").exists()  # replaced by the report
     report = json.loads((out / "bench.json").read_text())
@@ -323,6 +323,8 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert "## Speedup over stock by round" in md and "| cutile | " in md.split("## Speedup over stock by round")[1]
     assert "these ratios are the machine's noise" in md  # the CPU run: nothing of ours ran
     assert f"then {steps} decode steps through the path's own cache" in md and "| cutile | 4 | " in md
+    assert report["settings"]["decode_prompt_len"] == 10 and "greedy after 10 prompt tokens" in md
+    assert "Per decode batch size: 10 seeded prompt tokens prefilled" in md
     assert "## Rounds" in md and "## Coverage: cutile" in md and "![throughput.png](throughput.png)" in md
     for png in ("throughput.png", "breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

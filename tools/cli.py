@@ -34,7 +34,7 @@ def _bench(args) -> int:
     overrides = {k: v for k, v in {
         "device": device, "seed": args.seed, "prompt_batch": args.prompt_batch, "prompt_len": args.prompt_len,
         "prefill_len": args.prefill_len, "decode_steps": args.decode_steps, "repeats": args.repeats, "rounds": args.rounds,
-        "decode_check_steps": args.decode_check_steps,
+        "decode_check_steps": args.decode_check_steps, "decode_prompt_len": args.decode_prompt_len,
         "decode_batches": tuple(args.decode_batch) if args.decode_batch else None,
         "coverage": False if args.no_coverage else None, "coverage_prefill_len": args.coverage_prefill_len,
         "paths": tuple(args.paths) if args.paths else None,
@@ -197,6 +197,9 @@ def main(argv=None) -> int:
     b.add_argument("--prefill-len", type=positive, help="tokens of the timed batch-1 prefill")
     b.add_argument("--decode-batch", type=positive, nargs="+", help="decode batch sizes (default 1 4 16; CPU: 1 4)")
     b.add_argument("--decode-steps", type=positive, help="timed decode steps per batch size")
+    b.add_argument("--decode-prompt-len", type=positive,
+                   help="prompt tokens before the timed decode steps and the decode check's (default 128; CPU: 8); "
+                        "past a model's sliding window, its decode steps roll the window")
     b.add_argument("--decode-check-steps", type=positive,
                    help="teacher-forced decode steps of the correctness check, per decode batch size (default 32; at "
                         "most what the timed caches hold: 3 warm-up steps (CPU: 1) + --decode-steps, or 3 if more)")
