@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -307,7 +308,18 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert "no cuTile kernel ran" in report["note"]
     text = capsys.readouterr().out
     assert "no cuTile kernel ran" in text and "skipped liger" in text
+    assert f"decode check: {steps} teacher-forced steps per decode batch size (asked 32:" in " ".join(text.split())
     md = (out / "report.md").read_text()
+    assert "The gate holds each to stock eager's" in md
+    from rich.console import Console
+
+    from cutile_kernels_tools.bench import report as report_out
+
+    ungated = {k: v for k, v in report.items() if k != "gate"}
+    assert "Nothing was gated: no stock path." in report_out.markdown(ungated, [])
+    wide = io.StringIO()
+    bench.print_report(report, wide=True, console=Console(file=wide, width=250))
+    assert "decode rel L2 (worst b)" in wide.getvalue()
     from cutile_kernels import registry
 
     reg = registry.registry()

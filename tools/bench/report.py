@@ -105,7 +105,8 @@ def _decode_table(report: dict) -> list[str]:
              f"Per decode batch size: {s['decode_prompt_len']} seeded prompt tokens prefilled, then "
              f"{report['reference'].get('decode_check_steps')} decode steps through the path's own cache and step (compiled, "
              "CUDA graphs or eager), each fed a seeded token; their logits against one float32 stock forward over "
-             "the same tokens. The gate holds each to stock eager's as it holds the prompt logits.", "",
+             "the same tokens. " + ("The gate holds each to stock eager's as it holds the prompt logits."
+                                    if "gate" in report else "Nothing was gated: no stock path."), "",
              "| path | batch | rel L2 err | KL | top-5 |", "|---|---|---|---|---|"]
     for name, by_batch in ok.items():
         for b, c in by_batch.items():

@@ -394,6 +394,12 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
     def gate_cell(name):
         return "-" if name not in gates else ("pass" if gates[name]["passed"] else "[red]FAIL[/red]")
 
+    def decode_cell(name, p):  # the decode check's worst batch size's rel L2
+        return max((f"{c['rel_l2_err']:.2e}" for c in (p.get("decode_correctness") or {}).values()),
+                   key=float, default="-")
+
+    decode_checked = any(p.get("decode_correctness") for p in report["paths"].values())
+
     def cov_cell(name, p, sep=" / "):
         cov = p.get("coverage")  # on the others' paths our share is 0 by design: "-"
         return (f"{cov['ours_time_share']:.1%}{sep}{cov['ours_launch_share']:.1%}"
@@ -404,6 +410,7 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
         cols = [("path", lambda n, p: n), ("rel L2 err", lambda n, p: f"{p['correctness']['rel_l2_err']:.3e}"),
                 ("KL", lambda n, p: f"{p['correctness']['kl']:.2e}"),
                 ("top-5", lambda n, p: f"{p['correctness']['top5_agreement']:.4f}"), ("gate", lambda n, p: gate_cell(n)),
+                *([("decode rel L2 (worst b)", decode_cell)] if decode_checked else []),
                 ("prefill ms", lambda n, p: f"{p['prefill_ms']['median']:.2f}"),
                 ("prefill % roof", lambda n, p: f"{p['roofline']['prefill_fraction']:.1%}"),
                 ("TTFT ms (b1)", lambda n, p: f"{p['decode'][0]['ttft_ms']:.2f}"),
@@ -428,10 +435,8 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
                   ("KL", lambda n, p: f"{p['correctness']['kl']:.2e}"),
                   ("top-5", lambda n, p: f"{p['correctness']['top5_agreement']:.4f}"),
                   ("ours time/launch", lambda n, p: cov_cell(n, p, "/"))]
-        if any(p.get("decode_correctness") for p in report["paths"].values()):  # the worst batch size's
-            checks.insert(5, ("decode", lambda n, p: max(
-                (f"{c['rel_l2_err']:.2e}" for c in (p.get("decode_correctness") or {}).values()),
-                key=float, default="-")))
+        if decode_checked:
+            checks.insert(5, ("decode", decode_cell))
         layout = [speed, checks]
     for table, cols in zip(tables, layout):
         for col, _ in cols:
@@ -449,6 +454,11 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
             console.print(escape(f"{name}: {', '.join(p['inert_patches'])} changed nothing in this model: the row "
                                  "measures the same model as without it"))
     lim = report["limits"]
+    steps, asked = report["reference"].get("decode_check_steps"), report["settings"].get("decode_check_steps")
+    if decode_checked and steps is not None:
+        console.print(escape(f"decode check: {steps} teacher-forced steps per decode batch size" + (
+            f" (asked {asked}: the timed decoders hold the warm-up steps + --decode-steps, or 3)"
+            if asked is not None and steps < asked else "")))
     console.print(f"limits on {lim['device']}: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
                   f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s")
     env = report["environment"]
