@@ -71,18 +71,29 @@ def _captured(model, graphs, batch: int, args, cache_kernel: bool, profile: bool
             b.record()
             b.synchronize()
             ev_ms.append(a.elapsed_time(b))
-        if profile and args.host_profile:  # the host's functions over the same steps (each waits for the GPU)
-            prof = cProfile.Profile()
-            for _ in range(args.steps):
-                prof.enable()
-                nxt = step(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                prof.disable()
-                torch.cuda.synchronize()
-            print(f"host functions of {args.steps} steps at batch {batch} (cProfile, by own time):")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(args.host_profile)
+        if profile and args.host_profile:  # the host's functions over the same steps
+            last = [nxt]
+
+            def one():
+                last[0] = step(last[0], past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            _host_profile(one, args.steps, f"steps at batch {batch}", args.host_profile, ("tottime",))
     entry = next(e for k, e in graphs.entries.items() if k[0] == id(cache) and e.graph is not None)
     cache._lengths = [int(layer.cumulative_length) for layer in cache.layers]
     return entry, cache, statistics.median(ev_ms), statistics.median(host_ms)
+
+
+def _host_profile(run, steps: int, what: str, top: int, keys: tuple) -> None:
+    """Print the ``top`` host functions of ``steps`` calls of ``run`` (cProfile, sorted by each of
+    ``keys``), each call waited for on the GPU outside the profile: the next starts on an idle stream."""
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        run()
+        prof.disable()
+        torch.cuda.synchronize()
+    for key in keys:
+        print(f"host functions of {steps} {what} (cProfile, by {key}):")
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
 
 
 @contextlib.contextmanager
@@ -237,15 +248,9 @@ def _compiled(model, args) -> None:
                 row["guard_check_us_per_entry"] = check_us(
                     model, (dec.next,), dict(past_key_values=dec.cache, use_cache=True, cache_position=pos), 200)
         print(json.dumps(row))
-        if args.host_profile:  # the host's functions over the same steps (each waits for the GPU at its end)
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.steps):
-                dec.step()
-            prof.disable()
-            for key in ("tottime", "cumulative"):
-                print(f"host functions of {args.steps} compiled steps at batch {batch} (cProfile, by {key}):")
-                pstats.Stats(prof).sort_stats(key).print_stats(args.host_profile)
+        if args.host_profile:
+            _host_profile(dec.step, args.steps, f"compiled steps at batch {batch}", args.host_profile,
+                          ("tottime", "cumulative"))
         if args.top:
             _kernels(dec.step, 5, args.top)
 

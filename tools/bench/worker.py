@@ -164,25 +164,26 @@ class Decoder:
             self.prefill()
             rows = []
             for j in range(forced.shape[1]):
-                pos = torch.tensor([self.pos], device=self.device)
                 # A fresh contiguous (batch, 1) inference tensor, as the timed steps' argmax().clone(): a
                 # column view's strides, (K, 1), would make dynamo recompile and the decode graphs
                 # capture again at batch 1 (both key on strides), checking another graph than the timed one.
                 token = forced[:, j:j + 1].to(self.device).clone(memory_format=torch.contiguous_format)
-                out = self.step_fn(token, past_key_values=self.cache, use_cache=True, cache_position=pos)
-                rows.append(out.logits[:, -1].float().cpu())  # a copy: a replay overwrites its outputs
+                rows.append(self._call(token).logits[:, -1].float().cpu())  # a copy: a replay overwrites it
                 self.pos += 1
         finally:
             self.ids = timed
             self.reset()
         return torch.stack(rows, dim=1)
 
+    def _call(self, token: torch.Tensor):
+        # One decode step of the path on `token` (batch, 1) at the decoder's position.
+        pos = torch.tensor([self.pos], device=self.device)
+        return self.step_fn(token, past_key_values=self.cache, use_cache=True, cache_position=pos)
+
     @torch.inference_mode()
     def step(self) -> float:
         def run():
-            pos = torch.tensor([self.pos], device=self.device)
-            out = self.step_fn(self.next, past_key_values=self.cache, use_cache=True, cache_position=pos)
-            self.next = out.logits[:, -1:].argmax(-1).clone()
+            self.next = self._call(self.next).logits[:, -1:].argmax(-1).clone()
         ms = self.timer(run)
         self.pos += 1
         return ms
@@ -284,9 +285,9 @@ class PathSession:
         self.spec = paths.spec(self.name)
         self.timer = Timer(self.s["device"])
 
-    def _decoder(self, batch: int, max_new: int) -> Decoder:
+    def _decoder(self, batch: int) -> Decoder:
         s = self.s
-        return Decoder(self.model, batch, s["decode_prompt_len"], max(max_new, LOAD_STEPS), s["device"],
+        return Decoder(self.model, batch, s["decode_prompt_len"], decode_room(s), s["device"],
                        self.spec.compile, s["seed"], graphs=self.spec.graphs)
 
     def setup(self) -> dict:
@@ -296,7 +297,7 @@ class PathSession:
         load_s = time.perf_counter() - t0
         # The timed decoders, made now: the first one's steps here are also what compiled paths
         # compile and capture for, as a user's first generate would.
-        self.decoders = {b: self._decoder(b, s["warmup"] + s["decode_steps"]) for b in s["decode_batches"]}
+        self.decoders = {b: self._decoder(b) for b in s["decode_batches"]}
         first = self.decoders[s["decode_batches"][0]]
         with torch.inference_mode():
             first.prefill()
@@ -417,10 +418,15 @@ def run_coverage(model, s: dict, compiled: bool, graphs: bool = False) -> dict:
     return out
 
 
+def decode_room(s: dict) -> int:
+    """Decode steps a timed decoder's cache has room for: its warm-up and timed steps, at least
+    :data:`LOAD_STEPS` (the load-to-token steps run on the first one)."""
+    return max(s["warmup"] + s["decode_steps"], LOAD_STEPS)
+
+
 def decode_check_steps(s: dict) -> int:
-    """Decode steps of the decode check: ``decode_check_steps``, at most what a timed decoder's
-    cache has room for (``warmup + decode_steps``, at least :data:`LOAD_STEPS`)."""
-    return max(1, min(s["decode_check_steps"], max(s["warmup"] + s["decode_steps"], LOAD_STEPS)))
+    """Decode steps of the decode check: ``decode_check_steps``, at most :func:`decode_room`."""
+    return max(1, min(s["decode_check_steps"], decode_room(s)))
 
 
 def run_reference(job: dict) -> dict:
