@@ -318,6 +318,69 @@ def _costly_guards(model) -> set[str]:
     return {g.name for g in explained.out_guards if any(p.search(g.name) for p in _COSTLY_GUARDS)}
 
 
+def _op_calls(code: str, op: str) -> list[list[str]]:
+    """The top-level arguments of each ``<namespace>.<op>.default(...)`` call in inductor's code."""
+    calls = []
+    for m in re.finditer(rf"\.{op}\.default\(", code):
+        args, depth, start, i = [], 0, m.end(), m.end()
+        while depth >= 0:
+            c = code[i]
+            if c in "([":
+                depth += 1
+            elif c in ")]":
+                depth -= 1
+            if (c == "," and depth == 0) or depth < 0:
+                args.append(code[start:i].strip())
+                start = i + 1
+            i += 1
+        calls.append(args)
+    return calls
+
+
+def _buffer(arg: str) -> str:
+    # `reinterpret_tensor(buf13, (1, 1, 1, 64), ...)` and `buf13` both name buf13
+    return re.sub(r"^reinterpret_tensor\(", "", arg).split(",")[0].strip()
+
+
+#: (family, the op taking RoPE's tables, their argument positions): one mask and one cos/sin pair a
+#: step, however many layers read them.
+_SHARED_INPUTS = [("llama", "rope", (2, 3)), ("qwen3", "qk_norm_rope", (5, 6))]
+
+
+@pytest.mark.parametrize("model_type,rope_op,table_args", _SHARED_INPUTS, ids=[m for m, _, _ in _SHARED_INPUTS])
+def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, rope_op, table_args, variant,
+                                                                   monkeypatch, no_breaks):
+    """A compiled decode step over a StaticCache, under inductor: every layer's attention op reads
+    the one mask buffer the step built, every layer's RoPE op the one cos/sin pair (our ops let
+    inductor pass inputs as they are: ``ops/_define.py``, flexible_layout; with inductor's default
+    the step computed the mask again for each layer, 16 launches a step in Llama-3.2-1B's CUDA
+    graph). Logits as the eager kernelized step's."""
+    from torch._inductor.utils import run_and_get_code
+    from transformers import StaticCache
+
+    layers = 4
+    model = _kernelize_on_cpu(tiny_model(model_type, layers=layers), variant, monkeypatch)
+    _route_as_on_a_gpu(monkeypatch)
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    step = dict(use_cache=True, cache_position=torch.tensor([6]), attention_mask=torch.ones(2, 7, dtype=torch.long))
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, past_key_values=cache, use_cache=True)
+        want = model(ids[:, -1:], past_key_values=caches[0], **step).logits
+        compiled = torch.compile(model.forward, backend="inductor", fullgraph=True)
+        out, codes = run_and_get_code(compiled, ids[:, -1:], past_key_values=caches[1], **step)
+    code = "\n".join(codes)
+    attention = _op_calls(code, "attention")
+    tables = _op_calls(code, rope_op)
+    assert len(attention) == layers and len(tables) == layers
+    assert len({_buffer(args[3]) for args in attention}) == 1
+    assert all(len({_buffer(args[i]) for args in tables}) == 1 for i in table_args)
+    torch.testing.assert_close(out.logits, want)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 #: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
 #: (family, patch, config fields): OLMo's stacking needs olmo2_qk_norm_rope, so heads its kernel takes.
 _OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope", {}), ("qwen3", "fused_qkv", {}),

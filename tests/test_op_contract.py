@@ -315,3 +315,52 @@ def test_gpu_op_replays_in_a_cuda_graph_and_disable_announces_the_fallback(name,
     assert any("disabled by" in k for k in dispatch.stats()["fallbacks"])
     for g, w in zip(ref, eager):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_ops_that_write_nothing_let_inductor_pass_their_inputs_as_they_are():
+    # Inductor's default for a custom op copies an input it has not stored yet into a buffer of the
+    # traced strides for every call that reads it: a compiled decode step built its attention mask
+    # once per layer (test_compile.py's check of the step). An op that writes an argument keeps the
+    # default (what it writes must be the caller's tensor).
+    for name, op in OPS.items():
+        tags = op.op._opoverload.tags
+        if op.mutated:
+            assert torch.Tag.flexible_layout not in tags, name
+        else:
+            assert torch.Tag.flexible_layout in tags, name
+
+
+def test_fixed_layout_variable_gives_every_op_inductors_default():
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import torch, cutile_kernels; from cutile_kernels.ops._define import OPS; "
+             "print(sum(torch.Tag.flexible_layout in o.op._opoverload.tags for o in OPS.values()), len(OPS))")
+    counts = {}
+    for value in ("1", ""):
+        env = {**os.environ, "CUTILE_KERNELS_FIXED_LAYOUT": value}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        counts[value] = tuple(int(n) for n in out.stdout.split()[-2:])
+    assert counts["1"] == (0, len(OPS))
+    assert counts[""] == (sum(not o.mutated for o in OPS.values()), len(OPS))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
+def test_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name):
+    # Each float input made inside the graph (a product inductor stores in a layout of its own
+    # choosing, contiguous here, where the sample's may be a strided view): the op's fake and its
+    # real output agree for those layouts, and the numbers are the eager op's on the same values.
+    args = _sample(name, torch.float32)
+
+    def made(*a):
+        return OPS[name](*[x * 1 if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a])
+
+    torch._dynamo.reset()
+    got = _outs(torch.compile(made, backend="inductor", fullgraph=True)(*args))
+    want = _outs(OPS[name].run(*args))
+    torch._dynamo.reset()
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

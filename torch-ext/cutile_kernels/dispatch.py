@@ -32,6 +32,8 @@ logger = logging.getLogger("cutile_kernels")
 ENV_DISABLE = "CUTILE_KERNELS_DISABLE"
 ENV_STRICT = "CUTILE_KERNELS_STRICT"
 ENV_JIT = "CUTILE_KERNELS_JIT"
+#: Read when the ops are defined (import): see ``ops/_define.py``.
+ENV_FIXED_LAYOUT = "CUTILE_KERNELS_FIXED_LAYOUT"
 
 
 class FallbackError(RuntimeError):
@@ -43,6 +45,11 @@ _TRUE = ("1", "true", "yes", "on")
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def fixed_layout() -> bool:
+    """Whether ``CUTILE_KERNELS_FIXED_LAYOUT`` asks inductor's default input layouts for our ops."""
+    return _flag(ENV_FIXED_LAYOUT)
 
 
 #: ``os.environ`` keeps its variables in ``_data`` under encoded keys (CPython's ``os._Environ``):

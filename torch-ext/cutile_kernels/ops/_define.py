@@ -74,7 +74,14 @@ class Op:
                 check(*args)
             return fake(*args)
 
-        self.op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=mutates_args)(body)
+        # flexible_layout: inductor hands the op its inputs as they are, where its default copies an
+        # input it has not stored yet into a buffer of the traced strides for every op call that
+        # reads it (a compiled step then built the attention mask once per layer). Ops that write
+        # an argument keep the default: what they write must be the caller's tensor. The
+        # implementations take any strides; CUTILE_KERNELS_FIXED_LAYOUT=1 restores the default.
+        tags = () if mutates_args or dispatch.fixed_layout() else (torch.Tag.flexible_layout,)
+        self.op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=mutates_args,
+                                          tags=tags)(body)
         self.op.register_fake(checked_fake)
         if backward == "reference":
             self.op.register_autograd(self._reference_backward, setup_context=_save_inputs)
