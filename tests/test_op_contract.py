@@ -346,21 +346,37 @@ def test_fixed_layout_variable_gives_every_op_inductors_default():
     assert counts[""] == (sum(not o.mutated for o in OPS.values()), len(OPS))
 
 
-@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
-def test_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name):
-    # Each float input made inside the graph (a product inductor stores in a layout of its own
-    # choosing, contiguous here, where the sample's may be a strided view): the op's fake and its
-    # real output agree for those layouts, and the numbers are the eager op's on the same values.
-    args = _sample(name, torch.float32)
+def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, d=16):
+    # Each float input made inside the graph (a product, which inductor stores in a buffer it lays
+    # out itself where the sample's may be a strided view): the op's fake and its real output agree
+    # for those layouts (inductor checks each output's strides), and the numbers are the eager op's.
+    args = _sample(name, dtype, device, d=d)
 
     def made(*a):
         return OPS[name](*[x * 1 if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a])
 
     torch._dynamo.reset()
     got = _outs(torch.compile(made, backend="inductor", fullgraph=True)(*args))
-    want = _outs(OPS[name].run(*args))
+    want = _outs(OPS[name](*args))
     torch._dynamo.reset()
     assert len(got) == len(want)
+    return got, want
+
+
+@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
+def test_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name):
+    got, want = _under_inductor_with_inputs_made_in_the_graph(name, torch.float32, "cpu")
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
+def test_gpu_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name, strict):
+    # The kernels (bfloat16) on the buffers inductor laid out, against the eager launch on the
+    # sample's own layouts; strict: a launch that fell back would raise.
+    got, want = _under_inductor_with_inputs_made_in_the_graph(name, torch.bfloat16, "cuda", d=64)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
