@@ -574,6 +574,42 @@ def test_gpu_compiled_decode_whose_first_kernel_call_is_compiled(prepared, check
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_gpu_compiled_decode_over_a_cache_whose_mask_rows_inductor_pads(model_type, checkpoints, strict, no_breaks):
+    """Our ops take inputs in the layout inductor gives them (``ops/_define.py``: flexible_layout);
+    on a GPU inductor pads a stride past 1024 elements that is not a multiple of 128 bytes, so a
+    1100-slot StaticCache's mask reaches the attention kernel with padded rows. A left-padded batch
+    (the mask hides keys the length does not) decoded by compiled steps (``reduce-overhead``,
+    strict: no fallback) gives the eager steps' logits (teacher-forced tokens)."""
+    from transformers import StaticCache
+
+    model = _load(checkpoints[model_type])
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 256, (2, 21), generator=gen).cuda()
+    feed = torch.randint(1, 256, (2, 6), generator=gen).cuda()
+    mask = torch.ones(2, 21 + feed.shape[1], dtype=torch.long, device="cuda")
+    mask[1, :7] = 0  # the second row left-padded by 7
+
+    def run(step_fn):
+        cache = StaticCache(config=model.config, max_cache_len=1100)
+        out = []
+        with torch.inference_mode():
+            model(ids, attention_mask=mask[:, :21], past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(21, device="cuda"))
+            for i in range(feed.shape[1]):
+                pos = torch.tensor([21 + i], device="cuda")
+                logits = step_fn(feed[:, i:i + 1], attention_mask=mask[:, :22 + i], past_key_values=cache,
+                                 use_cache=True, cache_position=pos).logits
+                out.append(logits[:, -1].float().clone())
+        return out
+
+    got = run(torch.compile(model.forward, mode="reduce-overhead", fullgraph=True))
+    want = run(model)
+    for g, w in zip(got, want):
+        assert _error(g, w) < 2e-2, _error(g, w)
+
+
+@pytest.mark.gpu
 def test_gpu_attention_calls_launch_with_the_arrays_the_patch_made(checkpoints, strict, monkeypatch):
     """The forwards transformers calls for ``"cutile"`` belong to the copy of the package whose
     stand-in arrays the patch made (the source package and the build variant ``kernels`` loads each

@@ -346,37 +346,62 @@ def test_fixed_layout_variable_gives_every_op_inductors_default():
     assert counts[""] == (sum(not o.mutated for o in OPS.values()), len(OPS))
 
 
-def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, d=16):
-    # Each float input made inside the graph (a product, which inductor stores in a buffer it lays
-    # out itself where the sample's may be a strided view): the op's fake and its real output agree
-    # for those layouts (inductor checks each output's strides), and the numbers are the eager op's.
+def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, monkeypatch, d=16, pad=False):
+    """The op compiled by inductor with each float input made inside the graph (a product, which
+    inductor stores in a buffer it lays out itself where the sample's may be a strided view): its
+    outputs (inductor checks each one's strides against the fake's), the eager op's on the sample,
+    and the input strides the op's CPU path received. ``pad``: inductor's comprehensive padding on
+    every stride (a GPU pads strides past 1024 elements by default; the CPU never does): the one
+    layout a flexible input gets that the traced one does not."""
     args = _sample(name, dtype, device, d=d)
+    seen = []
+    cpu = OPS[name]._cpu
+
+    def recording(*a):
+        seen.append(tuple(x.stride() for x in a if isinstance(x, torch.Tensor)))
+        return cpu(*a)
+
+    monkeypatch.setattr(OPS[name], "_cpu", recording)
 
     def made(*a):
         return OPS[name](*[x * 1 if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a])
 
+    padding = dict(comprehensive_padding=True, disable_padding_cpu=False, padding_stride_threshold=0) if pad else {}
     torch._dynamo.reset()
-    got = _outs(torch.compile(made, backend="inductor", fullgraph=True)(*args))
+    with torch._inductor.config.patch(padding):
+        got = _outs(torch.compile(made, backend="inductor", fullgraph=True)(*args))
+    torch._dynamo.reset()
+    monkeypatch.setattr(OPS[name], "_cpu", cpu)
     want = _outs(OPS[name](*args))
-    torch._dynamo.reset()
     assert len(got) == len(want)
-    return got, want
-
-
-@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
-def test_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name):
-    got, want = _under_inductor_with_inputs_made_in_the_graph(name, torch.float32, "cpu")
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
+    return got, want, seen
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["traced", "padded"])
+@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
+def test_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name, pad, monkeypatch):
+    got, want, _ = _under_inductor_with_inputs_made_in_the_graph(name, torch.float32, "cpu", monkeypatch, pad=pad)
+    for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_layouts_reach_the_ops_under_inductor(monkeypatch):
+    # What the padded cases above exercise: RoPE's q, k, cos and sin arrive with rows padded
+    # (strides the eager products do not have), so a path that assumed dense rows would fail there.
+    args = [a * 1 for a in _sample("rope", torch.float32)]
+    _, _, seen = _under_inductor_with_inputs_made_in_the_graph("rope", torch.float32, "cpu", monkeypatch, pad=True)
+    dense = tuple(a.stride() for a in args)
+    assert seen and all(s != e for s, e in zip(seen[-1], dense)), (seen, dense)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
-def test_gpu_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name, strict):
-    # The kernels (bfloat16) on the buffers inductor laid out, against the eager launch on the
-    # sample's own layouts; strict: a launch that fell back would raise.
-    got, want = _under_inductor_with_inputs_made_in_the_graph(name, torch.bfloat16, "cuda", d=64)
+def test_gpu_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name, strict, monkeypatch):
+    # The kernels (bfloat16) on the buffers inductor laid out (its default padding: these small
+    # samples' strides stay unpadded), against the eager launch on the sample's own layouts; strict:
+    # a launch that fell back would raise.
+    got, want, _ = _under_inductor_with_inputs_made_in_the_graph(name, torch.bfloat16, "cuda", monkeypatch, d=64)
     for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)

@@ -76,9 +76,10 @@ class Op:
 
         # flexible_layout: inductor hands the op its inputs as they are, where its default copies an
         # input it has not stored yet into a buffer of the traced strides for every op call that
-        # reads it (a compiled step then built the attention mask once per layer). Ops that write
-        # an argument keep the default: what they write must be the caller's tensor. The
-        # implementations take any strides; CUTILE_KERNELS_FIXED_LAYOUT=1 restores the default.
+        # reads it (a compiled step then built the attention mask once per layer). The kernels check
+        # strides before a launch and fall back on a layout their variant does not take. Ops that
+        # write an argument keep the default as a precaution (no measured need);
+        # CUTILE_KERNELS_FIXED_LAYOUT=1 restores it for all.
         tags = () if mutates_args or dispatch.fixed_layout() else (torch.Tag.flexible_layout,)
         self.op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=mutates_args,
                                           tags=tags)(body)
