@@ -532,6 +532,34 @@ def _stand_in_caches() -> list[dict]:
     return [m._DUMMIES for n, m in list(sys.modules.items()) if n.endswith(".ops.attention") and hasattr(m, "_DUMMIES")]
 
 
+def _compiled_steps_match_eager(model, ids, feed, max_cache_len: int, mask=None):
+    """An eager prefill of ``ids`` (B, P) over a fresh StaticCache, then one decode step per column
+    of ``feed`` (teacher-forced tokens), the steps under ``torch.compile(mode="reduce-overhead",
+    fullgraph=True)`` and again eagerly: each step's last logits within 2e-2 rel L2. ``mask``: the
+    (B, P + steps) padding mask, its prefix passed to each call."""
+    from transformers import StaticCache
+
+    p = ids.shape[1]
+
+    def run(step_fn):
+        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        out = []
+        with torch.inference_mode():
+            model(ids, attention_mask=None if mask is None else mask[:, :p], past_key_values=cache, use_cache=True,
+                  cache_position=torch.arange(p, device=ids.device))
+            for i in range(feed.shape[1]):
+                pos = torch.tensor([p + i], device=ids.device)
+                logits = step_fn(feed[:, i:i + 1], attention_mask=None if mask is None else mask[:, :p + 1 + i],
+                                 past_key_values=cache, use_cache=True, cache_position=pos).logits
+                out.append(logits[:, -1].float().clone())
+        return out
+
+    got = run(torch.compile(model.forward, mode="reduce-overhead", fullgraph=True))
+    want = run(model)
+    for g, w in zip(got, want):
+        assert _error(g, w) < 2e-2, _error(g, w)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "made-per-launch"])
 def test_gpu_compiled_decode_whose_first_kernel_call_is_compiled(prepared, checkpoints, strict, no_breaks):
@@ -541,8 +569,6 @@ def test_gpu_compiled_decode_whose_first_kernel_call_is_compiled(prepared, check
     trees' pool check on the H200). With the kernel's stand-in arrays made when the model was
     patched, or made per launch (the cache cleared; nothing may be kept from inside a call), the
     graphs record and replay the eager steps' logits (teacher-forced tokens)."""
-    from transformers import StaticCache
-
     model = _load(checkpoints["qwen3"])
     assert model.config._attn_implementation == "cutile"
     caches = _stand_in_caches()
@@ -554,21 +580,7 @@ def test_gpu_compiled_decode_whose_first_kernel_call_is_compiled(prepared, check
     ids = torch.randint(1, 256, (2, 21), generator=gen).cuda()
     feed = torch.randint(1, 256, (2, 8), generator=gen).cuda()
 
-    def run(step_fn):
-        cache = StaticCache(config=model.config, max_cache_len=40)
-        out = []
-        with torch.inference_mode():
-            model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(21, device="cuda"))
-            for i in range(feed.shape[1]):
-                pos = torch.tensor([21 + i], device="cuda")
-                logits = step_fn(feed[:, i:i + 1], past_key_values=cache, use_cache=True, cache_position=pos).logits
-                out.append(logits[:, -1].float().clone())
-        return out
-
-    got = run(torch.compile(model.forward, mode="reduce-overhead", fullgraph=True))
-    want = run(model)
-    for g, w in zip(got, want):
-        assert _error(g, w) < 2e-2, _error(g, w)
+    _compiled_steps_match_eager(model, ids, feed, max_cache_len=40)
     if not prepared:
         assert not any(c for c in caches)
 
@@ -581,32 +593,13 @@ def test_gpu_compiled_decode_over_a_cache_whose_mask_rows_inductor_pads(model_ty
     1100-slot StaticCache's mask reaches the attention kernel with padded rows. A left-padded batch
     (the mask hides keys the length does not) decoded by compiled steps (``reduce-overhead``,
     strict: no fallback) gives the eager steps' logits (teacher-forced tokens)."""
-    from transformers import StaticCache
-
     model = _load(checkpoints[model_type])
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(1, 256, (2, 21), generator=gen).cuda()
     feed = torch.randint(1, 256, (2, 6), generator=gen).cuda()
     mask = torch.ones(2, 21 + feed.shape[1], dtype=torch.long, device="cuda")
     mask[1, :7] = 0  # the second row left-padded by 7
-
-    def run(step_fn):
-        cache = StaticCache(config=model.config, max_cache_len=1100)
-        out = []
-        with torch.inference_mode():
-            model(ids, attention_mask=mask[:, :21], past_key_values=cache, use_cache=True,
-                  cache_position=torch.arange(21, device="cuda"))
-            for i in range(feed.shape[1]):
-                pos = torch.tensor([21 + i], device="cuda")
-                logits = step_fn(feed[:, i:i + 1], attention_mask=mask[:, :22 + i], past_key_values=cache,
-                                 use_cache=True, cache_position=pos).logits
-                out.append(logits[:, -1].float().clone())
-        return out
-
-    got = run(torch.compile(model.forward, mode="reduce-overhead", fullgraph=True))
-    want = run(model)
-    for g, w in zip(got, want):
-        assert _error(g, w) < 2e-2, _error(g, w)
+    _compiled_steps_match_eager(model, ids, feed, max_cache_len=1100, mask=mask)
 
 
 @pytest.mark.gpu
