@@ -18,22 +18,27 @@ checks, which dynamo would otherwise turn into guards that every compiled call c
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 from transformers.cache_utils import Cache
 
+from .. import dispatch
 from ..ops.activation import gelu_tanh_and_mul_fused, sigmoid_and_mul, silu_and_mul_fused
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
+from ..ops.rope import rope_append, rope_append_takes
 from ._patching import _unhooked, swapped
-from .attention import STEP_PLAIN_MASKS, cache_layer, static_kv_length, step_plain, takes_plain_decode
+from .attention import (STEP_PLAIN_MASKS, cache_layer, full_static_layer, static_kv_length, step_plain,
+                        takes_plain_decode)
 from .decode_graphs import ROPE_ATTEND, ROPE_UPDATE
 from .linear import gemv_linear_forward
 from .norm import _float_norm_eps
-from .rope import CutileRotaryPosEmb, computes_llama_rope
+from .rope import ROPE_FORWARD_MARK, computes_llama_rope
 
 # The registries torch mutates in place (register_module_forward_hook & co.).
 _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks,
@@ -48,6 +53,16 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 # nn.Linear.forward for every Linear must keep being called.
 _MODULE_CALL = nn.Module.__call__
 _LINEAR_FORWARD = nn.Linear.forward
+
+#: Whether compiled steps write static caches on our kernels (:func:`compiled_static_layer`);
+#: ``CUTILE_KERNELS_STOCK_CACHE_WRITES=1`` at import keeps transformers' writes (an A/B switch).
+COMPILED_CACHE_WRITES = not dispatch.stock_cache_writes()
+
+
+def compiled_cache_writes() -> bool:
+    """:data:`COMPILED_CACHE_WRITES` (a function: dynamo guards the global it reads as one of this
+    module's, where a module object reached from another module costs duplicate-input guards)."""
+    return COMPILED_CACHE_WRITES
 
 
 def _plain_call(m: nn.Module) -> bool:
@@ -123,30 +138,54 @@ def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: 
     return qk_norm_rope_gemma(query_states, key_states, qn.weight, kn.weight, _float_norm_eps(qn), cos, sin, 1.0)
 
 
-_OUR_ROPE = CutileRotaryPosEmb.forward.__qualname__
 _CACHE_UPDATE = Cache.update
 
 
 def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.Tensor, key_states: torch.Tensor,
                    value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """RoPE of q and k and the cache update of attention module ``self`` as one launch, where the
-    decode graphs armed its cache layer (``decode_graphs.ROPE_UPDATE``: a full-attention static
-    layer they write with our kernel, or a sliding one while its window has room) and the RoPE is
-    our ``apply_rope`` formula: ``rope``, the ``apply_rotary_pos_emb`` its forward calls, is the
-    ``kernels`` hub module running our RoPE on Llama's formula (bound by ``kernelize``: by name, as
-    it may be the build's copy) with nothing else on its call (no hooks); or ``rope`` is None for a
-    reproduced forward that calls :func:`~..ops.rope.apply_rope` itself (Phi-3's partial rotary,
-    its formula checked when patched). Shapes as ``apply_rotary_pos_emb`` and ``Cache.update``
-    take them.
+    """RoPE of q and k and the cache update of attention module ``self`` as one ``rope_append``
+    launch, where the RoPE is our ``apply_rope`` formula: ``rope``, the ``apply_rotary_pos_emb``
+    its forward calls, is the ``kernels`` hub module running our RoPE on Llama's formula (bound by
+    ``kernelize``: by name, as it may be the build's copy) with nothing else on its call (no hooks);
+    or ``rope`` is None for a reproduced forward that calls :func:`~..ops.rope.apply_rope` itself
+    (Phi-3's partial rotary, its formula checked when patched). Two cases take the step: the decode
+    graphs armed its cache layer (``decode_graphs.ROPE_UPDATE``: a full-attention static layer they
+    write with our kernel, or a sliding one while its window has room; eager steps, captured), or
+    dynamo is tracing and the layer is a static cache's full-attention layer
+    (:func:`compiled_static_layer`; the write's bound asserted as transformers' ``index_copy_``
+    asserts it: :func:`_advance`). Shapes as ``apply_rotary_pos_emb`` and ``Cache.update`` take them.
 
     Returns ``(q_rot, keys, values)`` (the cache written and advanced), or None: the caller runs
-    RoPE and ``past_key_values.update`` as the stock forward does. Never while compiling (the
-    decode graphs replay eager steps), for a cache class with an ``update`` of its own or an
-    offloaded cache (``Cache.update`` does more than the layer's update then), nor where the layer
-    declines (``decode_graphs._kernel_rope_update``: its ``update`` replaced since, a gradient
-    asked for, shapes RoPE's kernel does not take)."""
+    RoPE and ``past_key_values.update`` as the stock forward does. None for a cache class with an
+    ``update`` of its own or an offloaded cache (``Cache.update`` does more than the layer's update
+    then), and where the layer declines (``decode_graphs._kernel_rope_update``: its ``update``
+    replaced since, a gradient asked for, shapes RoPE's kernel does not take)."""
     armed = _armed(self, rope, past_key_values, ROPE_UPDATE)
-    return None if armed is None else armed[1](query_states, key_states, value_states, cos, sin)
+    if armed is not None:
+        return armed[1](query_states, key_states, value_states, cos, sin)
+    layer = compiled_static_layer(self, past_key_values)
+    if (layer is None or not _our_rope(rope)
+            or not rope_append_takes(query_states, key_states, value_states, cos, sin, layer.keys, layer.values)):
+        return None
+    q_rot = rope_append(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
+                        layer.cumulative_length)
+    _advance(layer, key_states.shape[-2])
+    return q_rot, layer.keys, layer.values
+
+
+def _our_rope(rope) -> bool:
+    # None (the forward runs apply_rope itself), or the hub module running our RoPE on Llama's formula
+    # with no hooks on its call (verdicts cached: constants while dynamo traces).
+    if rope is None:
+        return True
+    if not isinstance(rope, nn.Module) or not _plain_call(rope):
+        return False
+    own = rope.__dict__  # spelled as _patching.swapped, which dynamo evaluates as eager Python does
+    if "forward" not in own:
+        return False
+    bound = own["forward"]
+    return (isinstance(bound, types.MethodType) and getattr(bound.__func__, ROPE_FORWARD_MARK, False)
+            and computes_llama_rope(type(rope)))
 
 
 def _armed(self: nn.Module, rope, past_key_values, attr: str):
@@ -157,15 +196,38 @@ def _armed(self: nn.Module, rope, past_key_values, attr: str):
         return None
     layer = cache_layer(self, past_key_values)
     step = None if layer is None else layer.__dict__.get(attr)
-    if step is None:
+    if step is None or not _our_rope(rope):
         return None
-    if rope is not None:
-        if not isinstance(rope, nn.Module) or not direct_ok(rope):
-            return None
-        bound = getattr(rope.__dict__.get("forward"), "__func__", None)
-        if getattr(bound, "__qualname__", None) != _OUR_ROPE or not computes_llama_rope(type(rope)):
-            return None
     return layer, step
+
+
+def compiled_static_layer(self: nn.Module, past_key_values):
+    """While dynamo traces (``torch.compile``), the layer of ``past_key_values`` that attention
+    module ``self`` writes when it is exactly transformers' ``StaticLayer`` (while its ``update`` is
+    the pinned one, :data:`.attention.PIN`, known once our attention registered), initialized,
+    with the class's ``update`` (not one the decode graphs gave it), in a cache whose ``update`` is
+    ``Cache.update`` and which does not offload; else None (also outside dynamo, whose tests here
+    are constants or guards of the compiled step). Its writes may then go to our kernels with the
+    RoPE before them (:func:`rope_and_cache`); a write alone stays transformers' (on an H100 one
+    ``kv_append`` took 2.9 us where inductor's two ``index_copy_`` kernels took 2.2: Qwen3-0.6B's
+    compiled step lost 20 us of kernel time, 2026-12-06)."""
+    if (not COMPILED_CACHE_WRITES or not _dynamo_compiling() or past_key_values is None
+            or type(past_key_values).update is not _CACHE_UPDATE or getattr(past_key_values, "offloading", False)):
+        return None
+    layer = full_static_layer(self, past_key_values)
+    if layer is None or "update" in layer.__dict__ or not layer.is_initialized:
+        return None
+    return layer
+
+
+def _advance(layer, new: int) -> None:
+    # StaticLayer.update's advance of the filled length by the `new` rows just written. Its
+    # index_copy_ asserts on the device when a row's slot is past the cache's end (inductor compiles
+    # that bound check into the write's kernel); ours skip such slots, so the step asserts the same
+    # bound here, which inductor fuses into the advance's kernel (no launch of its own).
+    torch._assert_async(layer.cumulative_length <= layer.keys.shape[2] - new,
+                        "cutile_kernels: a static KV cache write past the cache's end (max_cache_len)")
+    layer.cumulative_length.add_(new)
 
 
 def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states: torch.Tensor,

@@ -88,6 +88,14 @@ def cache_layer(module: torch.nn.Module, past_key_values):
     return layers[idx]
 
 
+def full_static_layer(module: torch.nn.Module, past_key_values):
+    """The layer of ``past_key_values`` that attention module ``module`` writes when it is exactly
+    transformers' ``StaticLayer`` while its ``update`` is the pinned one (:data:`PIN`; known once our
+    attention registered), else None."""
+    layer = cache_layer(module, past_key_values)
+    return layer if _STATIC_LAYER is not None and type(layer) is _STATIC_LAYER else None
+
+
 #: Instance attribute of a ``StaticLayer`` during a decode-graph step that advances the lengths of
 #: the cache's full-attention layers once, after every layer has run (``decode_graphs``,
 #: ``DecodeGraphs.forward``): the layer's filled length once this step's tokens are written (a 0-d

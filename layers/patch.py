@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..ops.norm import add_rms_norm
-from ._direct import call, direct_ok
+from ._direct import _dynamo_compiling, _plain_call, call, compiled_cache_writes, direct_ok
 from ._patching import (PATCHES, TRANSPARENT_HOOK, Patch, PatchReport, _blocking, _unhooked, applied, patch,
                         register, restore_forwards, swap_forwards, swapped, unpatch)
 from ._pins import forward_verdict
@@ -233,10 +233,12 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     scale = self._cutile_scale  # a branch-scale attribute's name (Granite's residual_multiplier), or None
     attn = self.self_attn
     # The attention and MLP forwards without the module calls when no hook would run (_direct); a
-    # stock attention of a verified class through its reproduction, whose projections skip theirs.
+    # stock attention of a verified class through its reproduction, whose projections skip theirs
+    # (under dynamo too, so that a compiled step writes a static cache on our kernels: _traced_parts).
     cls = type(attn)
-    parts = (stock_forward_parts(cls, cls.forward) if direct_ok(attn) and "forward" not in attn.__dict__
-             else None)
+    parts = None
+    if "forward" not in attn.__dict__:
+        parts = stock_forward_parts(cls, cls.forward) if direct_ok(attn) else _traced_parts(self, attn)
     if parts is not None:
         hidden_states, _ = reproduced_forward(attn, *parts, hidden_states=hidden_states, attention_mask=attention_mask,
                                               position_ids=position_ids, past_key_values=past_key_values,
@@ -262,6 +264,34 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         nxt.pending = (out, normed, None if torch.is_inference_mode_enabled() else out._version)
         return out
     return residual + hidden_states
+
+
+def _traced_parts(layer: nn.Module, attn: nn.Module) -> tuple[dict, int] | None:
+    """While dynamo traces: the reproduced attention forward's ``(globals, window)`` for ``attn`` as
+    :func:`_prepare_decoder` found them, where ``attn`` has no hooks and its class's forward is still
+    the one found; else None (the module call). The globals are reached through ``sys.modules``, as
+    dynamo guards a global (:func:`~._patching.modeling_globals`), so that the compiled step writes its
+    static cache on our kernels (``_direct.rope_and_cache``) where the stock forward would not."""
+    found = layer._cutile_attn_parts
+    if (found is None or not compiled_cache_writes() or not _dynamo_compiling() or not _plain_call(attn)
+            or type(attn).forward is not found[0]):
+        return None
+    return sys.modules[found[1]].__dict__, found[2]
+
+
+def _attention_parts(layer: nn.Module) -> tuple | None:
+    # (the attention class's forward, its modeling module's name, window mode) where the reproduced
+    # forward reproduces it (qkv.stock_forward_parts) and that module's globals are the forward's.
+    attn = getattr(layer, "self_attn", None)
+    if not isinstance(attn, nn.Module):
+        return None
+    forward = type(attn).forward
+    parts = stock_forward_parts(type(attn), forward)
+    name = getattr(forward, "__module__", None)
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    if parts is None or module is None or module.__dict__ is not parts[0]:
+        return None
+    return forward, name, parts[1]
 
 
 def _may_hand_off(layer: nn.Module, nxt: _Inbox, hidden_states: torch.Tensor) -> bool:
@@ -301,6 +331,7 @@ def _prepare_decoder(m: nn.Module) -> None:
     # or hooks, may change after patching); None for Llama's own forward.
     m.__dict__["_cutile_check"] = _decoder_match(type(m))[1]
     m.__dict__["_cutile_scale"] = _decoder_match(type(m))[2]
+    m.__dict__["_cutile_attn_parts"] = _attention_parts(m)
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -381,7 +412,8 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
         The number of layers restored.
     """
     return restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
-                            attrs=("_cutile_inbox", "_cutile_next", "_cutile_check", "_cutile_scale"), noun="layers")
+                            attrs=("_cutile_inbox", "_cutile_next", "_cutile_check", "_cutile_scale",
+                                   "_cutile_attn_parts"), noun="layers")
 
 
 #: This module's patch row (gathered by ``layers/_registry.py``).

@@ -171,5 +171,11 @@ class CutileRotaryPosEmb(nn.Module):
         return cls.forward(self, q, k, cos, sin, unsqueeze_dim)
 
 
+#: Attribute marking :meth:`CutileRotaryPosEmb.forward` (in this package and in a build's copy of it),
+#: which ``_direct`` looks for on a hub module's bound forward: dynamo reads a function's attributes as
+#: eager Python does, but not its ``__qualname__`` (torch 2.13 gave the type's descriptor).
+ROPE_FORWARD_MARK = "_cutile_rope_forward"
+setattr(CutileRotaryPosEmb.forward, ROPE_FORWARD_MARK, True)
+
 #: transformers hub layer name -> layer class in this module (gathered by ``layers.MAPPING``).
 MAPPING = {"rotary_pos_emb": "CutileRotaryPosEmb"}

@@ -280,6 +280,17 @@ def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
     torch.testing.assert_close(got, want)
 
 
+#: Families whose compiled decode step runs RoPE and the static cache write as one rope_append (the
+#: Llama code's attention, reproduced under dynamo, and Phi-3's). The others keep transformers' writes:
+#: a write alone on kv_append lost to inductor's two index_copy_ kernels (_direct.compiled_static_layer).
+ROPE_APPENDED = {"llama", "qwen2", "granite", "phi3"}
+
+
+def _decode_ops(model_type: str) -> set:
+    ops = FAMILY_OPS[model_type] | {"attention"}
+    return ops - {"rope"} | {"rope_append"} if model_type in ROPE_APPENDED else ops
+
+
 @ATTNS
 @pytest.mark.parametrize("model_type", CLAIMED)
 def test_static_cache_generate_compiles_the_decode_step_without_breaks(model_type, attn, variant, monkeypatch,
@@ -292,7 +303,8 @@ def test_static_cache_generate_compiles_the_decode_step_without_breaks(model_typ
     got = _generate(model, ids, compile_config=_compile_config(rec))
     # generate runs the prefill eagerly and compiles the decode step (one graph; Mistral's sliding
     # window mask makes a second one when the cache position changes its shape class).
-    assert rec.graphs >= 1 and FAMILY_OPS[model_type] | {"attention"} <= set(rec.ops)  # decode: the kernel
+    assert rec.graphs >= 1 and _decode_ops(model_type) <= set(rec.ops)  # decode: the kernel, our cache writes
+    assert not {"rope_append", "kv_append"} & set(rec.ops) - _decode_ops(model_type)
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
         torch.testing.assert_close(g, w)
@@ -342,19 +354,22 @@ def _buffer(arg: str) -> str:
     return re.sub(r"^reinterpret_tensor\(", "", arg).split(",")[0].strip()
 
 
-#: (family, the op taking RoPE's tables, their argument positions): one mask and one cos/sin pair a
-#: step, however many layers read them.
-_SHARED_INPUTS = [("llama", "rope", (2, 3)), ("qwen3", "qk_norm_rope", (5, 6))]
+#: (family, the op taking RoPE's tables, their argument positions, the op writing the cache): one mask
+#: and one cos/sin pair a step, however many layers read them.
+_SHARED_INPUTS = [("llama", "rope_append", (3, 4), "rope_append"), ("qwen3", "qk_norm_rope", (5, 6), None)]
 
 
-@pytest.mark.parametrize("model_type,rope_op,table_args", _SHARED_INPUTS, ids=[m for m, _, _ in _SHARED_INPUTS])
-def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, rope_op, table_args, variant,
+@pytest.mark.parametrize("model_type,rope_op,table_args,write_op", _SHARED_INPUTS,
+                         ids=[m for m, *_ in _SHARED_INPUTS])
+def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, rope_op, table_args, write_op, variant,
                                                                    monkeypatch, no_breaks):
     """A compiled decode step over a StaticCache, under inductor: every layer's attention op reads
     the one mask buffer the step built, every layer's RoPE op the one cos/sin pair (our ops let
     inductor pass inputs as they are: ``ops/_define.py``, flexible_layout; with inductor's default
     the step computed the mask again for each layer, 16 launches a step in Llama-3.2-1B's CUDA
-    graph). Logits as the eager kernelized step's."""
+    graph). Llama's RoPE and cache write are one op of ours a layer, writing the cache in place (no
+    ``index_copy``, no copy of the cache; ``_direct.rope_and_cache``); Qwen3's writes stay
+    transformers'. Logits and caches as the eager kernelized step's."""
     from torch._inductor.utils import run_and_get_code
     from transformers import StaticCache
 
@@ -376,9 +391,79 @@ def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, ro
     assert len(attention) == layers and len(tables) == layers
     assert len({_buffer(args[3]) for args in attention}) == 1
     assert all(len({_buffer(args[i]) for args in tables}) == 1 for i in table_args)
+    if write_op is None:
+        assert "index_copy" in code
+    else:  # the cache's keys: graph inputs written where they are, then read by the layer's attention
+        writes = _op_calls(code, write_op)
+        assert all(re.fullmatch(r"arg\d+_1", args[5]) for args in writes) and "index_copy" not in code
+        assert [args[1] for args in attention] == [args[5] for args in writes]
     torch.testing.assert_close(out.logits, want)
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _skipping_past_the_end(keys, values, k, v, length):
+    # The kernels' contract (ops/kv_cache.py, ops/rope.py's rope_append): rows whose slot is past the
+    # cache's end are not written.
+    slots = torch.arange(k.shape[2], device=keys.device) + length.reshape(())
+    keep = slots < keys.shape[2]
+    keys.index_copy_(2, slots[keep], k[:, :, keep])
+    values.index_copy_(2, slots[keep], v[:, :, keep])
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_compiled_step_past_a_static_caches_end_fails(model_type, variant, monkeypatch, no_breaks):
+    """transformers' ``StaticLayer.update`` fails a write past the cache's end (its ``index_copy_``
+    asserts the slot; inductor compiles that check into the write's kernel). ``rope_append``'s kernels
+    skip such rows instead, so a compiled step asserts the bound itself (``_direct._advance``, fused by
+    inductor into the length's advance). The CPU reference here skips those rows as the kernels do:
+    only that assert can fail the step. One step with room left runs. Llama's RoPE and Phi-3's
+    partial one (patch ``phi3_rope``)."""
+    from transformers import StaticCache
+
+    from cutile_kernels.ops import rope as rope_ops
+
+    model = _kernelize_on_cpu(tiny_model(model_type, layers=2), variant, monkeypatch)
+    _route_as_on_a_gpu(monkeypatch)
+    monkeypatch.setattr(rope_ops, "kv_append_reference", _skipping_past_the_end)
+    ids = torch.randint(1, 256, (1, 7), generator=torch.Generator().manual_seed(6))
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    step = torch.compile(model.forward, backend="inductor", fullgraph=True)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        step(ids[:, -1:], past_key_values=cache, use_cache=True, cache_position=torch.tensor([7]))  # slot 7: the last
+        assert int(cache.layers[0].cumulative_length) == 8
+        with pytest.raises(RuntimeError, match="past the cache's end"):
+            step(ids[:, -1:], past_key_values=cache, use_cache=True, cache_position=torch.tensor([8]))
+
+
+def test_stock_cache_writes_variable_keeps_transformers_writes_in_compiled_steps(variant, monkeypatch, no_breaks):
+    """``CUTILE_KERNELS_STOCK_CACHE_WRITES=1`` (read at import; an A/B switch): a compiled step writes
+    its static cache with transformers' ``StaticLayer.update`` and runs RoPE on its own."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import StaticCache
+
+    from cutile_kernels.layers import _direct
+
+    probe = "import cutile_kernels.layers._direct as d; print(d.COMPILED_CACHE_WRITES)"
+    for value, want in (("1", "False"), ("", "True")):
+        env = {**os.environ, "CUTILE_KERNELS_STOCK_CACHE_WRITES": value}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split()[-1] == want
+    monkeypatch.setattr(_direct, "COMPILED_CACHE_WRITES", False)
+    model = _kernelize_on_cpu(tiny_model("llama", layers=2), variant, monkeypatch)
+    _route_as_on_a_gpu(monkeypatch)
+    ids = torch.randint(1, 256, (1, 5))
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    rec = Recorder()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        torch.compile(model.forward, backend=rec, fullgraph=True)(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                                                  cache_position=torch.tensor([5]))
+    assert rec.ops["rope"] == 2 and not {"rope_append", "kv_append"} & set(rec.ops)
 
 
 #: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
@@ -600,6 +685,41 @@ def test_gpu_compiled_decode_over_a_cache_whose_mask_rows_inductor_pads(model_ty
     mask = torch.ones(2, 21 + feed.shape[1], dtype=torch.long, device="cuda")
     mask[1, :7] = 0  # the second row left-padded by 7
     _compiled_steps_match_eager(model, ids, feed, max_cache_len=1100, mask=mask)
+
+
+_PAST_THE_END = """
+import sys, torch, cutile_kernels
+from transformers import AutoModelForCausalLM, StaticCache
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
+                                             kernel_config=cutile_kernels.kernel_config()).eval()
+ids = torch.randint(1, 256, (1, 8), device="cuda")
+cache = StaticCache(config=model.config, max_cache_len=8)
+step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+with torch.inference_mode():
+    model(ids, past_key_values=cache, use_cache=True)
+    print("launches", sum(cutile_kernels.stats()["launches"].values()), flush=True)
+    step(ids[:, -1:], past_key_values=cache, use_cache=True, cache_position=torch.tensor([8], device="cuda"))
+    torch.cuda.synchronize()
+print("no error", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_gpu_compiled_step_past_a_static_caches_end_fails_loudly(model_type, checkpoints):
+    """A compiled step (``reduce-overhead``) past a full StaticCache's end stops the process with a
+    device-side assert: Llama's, whose ``rope_append`` writes would skip the rows, by our bound
+    (``_direct._advance``); Qwen3's (transformers' writes) by inductor's check of ``index_copy_``, for
+    comparison. In a subprocess: the assert ends its CUDA context."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PAST_THE_END, str(checkpoints[model_type])], capture_output=True,
+                         text=True, timeout=400)
+    text = out.stdout + out.stderr
+    assert "launches" in out.stdout and int(out.stdout.split("launches")[1].split()[0]) > 0  # our kernels ran
+    assert out.returncode != 0 and "no error" not in out.stdout, text[-2000:]
+    assert "device-side assert" in text or "past the cache's end" in text, text[-2000:]
 
 
 @pytest.mark.gpu

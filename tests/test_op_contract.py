@@ -317,17 +317,21 @@ def test_gpu_op_replays_in_a_cuda_graph_and_disable_announces_the_fallback(name,
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
 
 
+#: Ops that write an argument and still let inductor choose their inputs' layout: RoPE with the static
+#: cache write, whose cos/sin every layer of a compiled decode step reads.
+FLEXIBLE_WRITERS = {"rope_append"}
+
+
 def test_ops_that_write_nothing_let_inductor_pass_their_inputs_as_they_are():
     # Inductor's default for a custom op copies an input it has not stored yet into a buffer of the
     # traced strides for every call that reads it: a compiled decode step built its attention mask
     # once per layer (test_compile.py's check of the step). An op that writes an argument keeps the
-    # default (what it writes must be the caller's tensor).
+    # default (what it writes must be the caller's tensor) unless it is declared flexible.
+    assert FLEXIBLE_WRITERS <= {n for n, o in OPS.items() if o.mutated}
     for name, op in OPS.items():
         tags = op.op._opoverload.tags
-        if op.mutated:
-            assert torch.Tag.flexible_layout not in tags, name
-        else:
-            assert torch.Tag.flexible_layout in tags, name
+        want = not op.mutated or name in FLEXIBLE_WRITERS
+        assert op.flexible == want and (torch.Tag.flexible_layout in tags) == want, name
 
 
 def test_fixed_layout_variable_gives_every_op_inductors_default():
@@ -343,13 +347,14 @@ def test_fixed_layout_variable_gives_every_op_inductors_default():
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         counts[value] = tuple(int(n) for n in out.stdout.split()[-2:])
     assert counts["1"] == (0, len(OPS))
-    assert counts[""] == (sum(not o.mutated for o in OPS.values()), len(OPS))
+    assert counts[""] == (sum(o.flexible for o in OPS.values()), len(OPS))
 
 
 def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, monkeypatch, d=16, pad=False):
-    """The op compiled by inductor with each float input made inside the graph (a product, which
-    inductor stores in a buffer it lays out itself where the sample's may be a strided view): its
-    outputs (inductor checks each one's strides against the fake's), the eager op's on the sample,
+    """The op compiled by inductor with each float input it does not write made inside the graph (a
+    product, which inductor stores in a buffer it lays out itself where the sample's may be a strided
+    view): its outputs or written arguments (inductor checks each output's strides against the
+    fake's), the eager op's on the sample,
     and the input strides the op's CPU path received. ``pad``: inductor's comprehensive padding on
     every stride (a GPU pads strides past 1024 elements by default; the CPU never does): the one
     layout a flexible input gets that the traced one does not."""
@@ -363,16 +368,17 @@ def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, monkeypat
 
     monkeypatch.setattr(OPS[name], "_cpu", recording)
 
-    def made(*a):
-        return OPS[name](*[x * 1 if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a])
+    def made(*a):  # the arguments an op writes stay the caller's tensors
+        return OPS[name](*[x * 1 if isinstance(x, torch.Tensor) and x.is_floating_point() and i not in OPS[name].mutated
+                           else x for i, x in enumerate(a)])
 
     padding = dict(comprehensive_padding=True, disable_padding_cpu=False, padding_stride_threshold=0) if pad else {}
     torch._dynamo.reset()
     with torch._inductor.config.patch(padding):
-        got = _outs(torch.compile(made, backend="inductor", fullgraph=True)(*args))
+        got = _results(name, torch.compile(made, backend="inductor", fullgraph=True), args)
     torch._dynamo.reset()
     monkeypatch.setattr(OPS[name], "_cpu", cpu)
-    want = _outs(OPS[name](*args))
+    want = _results(name, OPS[name], args)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
@@ -380,7 +386,7 @@ def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, monkeypat
 
 
 @pytest.mark.parametrize("pad", [False, True], ids=["traced", "padded"])
-@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
+@pytest.mark.parametrize("name", sorted(n for n in OPS if OPS[n].flexible))
 def test_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name, pad, monkeypatch):
     got, want, _ = _under_inductor_with_inputs_made_in_the_graph(name, torch.float32, "cpu", monkeypatch, pad=pad)
     for g, w in zip(got, want):
@@ -397,7 +403,7 @@ def test_padded_layouts_reach_the_ops_under_inductor(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(n for n in OPS if not OPS[n].mutated))
+@pytest.mark.parametrize("name", sorted(n for n in OPS if OPS[n].flexible))
 def test_gpu_op_under_inductor_takes_inputs_in_the_layout_inductor_chose(name, strict, monkeypatch):
     # The kernels (bfloat16) on the buffers inductor laid out (its default padding: these small
     # samples' strides stay unpadded), against the eager launch on the sample's own layouts; strict:

@@ -34,6 +34,8 @@ ENV_STRICT = "CUTILE_KERNELS_STRICT"
 ENV_JIT = "CUTILE_KERNELS_JIT"
 #: Read when the ops are defined (import): see ``ops/_define.py``.
 ENV_FIXED_LAYOUT = "CUTILE_KERNELS_FIXED_LAYOUT"
+#: Read when the layers are imported: see ``layers/_direct.py`` (``compiled_static_layer``).
+ENV_STOCK_CACHE_WRITES = "CUTILE_KERNELS_STOCK_CACHE_WRITES"
 
 
 class FallbackError(RuntimeError):
@@ -50,6 +52,12 @@ def _flag(name: str) -> bool:
 def fixed_layout() -> bool:
     """Whether ``CUTILE_KERNELS_FIXED_LAYOUT`` asks inductor's default input layouts for our ops."""
     return _flag(ENV_FIXED_LAYOUT)
+
+
+def stock_cache_writes() -> bool:
+    """Whether ``CUTILE_KERNELS_STOCK_CACHE_WRITES`` asks compiled steps to keep transformers' static
+    cache writes (``StaticLayer.update``) instead of our kernels'."""
+    return _flag(ENV_STOCK_CACHE_WRITES)
 
 
 #: ``os.environ`` keeps its variables in ``_data`` under encoded keys (CPython's ``os._Environ``):

@@ -47,11 +47,14 @@ class Op:
         name: the op's name (``<namespace>::<name>`` in ``torch.ops``; the kernel's name in stats).
         op: the ``torch.library`` custom op (what a compiled graph records).
         reference: the PyTorch formula, with the op's arguments (the fallback and the gradient).
+        flexible: whether inductor may hand the op its inputs in the layout it chose (the op carries
+            ``torch.Tag.flexible_layout``).
     """
 
     def __init__(self, name: str, cuda: Callable, *, reference: Callable, fake: Callable,
                  check: Callable | None = None, cpu: Callable | None = None,
-                 backward: Callable | None | str = "reference", device_arg: int = 0, mutates_args: tuple = ()):
+                 backward: Callable | None | str = "reference", device_arg: int = 0, mutates_args: tuple = (),
+                 flexible: bool | None = None):
         self.name = name
         self.reference = reference
         self._cuda = cuda
@@ -78,9 +81,11 @@ class Op:
         # input it has not stored yet into a buffer of the traced strides for every op call that
         # reads it (a compiled step then built the attention mask once per layer). The kernels check
         # strides before a launch and fall back on a layout their variant does not take. Ops that
-        # write an argument keep the default as a precaution (no measured need);
-        # CUTILE_KERNELS_FIXED_LAYOUT=1 restores it for all.
-        tags = () if mutates_args or dispatch.fixed_layout() else (torch.Tag.flexible_layout,)
+        # write an argument keep the default as a precaution unless declared flexible (rope_append,
+        # whose cos/sin every layer of a compiled step reads); CUTILE_KERNELS_FIXED_LAYOUT=1
+        # restores the default for all.
+        self.flexible = (not mutates_args if flexible is None else flexible) and not dispatch.fixed_layout()
+        tags = (torch.Tag.flexible_layout,) if self.flexible else ()
         self.op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=mutates_args,
                                           tags=tags)(body)
         self.op.register_fake(checked_fake)
@@ -164,7 +169,7 @@ def _save_inputs(ctx, inputs, output):
 
 def define_op(name: str, cuda: Callable, *, reference: Callable, fake: Callable, check: Callable | None = None,
               cpu: Callable | None = None, backward: Callable | None | str = "reference",
-              device_arg: int = 0, mutates_args: tuple = ()) -> Op:
+              device_arg: int = 0, mutates_args: tuple = (), flexible: bool | None = None) -> Op:
     """Define the op ``name`` and register it in :data:`OPS`.
 
     Args:
@@ -181,6 +186,9 @@ def define_op(name: str, cuda: Callable, *, reference: Callable, fake: Callable,
         device_arg: the argument whose device picks the CUDA or the CPU path.
         mutates_args: the arguments the op writes in place (``torch.library``'s ``mutates_args``;
             such an op returns None, its fake too, and has no gradient).
+        flexible: whether inductor may hand the op its inputs in the layout it chose
+            (``torch.Tag.flexible_layout``); default: when the op writes no argument. Off for every
+            op under ``CUTILE_KERNELS_FIXED_LAYOUT=1``.
 
     Raises:
         ValueError: ``name`` is already defined in this process.
@@ -188,6 +196,6 @@ def define_op(name: str, cuda: Callable, *, reference: Callable, fake: Callable,
     if name in OPS:
         raise ValueError(f"op {name!r} is defined twice")
     op = Op(name, cuda, reference=reference, fake=fake, check=check, cpu=cpu, backward=backward,
-            device_arg=device_arg, mutates_args=mutates_args)
+            device_arg=device_arg, mutates_args=mutates_args, flexible=flexible)
     OPS[name] = op
     return op

@@ -115,9 +115,17 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_permuted(shape, order, dtype=dtype, device=x.device)
 
 
-@functools.lru_cache(maxsize=None)
-def _result_dtype(x: torch.dtype, cos: torch.dtype, sin: torch.dtype) -> torch.dtype:
+def _promoted(x: torch.dtype, cos: torch.dtype, sin: torch.dtype) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x, cos), sin)
+
+
+#: :func:`_promoted`, cached for eager calls (code that dynamo traces calls :func:`_dtype_of`, which
+#: takes the plain function there: dynamo warns on every lru_cache it meets).
+_result_dtype = functools.lru_cache(maxsize=None)(_promoted)
+
+
+def _dtype_of(x: torch.dtype, cos: torch.dtype, sin: torch.dtype) -> torch.dtype:
+    return (_promoted if torch.compiler.is_compiling() else _result_dtype)(x, cos, sin)
 
 
 def _outputs(q, k, cos, sin):
@@ -366,7 +374,7 @@ def rope_append_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     (the op has none; ``apply_rope`` keeps one). A caller that gets False runs the two steps itself."""
     if _mismatch(q, k, cos, sin) is not None or kv_mismatch(keys, values, k, v) is not None:
         return False
-    if keys.dtype != _result_dtype(k.dtype, cos.dtype, sin.dtype):
+    if keys.dtype != _dtype_of(k.dtype, cos.dtype, sin.dtype):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)))
 
@@ -464,7 +472,7 @@ def _rope_append_fake(q, k, v, cos, sin, keys, values, length, q_out) -> None:
 
 _rope_append = define_op(APPEND_KERNEL, _rope_append_cuda, reference=rope_append_reference, fake=_rope_append_fake,
                          check=_append_check, cpu=rope_append_reference, backward=None,
-                         mutates_args=("keys", "values", "q_out"))
+                         mutates_args=("keys", "values", "q_out"), flexible=True)
 
 
 def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -502,6 +510,6 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
     """
     check_float("rope_append", "q, k, v, cos, sin, keys, values", q, k, v, cos, sin, keys, values)
-    q_out = _empty_like_layout(q, _result_dtype(q.dtype, cos.dtype, sin.dtype))
+    q_out = _empty_like_layout(q, _dtype_of(q.dtype, cos.dtype, sin.dtype))
     _rope_append(q, k, v, cos, sin, keys, values, length, q_out)
     return q_out
