@@ -10,7 +10,9 @@ registered, no JIT trace is recording, and ``module.compile()`` did not install 
 ``forward`` itself; otherwise it makes the module call, so hooks (profilers, transformers' output
 capture) always run. Under ``torch.compile``
 the module calls stay (dynamo traces through them at no run-time cost), except the down projection
-that :func:`glu_linear` calls without its module call (hookless, checked while tracing); the helpers
+that :func:`glu_linear` calls without its module call and the attention that patch
+``decoder_add_rms_norm`` runs through its reproduction (``patch._traced_parts``; both hookless,
+checked while tracing), so that :func:`rope_and_cache` can write a static cache; the helpers
 test ``torch.compiler.is_compiling()`` (``_plain_call``: dynamo's alone) before their eager-only
 checks, which dynamo would otherwise turn into guards that every compiled call checks on the host.
 :func:`linear` does the same for an exact ``nn.Linear``, whose forward is ``F.linear(x, weight, bias)``.
@@ -139,6 +141,7 @@ def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: 
 
 
 _CACHE_UPDATE = Cache.update
+_OUR_ROPE = "CutileRotaryPosEmb.forward"
 
 
 def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.Tensor, key_states: torch.Tensor,
@@ -184,8 +187,12 @@ def _our_rope(rope) -> bool:
     if "forward" not in own:
         return False
     bound = own["forward"]
-    return (isinstance(bound, types.MethodType) and getattr(bound.__func__, ROPE_FORWARD_MARK, False)
-            and computes_llama_rope(type(rope)))
+    if not isinstance(bound, types.MethodType):
+        return False
+    # The mark, or in eager the name (a build made before the mark kept its fused paths).
+    ours = getattr(bound.__func__, ROPE_FORWARD_MARK, False) or (
+        not _dynamo_compiling() and getattr(bound.__func__, "__qualname__", None) == _OUR_ROPE)
+    return ours and computes_llama_rope(type(rope))
 
 
 def _armed(self: nn.Module, rope, past_key_values, attr: str):

@@ -19,6 +19,7 @@ import inspect
 import logging
 import sys
 import textwrap
+import typing
 
 import torch
 from torch import nn
@@ -274,14 +275,23 @@ def _traced_parts(layer: nn.Module, attn: nn.Module) -> tuple[dict, int] | None:
     static cache on our kernels (``_direct.rope_and_cache``) where the stock forward would not."""
     found = layer._cutile_attn_parts
     if (found is None or not compiled_cache_writes() or not _dynamo_compiling() or not _plain_call(attn)
-            or type(attn).forward is not found[0]):
+            or type(attn).forward is not found.forward):
         return None
-    return sys.modules[found[1]].__dict__, found[2]
+    module = sys.modules.get(found.module)
+    return None if module is None else (module.__dict__, found.window)
 
 
-def _attention_parts(layer: nn.Module) -> tuple | None:
-    # (the attention class's forward, its modeling module's name, window mode) where the reproduced
-    # forward reproduces it (qkv.stock_forward_parts) and that module's globals are the forward's.
+class _AttentionParts(typing.NamedTuple):
+    """What :func:`_traced_parts` needs of a decoder layer's attention, found at patch time."""
+
+    forward: typing.Callable  # the attention class's forward then
+    module: str  # the name of its modeling module, whose globals the reproduction reads
+    window: int  # qkv.stock_forward_parts's sliding-window mode
+
+
+def _attention_parts(layer: nn.Module) -> _AttentionParts | None:
+    # Where the reproduced forward reproduces the layer's attention (qkv.stock_forward_parts) and its
+    # modeling module's globals are the forward's.
     attn = getattr(layer, "self_attn", None)
     if not isinstance(attn, nn.Module):
         return None
@@ -291,7 +301,7 @@ def _attention_parts(layer: nn.Module) -> tuple | None:
     module = sys.modules.get(name) if isinstance(name, str) else None
     if parts is None or module is None or module.__dict__ is not parts[0]:
         return None
-    return forward, name, parts[1]
+    return _AttentionParts(forward, name, parts[1])
 
 
 def _may_hand_off(layer: nn.Module, nxt: _Inbox, hidden_states: torch.Tensor) -> bool:

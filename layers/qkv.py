@@ -293,7 +293,7 @@ def _attend(self, glob, window, input_shape, query_states, key_states, value_sta
                               extra, kwargs)
     if attn_output is not None:
         return linear(self.o_proj, attn_output), None
-    # A decode-graph step: RoPE and the cache write in one launch where the cache layer allows it.
+    # A decode-graph or compiled step: RoPE and the cache write in one launch where the cache layer allows it.
     written = rope_and_cache(self, rope, past_key_values, query_states, key_states, value_states, cos, sin)
     if written is not None:
         query_states, key_states, value_states = written

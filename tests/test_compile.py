@@ -281,8 +281,9 @@ def test_every_patch_compiles_fullgraph(variant, monkeypatch, no_breaks):
 
 
 #: Families whose compiled decode step runs RoPE and the static cache write as one rope_append (the
-#: Llama code's attention, reproduced under dynamo, and Phi-3's). The others keep transformers' writes:
-#: a write alone on kv_append lost to inductor's two index_copy_ kernels (_direct.compiled_static_layer).
+#: Llama code's attention, reproduced under dynamo, and Phi-3's). The others keep transformers' writes
+#: (their RoPE is another op, or Mistral's tiny layers all slide; a write alone on kv_append lost to
+#: inductor's two index_copy_ kernels: _direct.compiled_static_layer).
 ROPE_APPENDED = {"llama", "qwen2", "granite", "phi3"}
 
 
@@ -435,6 +436,41 @@ def test_compiled_step_past_a_static_caches_end_fails(model_type, variant, monke
         assert int(cache.layers[0].cumulative_length) == 8
         with pytest.raises(RuntimeError, match="past the cache's end"):
             step(ids[:, -1:], past_key_values=cache, use_cache=True, cache_position=torch.tensor([8]))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_compiled_steps_with_our_cache_writes_compile_once_and_with_dynamic_shapes(model_type, variant, monkeypatch,
+                                                                                  no_breaks):
+    """Compiled decode steps whose RoPE and cache write are one ``rope_append`` reuse one graph step
+    after step, with eager steps between them (the op's eager layout cache is not read while tracing:
+    its lookups were guards, and an eager insert recompiled the step), and steps of changing lengths
+    compile under ``dynamic=True`` (that cache's sort failed on symbolic strides). Logits and caches
+    as eager's."""
+    from transformers import StaticCache
+
+    model = _kernelize_on_cpu(tiny_model(model_type, layers=2), variant, monkeypatch)
+    _route_as_on_a_gpu(monkeypatch)
+    ids = torch.randint(1, 256, (2, 14), generator=torch.Generator().manual_seed(7))
+    spans = {"once": [(4, 5), (5, 6), (6, 7), (7, 8)], "dynamic": [(4, 6), (6, 9), (9, 10)]}
+    for name, steps in spans.items():
+        caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+        rec = Recorder()
+        step = torch.compile(model.forward, backend=rec, fullgraph=True, dynamic=name == "dynamic")
+        with torch.no_grad():
+            for cache in caches:
+                model(ids[:, :4], past_key_values=cache, use_cache=True)
+            for a, b in steps:
+                kwargs = dict(use_cache=True, cache_position=torch.arange(a, b))
+                want = model(ids[:, a:b], past_key_values=caches[0], **kwargs).logits  # eager, between steps
+                got = step(ids[:, a:b], past_key_values=caches[1], **kwargs).logits
+                torch.testing.assert_close(got, want)
+        assert rec.ops["rope_append"] >= 2, (name, rec.ops)
+        if name == "once":
+            assert rec.graphs == 1, rec.graphs
+        for x, y in zip(caches[0].layers, caches[1].layers):
+            torch.testing.assert_close(x.keys, y.keys)
+            assert torch.equal(x.cumulative_length, y.cumulative_length)
+        torch._dynamo.reset()
 
 
 def test_stock_cache_writes_variable_keeps_transformers_writes_in_compiled_steps(variant, monkeypatch, no_breaks):

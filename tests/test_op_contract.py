@@ -322,7 +322,7 @@ def test_gpu_op_replays_in_a_cuda_graph_and_disable_announces_the_fallback(name,
 FLEXIBLE_WRITERS = {"rope_append"}
 
 
-def test_ops_that_write_nothing_let_inductor_pass_their_inputs_as_they_are():
+def test_flexible_ops_let_inductor_pass_their_inputs_as_they_are():
     # Inductor's default for a custom op copies an input it has not stored yet into a buffer of the
     # traced strides for every call that reads it: a compiled decode step built its attention mask
     # once per layer (test_compile.py's check of the step). An op that writes an argument keeps the

@@ -16,8 +16,8 @@ tables carry the scaling, so the kernels need nothing of it). The norms are Llam
   rounding is stock's).
 * ``phi3_rope``: ``Phi3Attention.forward`` with its ``apply_rotary_pos_emb`` (the first R elements
   of each head rotated, the rest passed through) as one ``apply_rope`` launch for q and k (the
-  pass-through copied in it where ``D - R <= 32``: Phi-4-mini); in the decode graphs' steps RoPE and
-  the static cache write as one ``rope_append`` launch (``_direct.rope_and_cache``).
+  pass-through copied in it where ``D - R <= 32``: Phi-4-mini); in the decode graphs' and compiled
+  steps RoPE and the static cache write as one ``rope_append`` launch (``_direct.rope_and_cache``).
 
 Both check the class's code against the pinned statements when patching and leave any other class
 alone with a log line. Both are on by default: ``phi3_rope`` since the H200 bench of 2026-12-01
@@ -158,7 +158,7 @@ def attention_verdict(cls: type) -> str | None:
 def rope_attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
     """``Phi3Attention.forward`` (5.22.2) with ``apply_rotary_pos_emb`` as one ``apply_rope`` launch
     for q and k (partial rotary: the first ``cos.shape[-1]`` elements of each head), or with the
-    cache update too as one ``rope_append`` launch in a decode graph's step
+    static cache update too as one ``rope_append`` launch in a decode graph's or a compiled step
     (:func:`~.._direct.rope_and_cache`). Same arguments and result."""
     glob = modeling_globals(self)  # the stock forward's module: its attention registry, eager path, RoPE
     input_shape = hidden_states.shape[:-1]
@@ -175,7 +175,7 @@ def rope_attention_forward(self, hidden_states, position_embeddings, attention_m
     value_states = value_states.view(hidden_shape).transpose(1, 2)
 
     cos, sin = position_embeddings
-    # A decode-graph step: RoPE and the cache write in one launch where the cache layer allows it.
+    # A decode-graph or compiled step: RoPE and the cache write in one launch where the layer allows it.
     written = rope_and_cache(self, None, past_key_values, query_states, key_states, value_states, cos, sin)
     if written is not None:
         query_states, key_states, value_states = written

@@ -83,9 +83,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def _memory_order(shape: tuple, stride: tuple) -> tuple | None:
     """The dims of a tensor by decreasing stride, or None when that is the dims' own order (for
     the dims longer than 1, the only ones whose stride matters)."""
-    dims = range(len(shape))
-    big = [d for d in dims if shape[d] > 1]
-    order = sorted(dims, key=lambda d: -stride[d])  # stable: ties keep dim order
+    order = list(range(len(shape)))
+    for i in range(1, len(order)):  # insertion sort, stable (ties keep dim order): dynamo traces its
+        j = i                       # comparisons of symbolic strides, where sorted() with a key fails
+        while j > 0 and stride[order[j - 1]] < stride[order[j]]:
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
+    big = [d for d in range(len(shape)) if shape[d] > 1]
     return None if [d for d in order if shape[d] > 1] == big else tuple(order)
 
 
@@ -112,6 +116,17 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if order is None:
         # sizes as separate ints: a torch.Size as one argument costs the parser ~1.5 us more
         return torch.empty(*shape, dtype=dtype, device=x.device) if shape else torch.empty((), dtype=dtype, device=x.device)
+    return torch.empty_permuted(shape, order, dtype=dtype, device=x.device)
+
+
+def _traced_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_empty_like_layout` for code dynamo traces, which must not read its cache (a lookup is a
+    guard, and an eager call's insert then recompiles the step): the order computed afresh (static
+    or symbolic strides)."""
+    shape = tuple(x.shape)
+    order = _memory_order(shape, x.stride())
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=x.device)
     return torch.empty_permuted(shape, order, dtype=dtype, device=x.device)
 
 
@@ -477,7 +492,7 @@ _rope_append = define_op(APPEND_KERNEL, _rope_append_cuda, reference=rope_append
 
 def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """RoPE of a decode step's q and k with the rotated k and v written into a static KV cache: what
+    """RoPE of a step's q and k with the rotated k and v written into a static KV cache: what
     :func:`apply_rope` followed by transformers' ``StaticLayer.update`` (cache_utils.py, v5.22.2;
     its writes, :func:`~.kv_cache.kv_append`) compute, in one launch.
 
@@ -502,7 +517,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
     launches, each with its own fallback; a decode step says why once); on other
     devices :func:`rope_append_reference`. Under ``torch.compile`` the custom op
     ``<namespace>::rope_append`` (mutating the cache and a new q), which has no backward (the
-    fast path's decode steps run without autograd; the CPU reference records the stock ops').
+    decode graphs' and compiled steps run without autograd; the CPU reference records the stock ops').
 
     Raises:
         TypeError: a tensor is not floating point, or ``length`` is not a tensor.
@@ -510,6 +525,7 @@ def rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Te
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
     """
     check_float("rope_append", "q, k, v, cos, sin, keys, values", q, k, v, cos, sin, keys, values)
-    q_out = _empty_like_layout(q, _dtype_of(q.dtype, cos.dtype, sin.dtype))
+    dtype = _dtype_of(q.dtype, cos.dtype, sin.dtype)
+    q_out = _traced_like_layout(q, dtype) if torch.compiler.is_compiling() else _empty_like_layout(q, dtype)
     _rope_append(q, k, v, cos, sin, keys, values, length, q_out)
     return q_out
