@@ -166,6 +166,8 @@ def rope_and_cache(self: nn.Module, rope, past_key_values, query_states: torch.T
     armed = _armed(self, rope, past_key_values, ROPE_UPDATE)
     if armed is not None:
         return armed[1](query_states, key_states, value_states, cos, sin)
+    if not _dynamo_compiling():  # an eager step (every layer's, on the host path) goes no further
+        return None
     layer = compiled_static_layer(self, past_key_values)
     if (layer is None or not _our_rope(rope)
             or not rope_append_takes(query_states, key_states, value_states, cos, sin, layer.keys, layer.values)):

@@ -354,8 +354,8 @@ def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, monkeypat
     """The op compiled by inductor with each float input it does not write made inside the graph (a
     product, which inductor stores in a buffer it lays out itself where the sample's may be a strided
     view): its outputs or written arguments (inductor checks each output's strides against the
-    fake's), the eager op's on the sample,
-    and the input strides the op's CPU path received. ``pad``: inductor's comprehensive padding on
+    fake's), the eager op's on the sample, and the input strides the op's CPU path received.
+    ``pad``: inductor's comprehensive padding on
     every stride (a GPU pads strides past 1024 elements by default; the CPU never does): the one
     layout a flexible input gets that the traced one does not."""
     args = _sample(name, dtype, device, d=d)
