@@ -34,11 +34,11 @@ from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
 from ..ops.rope import rope_append, rope_append_takes
-from ._patching import _unhooked, swapped
+from ._patching import _unhooked
 from .attention import (STEP_PLAIN_MASKS, cache_layer, full_static_layer, static_kv_length, step_plain,
                         takes_plain_decode)
 from .decode_graphs import ROPE_ATTEND, ROPE_UPDATE
-from .linear import gemv_linear_forward
+from .linear import CutileGemvLinear, gemv_linear_forward
 from .norm import _float_norm_eps
 from .rope import ROPE_FORWARD_MARK, computes_llama_rope
 
@@ -99,21 +99,20 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` for a projection child: ``F.linear`` on its weight and bias when ``m`` is exactly
     ``nn.Linear`` (a subclass such as a PEFT, LoRA or quantized layer keeps its own forward), whose
     forward is still torch's (not replaced on the class, nor on the instance as accelerate does),
-    and nothing else would run (:func:`direct_ok`); the ``gemv`` patch's forward
-    (:func:`.linear.gemv_linear_forward`) is called the same way."""
-    if direct_ok(m) and type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD:
-        fwd = m.__dict__.get("forward")
-        if fwd is None:
+    and nothing else would run (:func:`direct_ok`); the ``gemv`` patch's class
+    (:class:`.linear.CutileGemvLinear`) is called the same way, on the GEMV op."""
+    if direct_ok(m) and "forward" not in m.__dict__:
+        cls = type(m)
+        if cls is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD:
             return F.linear(x, m.weight, m.bias)
-        if getattr(fwd, "__func__", None) is gemv_linear_forward:
+        if cls is CutileGemvLinear and cls.forward is gemv_linear_forward:
             return gemv_linear(x, m.weight, m.bias)
     return m(x)
 
 
 def _gemv_patched(m: nn.Module) -> bool:
-    # An exact nn.Linear whose forward is the gemv patch's (bound on the instance); ``swapped``'s
-    # spelling, which dynamo evaluates while tracing.
-    return type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and swapped(m, gemv_linear_forward)
+    # A module of the gemv patch's class, its forward still ours and not replaced on the instance.
+    return type(m) is CutileGemvLinear and CutileGemvLinear.forward is gemv_linear_forward and "forward" not in m.__dict__
 
 
 def glu_linear(m: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:

@@ -17,10 +17,11 @@ from ._patching import own_forward_on_instance
 
 def linear_problem(m, bias_ok: bool = False) -> str | None:
     """Why ``m`` cannot be stacked with its siblings, or None: it must be exactly ``nn.Linear``
-    (no subclass: quantized or LoRA layers), without hooks that stacking would drop (accelerate
+    (no subclass: quantized or LoRA layers; a class of ours that marks itself as computing
+    ``nn.Linear``'s function, ``_cutile_as_linear``, counts as one), without hooks that stacking would drop (accelerate
     offload, PEFT), with a plain dense weight (no tensor subclass such as DTensor, not meta), and a
     bias only when ``bias_ok``."""
-    if type(m) is not nn.Linear:
+    if type(m) is not nn.Linear and not type(m).__dict__.get("_cutile_as_linear", False):
         return f"is a {type(m).__name__}, not nn.Linear"
     if m.bias is not None and not bias_ok:
         return "has a bias"

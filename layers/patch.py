@@ -24,7 +24,7 @@ import typing
 import torch
 from torch import nn
 
-from ..ops.norm import add_rms_norm
+from ..ops.norm import add_rms_norm, rms_norm
 from ._direct import _dynamo_compiling, _plain_call, call, compiled_cache_writes, direct_ok
 from ._patching import (PATCHES, TRANSPARENT_HOOK, Patch, PatchReport, _blocking, _unhooked, applied, patch,
                         register, restore_forwards, swap_forwards, swapped, unpatch)
@@ -210,7 +210,10 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     add fused into the next layer's ``input_layernorm``; for a registered forward with a branch
     scale (Granite's), each block's output multiplied by it first, as that forward does. Same
     arguments and result."""
-    inbox = self._cutile_inbox
+    # Under torch.compile nothing is handed across layers (_may_hand_off), so nothing is read for it:
+    # each attribute a traced forward reads is a guard that every compiled call checks on the host.
+    compiling = _dynamo_compiling()
+    inbox = None if compiling else self._cutile_inbox
     handed = None
     if inbox is not None:
         handed, inbox.pending = inbox.pending, None
@@ -229,6 +232,11 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     if (handed is not None and handed[0] is hidden_states and inbox.norm is self.input_layernorm
             and (hidden_states._version == handed[2] if handed[2] is not None else _in_loop(inbox.loop))):
         hidden_states = handed[1]
+    elif compiling and type(self.input_layernorm) is self._cutile_input_norm and _unhooked(self.input_layernorm):
+        # The norm's op without its module call (whose instance-bound forward, kernels' hub layer,
+        # would add guards on its function and __self__): a Llama-formula RMSNorm, checked at patch time.
+        norm = self.input_layernorm
+        hidden_states = rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
     else:
         hidden_states = self.input_layernorm(hidden_states)
     scale = self._cutile_scale  # a branch-scale attribute's name (Granite's residual_multiplier), or None
@@ -259,7 +267,7 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     hidden_states = call(self.mlp, hidden_states)
     if scale is not None:
         hidden_states = hidden_states * getattr(self, scale)
-    nxt = self._cutile_next
+    nxt = None if compiling else self._cutile_next
     if nxt is not None and _may_hand_off(self, nxt, hidden_states):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
         nxt.pending = (out, normed, None if torch.is_inference_mode_enabled() else out._version)
@@ -342,6 +350,9 @@ def _prepare_decoder(m: nn.Module) -> None:
     m.__dict__["_cutile_check"] = _decoder_match(type(m))[1]
     m.__dict__["_cutile_scale"] = _decoder_match(type(m))[2]
     m.__dict__["_cutile_attn_parts"] = _attention_parts(m)
+    # The input norm's class when it is a Llama-formula RMSNorm (its op may then run in its place under
+    # torch.compile, where a module of another class put there later is called as a module).
+    m.__dict__["_cutile_input_norm"] = type(m.input_layernorm) if is_llama_norm(m.input_layernorm) else None
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -423,7 +434,7 @@ def unfuse_decoder_layers(model: nn.Module) -> int:
     """
     return restore_forwards(model, "decoder_add_rms_norm", _fused_decoder_forward,
                             attrs=("_cutile_inbox", "_cutile_next", "_cutile_check", "_cutile_scale",
-                                   "_cutile_attn_parts"), noun="layers")
+                                   "_cutile_attn_parts", "_cutile_input_norm"), noun="layers")
 
 
 #: This module's patch row (gathered by ``layers/_registry.py``).

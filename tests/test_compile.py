@@ -319,16 +319,21 @@ _COSTLY_GUARDS = (re.compile(r"^type\(L\['self'\]\._modules.*\)\.__call__$"), re
 
 
 def _costly_guards(model) -> set[str]:
+    return {name for name in _guard_names(model) if any(p.search(name) for p in _COSTLY_GUARDS)}
+
+
+def _guard_names(model, batch: int = 2) -> set[str]:
+    # The sources of the guards of ``model``'s compiled decode step over a StaticCache.
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=32)
-    ids = torch.randint(1, 256, (2, 5))
+    ids = torch.randint(1, 256, (batch, 5))
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
         explained = torch._dynamo.explain(model.forward)(ids[:, :1], past_key_values=cache, use_cache=True,
                                                          cache_position=torch.tensor([5]))
     torch._dynamo.reset()
-    return {g.name for g in explained.out_guards if any(p.search(g.name) for p in _COSTLY_GUARDS)}
+    return {g.name for g in explained.out_guards}
 
 
 def _op_calls(code: str, op: str) -> list[list[str]]:
@@ -500,6 +505,61 @@ def test_stock_cache_writes_variable_keeps_transformers_writes_in_compiled_steps
         torch.compile(model.forward, backend=rec, fullgraph=True)(ids[:, -1:], past_key_values=cache, use_cache=True,
                                                                   cache_position=torch.tensor([5]))
     assert rec.ops["rope"] == 2 and not {"rope_append", "kv_append"} & set(rec.ops)
+
+
+def test_compiled_step_guards_no_forward_of_projections_or_input_norms(variant, monkeypatch, no_breaks):
+    """A compiled step checks its guards on the host before each replay, and a forward bound on an
+    instance costs guards on its function, closure and ``__self__``. Patch ``gemv`` switches the
+    projections' class (``CutileGemvLinear``) instead of binding a forward on each, and the fused
+    decoder forward runs a Llama-formula ``input_layernorm`` (checked at patch time) as its op under
+    compile, without the module call to the hub layer's instance-bound forward; the step still runs
+    our GEMV and RMSNorm ops, and nothing of the eager cross-layer hand-off is read."""
+    from torch import nn
+    from transformers import StaticCache
+
+    from cutile_kernels.layers.linear import CutileGemvLinear
+
+    model = _kernelize_on_cpu(tiny_model("llama", layers=2, dtype=torch.bfloat16), variant, monkeypatch)
+    projections = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
+    assert projections and all(type(m) is CutileGemvLinear for m in projections)
+    assert all(layer._cutile_input_norm is type(layer.input_layernorm) for layer in model.model.layers)
+    names = _guard_names(model, batch=1)
+    assert [n for n in names if "layers" in n]
+    assert not [n for n in names if re.search(r"(_proj|input_layernorm)'\]\.(__dict__\['forward'\]|forward)", n)]
+    assert not [n for n in names if "_cutile_inbox" in n or "_cutile_next" in n]
+    _route_as_on_a_gpu(monkeypatch)
+    rec = Recorder()
+    ids = torch.randint(1, 256, (1, 5))
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        torch.compile(model.forward, backend=rec, fullgraph=True)(ids[:, -1:], past_key_values=cache, use_cache=True,
+                                                                  cache_position=torch.tensor([5]))
+    assert rec.ops["gemv"] > 0 and rec.ops["rms_norm"] == len(model.model.layers) + 1, rec.ops  # + the final norm
+
+
+def test_compiled_step_calls_an_input_norm_of_another_class_put_in_later(variant, monkeypatch, no_breaks):
+    """The input norm's op runs in its place under compile only while it is of the class checked at
+    patch time: a norm of another formula put in afterwards is called as a module (its numbers)."""
+    from transformers import StaticCache
+
+    class Doubled(torch.nn.Module):  # not RMSNorm at all
+        def forward(self, x):
+            return 2 * x
+
+    stock = tiny_model("llama", layers=2)
+    model = _kernelize_on_cpu(tiny_model("llama", layers=2), variant, monkeypatch)
+    for m in (stock, model):
+        m.model.layers[1].input_layernorm = Doubled()
+    ids = torch.randint(1, 256, (1, 5))
+    caches = [StaticCache(config=m.config, max_cache_len=8) for m in (stock, model)]
+    with torch.no_grad():
+        for m, cache in zip((stock, model), caches):
+            m(ids, past_key_values=cache, use_cache=True)
+        want = stock(ids[:, -1:], past_key_values=caches[0], use_cache=True, cache_position=torch.tensor([5])).logits
+        got = torch.compile(model.forward, backend="aot_eager", fullgraph=True)(
+            ids[:, -1:], past_key_values=caches[1], use_cache=True, cache_position=torch.tensor([5])).logits
+    torch.testing.assert_close(got, want)
 
 
 #: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
@@ -841,8 +901,8 @@ def test_qwen3_5_zero_centered_norms_take_our_hub_layer_after_the_patches(varian
 
 def test_patch_identity_checks_trace_as_they_run_eagerly():
     """What the reproduced forwards ask while dynamo traces them: ``swapped`` (Qwen3's attention:
-    its own swap or a stacked class's forward) and ``_direct._gemv_patched`` answer as in eager
-    Python. Under torch 2.11, ``getattr(m.__dict__.get("forward"), "__func__", None)`` traced to None
+    its own swap or a stacked class's forward) and ``_direct._gemv_patched`` (the gemv class) answer as in
+    eager Python. Under torch 2.11, ``getattr(m.__dict__.get("forward"), "__func__", None)`` traced to None
     and compiled Qwen3 steps took the stock q/k norm + RoPE lines (H200, 2026-12-03; reproduced and
     fixed with torch 2.11 on the CPU)."""
     from cutile_kernels.layers._direct import _gemv_patched

@@ -11,6 +11,7 @@ The gated MLP's down projection with its activation in the same launch (``gemv_s
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -21,7 +22,6 @@ import cutile_kernels
 from cutile_kernels import dispatch
 from cutile_kernels.kernel_src import gemv as kgemv
 from cutile_kernels.layers import linear as glinear
-from cutile_kernels.layers._patching import swapped
 
 from families import model as tiny_model
 from families import transformers_functions
@@ -237,21 +237,53 @@ class _LoRALinear(nn.Linear):
     """A subclass (as PEFT's layers are): keeps its own forward."""
 
 
-def test_patch_swaps_exact_linears_only_and_undoes():
+def test_patch_switches_exact_linears_only_and_undoes():
     model = tiny_model("llama", seed=0)
     model.model.layers[0].mlp.down_proj.__class__ = _LoRALinear
     hooked = model.model.layers[1].self_attn.o_proj
     hooked.register_forward_hook(lambda *a: None)
+    wrapped = model.model.layers[1].self_attn.q_proj
+    wrapped.forward = types.MethodType(nn.Linear.forward, wrapped)  # as accelerate's hooks leave it
     assert cutile_kernels.layers._patching.PATCHES["gemv"].default  # kernel_config() and kernelize apply it
+    linears = [m for m in model.model.layers.modules() if type(m) is nn.Linear]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     report = cutile_kernels.patch(model, names=["gemv"])
     n = report.changed["gemv"]
-    linears = [m for m in model.model.layers.modules() if type(m) is nn.Linear]
-    assert n == len(linears) - 1  # every exact nn.Linear of the decoder layers but the hooked one
-    assert "forward" not in model.lm_head.__dict__  # outside the layer stack
-    assert all(swapped(m, glinear.gemv_linear_forward) for m in linears if m is not hooked)
-    assert "forward" not in hooked.__dict__ and "forward" not in model.model.layers[0].mlp.down_proj.__dict__
+    assert n == len(linears) - 2  # every exact nn.Linear of the decoder layers but the hooked and wrapped ones
+    assert type(model.lm_head) is nn.Linear  # outside the layer stack
+    assert all(type(m) is glinear.CutileGemvLinear for m in linears if m is not hooked and m is not wrapped)
+    assert type(hooked) is nn.Linear and type(wrapped) is nn.Linear
+    assert type(model.model.layers[0].mlp.down_proj) is _LoRALinear
+    # A class switch: no forward on the instances, parameters and state_dict untouched.
+    assert not any("forward" in m.__dict__ for m in linears if m is not wrapped)
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert cutile_kernels.patch(model, names=["gemv"]).changed.get("gemv", 0) == 0  # idempotent
     assert cutile_kernels.unpatch(model, names=["gemv"]).changed["gemv"] == n
-    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+    assert all(type(m) is nn.Linear for m in linears)
+    assert not any(type(m) is glinear.CutileGemvLinear for m in model.modules())
+
+
+def test_switched_class_pickles_and_stacks_as_nn_linear():
+    """The switched class is importable by name (pickle, deepcopy) and counts as ``nn.Linear`` for
+    the stacking patches' check, but a subclass of it does not."""
+    import copy
+    import pickle
+
+    from cutile_kernels.layers._fusion import linear_problem
+
+    model = tiny_model("llama", seed=0)
+    cutile_kernels.patch(model, names=["gemv"])
+    proj = model.model.layers[0].self_attn.k_proj
+    assert linear_problem(proj) is None
+    for clone in (pickle.loads(pickle.dumps(proj)), copy.deepcopy(proj)):
+        assert type(clone) is glinear.CutileGemvLinear and torch.equal(clone.weight, proj.weight)
+
+    class Sub(glinear.CutileGemvLinear):
+        pass
+
+    proj.__class__ = Sub
+    assert "not nn.Linear" in linear_problem(proj)
 
 
 def test_patched_model_decodes_as_stock_and_saves_the_stock_bytes(tmp_path):
@@ -485,7 +517,7 @@ def test_projections_stacked_or_unstacked_later_are_covered_too():
 
     def uncovered():
         return [n for n, m in model.model.layers.named_modules()
-                if type(m) is nn.Linear and not swapped(m, glinear.gemv_linear_forward)]
+                if type(m) is nn.Linear]
 
     assert uncovered() == []
     report = cutile_kernels.patch(model, names=["fused_qkv"])
