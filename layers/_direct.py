@@ -281,16 +281,17 @@ def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor,
     ``cache_written``: ``key_states`` / ``value_states`` are already the cache layer's tensors,
     updated (:func:`rope_and_cache`). Returns ``(attn_output (B,
     S, hidden), attn_weights)``."""
+    # Read once: each read of a config attribute adds guards that a compiled step checks on the host.
+    implementation = self.config._attn_implementation
     length = {}
     if past_key_values is not None:
         if not cache_written:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-        length = static_kv_length(self, past_key_values)
-        length.update(step_plain(self, past_key_values, length))
+        layer = cache_layer(self, past_key_values)
+        length = static_kv_length(layer, implementation)
+        length.update(step_plain(layer, length))
 
-    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(
-        self.config._attn_implementation, glob["eager_attention_forward"]
-    )
+    attention_interface = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(implementation, glob["eager_attention_forward"])
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **window, **kwargs,

@@ -103,9 +103,10 @@ def full_static_layer(module: torch.nn.Module, past_key_values):
 STEP_FILLED = "_cutile_step_filled"
 
 
-def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
-    """``{"cutile_kv_len": length}`` for the attention call of ``module`` (after its cache update)
-    when the model attends with ``"cutile"`` and the module's cache layer is a ``StaticLayer``
+def static_kv_length(layer, implementation: str | None) -> dict:
+    """``{"cutile_kv_len": length}`` for an attention call (after its cache update) when the model
+    attends with ``"cutile"`` (``implementation``: its config's ``_attn_implementation``, read once by
+    the caller) and the module's cache layer ``layer`` (:func:`cache_layer`) is a ``StaticLayer``
     (the pinned one): its ``cumulative_length``, a device tensor (in a decode-graph step that
     advances it at the end, :data:`STEP_FILLED`); or a ``StaticSlidingWindowLayer`` (pinned,
     :data:`SLIDING_PIN`) whose window has not passed full with this update
@@ -113,9 +114,8 @@ def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
     slots; past that it rolls, and returns more keys than it holds while a chunk crosses the end).
     Else ``{}``. The window's own mask still applies where one is passed; the length only spares
     the kernel the slots not yet written."""
-    if _STATIC_LAYER is None or getattr(module.config, "_attn_implementation", None) not in NAMES:
+    if _STATIC_LAYER is None or implementation not in NAMES:
         return {}
-    layer = cache_layer(module, past_key_values)
     kind = type(layer)
     if kind is _SLIDING_LAYER and layer.cumulative_length_int <= layer.max_cache_len:
         return {"cutile_kv_len": layer.cumulative_length}
@@ -132,16 +132,15 @@ def static_kv_length(module: torch.nn.Module, past_key_values) -> dict:
 STEP_PLAIN_MASKS = "_cutile_step_plain_masks"
 
 
-def step_plain(module: torch.nn.Module, past_key_values, length: dict) -> dict:
-    """``{"cutile_plain_mask": True}`` for the attention call of ``module`` where a filled length goes
-    along (``length``, :func:`static_kv_length`'s result) and the step's masks are plain
-    (:data:`STEP_PLAIN_MASKS` on the module's cache layer), else ``{}``. The mask itself is passed
-    as given: only a call the kernel takes drops it (``_attend``); sdpa and the eager fallback,
+def step_plain(layer, length: dict) -> dict:
+    """``{"cutile_plain_mask": True}`` for an attention call where a filled length goes along
+    (``length``, :func:`static_kv_length`'s result) and the step's masks are plain
+    (:data:`STEP_PLAIN_MASKS` on the module's cache layer ``layer``), else ``{}``. The mask itself is
+    passed as given: only a call the kernel takes drops it (``_attend``); sdpa and the eager fallback,
     which take no length, keep it."""
     if not length:
         return {}
-    layer = cache_layer(module, past_key_values)
-    return {"cutile_plain_mask": True} if layer is not None and layer.__dict__.get(STEP_PLAIN_MASKS) else {}
+    return {"cutile_plain_mask": True} if layer.__dict__.get(STEP_PLAIN_MASKS) else {}
 
 
 #: transformers' StaticLayer while :data:`PIN` holds (set by :func:`register_attention`, so that no

@@ -913,10 +913,12 @@ def test_attention_reads_the_steps_filled_length(monkeypatch):
     layer = StaticLayer(8)
     layer.update(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4))
     cache = type("Cache", (), {"layers": [layer]})()
-    assert attention.static_kv_length(module, cache)["cutile_kv_len"] is layer.cumulative_length
+    found = attention.cache_layer(module, cache)
+    assert found is layer and attention.static_kv_length(found, "cutile")["cutile_kv_len"] is layer.cumulative_length
+    assert attention.static_kv_length(found, "sdpa") == {}
     filled = layer.cumulative_length + 1
     layer.__dict__[attention.STEP_FILLED] = filled
-    assert attention.static_kv_length(module, cache)["cutile_kv_len"] is filled
+    assert attention.static_kv_length(found, "cutile")["cutile_kv_len"] is filled
 
 
 def test_sliding_layers_keep_their_update_when_the_pin_fails(monkeypatch, caplog):
