@@ -220,10 +220,11 @@ def _blocking(hooks) -> bool:
 
 
 def _unhooked(m: nn.Module) -> bool:
-    # Calling the fused op instead of the norm module would skip its hooks.
+    # Calling the fused op instead of the norm module would skip its hooks, and accelerate's, which
+    # replace the instance's forward (add_hook_to_module: cpu_offload, dispatch_model) and mark it.
     return not (_blocking(m._forward_hooks) or _blocking(m._forward_pre_hooks) or m._backward_hooks
                 or _blocking(nn.modules.module._global_forward_hooks)
-                or _blocking(nn.modules.module._global_forward_pre_hooks))
+                or _blocking(nn.modules.module._global_forward_pre_hooks) or "_hf_hook" in m.__dict__)
 
 
 def own_forward_on_instance(m: nn.Module) -> bool:

@@ -22,11 +22,15 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_tracing
+from torch.nn.utils import parametrize
 
 from ..ops.gemv import linear
 from ._fusion import linear_problem
-from ._patching import Patch
+from ._patching import Patch, own_forward_on_instance
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -42,6 +46,10 @@ class CutileGemvLinear(nn.Linear):
     _cutile_as_linear = True
 
     def forward(self, input):
+        # torch.fx traces into this class (not torch.nn's, so not a leaf): nn.Linear's call there.
+        # Dynamo first: it then reads nothing more (each read a guard a compiled call checks).
+        if not torch.compiler.is_compiling() and is_fx_tracing():
+            return F.linear(input, self.weight, self.bias)
         return linear(input, self.weight, self.bias)
 
 
@@ -61,7 +69,7 @@ def _decoder_linears(model: nn.Module) -> set[int]:
 
 def _verdict(m: nn.Module) -> str | None:
     why = linear_problem(m, bias_ok=True)
-    if why is None and "forward" in m.__dict__:
+    if why is None and "forward" in m.__dict__ and not own_forward_on_instance(m):
         why = "its forward is replaced on the instance (e.g. an accelerate hook)"
     return why
 
@@ -80,6 +88,9 @@ def patch_linears(model: nn.Module) -> int:
         if why is not None:
             refused[why] += 1
             continue
+        # nn.Linear.forward bound on the instance (what accelerate's remove_hook_from_module leaves)
+        # would shadow the class's: dropped, as the other patches drop it.
+        m.__dict__.pop("forward", None)
         m.__class__ = CutileGemvLinear
         new += 1
     if new:
@@ -94,8 +105,13 @@ def unpatch_linears(model: nn.Module) -> int:
     Returns the modules restored."""
     n = 0
     for m in model.modules():
-        if type(m) is CutileGemvLinear:
+        cls = type(m)
+        if cls is CutileGemvLinear:
             m.__class__ = nn.Linear
+            n += 1
+        elif parametrize.is_parametrized(m) and cls.__bases__ == (CutileGemvLinear,):
+            # torch.nn.utils.parametrize made this module a class of its own over ours: rebased.
+            cls.__bases__ = (nn.Linear,)
             n += 1
     if n:
         logger.info("cutile_kernels: patch gemv undone on %d projections", n)

@@ -234,7 +234,8 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
         hidden_states = handed[1]
     elif compiling and type(self.input_layernorm) is self._cutile_input_norm and _unhooked(self.input_layernorm):
         # The norm's op without its module call (whose instance-bound forward, kernels' hub layer,
-        # would add guards on its function and __self__): a Llama-formula RMSNorm, checked at patch time.
+        # would add guards on its function and __self__): a Llama-formula RMSNorm, checked at patch time
+        # (a forward replaced on the instance since is seen where accelerate marks it: _unhooked).
         norm = self.input_layernorm
         hidden_states = rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
     else:

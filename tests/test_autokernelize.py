@@ -45,6 +45,20 @@ def test_regions_rank_uncovered_time_with_amdahl_ceilings(tiny):
     assert found["covered_share"] == pytest.approx(sum(r["share"] for r in norms))
 
 
+def test_gemv_projections_are_ours_by_their_kernels_not_their_class():
+    """Patch ``gemv``'s projections (class ``CutileGemvLinear``) run cuBLAS in the eager steps the
+    regions are profiled on: covered only where the profile finds our kernel, not by the class name."""
+    from torch import nn
+
+    from cutile_kernels.layers.linear import CutileGemvLinear
+    from cutile_kernels.layers.mlp import CutileSwiGLUMLP
+
+    proj = nn.Linear(16, 16)
+    proj.__class__ = CutileGemvLinear
+    assert ak._covered_by_layer(proj) is None
+    assert ak._covered_by_layer(CutileSwiGLUMLP()) == "kernelized (CutileSwiGLUMLP)"  # a layer of ours still is
+
+
 def test_scaffold_refuses_a_target_that_is_not_a_checkout_before_writing(tiny, tmp_path):
     model, label, found = tiny
     region = next(r for r in found["regions"] if r["region"] == "layers.*.mlp")

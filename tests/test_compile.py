@@ -538,9 +538,14 @@ def test_compiled_step_guards_no_forward_of_projections_or_input_norms(variant, 
     assert rec.ops["gemv"] > 0 and rec.ops["rms_norm"] == len(model.model.layers) + 1, rec.ops  # + the final norm
 
 
-def test_compiled_step_calls_an_input_norm_of_another_class_put_in_later(variant, monkeypatch, no_breaks):
+@pytest.mark.parametrize("change", ["another class", "accelerate hook"])
+def test_compiled_step_calls_an_input_norm_changed_later(change, variant, monkeypatch, no_breaks):
     """The input norm's op runs in its place under compile only while it is of the class checked at
-    patch time: a norm of another formula put in afterwards is called as a module (its numbers)."""
+    patch time and carries no accelerate hook (``add_hook_to_module`` sets ``_hf_hook`` and replaces the
+    forward): a norm of another formula put in afterwards, or one whose forward such a hook replaced, is
+    called as a module (its numbers)."""
+    import types
+
     from transformers import StaticCache
 
     class Doubled(torch.nn.Module):  # not RMSNorm at all
@@ -550,7 +555,12 @@ def test_compiled_step_calls_an_input_norm_of_another_class_put_in_later(variant
     stock = tiny_model("llama", layers=2)
     model = _kernelize_on_cpu(tiny_model("llama", layers=2), variant, monkeypatch)
     for m in (stock, model):
-        m.model.layers[1].input_layernorm = Doubled()
+        if change == "another class":
+            m.model.layers[1].input_layernorm = Doubled()
+        else:
+            norm = m.model.layers[1].input_layernorm
+            norm._hf_hook = object()
+            norm.forward = types.MethodType(lambda self, x: 2 * x, norm)
     ids = torch.randint(1, 256, (1, 5))
     caches = [StaticCache(config=m.config, max_cache_len=8) for m in (stock, model)]
     with torch.no_grad():

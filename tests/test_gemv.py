@@ -243,7 +243,9 @@ def test_patch_switches_exact_linears_only_and_undoes():
     hooked = model.model.layers[1].self_attn.o_proj
     hooked.register_forward_hook(lambda *a: None)
     wrapped = model.model.layers[1].self_attn.q_proj
-    wrapped.forward = types.MethodType(nn.Linear.forward, wrapped)  # as accelerate's hooks leave it
+    wrapped.forward = types.MethodType(lambda self, x: nn.Linear.forward(self, x), wrapped)  # e.g. accelerate's
+    unhooked = model.model.layers[1].self_attn.k_proj
+    unhooked.forward = types.MethodType(nn.Linear.forward, unhooked)  # what remove_hook_from_module leaves
     assert cutile_kernels.layers._patching.PATCHES["gemv"].default  # kernel_config() and kernelize apply it
     linears = [m for m in model.model.layers.modules() if type(m) is nn.Linear]
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -255,7 +257,7 @@ def test_patch_switches_exact_linears_only_and_undoes():
     assert type(hooked) is nn.Linear and type(wrapped) is nn.Linear
     assert type(model.model.layers[0].mlp.down_proj) is _LoRALinear
     # A class switch: no forward on the instances, parameters and state_dict untouched.
-    assert not any("forward" in m.__dict__ for m in linears if m is not wrapped)
+    assert not any("forward" in m.__dict__ for m in linears if m is not wrapped)  # the left-over binding dropped
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     assert cutile_kernels.patch(model, names=["gemv"]).changed.get("gemv", 0) == 0  # idempotent
@@ -284,6 +286,51 @@ def test_switched_class_pickles_and_stacks_as_nn_linear():
 
     proj.__class__ = Sub
     assert "not nn.Linear" in linear_problem(proj)
+
+
+def test_patched_projection_traces_with_fx_as_nn_linear():
+    """``torch.fx`` treats torch.nn's modules as leaves but traces into ours: a patched projection traces
+    to ``F.linear`` on its parameters, with the module's numbers."""
+    import torch.fx
+
+    model = tiny_model("llama", seed=0)
+    cutile_kernels.patch(model, names=["gemv"])
+    proj = model.model.layers[0].self_attn.o_proj
+    assert type(proj) is glinear.CutileGemvLinear
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = proj
+
+        def forward(self, x):
+            return self.p(x)
+
+    traced = torch.fx.symbolic_trace(Wrap())
+    assert [n.target for n in traced.graph.nodes if n.op == "call_function"] == [F.linear]
+    x = torch.randn(3, proj.in_features)
+    torch.testing.assert_close(traced(x), F.linear(x, proj.weight))
+
+
+def test_unpatch_rebases_a_projection_parametrized_after_the_patch():
+    """``torch.nn.utils.parametrize`` makes a parametrized module a class of its own over the module's
+    class: ``unpatch`` rebases that class onto ``nn.Linear``, so the GEMV is gone with the patch."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model = tiny_model("llama", seed=0)
+    cutile_kernels.patch(model, names=["gemv"])
+    proj = model.model.layers[0].mlp.down_proj
+    parametrize.register_parametrization(proj, "weight", Doubled())
+    assert isinstance(proj, glinear.CutileGemvLinear)
+    n = cutile_kernels.unpatch(model, names=["gemv"]).changed["gemv"]
+    assert n == len([m for m in model.model.layers.modules() if isinstance(m, nn.Linear)])
+    assert not isinstance(proj, glinear.CutileGemvLinear) and isinstance(proj, nn.Linear)
+    parametrize.remove_parametrizations(proj, "weight")
+    assert type(proj) is nn.Linear
 
 
 def test_patched_model_decodes_as_stock_and_saves_the_stock_bytes(tmp_path):
