@@ -101,11 +101,10 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     forward is still torch's (not replaced on the class, nor on the instance as accelerate does),
     and nothing else would run (:func:`direct_ok`); the ``gemv`` patch's class
     (:class:`.linear.CutileGemvLinear`) is called the same way, on the GEMV op."""
-    if direct_ok(m) and "forward" not in m.__dict__:
-        cls = type(m)
-        if cls is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD:
+    if direct_ok(m):
+        if type(m) is nn.Linear and nn.Linear.forward is _LINEAR_FORWARD and "forward" not in m.__dict__:
             return F.linear(x, m.weight, m.bias)
-        if cls is CutileGemvLinear and cls.forward is gemv_linear_forward:
+        if _gemv_patched(m):
             return gemv_linear(x, m.weight, m.bias)
     return m(x)
 

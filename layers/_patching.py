@@ -236,6 +236,12 @@ def own_forward_on_instance(m: nn.Module) -> bool:
     return getattr(fwd, "__self__", None) is m and getattr(fwd, "__func__", None) is type(m).forward
 
 
+def forward_replaced(m: nn.Module) -> bool:
+    """Whether something replaced ``m``'s forward on the instance (e.g. accelerate's hooks, another
+    patch): an instance forward other than its class's own bound to it (:func:`own_forward_on_instance`)."""
+    return "forward" in m.__dict__ and not own_forward_on_instance(m)
+
+
 def swapped(m: nn.Module, forward) -> bool:
     """Whether ``m``'s instance forward is ``forward`` bound to it (a patch's own swap). Spelled so that
     torch 2.11's dynamo evaluates it as eager Python does inside a traced forward: there
@@ -308,8 +314,7 @@ def swap_forwards(model: nn.Module, patch_name: str, forward, candidate, verdict
             continue
         name = type(m).__name__
         why = verdict(m)
-        if (why is None and "forward" in m.__dict__ and not own_forward_on_instance(m)
-                and not (replaceable and replaceable(m.__dict__["forward"]))):
+        if why is None and forward_replaced(m) and not (replaceable and replaceable(m.__dict__["forward"])):
             why = "its forward is already replaced on the instance (e.g. an accelerate hook)"
         if why is not None:
             refused[name] += 1

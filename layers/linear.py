@@ -30,7 +30,7 @@ from torch.nn.utils import parametrize
 
 from ..ops.gemv import linear
 from ._fusion import linear_problem
-from ._patching import Patch, own_forward_on_instance
+from ._patching import Patch, forward_replaced, own_forward_on_instance
 
 logger = logging.getLogger("cutile_kernels")
 
@@ -69,7 +69,7 @@ def _decoder_linears(model: nn.Module) -> set[int]:
 
 def _verdict(m: nn.Module) -> str | None:
     why = linear_problem(m, bias_ok=True)
-    if why is None and "forward" in m.__dict__ and not own_forward_on_instance(m):
+    if why is None and forward_replaced(m):
         why = "its forward is replaced on the instance (e.g. an accelerate hook)"
     return why
 
@@ -89,8 +89,9 @@ def patch_linears(model: nn.Module) -> int:
             refused[why] += 1
             continue
         # nn.Linear.forward bound on the instance (what accelerate's remove_hook_from_module leaves)
-        # would shadow the class's: dropped, as the other patches drop it.
-        m.__dict__.pop("forward", None)
+        # would shadow the class's: dropped, as the stacking patches drop it (_fusion.fuse_one).
+        if own_forward_on_instance(m):
+            del m.__dict__["forward"]
         m.__class__ = CutileGemvLinear
         new += 1
     if new:

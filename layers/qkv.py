@@ -49,7 +49,7 @@ from torch import nn
 from ._direct import attend, call, linear, rope_and_cache, rope_attend
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
-from ._patching import Patch, own_forward_on_instance, swapped
+from ._patching import Patch, forward_replaced, swapped
 from ._pins import TRANSFORMERS, holds
 
 logger = logging.getLogger("cutile_kernels")
@@ -177,7 +177,7 @@ def why_not_fusable_qkv(module: nn.Module) -> str | None:
         why = entry.verdict(module)
         if why is not None:
             return why
-    elif "forward" in module.__dict__ and not own_forward_on_instance(module):
+    elif forward_replaced(module):
         return "its forward is replaced on the instance (e.g. an accelerate hook or another patch)"
     for name in _STOCK:
         problem = linear_problem(getattr(module, name, None), bias_ok=True)
