@@ -48,6 +48,19 @@ def test_presets_are_real_configs():
     assert type(g2).__name__ == "Gemma2Config" and (g2.hidden_size, g2.head_dim, g2.num_hidden_layers) == (2304, 256, 26)
     assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.layer_types[:2]) == (
         50.0, 30.0, ["sliding_attention", "full_attention"])
+    g3 = presets.make_config("gemma-3-1b")
+    assert type(g3).__name__ == "Gemma3TextConfig" and (g3.hidden_size, g3.head_dim, g3.num_key_value_heads) == (
+        1152, 256, 1)
+    assert (g3.sliding_window, g3.layer_types[:6], g3.vocab_size) == (
+        512, ["sliding_attention"] * 5 + ["full_attention"], 262144)
+    assert {k: v["rope_theta"] for k, v in g3.rope_parameters.items()} == {"sliding_attention": 10000,
+                                                                            "full_attention": 1000000}
+    o2 = presets.make_config("olmo-2-1b")
+    assert type(o2).__name__ == "Olmo2Config" and (o2.hidden_size, o2.intermediate_size, o2.num_hidden_layers) == (
+        2048, 8192, 16)
+    assert (o2.num_key_value_heads, o2.vocab_size, o2.max_position_embeddings, o2.tie_word_embeddings) == (
+        16, 100352, 4096, False)
+    assert o2.rope_parameters["rope_theta"] == 500000.0
     p4 = presets.make_config("phi-4-mini")
     assert type(p4).__name__ == "Phi3Config" and (p4.hidden_size, p4.num_key_value_heads, p4.vocab_size) == (
         3072, 8, 200064)

@@ -572,7 +572,9 @@ def test_compiled_step_calls_an_input_norm_changed_later(change, variant, monkey
     torch.testing.assert_close(got, want)
 
 
-#: Opt-in patches whose forwards read their modeling module too, on a family they apply to.
+#: Patches whose forwards read their modeling module too, each on a family it applies to, named on
+#: top of the defaults: the opt-in fused_qkv, and gemma3_qk_norm_rope, a default patch since the A/B of
+#: 2026-12-05 (its case asserts that it applied; gemma3_text-None runs the same patches).
 #: (family, patch, config fields): OLMo's stacking needs olmo2_qk_norm_rope, so heads its kernel takes.
 _OPT_IN_FORWARDS = [("gemma3_text", "gemma3_qk_norm_rope", {}), ("qwen3", "fused_qkv", {}),
                     ("olmo3", "fused_qkv", OLMO_KERNEL_HEADS)]
@@ -601,8 +603,8 @@ def test_compiled_decode_step_adds_no_costly_guards(model_type, opt_in, fields, 
 @pytest.mark.parametrize("model_type", ["olmo2"])
 def test_layers_left_alone_compile_fullgraph_with_stock_numbers(model_type, variant, monkeypatch, no_breaks):
     """Olmo2's RMSNorm (hub name "RMSNorm", another rounding) takes our layer, whose verdict sends it
-    to its own forward (its float-order patch is opt-in): the verdict is a constant in the graph and
-    the numbers are the stock ones."""
+    to its own forward (the default patch rms_norm_olmo2 then runs that formula as our op): the
+    verdict is a constant in the graph and the numbers are the stock ones."""
     stock = tiny_model(model_type)
     model = _kernelize_on_cpu(tiny_model(model_type), variant, monkeypatch)
     ids = torch.randint(0, 256, (2, 11))

@@ -191,10 +191,9 @@ def test_family_patches_replay_and_match_eager(model_type, fields, patches, emul
     Qwen3.5's qwen3_5_rope (q/k norms + partial RoPE, the output gate) and qwen3_5_stacked_proj (one
     GEMM for in_proj_qkv / b / a), defaults; Gemma 3's gemma_add_norm (the attention residual
     add in pre_feedforward_layernorm) and gemma3_qk_norm_rope (q/k norms + RoPE in one launch),
-    opt-in but applied by ``decode_graphs=True``, over
-    sliding and global layers with the window crossed; OLMo 3's olmo2_qk_norm_rope with its q/k/v
-    stacked (fused_qkv) and olmo2_norm_add, defaults (fused_qkv opt-in), over its sliding and full
-    layers. On the GPU:
+    defaults, over sliding and global layers with the window crossed; OLMo 3's olmo2_qk_norm_rope
+    with its q/k/v stacked (fused_qkv) and olmo2_norm_add, defaults (fused_qkv opt-in), over its
+    sliding and full layers. On the GPU:
     test_gpu_generate_replays_cuda_graphs_and_matches_eager[qwen3_5_text-*] and [gemma3_text-*]."""
     model = tiny_model(model_type, **fields)
     ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(4))

@@ -17,6 +17,7 @@ from cutile_kernels import dispatch
 from cutile_kernels.kernel_src import activation as kact
 from cutile_kernels.ops import activation as act_ops
 from launches import launched_variants
+from test_rms_norm_gemma import _assert_stock_non_finite
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,3 +147,38 @@ def test_gpu_patched_gemma_is_as_close_to_float32_as_stock(strict):
                                                                       ["fused_gate_up_geglu", "rms_norm_gemma"])
     assert report.changed["fused_gate_up_geglu"] == 3 and report.changed["rms_norm_gemma"] > 0
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
+
+
+
+def _overflowing_gate_up(rows: int, n: int, device="cpu"):
+    """fp16 fused gate/up rows past fp16's range: a gate or product past 65504, gates of +-inf and
+    NaN, an inf up, and a product that overflows where its factors do not."""
+    x = torch.randn(rows, 2 * n, generator=torch.Generator().manual_seed(3)) * 3
+    x[0, :4] = torch.tensor([6e4, -6e4, float("inf"), -float("inf")])  # gates
+    x[0, n:n + 4] = torch.tensor([2.0, 2.0, 3.0, 3.0])  # their ups: 1.2e5 overflows, -0, inf, stock's -inf * 0
+    x[1, 5], x[2, n + 7] = float("nan"), float("inf")
+    x[3, 9], x[3, n + 9] = 300.0, 300.0  # 9e4
+    return x.half().to(device)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_emulated_kernel_overflows_fp16_where_stock_does():
+    """Gemma's activations overflow fp16 in stock too: the kernel gives stock's inf and NaN at the
+    same places, and nowhere else."""
+    rows, n = 4, 1000
+    x = _overflowing_gate_up(rows, n)
+    out = torch.full((rows, n), 7.0, dtype=torch.float16)
+    r, b = kact.TILES["row"]
+    cutile_numpy.emulate(kact.gelu_tanh_and_mul_fused_kernel, kact)(
+        act_ops._grid(rows, n)({"ROWS": r, "BLOCK": b}), (x.unflatten(-1, (2, n)), out, r, b))
+    _assert_stock_non_finite(out, act_ops.gelu_tanh_and_mul_fused_reference(x))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_overflows_fp16_where_stock_does(strict):
+    x = _overflowing_gate_up(4, 6912, "cuda")  # Gemma-3-1B's intermediate size
+    before = dispatch.stats()["launches"]
+    out = cutile_kernels.gelu_tanh_and_mul_fused(x)
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["gelu_tanh_and_mul_fused"]
+    _assert_stock_non_finite(out, act_ops.gelu_tanh_and_mul_fused_reference(x))

@@ -120,6 +120,13 @@ def test_new_families_have_the_presets_shapes():
     assert norm["olmo-3-7b/k_norm/decode-b16"].axes == {"num_tokens": 16, "hidden_size": 32 * 128}  # 32 KV heads
     assert norm["olmo-3-7b/hidden/prefill-2048"].inputs["offset"].value == 0.0
     assert "olmo-3-7b/hidden/decode-b1" in _workload_axes("rms_norm_add_gemma")
+    # Gemma 2 runs Gemma's (1 + weight) norms (no q/k norms) and, as Gemma 3, the fused attention add.
+    assert norm["gemma-2-2b/hidden/decode-b16"].axes == {"num_tokens": 16, "hidden_size": 2304}
+    assert norm["gemma-2-2b/hidden/decode-b16"].inputs["offset"].value == 1.0
+    assert not any(u.startswith("gemma-2-2b/") and "/hidden/" not in u for u in norm)
+    add = {w.uuid: w for w in inventory.Inventory.load(INVENTORY).workloads["add_rms_norm_gemma"]}
+    assert add["gemma-3-1b/hidden/prefill-2048"].axes == {"num_tokens": 2048, "hidden_size": 1152}
+    assert add["gemma-2-2b/hidden/decode-b1"].inputs["offset"].value == 1.0
     assert _workload_axes("rope_cast")["olmo-3-7b/decode-b16"] == {"batch": 16, "seq_len": 1, "num_q_heads": 32,
                                                                    "num_kv_heads": 32, "head_dim": 128}
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 
 import pytest
 import torch
 
 import cutile_kernels
+import families
 from cutile_kernels import layers
 from cutile_kernels.layers import CutileRMSNorm
+from cutile_kernels.layers import patch as patcher
 from cutile_kernels.layers.hub import CutileKernelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +24,8 @@ kernels = pytest.importorskip("kernels")
 
 from kernels import Mode  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from transformers import KernelConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import (AutoModelForCausalLM, KernelConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config,  # noqa: E402
+                          Qwen3ForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
@@ -296,6 +300,29 @@ def pretend_cuda(monkeypatch):
     monkeypatch.setattr(kc, "infer_device", lambda model: "cuda")
 
 
+@pytest.fixture
+def kernelize_as_on_cuda(pretend_cuda, monkeypatch):
+    """``from_pretrained(use_kernels=True, kernel_config=...)`` does to a CPU model all it does on a
+    GPU: the default patches (``pretend_cuda``), and transformers' kernelize binds our hub layers
+    from the build for "cuda" (capability 90). On the CPU those forwards compute the reference
+    formulas, so the model's numbers stay stock's."""
+    import kernels.layer.repos as repos
+    import transformers.integrations.hub_kernels as hub_kernels
+
+    monkeypatch.setattr(hub_kernels, "get_device_type", lambda device: "cuda")
+    monkeypatch.setattr(repos, "_find_capability", lambda: 90)
+
+
+def our_forwards(model) -> Counter:
+    """{qualified name: count} of the forwards bound on ``model``'s modules and on the hub-function
+    modules of their modeling files (``apply_rotary_pos_emb`` and the like): what kernelize and the
+    patches put in place. Hub functions stay bound for the whole process once a model was kernelized."""
+    homes = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__module__ in sys.modules}
+    funcs = [v for home in homes for v in vars(home).values() if isinstance(v, torch.nn.Module)]
+    unique = {id(m): m for m in [*model.modules(), *funcs]}.values()
+    return Counter(m.__dict__["forward"].__qualname__ for m in unique if "forward" in m.__dict__)
+
+
 def test_stock_kernel_config_local_crash_upstream(ckpt, variant, pretend_cuda):
     """Documents the transformers 5.22.2 bug CutileKernelConfig works around: with a local mapping,
     register_kernel_replacements_and_fusions rewrites each value to a ``(path, metadata)`` tuple and
@@ -435,19 +462,50 @@ def test_kernel_config_default_build_dir_from_env(tmp_path, monkeypatch, variant
 # Saving a kernelized model writes the same checkpoint
 # ---------------------------------------------------------------------------------------------
 
+def assert_same_checkpoint(want_dir, got_dir):
+    """``got_dir``'s model.safetensors holds ``want_dir``'s keys with the same dtypes, shapes and bytes."""
+    want = load_file(str(want_dir / "model.safetensors"))
+    got = load_file(str(got_dir / "model.safetensors"))
+    assert set(got) == set(want)
+    for k in want:
+        a, b = want[k], got[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert a.contiguous().view(torch.uint8).numpy().tobytes() == b.contiguous().view(torch.uint8).numpy().tobytes(), k
+
+
 def test_save_after_kernelize_is_byte_identical(ckpt, variant, monkeypatch, tmp_path):
     model = ckpt.load()
     _force_kernelize(model, variant, monkeypatch)
     assert all(m.forward.__func__.__qualname__ == LAYER_QUALNAME for m in _norms(model, ckpt.norm_cls))
     model.save_pretrained(tmp_path)
-    want = load_file(str(ckpt.path / "model.safetensors"))
-    got = load_file(str(tmp_path / "model.safetensors"))
-    assert set(got) == set(want)
-    assert any(k.endswith("norm.weight") for k in got)
-    for k in want:
-        a, b = want[k], got[k]
-        assert a.dtype == b.dtype and a.shape == b.shape, k
-        assert a.contiguous().view(torch.uint8).numpy().tobytes() == b.contiguous().view(torch.uint8).numpy().tobytes(), k
+    assert any(k.endswith("norm.weight") for k in load_file(str(tmp_path / "model.safetensors")))
+    assert_same_checkpoint(ckpt.path, tmp_path)
+
+
+@pytest.mark.parametrize("model_type", list(families.FAMILIES))
+def test_every_family_kernelized_by_from_pretrained_saves_its_checkpoint(model_type, variant, kernelize_as_on_cuda,
+                                                                        tmp_path):
+    """Each family row (OLMo's at a head dim olmo2_qk_norm_rope takes), loaded as users load it, with
+    every default hub layer and patch of ``kernel_config()`` (stacked projections, fused norms, our
+    attention and cache writes) and run (a prefill and a cached step), saves the checkpoint it was
+    loaded from: the same keys, dtypes, shapes and bytes."""
+    fields = families.OLMO_KERNEL_HEADS if model_type in ("olmo2", "olmo3") else {}
+    families.model(model_type, **fields).save_pretrained(tmp_path / "stock")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "stock", use_kernels=True,
+                                                 kernel_config=cutile_kernels.kernel_config(build_dir=variant.parent))
+    applied = patcher.applied(model.eval())
+    assert {"gemv", "dynamic_cache_prefill", "masked_prefill_attention"} <= set(applied), applied
+    assert sum(our_forwards(model).values()) > model.config.num_hidden_layers, our_forwards(model)
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(families.prefill_and_step(model, ids)).all()
+    # The patches stacked projections (Phi-3's checkpoint has its gate_up_proj stacked already): the
+    # save has something to undo.
+    stock_keys = set(load_file(str(tmp_path / "stock" / "model.safetensors")))
+    stacked = {n for n, _ in model.named_parameters()} - stock_keys
+    assert bool(stacked) == (model_type != "phi3"), stacked
+    model.save_pretrained(tmp_path / "ours")
+    assert_same_checkpoint(tmp_path / "stock", tmp_path / "ours")
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "stock" / "model.safetensors").read_bytes()
 
 
 def test_layer_runs_only_for_llama_formula_classes(caplog):

@@ -669,3 +669,100 @@ def test_gpu_olmo2_post_norm_patch_is_as_close_to_float32_as_stock(strict):
     ours_rel, stock_rel, report = families.relative_errors_vs_float32("olmo2", ["olmo2_norm_add"])
     assert report.changed["olmo2_norm_add"] > 0
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp16 past its range: Gemma's activations overflow fp16 in stock too; ours must overflow where
+# stock does and nowhere else (no NaN where stock has none, none missing where it has one)
+# ---------------------------------------------------------------------------------------------
+
+def _overflowing_fp16_rows(n: int, device="cpu"):
+    """(x, w) in fp16: an ordinary row, a row whose squares overflow fp16 (not float32), rows holding
+    +inf, -inf and NaN (an overflowed residual stream), and a weight whose few huge entries (offset
+    1 + 6e4) overflow the output."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, n, generator=g) * 2
+    x[1] = torch.empty(n).uniform_(2e4, 6e4, generator=g) * torch.randn(n, generator=g).sign()
+    x[2, 3], x[3, n // 2], x[4, 1] = float("inf"), -float("inf"), float("nan")
+    x[5, :2] = torch.tensor([6e4, -6e4])
+    w = 0.3 * torch.randn(n, generator=g)
+    w[[0, n - 1]] = 6e4
+    return x.half().to(device), w.half().to(device)
+
+
+def _assert_stock_non_finite(got, stock):
+    """Same NaN and inf positions (and inf signs) as stock; the finite elements within fp16's
+    rounding of stock's (the two round the same float32 value, or one ulp apart)."""
+    assert torch.equal(got.isnan(), stock.isnan()), "NaN where stock has none, or missing"
+    assert torch.equal(got.isinf(), stock.isinf()) and torch.equal(got[got.isinf()], stock[stock.isinf()])
+    fin = stock.isfinite()
+    assert fin.any() and not fin.all()  # the case overflows somewhere and not everywhere
+    torch.testing.assert_close(got[fin].float(), stock[fin].float(), rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("n", [256, 1152])
+def test_emulated_kernels_overflow_fp16_where_stock_does(n):
+    x, w = _overflowing_fp16_rows(n)
+    y = torch.full_like(x, 7.0)
+    _emulate(x, w, 1e-6, 1.0, y)
+    _assert_stock_non_finite(y, cutile_kernels.rms_norm_gemma_reference(x, w, 1e-6, 1.0))
+    residual = torch.roll(x, 1, dims=0).nan_to_num(0.0)  # a second overflow: 6e4 + 6e4 in the add
+    y2, s = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
+    want = dict(norm_ops._want(x, x.shape[0]))
+    r = want.get("ROWS", src.ROWS[("add_rms_norm_gemma", "generic")][want["BLOCK_N"]])
+    cutile_numpy.emulate(src.add_rms_norm_gemma_kernel, src)(
+        (-(-x.shape[0] // r), 1, 1),
+        (x, residual, w, y2, s, cutile_numpy.float32(1e-6), cutile_numpy.float32(1.0), want["BLOCK_N"], r))
+    stock_y, stock_s = cutile_kernels.add_rms_norm_gemma_reference(x, residual, w, 1e-6, 1.0)
+    assert torch.equal(s.isnan(), stock_s.isnan()) and torch.equal(s.nan_to_num(), stock_s.nan_to_num())
+    _assert_stock_non_finite(y2, stock_y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [256, 1152, 2304])
+def test_gpu_kernels_overflow_fp16_where_stock_does(n, strict):
+    """The same rows through the GPU kernels (Gemma 3's head_dim and hidden size, Gemma 2's)."""
+    x, w = _overflowing_fp16_rows(n, "cuda")
+    before = dispatch.stats()["launches"]
+    y = cutile_kernels.rms_norm_gemma(x, w, 1e-6, 1.0)
+    residual = torch.roll(x, 1, dims=0).nan_to_num(0.0)
+    y2, s = cutile_kernels.add_rms_norm_gemma(x, residual, w, 1e-6)
+    torch.cuda.synchronize()
+    assert [v.kernel for v in launched_variants(before)] == ["rms_norm_gemma", "add_rms_norm_gemma"]
+    _assert_stock_non_finite(y, cutile_kernels.rms_norm_gemma_reference(x, w, 1e-6, 1.0))
+    stock_y, stock_s = cutile_kernels.add_rms_norm_gemma_reference(x, residual, w, 1e-6, 1.0)
+    assert torch.equal(s.isnan(), stock_s.isnan()) and torch.equal(s.nan_to_num(), stock_s.nan_to_num())
+    _assert_stock_non_finite(y2, stock_y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_gpu_fp16_gemma_with_activations_past_fp16s_squares_stays_finite_as_stock(model_type, strict):
+    """fp16 Gemma with every default of ours (``kernelize``): a token whose embedding, scaled by
+    sqrt(hidden), puts 24000 into the residual stream (its squares overflow fp16, stock's float32 norms
+    take them) keeps stock's finite logits, as close to float32 as stock fp16's. Where stock itself
+    overflows, the element-wise kernels match it (the tests above); an overflowed stream's NaN then
+    reaches the attention, whose spread over masked keys is the backend's own (sdpa's differs by
+    kernel), so this model-level test stays on the side stock survives."""
+    import copy
+
+    fields = {"tie_word_embeddings": False}  # tied, the token's own logit would overflow in stock
+    fields.update({} if model_type == "gemma" else {"sliding_window": 64})
+    base = families.model(model_type, **fields).cuda()
+    with torch.no_grad():
+        base.model.embed_tokens.weight[7] = 3000.0  # x 8 (sqrt(64)): 24000
+    ids = torch.randint(8, 256, (2, 24), generator=torch.Generator().manual_seed(13)).cuda()
+    ids[0, 10], ids[1, 17] = 7, 7
+    stock_model = copy.deepcopy(base).half()
+    with torch.no_grad(), families.transformers_functions(base), families.transformers_functions(stock_model):
+        want, stock = base(ids).logits.double(), stock_model(ids).logits.double()
+    ours_model = cutile_kernels.kernelize(copy.deepcopy(base).half())
+    before = dispatch.stats()["launches"]
+    with torch.no_grad():
+        got = ours_model(ids).logits.double()
+    assert "rms_norm_gemma" in {v.kernel for v in launched_variants(before)}
+    assert stock.isfinite().all(), "the case no longer stays finite in stock"
+    assert got.isfinite().all()
+    err = [float((x - want).norm() / want.norm()) for x in (got, stock)]
+    assert err[0] <= 1.1 * err[1] + 1e-4, err

@@ -147,7 +147,7 @@ def unpatch_gemma2_attention(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch gemma_add_norm (opt-in): norm, residual add, norm -> norm, one fused add + norm
+# Patch gemma_add_norm (a default since 2026-12-05): norm, residual add, norm -> norm, one fused add + norm
 # ---------------------------------------------------------------------------------------------
 
 #: The pin (in :data:`FAMILY`) of the decoder forward :func:`fused_decoder_forward` reproduces.
@@ -215,7 +215,7 @@ def unpatch_gemma_add_norm(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Patch gemma3_qk_norm_rope (opt-in): Gemma 3 attention's q_norm, k_norm and RoPE on one launch
+# Patch gemma3_qk_norm_rope (a default since 2026-12-05): Gemma 3 attention's q_norm, k_norm and RoPE on one launch
 # ---------------------------------------------------------------------------------------------
 #
 # Estimate, written before the patch (Amdahl), Gemma-3-1B on the H200 (2026-12-01 bench: eager decode

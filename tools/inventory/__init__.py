@@ -300,7 +300,8 @@ def _norm_definitions() -> list[Definition]:
         tags=["family:norm", f"source:transformers@v{TRANSFORMERS_PIN}:{qwen_source}",
               *[f"model:{p}" for p in FUSED_FLOAT_NORM_PRESETS]],
         description=("The decoder layer's residual add followed by RMSNorm in Gemma's rounding order, fused: "
-                     "s = x + residual rounded to the input dtype, then rms_norm_gemma(s) (Qwen3.5's decoder)."),
+                     "s = x + residual rounded to the input dtype, then rms_norm_gemma(s) (Qwen3.5's decoder; "
+                     "Gemma 2 and 3's attention residual add and pre_feedforward_layernorm, patch gemma_add_norm)."),
     )
     olmo_layer_source = "src/transformers/models/olmo2/modeling_olmo2.py::Olmo2DecoderLayer.forward"
     post_add = Definition(
@@ -325,9 +326,10 @@ def _norm_definitions() -> list[Definition]:
 
 
 #: Presets whose norms compute Gemma's order (rms_norm_gemma's Workloads), and their offsets.
-FLOAT_NORM_PRESETS = {"gemma-3-1b": 1.0, "olmo-2-1b": 0.0, "olmo-3-7b": 0.0}
-#: Presets whose decoder fuses the residual add into a Gemma-order norm (add_rms_norm_gemma's).
-FUSED_FLOAT_NORM_PRESETS = {"qwen3.5-0.8b": 1.0, "qwen3.5-27b": 1.0}
+FLOAT_NORM_PRESETS = {"gemma-3-1b": 1.0, "gemma-2-2b": 1.0, "olmo-2-1b": 0.0, "olmo-3-7b": 0.0}
+#: Presets whose decoder fuses the residual add into a Gemma-order norm (add_rms_norm_gemma's):
+#: Qwen3.5's decoder, and Gemma 2 and 3's attention block under patch gemma_add_norm.
+FUSED_FLOAT_NORM_PRESETS = {"qwen3.5-0.8b": 1.0, "qwen3.5-27b": 1.0, "gemma-3-1b": 1.0, "gemma-2-2b": 1.0}
 #: Presets whose post-norm blocks fuse the norm and the residual add (rms_norm_add_gemma's).
 POST_NORM_PRESETS = {"olmo-2-1b": 0.0, "olmo-3-7b": 0.0}
 

@@ -106,6 +106,11 @@ def _inputs(d: Definition, **scalars) -> dict:
 # activation: SiLU and SwiGLU's silu(gate) * up
 # ---------------------------------------------------------------------------------------------
 
+#: The presets whose MLP runs GeGLU on a fused gate/up GEMM (patch fused_gate_up_geglu), for the
+#: Workloads of gelu_tanh_and_mul_fused.
+GEGLU_PRESETS = ("gemma-3-1b", "gemma-2-2b")
+
+
 def _activation() -> list[Entry]:
     ops = _ops("activation")
 
@@ -170,7 +175,7 @@ def _activation() -> list[Entry]:
                                                       "(F.gelu(approximate='tanh')): the activation rounded to the "
                                                       "input dtype, then the product.", "cutile_kernels.ops.activation"),
                                    imports),
-        tags=_tags("activation", gemma_mlp),
+        tags=_tags("activation", gemma_mlp, GEGLU_PRESETS),
         description=("GeGLU on the two halves of a fused gate/up projection with GemmaMLP's rounding order "
                      f"(transformers v{TRANSFORMERS_PIN}, {gemma_mlp}; Gemma 2 and 3 copy it)."),
         constraints=["gate_up_size == 2 * intermediate_size"],
@@ -224,7 +229,7 @@ def _activation() -> list[Entry]:
     return [Entry("activation", pair, rows(pair), [SolutionSpec("silu_and_mul", "silu_and_mul")]),
             Entry("activation", fused, rows(fused), [SolutionSpec("silu_and_mul_fused", "silu_and_mul_fused")]),
             Entry("activation", silu, rows(silu), [SolutionSpec("silu", "silu")]),
-            Entry("activation", geglu, rows(geglu, ("gemma-3-1b",)),
+            Entry("activation", geglu, rows(geglu, GEGLU_PRESETS),
                   [SolutionSpec("gelu_tanh_and_mul_fused", "gelu_tanh_and_mul_fused")]),
             Entry("activation", gate, gate_rows(), [SolutionSpec("sigmoid_and_mul", "sigmoid_and_mul")])]
 
@@ -512,6 +517,11 @@ def _qk_norm_rope() -> Entry:
     return Entry("qk_norm_rope", d, rows, [SolutionSpec("qk_norm_rope", "qk_norm_rope")])
 
 
+#: The presets running qk_norm_rope_gemma: Qwen3.5's attention, and Gemma 3's under patch
+#: gemma3_qk_norm_rope (full rotary).
+QK_NORM_ROPE_GEMMA_PRESETS = ("qwen3.5-0.8b", "qwen3.5-27b", "gemma-3-1b")
+
+
 def _qk_norm_rope_gemma() -> Entry:
     from .. import presets
 
@@ -541,9 +551,10 @@ def _qk_norm_rope_gemma() -> Entry:
             "return qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)",
             _header(src, "q_norm / k_norm (Qwen3_5RMSNorm: GemmaRMSNorm's float32 order with 1 + weight), then the "
                          "partial-rotary apply_rotary_pos_emb(q, k, cos, sin).", "cutile_kernels.ops.qk_norm_rope")),
-        tags=_tags("qk_norm_rope", src, DELTANET_PRESETS),
+        tags=_tags("qk_norm_rope", src, QK_NORM_ROPE_GEMMA_PRESETS),
         description=(f"Qwen3.5's gated attention: per-head zero-centered q/k RMSNorm followed by partial RoPE, fused "
-                     f"(transformers v{TRANSFORMERS_PIN}, {src}: q_norm, k_norm, apply_rotary_pos_emb)."),
+                     f"(transformers v{TRANSFORMERS_PIN}, {src}: q_norm, k_norm, apply_rotary_pos_emb); Gemma 3's "
+                     "attention runs it with full rotary (patch gemma3_qk_norm_rope)."),
         # The math needs the first two; the kernel's tiles the others (a head in chunks of rot_dim / 2,
         # padded to 32, 64 or 128 lanes, at most 256 lanes in all): other shapes take the declared
         # fallback, which evaluate's strict mode would count as an error.
@@ -551,10 +562,11 @@ def _qk_norm_rope_gemma() -> Entry:
                      "head_dim // (rot_dim // 2) * (32 if rot_dim <= 64 else 64 if rot_dim <= 128 else 128) <= 256"],
     )
     rows = []
-    for preset in DELTANET_PRESETS:
+    for preset in QK_NORM_ROPE_GEMMA_PRESETS:
         cfg = presets.PRESETS[preset].config
         m = model_shapes(preset)
-        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+        factor = ((cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+                  or 1.0)  # Gemma 3: full rotary
         for phase, (batch, seq) in PHASES.items():
             rows.append(Workload(axes={"batch": batch, "seq_len": seq, "num_q_heads": m["q_heads"],
                                        "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
