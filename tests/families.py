@@ -56,6 +56,12 @@ FAMILIES = {
 OLMO_KERNEL_HEADS = {"head_dim": 128}
 
 
+def kernel_fields(model_type: str) -> dict:
+    """Fields over ``model_type``'s tiny row under which every default patch of its family applies:
+    :data:`OLMO_KERNEL_HEADS` for the OLMo rows, none for the others."""
+    return OLMO_KERNEL_HEADS if model_type in ("olmo2", "olmo3") else {}
+
+
 def config(model_type: str, layers: int = 3, **fields):
     """The tiny config of ``model_type`` with ``layers`` decoder layers (``fields`` override; a
     callable value is called with ``layers``: a per-layer list)."""

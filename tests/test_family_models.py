@@ -11,12 +11,14 @@ CPU: the load kernelizes as on a GPU (``kernelize_as_on_cuda``) and ``"cutile"``
 so our ops serve the attention calls (and the norms, RoPE, activations) with their reference
 formulas: a left-padded batch's logits on every real position of every row, each row alone as in the
 batch, and greedy generate over both caches give stock's tokens and scores (float32, 1e-4); the
-stock side ran none of our ops and ours ran them in the forward and in each generate.
+stock side ran none of our ops and ours ran them in the forward and in every decode step of each
+generate, in every attention layer.
 
 GPU (bf16, the cubins, ``strict``: no fallback): the left-padded batch's logits and a teacher-forced
 decode over a StaticCache and over a DynamicCache, each against the float32 stock model: relative L2
-and KL within the bench gate's 1.1x of stock bf16's (``tools/bench/runner.py::_checks``) plus a
-small epsilon, and no NaN where stock bf16 has none.
+and KL within 1.25x of stock bf16's plus a small epsilon (the bench gate's rule,
+``tools/bench/runner.py::_checks``, with the other GPU model tests' factor for these few positions), no NaN
+where stock bf16 has none, and every decode step's attention on our kernel.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ ROWS = list(families.FAMILIES)
 CACHES = ("dynamic", "static")
 #: Left-padded prompt lengths on the CPU: the longest outruns every row's sliding window (4).
 LENGTHS = [11, 7, 3]
+#: Tokens each CPU generate makes (its prefill, then one decode step per token after the first).
+GENERATE_STEPS = 6
 
 #: Default patches in effect on every row after from_pretrained, and each row's own on top: a
 #: patch that stops applying fails here (a new default patch does not).
@@ -71,7 +75,7 @@ ROW_PATCHES = {
 def save_row(model_type: str, path, layers: int = 3):
     """The row's seeded float32 model saved at ``path`` (safetensors); OLMo's at the head dim
     olmo2_qk_norm_rope takes (its default patch leaves head dim 16 alone)."""
-    fields = families.OLMO_KERNEL_HEADS if model_type in ("olmo2", "olmo3") else {}
+    fields = families.kernel_fields(model_type)
     families.model(model_type, layers=layers, **fields).save_pretrained(path)
     assert (path / "model.safetensors").is_file()
     return path
@@ -86,6 +90,11 @@ def assert_kernelized(model_type: str, model) -> None:
     applied = patcher.applied(model)
     assert EVERY_ROW | ROW_PATCHES[model_type] <= set(applied), (model_type, applied)
     assert _all_norms_swapped(model)
+
+
+def attention_layers(model) -> int:
+    """The decoder layers with softmax attention (``self_attn``; Qwen3.5's gated DeltaNet layers have none)."""
+    return sum(1 for name, _ in model.named_modules() if name.endswith(".self_attn"))
 
 
 def reset_stats() -> None:
@@ -123,7 +132,7 @@ def test_cpu_padded_batch_and_generate_match_stock(model_type, variant, kerneliz
     reset_stats()
     with families.transformers_functions(stock):  # stock's own functions (kernelize rebinds the shared ones)
         want = forward_logits(stock, ids, mask)
-        want_gen = {cache: generate_scores(stock, ids, mask, cache) for cache in CACHES}
+        want_gen = {cache: generate_scores(stock, ids, mask, cache, steps=GENERATE_STEPS) for cache in CACHES}
     assert merged_stats()["reference_calls"] == {}  # the stock side ran none of our ops
 
     got = forward_logits(ours, ids, mask)
@@ -134,10 +143,12 @@ def test_cpu_padded_batch_and_generate_match_stock(model_type, variant, kerneliz
     for b, n in enumerate(LENGTHS):  # each row alone gives what it gave in the padded batch
         alone = forward_logits(ours, ids[b:b + 1, -n:], mask[b:b + 1, -n:])
         torch.testing.assert_close(alone[0], got[b, -n:], rtol=1e-4, atol=1e-4)
+    layers = attention_layers(ours)
     for cache in CACHES:
         reset_stats()
-        seq, scores = generate_scores(ours, ids, mask, cache)
-        assert merged_stats()["reference_calls"].get("attention", 0) > 0, cache
+        seq, scores = generate_scores(ours, ids, mask, cache, steps=GENERATE_STEPS)
+        # Every decode step's attention on ours, in every attention layer (the prefill's may not be).
+        assert merged_stats()["reference_calls"].get("attention", 0) >= (GENERATE_STEPS - 1) * layers, cache
         assert torch.equal(seq, want_gen[cache][0]), (cache, seq, want_gen[cache][0])
         torch.testing.assert_close(scores, want_gen[cache][1], rtol=1e-4, atol=1e-4)
 
@@ -149,16 +160,17 @@ def test_cpu_padded_batch_and_generate_match_stock(model_type, variant, kerneliz
 #: Left-padded prompt lengths on the GPU, and the teacher-forced decode steps after them.
 GPU_LENGTHS = [40, 29, 9]
 STEPS = 8
-#: The epsilons over the bench gate's 1.1x (stock bf16's relative L2 on these tiny models is
-#: 0.6e-2 to 2e-2, its KL 2e-8 to 2e-5: bf16 on the CPU).
-REL_EPS, KL_EPS = 1e-3, 1e-6
+#: The bound over stock bf16's relative L2 and KL: 1.25x (the other GPU model tests' factor: 24 decode
+#: positions of a 256-token vocab are noisier than the bench's prompts) plus epsilons well under
+#: stock's own (relative L2 0.6e-2 to 2e-2, KL 5e-9 to 2e-5 on these tiny models: bf16 on the CPU).
+RATIO, REL_EPS, KL_EPS = 1.25, 1e-3, 1e-9
 
 
-def forced_decode(model, ids, mask, forced, cache: str) -> torch.Tensor:
+def forced_decode(model, ids, mask, forced, cache: str, after_prefill=None) -> torch.Tensor:
     """Logits (B, K, vocab) float32 of a teacher-forced decode: ``ids`` (B, S) under ``mask``
     prefilled into a new ``cache`` ("dynamic" or "static", room for S + K), then one step per
     column of ``forced`` (B, K), each fed that column's token; row ``j`` is what a forward over
-    ``cat(ids, forced)`` gives at position ``S + j``."""
+    ``cat(ids, forced)`` gives at position ``S + j``; ``after_prefill()`` runs between the two."""
     from transformers import DynamicCache, StaticCache
 
     (B, S), K = ids.shape, forced.shape[1]
@@ -169,6 +181,8 @@ def forced_decode(model, ids, mask, forced, cache: str) -> torch.Tensor:
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=past, use_cache=True,
               cache_position=torch.arange(S, device=ids.device))
+        if after_prefill is not None:
+            after_prefill()
         for j in range(K):
             out = model(input_ids=forced[:, j:j + 1], attention_mask=full[:, :S + j + 1], past_key_values=past,
                         use_cache=True, cache_position=torch.tensor([S + j], device=ids.device))
@@ -190,18 +204,18 @@ def assert_no_new_nan(what: str, ours: torch.Tensor, stock: torch.Tensor) -> Non
 
 
 def assert_as_close_as_stock(what: str, ours: torch.Tensor, stock: torch.Tensor, ref: torch.Tensor) -> None:
-    """The bench gate's rule on ``ours`` and ``stock`` (bf16 logits, (B, S, V)) against ``ref``
-    (float32), and no NaN in ``ours`` where ``stock`` has none."""
+    """The bench gate's rule (with :data:`RATIO`) on ``ours`` and ``stock`` (bf16 logits, (B, S, V))
+    against ``ref`` (float32), and no NaN in ``ours`` where ``stock`` has none."""
     assert_no_new_nan(what, ours, stock)
     o, s = logit_metrics(ours, ref), logit_metrics(stock, ref)
-    assert o["rel_l2_err"] <= 1.1 * s["rel_l2_err"] + REL_EPS, (what, o, s)
-    assert o["kl"] <= 1.1 * s["kl"] + KL_EPS, (what, o, s)
+    assert o["rel_l2_err"] <= RATIO * s["rel_l2_err"] + REL_EPS, (what, o, s)
+    assert o["kl"] <= RATIO * s["kl"] + KL_EPS, (what, o, s)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ROWS)
 def test_gpu_bf16_padded_batch_and_decode_are_as_close_to_float32_as_stock(model_type, tmp_path, strict):
-    """bf16 on the cubins: the bench gate's rule against float32 stock (module docstring)."""
+    """bf16 on the cubins: as close to float32 stock as stock bf16 (module docstring)."""
     path = save_row(model_type, tmp_path, layers=4)
     # The stock sides first, with transformers' own functions (an earlier kernelize in this process
     # rebinds the shared ones; the float32 model would fall back under strict).
@@ -232,8 +246,8 @@ def test_gpu_bf16_padded_batch_and_decode_are_as_close_to_float32_as_stock(model
     assert_as_close_as_stock("prefill", valid(got, mask)[None], valid(base["prefill"], mask)[None],
                              valid(want[:, :S], mask)[None])  # every real position of every row
     for cache in CACHES:
-        reset_stats()
-        got = forced_decode(ours, ids, mask, forced, cache)
-        kernels = launched()
-        assert any("attention" in k for k in kernels), (cache, kernels)  # the decode steps attend on ours
+        got = forced_decode(ours, ids, mask, forced, cache, after_prefill=reset_stats)
+        kernels = launched()  # the decode steps' alone: every attention layer's every step on ours
+        attended = kernels.get("attention", 0) + kernels.get("rope_append_attention", 0)
+        assert attended >= STEPS * attention_layers(ours), (cache, kernels)
         assert_as_close_as_stock(f"{cache} decode", got, base[cache], want[:, S:])

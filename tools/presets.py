@@ -95,11 +95,12 @@ PRESETS = {
             "sliding_window_pattern": 6, "use_cache": True, "vocab_size": 262144,
         }),
         # allenai/OLMo-2-0425-1B: its own config.json was not found with the search tool (2026-12-06).
-        # Every value here is that of the config.json of a fine-tune of it (CodeAtCMU/OLMo-2-0425-1B_
-        # full_sft_code_data_120K_remove_comments, Hub commit c6680f4, transformers 4.52.1 wrote it;
-        # it has use_cache false, a training setting), and the checkpoint's model card and fairseq2's
-        # OLMO2Config (whose defaults are this checkpoint's) agree on the sizes: hidden 2048, MLP 8192,
-        # 16 layers of 16 heads without GQA, vocab 100352, 4096 positions, RoPE theta 5e5, untied.
+        # Every value here but use_cache is that of the config.json of a fine-tune of it
+        # (CodeAtCMU/OLMo-2-0425-1B_full_sft_code_data_120K_remove_comments, Hub commit c6680f4,
+        # written by transformers 4.52.1; its use_cache false is a training setting), and the
+        # checkpoint's model card and fairseq2's OLMO2Config (whose defaults are this checkpoint's) agree
+        # on the sizes: hidden 2048, MLP 8192, 16 layers of 16 heads without GQA, vocab 100352, 4096
+        # positions, RoPE theta 5e5, untied.
         Preset("olmo-2-1b", "allenai/OLMo-2-0425-1B", {
             "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "attention_bias": False,
             "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": 100257, "pad_token_id": 100277,

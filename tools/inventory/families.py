@@ -551,7 +551,9 @@ def _qk_norm_rope_gemma() -> Entry:
             "return qk_norm_rope_gemma_reference(q, k, q_weight, k_weight, eps, cos, sin, offset)",
             _header(src, "q_norm / k_norm (Qwen3_5RMSNorm: GemmaRMSNorm's float32 order with 1 + weight), then the "
                          "partial-rotary apply_rotary_pos_emb(q, k, cos, sin).", "cutile_kernels.ops.qk_norm_rope")),
-        tags=_tags("qk_norm_rope", src, QK_NORM_ROPE_GEMMA_PRESETS),
+        tags=[*_tags("qk_norm_rope", src, QK_NORM_ROPE_GEMMA_PRESETS),
+              f"source:transformers@v{TRANSFORMERS_PIN}:src/transformers/models/gemma3/modeling_gemma3.py::"
+              "Gemma3Attention.forward"],
         description=(f"Qwen3.5's gated attention: per-head zero-centered q/k RMSNorm followed by partial RoPE, fused "
                      f"(transformers v{TRANSFORMERS_PIN}, {src}: q_norm, k_norm, apply_rotary_pos_emb); Gemma 3's "
                      "attention runs it with full rotary (patch gemma3_qk_norm_rope)."),
