@@ -188,6 +188,37 @@ def test_new_definitions_reproduce_transformers():
                                    rtol=1e-5, atol=1e-6)
 
 
+
+def test_window_softcap_attention_reproduces_gemma2s_eager_attention():
+    """attention_window_softcap's run against Gemma 2's eager_attention_forward (v5.22.2) with the
+    sliding-window causal mask of masking_utils, in float32: logits large enough that the softcap
+    bends them, windows that bind (prefill and a decode step past the window), a full layer
+    (window 0) and Gemma 3's case (no softcap)."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gemma2 import modeling_gemma2
+
+    inv = inventory.Inventory.load(INVENTORY)
+    d = inv.definitions["attention_window_softcap"]
+    assert any(t.endswith("gemma2/modeling_gemma2.py::eager_attention_forward") for t in d.tags)
+    run = inventory.load_reference(d)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 4, False
+    torch.manual_seed(0)
+    for sq, skv, window, softcap in ((11, 11, 4, 5.0), (1, 13, 4, 5.0), (11, 11, 0, 5.0), (1, 13, 6, 0.0)):
+        q, k, v = torch.randn(2, 8, sq, 32) * 3, torch.randn(2, 2, skv, 32) * 3, torch.randn(2, 2, skv, 32)
+        rule = sliding_window_causal_mask_function(window) if window else causal_mask_function
+        i = torch.arange(sq).view(sq, 1) + (skv - sq)  # the queries are the last sq positions
+        visible = rule(0, 0, i, torch.arange(skv).view(1, skv))
+        additive = torch.zeros(sq, skv).masked_fill(~visible, float("-inf"))
+        want = modeling_gemma2.eager_attention_forward(module, q, k, v, additive, scaling=0.3,
+                                                       softcap=softcap or None)[0]
+        got = run(q, k, v, 0.3, window, softcap).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if window and skv > window:  # the window binds: plain causal attention differs
+            assert not torch.allclose(run(q, k, v, 0.3, 0, softcap), got.transpose(1, 2), atol=1e-3)
+        if softcap:  # so does the softcap
+            assert not torch.allclose(run(q, k, v, 0.3, window, 0.0), got.transpose(1, 2), atol=1e-3)
+
 def test_every_solution_entry_loads_with_the_definition_inputs():
     inv = inventory.Inventory.load(INVENTORY)
     for s in inv.solutions.values():
@@ -572,6 +603,32 @@ def test_new_families_pass_with_their_ops_and_fail_with_wrong_kernels():
     _failed_at(_family_checks("attention", ATTN_UUIDS, full_tiles_only), "INCORRECT_NUMERICAL", "boundaries",
                "#kv_len=129")
 
+
+
+WINDOW_SOFTCAP_UUIDS = ["gemma-3-1b/decode-b1/sliding/kv1024", "gemma-2-2b/decode-b1/full/kv8192"]
+
+
+def test_window_softcap_attention_passes_with_the_op_and_fails_with_wrong_kernels():
+    """The attention op (on the CPU: its reference) passes attention_window_softcap on Gemma 3's
+    sliding decode (the window binds: 512 of 1024 keys) and Gemma 2's full layer; a kernel that
+    ignores the window, or caps the logits without the division (tanh(s) * c), fails parity."""
+    from cutile_kernels.ops import attention, attention_reference
+
+    def op(q, k, v, scale, window, softcap):
+        return attention(q, k, v, scale=scale, window=window, softcap=softcap)
+    r = _family_checks("attention_window_softcap", WINDOW_SOFTCAP_UUIDS, op)
+    assert r.status == "PASSED", r.message
+    assert [t.workload.uuid for t in r.traces] == WINDOW_SOFTCAP_UUIDS
+    _failed_at(_family_checks("attention_window_softcap", WINDOW_SOFTCAP_UUIDS[:1],
+                              lambda q, k, v, scale, window, softcap: attention_reference(q, k, v, None, scale, True)),
+               "INCORRECT_NUMERICAL", "parity")
+
+    def undivided_cap(q, k, v, scale, window, softcap):
+        # c * tanh(s) for c * tanh(s / c): the queries times c make the reference's cap that
+        return attention_reference(q, k, v, None, scale, True, window or None, None) if not softcap else \
+            attention_reference(q * softcap, k, v, None, scale, True, window or None, softcap)
+    _failed_at(_family_checks("attention_window_softcap", WINDOW_SOFTCAP_UUIDS[1:], undivided_cap),
+               "INCORRECT_NUMERICAL", "parity")
 
 def test_attention_combine_solution_runs_the_split_kernels(monkeypatch):
     """The attention_combine Solution's entry through evaluate on the CPU, its kernels run by the

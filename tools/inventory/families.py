@@ -58,7 +58,8 @@ def entries() -> list[Entry]:
     """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's, Phi-3's partial),
     attention, qk_norm_rope, kv_cache and the RoPE + cache writes, the RoPE + cache write + decode
     attention, then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
-    return [*_activation(), _rope(), _rope_cast(), _rope_partial(), _attention(), _qk_norm_rope(), _qk_norm_rope_gemma(),
+    return [*_activation(), _rope(), _rope_cast(), _rope_partial(), _attention(), _attention_window_softcap(),
+            _qk_norm_rope(), _qk_norm_rope_gemma(),
             _qk_norm_rope_olmo2(), _kv_append(), _rope_append(), _rope_append_partial(), _rope_append_attention(),
             *_gemv(), *_gated_deltanet()]
 
@@ -466,6 +467,72 @@ def _attention() -> Entry:
             f"prebuilt per variant of the build matrix for {', '.join(DEFAULT_ARCHS)}.")),
     ])
 
+
+
+#: The presets whose attention has a sliding window or a logit softcap, routed to our attention op
+#: (patch gemma2_attention, Gemma 3's "cutile" attention): {preset: (window of the sliding layers,
+#: attn_logit_softcapping or 0)}, from the presets' configs.
+WINDOW_SOFTCAP_PRESETS = ("gemma-2-2b", "gemma-3-1b")
+
+
+def _attention_window_softcap() -> Entry:
+    from .. import presets
+
+    ops = _ops("attention")
+    gemma2 = "src/transformers/models/gemma2/modeling_gemma2.py"
+    src = f"{gemma2}::eager_attention_forward"
+    base = _attention().definition
+    axes = dict(base.axes)
+    scalars = {
+        "scale": TensorSpec(shape=None, dtype="float32", description="logit scale (module.scaling: "
+                                                                     "config.query_pre_attn_scalar ** -0.5)"),
+        "window": TensorSpec(shape=None, dtype="int32", description="config.sliding_window on a sliding layer "
+                                                                    "(key j visible to query i when j > i + kv_len - "
+                                                                    "q_len - window), 0 on a full layer"),
+        "softcap": TensorSpec(shape=None, dtype="float32", description="config.attn_logit_softcapping (Gemma 2: "
+                                                                       "softcap * tanh(logit / softcap) before the "
+                                                                       "mask), 0 for none (Gemma 3)"),
+    }
+    what = ("softmax(softcap * tanh(scale * q k^T / softcap), causal lower-right and within the last `window` keys) v "
+            "per query head over its KV head (GQA, K/V not repeated), in float32 from the bf16 inputs; softcap 0 "
+            "or window 0 leave that step out.")
+    d = Definition(
+        name="attention_window_softcap", op_type="gqa_attention", axes=axes,
+        inputs={**{n: base.inputs[n] for n in ("q", "k", "v")}, **scalars},
+        outputs=dict(base.outputs),
+        reference=reference_source(
+            [ops.visible_mask, ops._check, ops.attention_reference], ["q", "k", "v", "scale", "window", "softcap"],
+            "return attention_reference(q, k, v, None, scale, True, window or None, softcap or None)",
+            _header(f"{src} (and the sliding-window causal mask of src/transformers/masking_utils.py)", what,
+                    "cutile_kernels.ops.attention"), ("import math", "import torch")),
+        tags=[*_tags("attention", src, WINDOW_SOFTCAP_PRESETS),
+              f"source:transformers@v{TRANSFORMERS_PIN}:src/transformers/models/gemma3/modeling_gemma3.py::"
+              "Gemma3Attention.forward"],
+        description=("Causal grouped-query attention of Gemma 2's layers (logit softcap; sliding-window and full "
+                     "layers alternating) and Gemma 3's sliding-window layers, as transformers' eager attention "
+                     f"computes it with the sliding-window mask (transformers v{TRANSFORMERS_PIN}, {src}), softmax "
+                     "in float32."),
+        constraints=list(base.constraints),  # (constraints are on axes; window and softcap: >= 0, 0 = none)
+    )
+    rows = []
+    for preset in WINDOW_SOFTCAP_PRESETS:
+        cfg = presets.PRESETS[preset].config
+        m = model_shapes(preset)
+        heads = {"num_q_heads": m["q_heads"], "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]}
+        window, softcap = int(cfg["sliding_window"]), float(cfg.get("attn_logit_softcapping") or 0.0)
+        scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
+        for phase, (batch, seq) in PHASES.items():
+            # Decode past the window (it binds) and the prefill, on a sliding layer; Gemma 2's full layers too.
+            for kv in ((2 * window,) if seq == 1 else (seq,)):
+                for layer, w in (("sliding", window), ("full", 0)) if softcap else (("sliding", window),):
+                    rows.append(Workload(
+                        axes={"batch": batch, **heads, "q_len": seq, "kv_len": kv},
+                        inputs=_inputs(d, scale=scale, window=w, softcap=softcap),
+                        uuid=f"{preset}/{phase}/{layer}" + (f"/kv{kv}" if seq == 1 else "")))
+    return Entry("attention", d, rows, [
+        SolutionSpec("attention", "attention", name="attention_window_softcap_cutile",
+                     body="return _op(q, k, v, scale=scale, window=window, softcap=softcap)"),
+    ])
 
 # ---------------------------------------------------------------------------------------------
 # qk_norm_rope: Qwen3Attention's q_norm / k_norm then apply_rotary_pos_emb
