@@ -321,9 +321,13 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert "no cuTile kernel ran" in report["note"]
     text = capsys.readouterr().out
     assert "no cuTile kernel ran" in text and "skipped liger" in text
-    assert f"decode check: {steps} teacher-forced steps per decode batch size (asked 32:" in " ".join(text.split())
+    assert f"decode check: {steps} teacher-forced steps per decode batch size (of --decode-check-steps 32:" \
+        in " ".join(text.split())
+    # said before the speed table, where a CPU row's noise would read as a speedup
+    assert text.index("no cuTile kernel ran") < text.index("speed: prefill")
     md = (out / "report.md").read_text()
     assert "The gate holds each to stock eager's" in md
+    assert md.index("no cuTile kernel ran") < md.index("## Paths")
     from rich.console import Console
 
     from cutile_kernels_tools.bench import report as report_out

@@ -398,3 +398,25 @@ def test_a_new_preset_says_where_it_is_and_how_to_remove_it(tmp_path, caplog, mo
     said = [r.getMessage() for r in caplog.records if "wrote preset" in r.getMessage()]
     assert len(said) == 1 and str(path) in said[0] and f"rm -r {path}" in said[0] and presets.ENV_CACHE in said[0]
     assert path.parent == tmp_path / "presets" and (path / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's counts follow the code (a new user found two stale ones)
+
+def test_readme_counts_the_variants_and_pins_the_code_has():
+    import re
+
+    from cutile_kernels import kernel_src
+    from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
+    from cutile_kernels.layers import _pins
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    per_arch = len(kernel_src.all_variants())
+    m = re.search(r"compiles all (\d+) kernel variants \((\d+) for each of (\w+) archs\)", readme)
+    assert m, "the README's build sentence changed: update this test"
+    assert (int(m[1]), int(m[2]), m[3]) == (per_arch * len(DEFAULT_ARCHS), per_arch, "four"), m[0]
+    assert len(DEFAULT_ARCHS) == 4
+    import cutile_kernels.layers  # noqa: F401  (the family modules register their pins on import)
+
+    m = re.search(r"\((\d+) pins today\)", readme)
+    assert m and int(m[1]) == len(_pins.PINS), (m and m[0], len(_pins.PINS))

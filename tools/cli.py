@@ -160,7 +160,7 @@ def _publish(args) -> int:
     for revision in plan.revisions:
         files = plan.revision_files(revision)
         print(f"{revision}: {len(files)} files, {publish.human_bytes(sum(f.size for f in files))}")
-        # By folder, not by file (a build is thousands of cubins: 2592 for four archs); the plan file lists every one.
+        # By folder, not by file (a build is thousands of cubins: a few hundred per arch); the plan file lists every one.
         groups: dict[str, list] = {}
         for f in files:
             groups.setdefault(str(Path(f.path_in_repo).parent), []).append(f)

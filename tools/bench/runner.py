@@ -422,6 +422,9 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
     else:
         console.print(escape(f"cutile-kernels bench: {report['model']}"))
         console.print("(medians; --wide: one table with every column and the rooflines)")
+    if "note" in report:  # before the tables: a CPU row's "speedup" is noise between two reference runs
+        console.print(escape(report["note"]))
+    if not wide:
         tables = [Table(title="speed: prefill and TTFT in ms, decode in tokens/s by batch size"),
                   Table(title="correctness against float32 (decode: the decode check's worst rel L2); memory; "
                               "our share of the kernels")]
@@ -457,7 +460,7 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
     steps, asked = report["reference"].get("decode_check_steps"), report["settings"].get("decode_check_steps")
     if decode_checked and steps is not None:
         console.print(escape(f"decode check: {steps} teacher-forced steps per decode batch size" + (
-            f" (asked {asked}: the timed decoders hold the warm-up steps + --decode-steps, or 3)"
+            f" (of --decode-check-steps {asked}: the timed decoders hold the warm-up steps + --decode-steps, or 3)"
             if asked is not None and steps < asked else "")))
     console.print(f"limits on {lim['device']}: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
                   f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s")
@@ -470,7 +473,5 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
         if not g["passed"]:
             console.print(escape(f"gate FAILED for {name}: " + "; ".join(
                 f"{c['metric']} {c['path']:.4g} vs stock {c['stock']:.4g}" for c in g["checks"] if not c["passed"])))
-    if "note" in report:
-        console.print(report["note"])
     if "ungated" in report:
         console.print(report["ungated"])
