@@ -1008,13 +1008,14 @@ def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUC
         warmup, length_bucket, max_caches, graph_factory, cache_kernel: see :class:`DecodeGraphs`.
 
     Returns:
-        The :class:`DecodeGraphs` now installed, or None (and one log line) when the model is not
+        The :class:`DecodeGraphs` now installed, or None (and a warning) when the model is not
         on CUDA and no ``graph_factory`` was given.
     """
     param = next(model.parameters(), None)
     if graph_factory is None and (param is None or param.device.type != "cuda"):
-        logger.info("cutile_kernels: decode graphs need a CUDA model; this one is on %s",
-                    None if param is None else param.device.type)
+        # A warning: asked for by name, and nothing happens (generate() stays as it was).
+        logger.warning("cutile_kernels: decode graphs need a CUDA model; this one is on %s: generate() is unchanged",
+                       None if param is None else param.device.type)
         return None
     disable_decode_graphs(model)
     graphs = DecodeGraphs(model, warmup=warmup, length_bucket=length_bucket, max_caches=max_caches,
