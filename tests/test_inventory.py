@@ -188,7 +188,6 @@ def test_new_definitions_reproduce_transformers():
                                    rtol=1e-5, atol=1e-6)
 
 
-
 def test_window_softcap_attention_reproduces_gemma2s_eager_attention():
     """attention_window_softcap's run against Gemma 2's eager_attention_forward (v5.22.2) with the
     sliding-window causal mask of masking_utils, in float32: logits large enough that the softcap
@@ -604,14 +603,14 @@ def test_new_families_pass_with_their_ops_and_fail_with_wrong_kernels():
                "#kv_len=129")
 
 
-
-WINDOW_SOFTCAP_UUIDS = ["gemma-3-1b/decode-b1/sliding/kv1024", "gemma-2-2b/decode-b1/full/kv8192"]
+WINDOW_SOFTCAP_UUIDS = ["gemma-3-1b/prefill-2048/sliding", "gemma-2-2b/decode-b1/full/kv8192"]
 
 
 def test_window_softcap_attention_passes_with_the_op_and_fails_with_wrong_kernels():
     """The attention op (on the CPU: its reference) passes attention_window_softcap on Gemma 3's
-    sliding decode (the window binds: 512 of 1024 keys) and Gemma 2's full layer; a kernel that
-    ignores the window, or caps the logits without the division (tanh(s) * c), fails parity."""
+    sliding prefill (the window binds: 512 of up to 2048 keys) and Gemma 2's softcapped full layer;
+    a kernel that ignores the window, that ignores the softcap, or that caps without dividing
+    (c * tanh(s) for c * tanh(s / c)) fails."""
     from cutile_kernels.ops import attention, attention_reference
 
     def op(q, k, v, scale, window, softcap):
@@ -620,15 +619,91 @@ def test_window_softcap_attention_passes_with_the_op_and_fails_with_wrong_kernel
     assert r.status == "PASSED", r.message
     assert [t.workload.uuid for t in r.traces] == WINDOW_SOFTCAP_UUIDS
     _failed_at(_family_checks("attention_window_softcap", WINDOW_SOFTCAP_UUIDS[:1],
-                              lambda q, k, v, scale, window, softcap: attention_reference(q, k, v, None, scale, True)),
+                              lambda q, k, v, scale, window, softcap: attention_reference(
+                                  q, k, v, None, scale, True, None, softcap or None)),
                "INCORRECT_NUMERICAL", "parity")
+    # Ignoring a cap of 50 barely shows on standard normal inputs; the boundaries' scaled ones show it.
+    r = _family_checks("attention_window_softcap", ["gemma-2-2b/decode-b1/sliding/kv4096"],
+                       lambda q, k, v, scale, window, softcap: attention_reference(
+                           q, k, v, None, scale, True, window or None, None))
+    assert r.status == "INCORRECT_NUMERICAL" and r.message.split(":")[0] in ("parity", "boundaries"), r.message
 
     def undivided_cap(q, k, v, scale, window, softcap):
-        # c * tanh(s) for c * tanh(s / c): the queries times c make the reference's cap that
-        return attention_reference(q, k, v, None, scale, True, window or None, None) if not softcap else \
-            attention_reference(q * softcap, k, v, None, scale, True, window or None, softcap)
+        # queries times c: the reference's c * tanh(c s / c) is the bug's c * tanh(s)
+        return attention_reference(q * softcap, k, v, None, scale, True, window or None, softcap)
     _failed_at(_family_checks("attention_window_softcap", WINDOW_SOFTCAP_UUIDS[1:], undivided_cap),
                "INCORRECT_NUMERICAL", "parity")
+
+
+def test_window_softcap_workloads_follow_the_presets(monkeypatch):
+    """The Workloads' scale, window and softcap are read from the presets' configs (scale from
+    query_pre_attn_scalar, which both presets set to head_dim, so a change shows it), and a sliding
+    layer's decode reads the window's keys: what its cache holds."""
+    from cutile_kernels_tools import presets
+    from cutile_kernels_tools.inventory import families
+
+    monkeypatch.setitem(presets.PRESETS["gemma-2-2b"].config, "query_pre_attn_scalar", 144)
+    monkeypatch.setitem(presets.PRESETS["gemma-3-1b"].config, "sliding_window", 256)
+    rows = {w.uuid: w for w in families._attention_window_softcap().workloads}
+    g2 = rows["gemma-2-2b/decode-b1/sliding/kv4096"]
+    assert g2.inputs["scale"].value == pytest.approx(1 / 12) and g2.inputs["softcap"].value == 50.0
+    assert g2.inputs["window"].value == 4096 and rows["gemma-2-2b/decode-b1/full/kv8192"].inputs["window"].value == 0
+    g3 = rows["gemma-3-1b/decode-b16/sliding/kv256"]
+    assert g3.inputs["window"].value == 256 and g3.inputs["softcap"].value == 0.0
+    assert g3.axes["kv_len"] == 256 and g3.axes["head_dim"] == 256 and g3.inputs["scale"].value == 1 / 16
+    assert rows["gemma-2-2b/prefill-8192/sliding"].axes["q_len"] == 8192  # past the window: it binds
+
+
+def test_window_softcap_solutions_run_the_kernels(monkeypatch):
+    """attention_window_softcap's kernels through evaluate on the CPU, run by the NumPy cuTile
+    interpreter (float32 copy of the Definition, small shapes, as the combine's
+    test): the window as an argument and as sdpa_mask's boolean mask, with a softcap that bends
+    (logits ~N(0, 8) under a cap of 5), on prefill and decode tiles and every boundary."""
+    from cutile_numpy import emulate
+
+    from cutile_kernels_tools.inventory.fib_schema import ScalarInput
+
+    kattn = importlib.import_module("cutile_kernels.kernel_src.attention")
+    attn_ops = importlib.import_module("cutile_kernels.ops.attention")
+    ran = []
+
+    def emulated_run(kernel, want, args, n_inputs, grid):
+        (spec,) = {s.function: s for s in kattn.VARIANTS
+                   if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
+        emulate(getattr(kattn, spec.function), kattn)(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
+        ran.append(kernel)
+        return True
+
+    monkeypatch.setattr(attn_ops.dispatch, "run", emulated_run)
+    monkeypatch.setattr(attn_ops.dispatch, "sm_count", lambda index: 132)  # an H100's: the decode split's count
+    monkeypatch.setattr(attn_ops, "KERNEL_DTYPES", (torch.float32,))
+    monkeypatch.setattr(evaluate, "SCALES", ())  # float32 softmax at 64x: see the combine's test
+    inv = inventory.Inventory.load(INVENTORY)
+    d = inv.definitions["attention_window_softcap"]
+    d32 = d.model_copy(update={"inputs": {n: t.model_copy(update={"dtype": "float32"} if t.shape else {})
+                                          for n, t in d.inputs.items()},
+                               "outputs": {n: t.model_copy(update={"dtype": "float32"}) for n, t in d.outputs.items()}})
+    base = inv.workloads["attention_window_softcap"][0]
+    scalars = {"scale": ScalarInput(value=0.5), "window": ScalarInput(value=40), "softcap": ScalarInput(value=5.0)}
+    ws = [base.model_copy(update={"axes": axes, "uuid": uuid, "inputs": {**base.inputs, **scalars}}) for uuid, axes in (
+        ("decode", {"batch": 2, "num_q_heads": 8, "num_kv_heads": 2, "q_len": 1, "kv_len": 300, "head_dim": 32}),
+        ("prefill", {"batch": 1, "num_q_heads": 2, "num_kv_heads": 1, "q_len": 130, "kv_len": 130, "head_dim": 32}))]
+
+    def window_argument(q, k, v, scale, window, softcap):
+        # attention_window_softcap_cutile's call (the op, which on a CPU tensor takes its reference)
+        # at the launch: the window as the kernels' argument
+        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        assert attn_ops.attention_into(q, k, v, None, out, scale, True, window or None, softcap or None)
+        return out.transpose(1, 2)
+    mask_tiles = evaluate.load_entry(inv.solutions["attention_window_softcap_mask_tiles_cutile"])
+    for name, entry in (("window argument", window_argument), ("mask tiles", mask_tiles)):
+        ran.clear()
+        r = evaluate.run_checks(d32, entry, ws, "cpu", launches=lambda: len(ran), warmup=1, repeats=1,
+                                result=evaluate.Result(name, d.name, "cpu"))
+        assert r.status == "PASSED", (name, r.message)
+        assert all(t.evaluation.correctness.max_absolute_error < 1e-5 for t in r.traces), name
+        assert "attention" in ran and ("attention_mask_tiles" in ran) == (entry is mask_tiles), (name, set(ran))
+
 
 def test_attention_combine_solution_runs_the_split_kernels(monkeypatch):
     """The attention_combine Solution's entry through evaluate on the CPU, its kernels run by the

@@ -56,8 +56,9 @@ class Entry:
 
 def entries() -> list[Entry]:
     """Every generated entry, in family order (activation, rope (Llama's, OLMo 2's, Phi-3's partial),
-    attention, qk_norm_rope, kv_cache and the RoPE + cache writes, the RoPE + cache write + decode
-    attention, then gated DeltaNet's: gated_delta, conv1d, the gated norm)."""
+    attention (causal; Gemma's window and softcap), qk_norm_rope, kv_cache and the RoPE + cache
+    writes, the RoPE + cache write + decode attention, then gated DeltaNet's: gated_delta, conv1d,
+    the gated norm)."""
     return [*_activation(), _rope(), _rope_cast(), _rope_partial(), _attention(), _attention_window_softcap(),
             _qk_norm_rope(), _qk_norm_rope_gemma(),
             _qk_norm_rope_olmo2(), _kv_append(), _rope_append(), _rope_append_partial(), _rope_append_attention(),
@@ -468,10 +469,9 @@ def _attention() -> Entry:
     ])
 
 
-
 #: The presets whose attention has a sliding window or a logit softcap, routed to our attention op
-#: (patch gemma2_attention, Gemma 3's "cutile" attention): {preset: (window of the sliding layers,
-#: attn_logit_softcapping or 0)}, from the presets' configs.
+#: (patch gemma2_attention, Gemma 3's "cutile" attention); their window, softcap and scale come
+#: from the presets' configs.
 WINDOW_SOFTCAP_PRESETS = ("gemma-2-2b", "gemma-3-1b")
 
 
@@ -512,7 +512,8 @@ def _attention_window_softcap() -> Entry:
                      "layers alternating) and Gemma 3's sliding-window layers, as transformers' eager attention "
                      f"computes it with the sliding-window mask (transformers v{TRANSFORMERS_PIN}, {src}), softmax "
                      "in float32."),
-        constraints=list(base.constraints),  # (constraints are on axes; window and softcap: >= 0, 0 = none)
+        # window and softcap: >= 0, 0 = none (constraints are on axes); head_dim: the kernels' tiles
+        constraints=[*base.constraints, "head_dim <= 256"],
     )
     rows = []
     for preset in WINDOW_SOFTCAP_PRESETS:
@@ -521,18 +522,44 @@ def _attention_window_softcap() -> Entry:
         heads = {"num_q_heads": m["q_heads"], "num_kv_heads": m["kv_heads"], "head_dim": m["head_dim"]}
         window, softcap = int(cfg["sliding_window"]), float(cfg.get("attn_logit_softcapping") or 0.0)
         scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
-        for phase, (batch, seq) in PHASES.items():
-            # Decode past the window (it binds) and the prefill, on a sliding layer; Gemma 2's full layers too.
-            for kv in ((2 * window,) if seq == 1 else (seq,)):
-                for layer, w in (("sliding", window), ("full", 0)) if softcap else (("sliding", window),):
-                    rows.append(Workload(
-                        axes={"batch": batch, **heads, "q_len": seq, "kv_len": kv},
-                        inputs=_inputs(d, scale=scale, window=w, softcap=softcap),
-                        uuid=f"{preset}/{phase}/{layer}" + (f"/kv{kv}" if seq == 1 else "")))
+        context = int(cfg["max_position_embeddings"])
+        # The shapes the models run: a sliding layer's cache holds `window` keys (decode sees them
+        # all); its prefill sees the whole prompt and the window binds once the prompt is longer
+        # (Gemma 2: its whole context); Gemma 2's full layers (softcap, no window) over the context.
+        layers = [("sliding", window, window, min(context, max(2048, 2 * window)))]
+        if softcap:
+            layers.append(("full", 0, context, 2048))
+        for layer, w, decode_kv, prefill in layers:
+            for phase, (batch, seq) in PHASES.items():
+                kv = decode_kv if seq == 1 else prefill
+                name = phase if seq == 1 else f"prefill-{prefill}"
+                rows.append(Workload(
+                    axes={"batch": batch, **heads, "q_len": seq if seq == 1 else prefill, "kv_len": kv},
+                    inputs=_inputs(d, scale=scale, window=w, softcap=softcap),
+                    uuid=f"{preset}/{name}/{layer}" + (f"/kv{kv}" if seq == 1 else "")))
+    # evaluate's boundaries come from the first Workload: a softcapped one, so that their scaled
+    # inputs (standard normal logits are ~N(0, 1), where a cap of 50 is nearly the identity) bend.
+    rows.sort(key=lambda w: w.uuid != "gemma-2-2b/decode-b1/full/kv8192")
+    masked = (
+        "from cutile_kernels.ops.attention import visible_mask\n\n"
+        "B, Hq, Sq, D = q.shape\n"
+        "# the window as the model's prefill passes it: in sdpa_mask's boolean mask\n"
+        "mask = visible_mask(B, Sq, k.shape[2], None, True, window or None, device=q.device)\n"
+        "out = q.new_empty(B, Sq, Hq, D)\n"
+        "if not _op(q, k, v, mask, out, scale, causal=False, softcap=softcap or None):\n"
+        "    raise RuntimeError('attention_into: no cuTile path for these inputs')\n"
+        "return out.transpose(1, 2)\n")
     return Entry("attention", d, rows, [
         SolutionSpec("attention", "attention", name="attention_window_softcap_cutile",
                      body="return _op(q, k, v, scale=scale, window=window, softcap=softcap)"),
+        SolutionSpec("attention_mask_tiles", "attention_into", name="attention_window_softcap_mask_tiles_cutile",
+                     body=masked, description=(
+                         "cuTile kernels attention_mask_tiles_kernel and the prefill attention, with the causal "
+                         "sliding window passed as a boolean mask as transformers' sdpa_mask builds it for the "
+                         "model's prefill (the window argument stays unset there), the softcap as an argument "
+                         "(kernel_src/attention.py).")),
     ])
+
 
 # ---------------------------------------------------------------------------------------------
 # qk_norm_rope: Qwen3Attention's q_norm / k_norm then apply_rotary_pos_emb
