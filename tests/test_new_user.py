@@ -406,6 +406,7 @@ def test_a_new_preset_says_where_it_is_and_how_to_remove_it(tmp_path, caplog, mo
 def test_readme_counts_the_variants_and_pins_the_code_has():
     import re
 
+    import cutile_kernels.layers  # noqa: F401  (the family modules register their pins on import)
     from cutile_kernels import kernel_src
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
     from cutile_kernels.layers import _pins
@@ -416,7 +417,5 @@ def test_readme_counts_the_variants_and_pins_the_code_has():
     assert m, "the README's build sentence changed: update this test"
     assert (int(m[1]), int(m[2]), m[3]) == (per_arch * len(DEFAULT_ARCHS), per_arch, "four"), m[0]
     assert len(DEFAULT_ARCHS) == 4
-    import cutile_kernels.layers  # noqa: F401  (the family modules register their pins on import)
-
     m = re.search(r"\((\d+) pins today\)", readme)
     assert m and int(m[1]) == len(_pins.PINS), (m and m[0], len(_pins.PINS))
