@@ -218,6 +218,7 @@ def test_window_softcap_attention_reproduces_gemma2s_eager_attention():
         if softcap:  # so does the softcap
             assert not torch.allclose(run(q, k, v, 0.3, window, 0.0), got.transpose(1, 2), atol=1e-3)
 
+
 def test_every_solution_entry_loads_with_the_definition_inputs():
     inv = inventory.Inventory.load(INVENTORY)
     for s in inv.solutions.values():
