@@ -88,6 +88,14 @@ def model(model_type: str, dtype=torch.float32, layers: int = 3, attn: str | Non
     return m.to(dtype).eval()
 
 
+
+def save_kernel_row(model_type: str, path, layers: int = 3):
+    """``model_type``'s seeded float32 model, at :func:`kernel_fields` (every default patch of its
+    family applies), saved at ``path`` (safetensors) as a checkpoint to load; returns ``path``."""
+    model(model_type, layers=layers, **kernel_fields(model_type)).save_pretrained(path)
+    assert (path / "model.safetensors").is_file()
+    return path
+
 @contextlib.contextmanager
 def transformers_functions(model):
     """``model`` runs transformers' own code in its hub-function modules (``apply_rotary_pos_emb``

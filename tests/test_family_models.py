@@ -72,15 +72,6 @@ ROW_PATCHES = {
 }
 
 
-def save_row(model_type: str, path, layers: int = 3):
-    """The row's seeded float32 model saved at ``path`` (safetensors); OLMo's at the head dim
-    olmo2_qk_norm_rope takes (its default patch leaves head dim 16 alone)."""
-    fields = families.kernel_fields(model_type)
-    families.model(model_type, layers=layers, **fields).save_pretrained(path)
-    assert (path / "model.safetensors").is_file()
-    return path
-
-
 def load(path, **kw):
     return AutoModelForCausalLM.from_pretrained(path, **kw).eval()
 
@@ -120,7 +111,7 @@ def route_as_on_a_gpu(monkeypatch) -> None:
 @pytest.mark.parametrize("model_type", ROWS)
 def test_cpu_padded_batch_and_generate_match_stock(model_type, variant, kernelize_as_on_cuda, tmp_path, monkeypatch):
     """Float32, our ops' reference formulas: stock's logits, tokens and scores (module docstring)."""
-    path = save_row(model_type, tmp_path)
+    path = families.save_kernel_row(model_type, tmp_path)
     stock = load(path)
     ours = load(path, use_kernels=True, kernel_config=cutile_kernels.kernel_config(build_dir=variant.parent))
     assert_kernelized(model_type, ours)
@@ -216,7 +207,7 @@ def assert_as_close_as_stock(what: str, ours: torch.Tensor, stock: torch.Tensor,
 @pytest.mark.parametrize("model_type", ROWS)
 def test_gpu_bf16_padded_batch_and_decode_are_as_close_to_float32_as_stock(model_type, tmp_path, strict):
     """bf16 on the cubins: as close to float32 stock as stock bf16 (module docstring)."""
-    path = save_row(model_type, tmp_path, layers=4)
+    path = families.save_kernel_row(model_type, tmp_path, layers=4)
     # The stock sides first, with transformers' own functions (an earlier kernelize in this process
     # rebinds the shared ones; the float32 model would fall back under strict).
     ref = load(path, dtype=torch.float32, device_map="cuda")

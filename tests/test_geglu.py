@@ -149,7 +149,6 @@ def test_gpu_patched_gemma_is_as_close_to_float32_as_stock(strict):
     assert ours_rel <= 1.1 * stock_rel, (ours_rel, stock_rel)
 
 
-
 def _overflowing_gate_up(rows: int, n: int, device="cpu"):
     """fp16 fused gate/up rows past fp16's range: a gate or product past 65504, gates of +-inf and
     NaN, an inf up, and a product that overflows where its factors do not."""

@@ -604,6 +604,35 @@ def test_new_families_pass_with_their_ops_and_fail_with_wrong_kernels():
                "#kv_len=129")
 
 
+def _emulated_attention(monkeypatch):
+    """The attention op's launches run by the NumPy cuTile interpreter (tests/cutile_numpy.py: logic,
+    not bf16 numerics), in float32, the dtype it computes in. Returns (the ops module, the list of
+    kernels launched, appended to on each launch)."""
+    from cutile_numpy import emulate
+
+    kattn = importlib.import_module("cutile_kernels.kernel_src.attention")
+    attn_ops = importlib.import_module("cutile_kernels.ops.attention")  # the package re-exports `attention`
+    ran = []
+
+    def emulated_run(kernel, want, args, n_inputs, grid):
+        (spec,) = {s.function: s for s in kattn.VARIANTS  # bf16 and fp16 variants run the same code
+                   if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
+        emulate(getattr(kattn, spec.function), kattn)(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
+        ran.append(kernel)
+        return True
+
+    monkeypatch.setattr(attn_ops.dispatch, "run", emulated_run)
+    monkeypatch.setattr(attn_ops, "KERNEL_DTYPES", (torch.float32,))
+    return attn_ops, ran
+
+
+def _float32_copy(d):
+    """Definition ``d`` with its tensors (not its scalars) in float32: what the interpreter computes."""
+    return d.model_copy(update={
+        "inputs": {n: t.model_copy(update={"dtype": "float32"} if t.shape else {}) for n, t in d.inputs.items()},
+        "outputs": {n: t.model_copy(update={"dtype": "float32"}) for n, t in d.outputs.items()}})
+
+
 WINDOW_SOFTCAP_UUIDS = ["gemma-3-1b/prefill-2048/sliding", "gemma-2-2b/decode-b1/full/kv8192"]
 
 
@@ -660,30 +689,14 @@ def test_window_softcap_solutions_run_the_kernels(monkeypatch):
     interpreter (float32 copy of the Definition, small shapes, as the combine's
     test): the window as an argument and as sdpa_mask's boolean mask, with a softcap that bends
     (logits ~N(0, 8) under a cap of 5), on prefill and decode tiles and every boundary."""
-    from cutile_numpy import emulate
-
     from cutile_kernels_tools.inventory.fib_schema import ScalarInput
 
-    kattn = importlib.import_module("cutile_kernels.kernel_src.attention")
-    attn_ops = importlib.import_module("cutile_kernels.ops.attention")
-    ran = []
-
-    def emulated_run(kernel, want, args, n_inputs, grid):
-        (spec,) = {s.function: s for s in kattn.VARIANTS
-                   if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
-        emulate(getattr(kattn, spec.function), kattn)(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
-        ran.append(kernel)
-        return True
-
-    monkeypatch.setattr(attn_ops.dispatch, "run", emulated_run)
+    attn_ops, ran = _emulated_attention(monkeypatch)
     monkeypatch.setattr(attn_ops.dispatch, "sm_count", lambda index: 132)  # an H100's: the decode split's count
-    monkeypatch.setattr(attn_ops, "KERNEL_DTYPES", (torch.float32,))
     monkeypatch.setattr(evaluate, "SCALES", ())  # float32 softmax at 64x: see the combine's test
     inv = inventory.Inventory.load(INVENTORY)
     d = inv.definitions["attention_window_softcap"]
-    d32 = d.model_copy(update={"inputs": {n: t.model_copy(update={"dtype": "float32"} if t.shape else {})
-                                          for n, t in d.inputs.items()},
-                               "outputs": {n: t.model_copy(update={"dtype": "float32"}) for n, t in d.outputs.items()}})
+    d32 = _float32_copy(d)
     base = inv.workloads["attention_window_softcap"][0]
     scalars = {"scale": ScalarInput(value=0.5), "window": ScalarInput(value=40), "softcap": ScalarInput(value=5.0)}
     ws = [base.model_copy(update={"axes": axes, "uuid": uuid, "inputs": {**base.inputs, **scalars}}) for uuid, axes in (
@@ -711,30 +724,14 @@ def test_attention_combine_solution_runs_the_split_kernels(monkeypatch):
     NumPy cuTile interpreter (tests/cutile_numpy.py: logic, not bf16 numerics, so on a float32 copy
     of the Definition at small shapes): the forced split, the combine and the output layout
     compute the Definition, on prefill and decode tiles and every boundary."""
-    from cutile_numpy import emulate
-
-    kattn = importlib.import_module("cutile_kernels.kernel_src.attention")
-    attn_ops = importlib.import_module("cutile_kernels.ops.attention")  # the package re-exports `attention`
-    ran = []
-
-    def emulated_run(kernel, want, args, n_inputs, grid):
-        (spec,) = {s.function: s for s in kattn.VARIANTS  # bf16 and fp16 variants run the same code
-                   if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
-        emulate(getattr(kattn, spec.function), kattn)(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
-        ran.append(kernel)
-        return True
-
-    monkeypatch.setattr(attn_ops.dispatch, "run", emulated_run)
-    monkeypatch.setattr(attn_ops, "KERNEL_DTYPES", (torch.float32,))  # what the interpreter computes in
+    attn_ops, ran = _emulated_attention(monkeypatch)
     # No scaled inputs: at 64x, logits reach ~1e4 and a float32 softmax is ill-conditioned (seen:
     # the float32 reference 0.04 from exact, the interpreted kernel 0.12, outputs ~200); in float32
     # evaluate's criterion (no worse than the reference against itself) cannot pass. The bf16
     # Definition on the GPU judges that case with bf16's tolerance.
     monkeypatch.setattr(evaluate, "SCALES", ())
     inv = inventory.Inventory.load(INVENTORY)
-    d = inv.definitions["attention"]
-    d32 = d.model_copy(update={"inputs": {n: t.model_copy(update={"dtype": "float32"}) for n, t in d.inputs.items()},
-                               "outputs": {n: t.model_copy(update={"dtype": "float32"}) for n, t in d.outputs.items()}})
+    d32 = _float32_copy(inv.definitions["attention"])
     base = inv.workloads["attention"][0]
     ws = [base.model_copy(update={"axes": axes, "uuid": uuid}) for uuid, axes in (
         ("decode", {"batch": 2, "num_q_heads": 8, "num_kv_heads": 2, "q_len": 1, "kv_len": 300, "head_dim": 64}),

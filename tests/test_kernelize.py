@@ -489,8 +489,7 @@ def test_every_family_kernelized_by_from_pretrained_saves_its_checkpoint(model_t
     every default hub layer and patch of ``kernel_config()`` (stacked projections, fused norms, our
     attention and cache writes) and run (a prefill and a cached step), saves the checkpoint it was
     loaded from: the same keys, dtypes, shapes and bytes."""
-    fields = families.kernel_fields(model_type)
-    families.model(model_type, **fields).save_pretrained(tmp_path / "stock")
+    families.save_kernel_row(model_type, tmp_path / "stock")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "stock", use_kernels=True,
                                                  kernel_config=cutile_kernels.kernel_config(build_dir=variant.parent))
     applied = patcher.applied(model.eval())

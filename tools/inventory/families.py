@@ -386,6 +386,20 @@ def _rope_partial() -> Entry:
 FORCED_SPLITS = 4
 
 
+def _masked_body(window: str = "", softcap: str = "") -> str:
+    """The body of a Solution that passes the causal rule (and ``window``, the extra arguments of
+    ``visible_mask`` as source text) to ``attention_into`` as a boolean mask, as transformers'
+    sdpa_mask hands it to the attention function; ``softcap`` likewise for ``attention_into``."""
+    return ("from cutile_kernels.ops.attention import visible_mask\n\n"
+            "B, Hq, Sq, D = q.shape\n"
+            f"mask = visible_mask(B, Sq, k.shape[2], None, True{window}, device=q.device)  "
+            "# the causal rule as a boolean mask\n"
+            "out = q.new_empty(B, Sq, Hq, D)\n"
+            f"if not _op(q, k, v, mask, out, scale, causal=False{softcap}):\n"
+            "    raise RuntimeError('attention_into: no cuTile path for these inputs')\n"
+            "return out.transpose(1, 2)\n")
+
+
 def _attention() -> Entry:
     from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
     ops = _ops("attention")
@@ -445,14 +459,7 @@ def _attention() -> Entry:
         f"if not _op(q, k, v, None, out, scale, causal=True, splits={FORCED_SPLITS}):\n"
         "    raise RuntimeError('attention_into: no cuTile path for these inputs')\n"
         "return out.transpose(1, 2)\n")
-    masked = (
-        "from cutile_kernels.ops.attention import visible_mask\n\n"
-        "B, Hq, Sq, D = q.shape\n"
-        "mask = visible_mask(B, Sq, k.shape[2], None, True, device=q.device)  # the causal rule as a boolean mask\n"
-        "out = q.new_empty(B, Sq, Hq, D)\n"
-        "if not _op(q, k, v, mask, out, scale, causal=False):\n"
-        "    raise RuntimeError('attention_into: no cuTile path for these inputs')\n"
-        "return out.transpose(1, 2)\n")
+    masked = _masked_body()
     return Entry("attention", d, rows, [
         SolutionSpec("attention", "attention", body="return _op(q, k, v, scale=scale)"),
         SolutionSpec("attention_mask_tiles", "attention_into", body=masked, description=(
@@ -540,15 +547,8 @@ def _attention_window_softcap() -> Entry:
     # evaluate's boundaries come from the first Workload: a softcapped one, so that their scaled
     # inputs (standard normal logits are ~N(0, 1), where a cap of 50 is nearly the identity) bend.
     rows.sort(key=lambda w: w.uuid != "gemma-2-2b/decode-b1/full/kv8192")
-    masked = (
-        "from cutile_kernels.ops.attention import visible_mask\n\n"
-        "B, Hq, Sq, D = q.shape\n"
-        "# the window as the model's prefill passes it: in sdpa_mask's boolean mask\n"
-        "mask = visible_mask(B, Sq, k.shape[2], None, True, window or None, device=q.device)\n"
-        "out = q.new_empty(B, Sq, Hq, D)\n"
-        "if not _op(q, k, v, mask, out, scale, causal=False, softcap=softcap or None):\n"
-        "    raise RuntimeError('attention_into: no cuTile path for these inputs')\n"
-        "return out.transpose(1, 2)\n")
+    # the window as the model's prefill passes it: in sdpa_mask's boolean mask
+    masked = _masked_body(window=", window or None", softcap=", softcap=softcap or None")
     return Entry("attention", d, rows, [
         SolutionSpec("attention", "attention", name="attention_window_softcap_cutile",
                      body="return _op(q, k, v, scale=scale, window=window, softcap=softcap)"),
