@@ -28,7 +28,7 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_tracing
 from torch.nn.utils import parametrize
 
-from ..ops.gemv import linear
+from ..ops.gemv import linear, prepare_split_k
 from ._fusion import linear_problem
 from ._patching import Patch, forward_replaced, own_forward_on_instance
 
@@ -94,6 +94,8 @@ def patch_linears(model: nn.Module) -> int:
             del m.__dict__["forward"]
         m.__class__ = CutileGemvLinear
         new += 1
+        if m.weight.is_cuda and not torch.cuda.is_current_stream_capturing():
+            prepare_split_k(m.weight.device)  # once a device: the counts of the split-K GEMV's launches
     if new:
         logger.info("cutile_kernels: patch gemv: one-row inputs of %d nn.Linear on the cuTile GEMV", new)
     for why, n in refused.items():

@@ -129,6 +129,31 @@ def scatter(arr, indices, value, mask=None, check_bounds=True, **_hints):
     arr[tuple(i[valid] for i in idx)] = value[valid]
 
 
+def _atomic(arr, indices, update, check_bounds, combine):
+    # Blocks run one after another here, so each element's read-modify-write is atomic by construction.
+    idx, valid = _element_indices(arr, indices, check_bounds, None)
+    update = np.broadcast_to(np.asarray(update), valid.shape)
+    if update.dtype.kind != arr.dtype.kind:
+        raise UndefinedBehaviour(f"atomic update of {update.dtype} on {arr.dtype}")
+    old = np.zeros(valid.shape, dtype=arr.dtype)
+    for pos in zip(*np.nonzero(valid)) if valid.ndim else [()] * bool(valid):
+        at = tuple(int(i[pos]) for i in idx)  # one element at a time: a repeated index counts each time
+        old[pos] = arr[at]
+        arr[at] = combine(arr[at], update[pos])
+    return old if old.ndim else old[()]
+
+
+def atomic_add(arr, indices, update, check_bounds=True, **_order):
+    """The old values; adds ``update`` at element indices (cuTile's atomic_add; no memory-order
+    effects here: the blocks of an emulated grid run one at a time)."""
+    return _atomic(arr, indices, update, check_bounds, lambda a, u: a + u)
+
+
+def atomic_xchg(arr, indices, update, check_bounds=True, **_order):
+    """The old values; stores ``update`` at element indices (cuTile's atomic_xchg)."""
+    return _atomic(arr, indices, update, check_bounds, lambda a, u: u)
+
+
 def store(arr, index, tile, order="C", **_hints):
     a = _view(arr, order)
     tile = np.asarray(tile)
@@ -307,15 +332,18 @@ def _module_env(module, envs: dict) -> dict:
 def emulate(kernel, module):
     """A callable ``run(grid, args)`` executing ``kernel`` (a ``@ct.kernel`` of ``module``) on
     NumPy; ``args`` as ``ct.launch`` takes them (constants included), tensors as torch CPU tensors
-    of a NumPy-convertible dtype."""
+    of a NumPy-convertible dtype; ``run(grid, args, order=f)`` runs the blocks in the order ``f``
+    gives their list (one at a time: an atomic is a plain read-modify-write here)."""
     fn = _rebind(kernel._pyfunc, _module_env(module, {}))
 
-    def run(grid, args):
+    def run(grid, args, order=None):
+        # ``order``: maps the list of blocks to the order they run in (a GPU promises none).
         global _block, _grid
         arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
         grid = tuple(grid) + (1,) * (3 - len(grid))
         _grid = grid
-        for blk in itertools.product(*(range(g) for g in grid)):
+        blocks = list(itertools.product(*(range(g) for g in grid)))
+        for blk in order(blocks) if order is not None else blocks:
             _block = blk
             fn(*arrays)
 

@@ -118,6 +118,79 @@ def test_variants_cover_the_chosen_tiles_in_both_dtypes():
     assert gops.tile_for(3072, 2048) is None and gops.tile_for(151936, 1024) is None  # cuBLAS's
 
 
+@pytest.mark.parametrize("n,k,tile", [(40, 64, (16, 16, 2)), (33, 128, (8, 16, 4)), (1, 32, (16, 16, 2)),
+                                      (300, 2304, (16, 256, 4)), (24, 80, (8, 16, 4)), (24, 48, (8, 16, 4))],
+                         ids=["ragged-n", "one-partial-block", "one-output", "9-tiles-4-ways", "5-tiles-4-ways",
+                              "3-tiles-4-ways"])
+def test_emulated_split_k_kernel_matches_the_product_in_any_block_order(n, k, tile):
+    """``gemv_splitk``'s logic on the CPU: whichever block of an output tile arrives last adds the
+    partial rows in index order, so the result is the same bit for bit in any arrival order (here
+    in order, reversed and shuffled), equals the product, and leaves every count at zero for the
+    next launch; a count left nonzero by a broken launch shows as a wrong sum."""
+    import random
+
+    from cutile_numpy import emulate
+
+    bn, bk, split = tile
+    x, w, _ = _operands(n, k)
+    want = (x[0].double() @ w.double().T).float()
+    run = emulate(kgemv.gemv_splitk_kernel, kgemv)
+    part = torch.full((split, n), float("nan"))
+    counts = torch.zeros(-(-n // bn), dtype=torch.int32)
+    outs = []
+    for order in (None, lambda b: b[::-1], lambda b: random.Random(n).sample(b, len(b))):
+        out = torch.full((1, n), float("nan"))
+        run((-(-n // bn), split), (x[0], w, out, part, counts, bn, bk, split), order=order)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert not counts.any()
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    # A count left at 1 (a launch stopped half-way): the next launch's first block of tile 0 takes
+    # itself for the last and reads a partial row not written yet (NaN here), and the count stays off.
+    counts[0] = 1
+    part.fill_(float("nan"))
+    out = torch.full((1, n), float("nan"))
+    run((-(-n // bn), split), (x[0], w, out, part, counts, bn, bk, split))
+    assert torch.isnan(out[0, :bn]).all() and counts[0] != 0
+    torch.testing.assert_close(out[0, bn:], want[0, bn:], rtol=1e-5, atol=1e-5)
+
+
+#: The split-K routing table the GPU tests and the model A/B try (ops.gemv.SPLIT_BY_N ships empty).
+SPLIT_CANDIDATE = ((2048, (16, 256, 4)),)
+
+
+def test_split_k_tiles_are_built_and_routed(monkeypatch):
+    built = {(s.params[0].dtype, s.constants["BN"], s.constants["BK"], s.constants["SPLIT"])
+             for s in kgemv.VARIANTS if s.kernel == "gemv_splitk"}
+    assert built == {(d, *t) for d in ("bfloat16", "float16") for t in kgemv.SPLIT_TILES}
+    assert gops.split_for(2048, 2048) is None or gops.SPLIT_BY_N  # shipped: empty, nothing split
+    monkeypatch.setattr(gops, "SPLIT_BY_N", SPLIT_CANDIDATE)
+    for _, tile in gops.SPLIT_BY_N:
+        assert tile in kgemv.SPLIT_TILES
+    for n, k in [(2048, 2048), (2048, 8192), (1024, 3072), (1024, 2048), (1536, 8960)]:
+        assert gops.split_for(n, k) is not None
+    assert gops.split_for(3072, 2048) is None  # wider than the table: cuBLAS's
+    assert gops.split_for(2048, 512) is None  # 2 tiles of K: fewer than the split
+
+
+def test_split_k_needs_prepared_counts_and_gives_each_weight_its_own(monkeypatch):
+    """No counts before :func:`prepare_split_k` (the op then takes the unsplit GEMV); afterwards each
+    weight gets its own slots, the same ones every call, and slots run out into the unsplit GEMV."""
+    assert gops.prepare_split_k("cpu") is False
+    w1, w2 = torch.empty(2048, 64), torch.empty(1024, 64)
+    monkeypatch.setattr(gops, "_COUNTS", {})
+    monkeypatch.setattr(gops, "_COUNT_SLOTS", {})
+    assert gops._counts_for(w1, 128) is None
+    gops._COUNTS[w1.device.index] = [torch.zeros(300, dtype=torch.int32), 0]  # a small prepared pool
+    monkeypatch.setattr(gops, "COUNT_SLOTS", 300)
+    a = gops._counts_for(w1, 128)
+    b = gops._counts_for(w2, 64)
+    assert a.shape == (128,) and b.shape == (64,) and a.data_ptr() != b.data_ptr()
+    assert gops._counts_for(w1, 128).data_ptr() == a.data_ptr()
+    assert b.data_ptr() == a.data_ptr() + 128 * 4  # next to each other, not overlapping
+    assert gops._counts_for(torch.empty(2048, 32), 128) is None  # 320 > 300 slots: unsplit
+
+
 def test_router_conditions(monkeypatch):
     """What the router sends to the op while a step is compiled or captured (both stand-ins here):
     one contiguous 16-bit row of a plain tensor, K a multiple of 16, N <= 2048; else F.linear."""
@@ -516,6 +589,78 @@ def test_gpu_router_runs_the_gemv_only_in_a_captured_step(strict):
     torch.cuda.synchronize()
     assert _launches("gemv") == 1
     assert _rel(out, x.double() @ w.double().T) <= max(1.5 * _rel(eager, x.double() @ w.double().T), 4e-3)
+
+
+#: Split-K cases: (N, K) and tile; ragged N, the presets' o_proj / down_proj, one output.
+SPLIT_CASES = [((2048, 2048), (16, 256, 4)), ((2048, 8192), (16, 256, 4)), ((1024, 3072), (16, 256, 4)),
+               ((1001, 2048), (16, 256, 4)),
+               ((1, 1024), (16, 256, 4)), ((2040, 4096), (8, 256, 4)), ((2048, 8192), (16, 128, 4)),
+               ((1024, 2048), (16, 256, 2)), ((1536, 8960), (16, 256, 4)), ((1536, 1536), (16, 256, 4))]
+
+
+@pytest.fixture
+def split_counts(monkeypatch):
+    monkeypatch.setattr(gops, "SPLIT_BY_N", SPLIT_CANDIDATE)
+    assert gops.prepare_split_k("cuda")
+    pool = gops._COUNTS[torch.cuda.current_device()][0]
+    yield pool
+    assert not pool.any(), "a split-K launch left an arrival count nonzero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape,tile", SPLIT_CASES, ids=str)
+def test_gpu_split_k_matches_a_float64_product_and_repeats_bit_for_bit(shape, tile, dtype, split_counts, strict):
+    """``gemv_splitk`` on a NaN-poisoned output against a float64 product, within 1.5x cuBLAS's error;
+    200 more launches (each on a freshly poisoned output) equal the first bit for bit: the last
+    block of each output tile adds the partial rows in one order whatever the arrival order, and a
+    race in the hand-over (a partial row read before it is visible) would show as a differing
+    launch. Every arrival count is back at zero afterwards (the fixture)."""
+    n, k = shape
+    x, w, _ = _operands(n, k, dtype, "cuda", seed=n + k)
+    want = x[0].double() @ w.double().T
+    out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
+    dispatch.reset_stats()
+    assert gops.gemv_splitk_into(x[0], w, out, tile)
+    assert _launches("gemv_splitk") == 1
+    first = out.clone()
+    assert torch.isfinite(first).all()
+    assert _rel(first, want) <= max(1.5 * _rel(F.linear(x[0], w), want), 4e-3)
+    differ = torch.zeros((), device="cuda", dtype=torch.int64)
+    for _ in range(200):
+        out.fill_(float("nan"))
+        gops.gemv_splitk_into(x[0], w, out, tile)
+        differ += (out != first).sum()
+    assert differ.item() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_in_the_op_in_a_graph_and_its_fallbacks(split_counts, strict):
+    """The op takes ``gemv_splitk`` for a routed shape once the counts are prepared (one launch, no
+    unsplit GEMV), also inside a captured graph replayed over fresh inputs; a K of fewer tiles than
+    the split takes the unsplit GEMV."""
+    n, k = 2048, 2048
+    _, w, _ = _operands(n, k, torch.bfloat16, "cuda")
+    big = torch.randn(1, 1, 3 * k, device="cuda", dtype=torch.bfloat16)
+    x = big[..., k:2 * k]  # an offset view
+    dispatch.reset_stats()
+    got = cutile_kernels.gemv(x, w)
+    assert _launches("gemv_splitk") == 1 and _launches("gemv") == 1
+    assert _rel(got, x.double() @ w.double().T) < 4e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cutile_kernels.gemv(x, w)
+    for seed in range(3):
+        big.copy_(torch.randn(big.shape, generator=torch.Generator().manual_seed(seed)).to(big))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out, x.double() @ w.double().T) < 4e-3
+    x9, w9, _ = _operands(n, 3 * 256, torch.bfloat16, "cuda")
+    dispatch.reset_stats()
+    got = cutile_kernels.gemv(x9, w9)
+    assert _launches("gemv_splitk") == 0 and _launches("gemv") == 1
+    assert _rel(got, x9.double() @ w9.double().T) < 4e-3
 
 
 def _captured_step(model: tuple, patches: list) -> tuple:

@@ -11,7 +11,10 @@ fast-path profile it is the second-largest kernel time (231 us of a 1157 us repl
 down_proj), with the stacked q/k/v still on cuBLAS at ~2 TB/s (97 us). A one-row projection is a
 stream of the weight: what limits it is the bytes each multiprocessor has in flight. The candidates
 vary that: the tile, the ``latency`` hint of the weight load, a per-tile row sum (a (BN,)
-accumulator, so wider tiles fit in registers), two blocks a multiprocessor, eight warps.
+accumulator, so wider tiles fit in registers), two blocks a multiprocessor, eight warps; and K split
+across blocks (the shipped ``gemv_splitk_kernel``, SPLITK's tiles), each such candidate also launched
+300 more times against its first output bit for bit, its arrival counts back at zero. ``export`` with
+``GEMV_SWEEP_SET=splitk`` compiles the shipped tiles and the split-K ones only.
 
 ``run`` takes every candidate on the presets' projections (``gemv_bench.SHAPES``, each call reading
 another copy of the weight so that nothing comes from L2), poisons the output with NaN, checks it
@@ -22,6 +25,7 @@ CUDA-graph replays next to ``F.linear`` (cuBLAS).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from cutile_kernels_tools.timing import graph_us
@@ -37,14 +41,21 @@ FUNCTIONS = [
     ("gemv_rowsum_occ2_kernel", EXP, "rowsum.occ2", ((8, 512), (16, 512), (8, 1024)), (4,)),
     ("gemv_rowsum_w8_kernel", EXP, "rowsum.w8", ((16, 1024), (32, 512), (32, 1024)), (4,)),
 ]
+#: Split-K candidates (``gemv_splitk_kernel``): (BN, BK, SPLIT).
+SPLITK = ((16, 256, 2), (16, 256, 4), (8, 256, 4), (16, 128, 4), (32, 256, 4), (16, 256, 8), (8, 512, 2),
+          (32, 128, 4), (8, 256, 8), (16, 128, 8))
+#: Launches of each split-K candidate checked one by one against its first output (bit for bit) and
+#: the float64 product: a race in the last-block handover shows as a differing launch.
+STRESS = 300
 
 
 def candidates():
     from cutile_kernels.kernel_src import gemv
-    from cutile_kernels.kernel_src._spec import ConstParam, VariantSpec
+    from cutile_kernels.kernel_src._spec import ArrayParam, ConstParam, VariantSpec
 
     out = []
-    for function, module, label, tiles, lats in FUNCTIONS:
+    only_split = os.environ.get("GEMV_SWEEP_SET") == "splitk"  # the shipped tiles and the split-K ones
+    for function, module, label, tiles, lats in FUNCTIONS[:1] if only_split else FUNCTIONS:
         for bn, bk in tiles:
             for lat in lats:
                 params = gemv._params("gemv", "bfloat16", {"BN": bn, "BK": bk})
@@ -52,6 +63,11 @@ def candidates():
                 if lat is not None:
                     params, tag = params + (ConstParam("LAT", lat),), f"{tag}.lat{lat}"
                 out.append(VariantSpec("gemv", module, function, tag, params))
+    for bn, bk, split in SPLITK:
+        params = gemv._params("gemv", "bfloat16", {})[:3] + (
+            ArrayParam("part", "float32", 2), ArrayParam("count", "int32", 1),
+            ConstParam("BN", bn), ConstParam("BK", bk), ConstParam("SPLIT", split))
+        out.append(VariantSpec("gemv", "gemv", "gemv_splitk_kernel", f"bf16.bn{bn}.bk{bk}.splitk{split}", params))
     return out
 
 
@@ -80,16 +96,32 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             rows.append({**base, "tag": "cublas", "us": round(us, 2), "TB/s": round(n * k * 2 / us / 1e6, 2)})
             print(json.dumps(rows[-1]), flush=True)
             for variant in variants:
-                grid = (-(-n // variant.constants["BN"]), 1, 1)
+                bn, split = variant.constants["BN"], variant.constants.get("SPLIT", 0)
+                grid = (-(-n // bn), max(split, 1), 1)
                 row = {**base, "tag": variant.tag}
+                extra = ()
+                if split:
+                    extra = (torch.empty(split, n, device="cuda", dtype=torch.float32),
+                             torch.zeros(grid[0], device="cuda", dtype=torch.int32))
                 out.fill_(float("nan"))
-                if not launched(lambda v=variant, grid=grid, w=ws[0]: launcher.launch(v, grid, (x, w, out), 0), row, rows):
+                if not launched(lambda v=variant, grid=grid, w=ws[0]: launcher.launch(v, grid, (x, w, out, *extra), 0),
+                                row, rows):
                     continue
                 rel = ((out.double() - ref).norm() / ref.norm()).item()
                 row["rel"] = rel
                 row["ok"] = bool(torch.isfinite(out).all()) and rel < 4e-3 and rel <= 1.5 * cublas_rel + 1e-6
+                if split and row["ok"]:
+                    first, bad = out.clone(), torch.zeros((), device="cuda", dtype=torch.int64)
+                    for _ in range(STRESS):
+                        out.fill_(float("nan"))
+                        launcher.launch(variant, grid, (x, ws[0], out, *extra), 0)
+                        bad += (out != first).sum()
+                    row["stress_bad"] = int(bad)
+                    row["count_left"] = int(extra[1].abs().sum())
+                    row["ok"] = row["stress_bad"] == 0 and row["count_left"] == 0
                 if row["ok"]:
-                    t = graph_us(lambda v=variant, grid=grid: launcher.launch(v, grid, (x, nxt(), out), 0), reps=11)
+                    t = graph_us(lambda v=variant, grid=grid: launcher.launch(v, grid, (x, nxt(), out, *extra), 0),
+                                 reps=11)
                     row.update(us=round(t, 2), **{"TB/s": round(n * k * 2 / t / 1e6, 2)})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
