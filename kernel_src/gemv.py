@@ -103,9 +103,11 @@ def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct
         w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
         v = ct.load(x, index=(0, j), shape=(1, BK), padding_mode=ZERO)
         acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
-    ct.store(part, index=(s, bid), tile=ct.reshape(ct.sum(acc, axis=1), (1, BN)))
+    # Plain stores and loads of the partial rows, no TMA: the atomic's release and acquire order them
+    # (on sm_90 the store, a block barrier, a GPU-scope fence, the atomic, an L1 invalidate, the loads).
+    ct.store(part, index=(s, bid), tile=ct.reshape(ct.sum(acc, axis=1), (1, BN)), allow_tma=False)
     if ct.atomic_add(count, bid, 1) == SPLIT - 1:
-        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO), axis=0)
+        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
         ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
         ct.atomic_xchg(count, bid, 0)
 
@@ -146,7 +148,8 @@ DTYPES = ("bfloat16", "float16")
 #: on the projections the router sends here (the row sum won 3-6 % on lm_head and Gemma-2-2B's down_proj,
 #: which stay on cuBLAS, faster still).
 TILES = ((8, 512), (16, 256))
-#: (BN, BK, SPLIT) tiles of ``gemv_splitk`` built (the router's ``SPLIT_TILES``).
+#: (BN, BK, SPLIT) tiles of ``gemv_splitk`` built: what the router (``ops/gemv.py``, ``SPLIT_BY_N``) and
+#: the model A/B (``dev/diagnostics/graph_step.py --ab-split-k``) launch.
 SPLIT_TILES = ((16, 256, 4), (16, 256, 2), (8, 256, 4), (16, 128, 4))
 
 

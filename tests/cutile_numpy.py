@@ -143,13 +143,14 @@ def _atomic(arr, indices, update, check_bounds, combine):
     return old if old.ndim else old[()]
 
 
-def atomic_add(arr, indices, update, check_bounds=True, **_order):
-    """The old values; adds ``update`` at element indices (cuTile's atomic_add; no memory-order
-    effects here: the blocks of an emulated grid run one at a time)."""
+def atomic_add(arr, indices, update, check_bounds=True, memory_order=None, memory_scope=None):
+    """The old values; adds ``update`` at element indices (cuTile's atomic_add; the memory order and
+    scope have no effect here: the blocks of an emulated grid run one at a time). An index outside
+    the array (bounds checked) changes nothing and reads 0 (cuTile: implementation-defined)."""
     return _atomic(arr, indices, update, check_bounds, lambda a, u: a + u)
 
 
-def atomic_xchg(arr, indices, update, check_bounds=True, **_order):
+def atomic_xchg(arr, indices, update, check_bounds=True, memory_order=None, memory_scope=None):
     """The old values; stores ``update`` at element indices (cuTile's atomic_xchg)."""
     return _atomic(arr, indices, update, check_bounds, lambda a, u: u)
 

@@ -159,6 +159,22 @@ def test_emulated_split_k_kernel_matches_the_product_in_any_block_order(n, k, ti
 SPLIT_CANDIDATE = ((2048, (16, 256, 4)),)
 
 
+def test_interpreter_atomics_count_every_index_and_return_the_old_values():
+    """The NumPy interpreter's ``atomic_add`` / ``atomic_xchg`` (what the split-K test relies on): a
+    repeated index adds each time, the old values come back in the indices' shape, an index outside
+    the array changes nothing, an update of another kind is an error."""
+    import numpy as np
+
+    import cutile_numpy as cn
+
+    arr = np.array([1, 2, 3], dtype=np.int32)
+    old = cn.atomic_add(arr, np.array([0, 2, 0, 5]), np.int32(10))
+    assert old.tolist()[:3] == [1, 3, 11] and arr.tolist() == [21, 2, 13]
+    assert cn.atomic_xchg(arr, 1, np.int32(0)) == 2 and arr.tolist() == [21, 0, 13]
+    with pytest.raises(cn.UndefinedBehaviour):
+        cn.atomic_add(arr, 0, np.float32(1.0))
+
+
 def test_split_k_tiles_are_built_and_routed(monkeypatch):
     built = {(s.params[0].dtype, s.constants["BN"], s.constants["BK"], s.constants["SPLIT"])
              for s in kgemv.VARIANTS if s.kernel == "gemv_splitk"}
@@ -175,7 +191,8 @@ def test_split_k_tiles_are_built_and_routed(monkeypatch):
 
 def test_split_k_needs_prepared_counts_and_gives_each_weight_its_own(monkeypatch):
     """No counts before :func:`prepare_split_k` (the op then takes the unsplit GEMV); afterwards each
-    weight gets its own slots, the same ones every call, and slots run out into the unsplit GEMV."""
+    weight and tile gets its own slots, the same ones every call, and slots run out into the unsplit
+    GEMV; :func:`reset_split_k` zeroes counts a broken launch left."""
     assert gops.prepare_split_k("cpu") is False
     w1, w2 = torch.empty(2048, 64), torch.empty(1024, 64)
     monkeypatch.setattr(gops, "_COUNTS", {})
@@ -189,6 +206,12 @@ def test_split_k_needs_prepared_counts_and_gives_each_weight_its_own(monkeypatch
     assert gops._counts_for(w1, 128).data_ptr() == a.data_ptr()
     assert b.data_ptr() == a.data_ptr() + 128 * 4  # next to each other, not overlapping
     assert gops._counts_for(torch.empty(2048, 32), 128) is None  # 320 > 300 slots: unsplit
+    c = gops._counts_for(w1, 32)  # another tile of w1 (fewer, wider blocks): slots of its own
+    assert c.shape == (32,) and c.data_ptr() == b.data_ptr() + 64 * 4
+    assert gops._counts_for(w1, 128).data_ptr() == a.data_ptr()
+    a[3] = 2
+    gops.reset_split_k()
+    assert not gops._COUNTS[w1.device.index][0].any()
 
 
 def test_router_conditions(monkeypatch):
@@ -612,25 +635,38 @@ def split_counts(monkeypatch):
 @pytest.mark.parametrize("shape,tile", SPLIT_CASES, ids=str)
 def test_gpu_split_k_matches_a_float64_product_and_repeats_bit_for_bit(shape, tile, dtype, split_counts, strict):
     """``gemv_splitk`` on a NaN-poisoned output against a float64 product, within 1.5x cuBLAS's error;
-    200 more launches (each on a freshly poisoned output) equal the first bit for bit: the last
-    block of each output tile adds the partial rows in one order whatever the arrival order, and a
-    race in the hand-over (a partial row read before it is visible) would show as a differing
-    launch. Every arrival count is back at zero afterwards (the fixture)."""
+    then 200 more launches alternating two inputs, each on a freshly poisoned output and with the
+    partial rows' scratch poisoned too (the caching allocator hands the freed NaN block back), each
+    equal bit for bit to its input's first result: the last block of each output tile adds the
+    partial rows in one order whatever the arrival order, and a partial row read before it is
+    visible would show as NaN or another input's value. Every arrival count is back at zero
+    afterwards (the fixture)."""
     n, k = shape
-    x, w, _ = _operands(n, k, dtype, "cuda", seed=n + k)
-    want = x[0].double() @ w.double().T
+    xs = [_operands(n, k, dtype, "cuda", seed=n + k + i)[0][0] for i in range(2)]
+    w = _operands(n, k, dtype, "cuda", seed=n + k)[1]
+    bn, bk, split = tile
     out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
-    dispatch.reset_stats()
-    assert gops.gemv_splitk_into(x[0], w, out, tile)
-    assert _launches("gemv_splitk") == 1
-    first = out.clone()
-    assert torch.isfinite(first).all()
-    assert _rel(first, want) <= max(1.5 * _rel(F.linear(x[0], w), want), 4e-3)
-    differ = torch.zeros((), device="cuda", dtype=torch.int64)
-    for _ in range(200):
+
+    def launch(x):
+        poison = torch.full((split, n), float("nan"), device="cuda", dtype=torch.float32)
+        del poison  # the launch's scratch gets this block
         out.fill_(float("nan"))
-        gops.gemv_splitk_into(x[0], w, out, tile)
-        differ += (out != first).sum()
+        assert gops.gemv_splitk_into(x, w, out, tile)
+
+    dispatch.reset_stats()
+    firsts = []
+    for x in xs:
+        launch(x)
+        firsts.append(out.clone())
+        want = x.double() @ w.double().T
+        assert torch.isfinite(firsts[-1]).all()
+        assert _rel(firsts[-1], want) <= max(1.5 * _rel(F.linear(x, w), want), 4e-3)
+    assert _launches("gemv_splitk") == 2
+    assert not torch.equal(firsts[0], firsts[1])
+    differ = torch.zeros((), device="cuda", dtype=torch.int64)
+    for i in range(200):
+        launch(xs[i % 2])
+        differ += (out != firsts[i % 2]).sum()
     assert differ.item() == 0
 
 
@@ -650,7 +686,7 @@ def test_gpu_split_k_in_the_op_in_a_graph_and_its_fallbacks(split_counts, strict
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cutile_kernels.gemv(x, w)
-    for seed in range(3):
+    for seed in range(20):
         big.copy_(torch.randn(big.shape, generator=torch.Generator().manual_seed(seed)).to(big))
         out.fill_(float("nan"))
         graph.replay()

@@ -44,8 +44,9 @@ FUNCTIONS = [
 #: Split-K candidates (``gemv_splitk_kernel``): (BN, BK, SPLIT).
 SPLITK = ((16, 256, 2), (16, 256, 4), (8, 256, 4), (16, 128, 4), (32, 256, 4), (16, 256, 8), (8, 512, 2),
           (32, 128, 4), (8, 256, 8), (16, 128, 8))
-#: Launches of each split-K candidate checked one by one against its first output (bit for bit) and
-#: the float64 product: a race in the last-block handover shows as a differing launch.
+#: Launches of each split-K candidate checked one by one against its first output (bit for bit), its
+#: partial rows' scratch poisoned with NaN before each: a race in the last-block hand-over shows as a
+#: differing launch.
 STRESS = 300
 
 
@@ -114,6 +115,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                     first, bad = out.clone(), torch.zeros((), device="cuda", dtype=torch.int64)
                     for _ in range(STRESS):
                         out.fill_(float("nan"))
+                        extra[0].fill_(float("nan"))  # a partial row read before it is written shows
                         launcher.launch(variant, grid, (x, ws[0], out, *extra), 0)
                         bad += (out != first).sum()
                     row["stress_bad"] = int(bad)

@@ -75,12 +75,15 @@ def split_for(n: int, k: int) -> tuple[int, int, int] | None:
     return None
 
 
-#: CUDA device index -> the int32 arrival counts ``gemv_splitk`` launches use (zero between launches:
-#: each launch puts back what it counted) and the next free slot.
+#: CUDA device index -> [the int32 arrival counts ``gemv_splitk`` launches use, the next free slot]. A
+#: count is zero between launches (each launch puts back what it counted); one left off (a launch that
+#: never finished, two streams running the same weight at once) would leave its output tile unwritten
+#: at every later launch: :func:`reset_split_k` zeroes them.
 _COUNTS: dict = {}
-#: (device index, weight address, N) -> the slots of that weight's launches: one weight's launches
-#: follow each other on a stream; two weights never share a slot, so launches of different
-#: projections on concurrent streams do not meet.
+#: (device index, weight address, N, blocks) -> the first of that launch shape's slots. One weight's
+#: launches follow each other on one stream; two weights, or two tiles of one weight, never share a
+#: slot. Slots are not reused: a run of new weights (re-allocated or re-parametrized) uses them up,
+#: and its projections then take the unsplit GEMV.
 _COUNT_SLOTS: dict = {}
 COUNT_SLOTS = 1 << 16
 
@@ -88,10 +91,14 @@ COUNT_SLOTS = 1 << 16
 def prepare_split_k(device: torch.device | str) -> bool:
     """Allocate ``device``'s arrival counts for :func:`gemv`'s split-K launches (zeros, 256 KiB), once.
 
-    Call it outside a CUDA-graph capture and outside ``torch.compile``: the counts must live outside
-    any graph's memory pool (a pool's memory is handed out again when its graph goes). The patch
-    ``gemv`` (``layers/linear.py``) and the decode fast path call it for the model's device. Without
-    it a projection takes the unsplit GEMV. Returns whether the device has its counts.
+    Call it outside a CUDA-graph capture and outside ``torch.compile``'s compiled calls: the counts
+    must not come from a graph's memory pool (its memory is handed out again when the graph goes,
+    and cudagraph trees' warm-up runs allocate from their pool too). The patch ``gemv``
+    (``layers/linear.py``, for a model already on the GPU) and the decode fast path (before each
+    capture) call it. Without it a projection takes the unsplit GEMV: a model patched on the CPU
+    and moved to the GPU afterwards splits nothing under ``torch.compile`` until this is called.
+    Concurrent launches on several streams of one projection are not supported (they share counts).
+    Returns whether the device has its counts (False for a CPU device).
 
     Raises:
         RuntimeError: called while the current CUDA stream is capturing a graph.
@@ -107,14 +114,21 @@ def prepare_split_k(device: torch.device | str) -> bool:
     return True
 
 
+def reset_split_k() -> None:
+    """Zero every device's arrival counts (after a launch that did not finish, e.g. an interrupted
+    stream); the slots stay assigned. Outside a capture."""
+    for counts, _ in _COUNTS.values():
+        counts.zero_()
+
+
 def _counts_for(weight: torch.Tensor, blocks: int) -> torch.Tensor | None:
-    # The arrival counts of weight's split-K launches: `blocks` slots of its device's prepared counts,
-    # the same each call; None where the device has none prepared or they are used up.
+    # The arrival counts of weight's split-K launches of `blocks` output tiles: slots of its device's
+    # prepared counts, the same each call; None where the device has none or they are used up.
     index = weight.device.index
     pool = _COUNTS.get(index)
     if pool is None:
         return None
-    key = (index, weight.data_ptr(), weight.shape[0])
+    key = (index, weight.data_ptr(), weight.shape[0], blocks)
     start = _COUNT_SLOTS.get(key)
     if start is None:
         if pool[1] + blocks > COUNT_SLOTS:
@@ -172,9 +186,11 @@ def gemv_splitk_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
                      tile: tuple[int, int, int] | None = None) -> bool:
     """Launch ``gemv_splitk`` (no bias) on CUDA ``x`` (..., K) of one row and ``weight`` (N, K) into
     a new ``out`` (..., N) of x's dtype, with the (BN, BK, SPLIT) ``tile`` (default :func:`split_for`'s).
-    Returns False, quietly and with nothing written, where it cannot: no tile for the shape, no
-    prepared counts on the device (:func:`prepare_split_k`), or no built variant (the caller then
-    launches :func:`gemv_into`)."""
+    Returns False, quietly and with nothing launched, where it cannot: no tile for the shape, no
+    prepared counts on the device (:func:`prepare_split_k`) or none left, or no built variant (the
+    caller then launches :func:`gemv_into`). Quietly: ``CUTILE_KERNELS_STRICT`` does not see a
+    split-K miss, only a miss of the unsplit GEMV after it. The first call of a weight and tile
+    assigns its counts' slots."""
     n, k = weight.shape
     tile = tile or split_for(n, k)
     if tile is None:
@@ -230,7 +246,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         ``(..., N)`` of x's dtype, contiguous; float32 sums rounded once to the dtype.
 
     On CUDA one cuTile launch for bfloat16 and float16 when the weight's rows are contiguous,
-    16-byte aligned and K is a multiple of 16 (what real hidden sizes are); otherwise, or with
+    16-byte aligned and K is a multiple of 16 (what real hidden sizes are): ``gemv_splitk`` where
+    :data:`SPLIT_BY_N` routes the shape, there is no bias and the device's counts are prepared
+    (:func:`prepare_split_k`; another order of the float32 sum, so not bit for bit the unsplit
+    GEMV's result), else ``gemv``; otherwise, or with
     ``CUTILE_KERNELS_DISABLE=1``, :func:`gemv_reference` (``F.linear``), logging the reason once.
     Under ``torch.compile`` the custom op ``<namespace>::gemv``.
 
