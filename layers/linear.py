@@ -80,7 +80,7 @@ def patch_linears(model: nn.Module) -> int:
     :func:`_verdict` accepts it (the others are logged with the reason, once per reason). Returns the
     modules newly patched."""
     inside = _decoder_linears(model)
-    new, refused = 0, Counter()
+    new, refused, devices = 0, Counter(), set()
     for m in model.modules():
         if id(m) not in inside or type(m) is not nn.Linear:
             continue
@@ -94,8 +94,11 @@ def patch_linears(model: nn.Module) -> int:
             del m.__dict__["forward"]
         m.__class__ = CutileGemvLinear
         new += 1
-        if m.weight.is_cuda and not torch.cuda.is_current_stream_capturing():
-            prepare_split_k(m.weight.device)  # once a device: the counts of the split-K GEMV's launches
+        if m.weight.is_cuda:
+            devices.add(m.weight.device)
+    if devices and not torch.cuda.is_current_stream_capturing():
+        for device in devices:  # the counts of the split-K GEMV's launches, once a device
+            prepare_split_k(device)
     if new:
         logger.info("cutile_kernels: patch gemv: one-row inputs of %d nn.Linear on the cuTile GEMV", new)
     for why, n in refused.items():

@@ -556,22 +556,29 @@ def test_gpu_every_tile_writes_every_output(strict):
             assert _rel(out, want - extra) < 4e-3, (bias is not None, tile)
 
 
-@pytest.mark.gpu
-def test_gpu_x_as_a_view_and_graph_replay(strict):
-    n, k = 3072, 2048
+def _view_then_graph_replays(n: int, k: int, replays: int) -> None:
+    """``cutile_kernels.gemv`` on an (N, K) weight with x an offset view (as a split of a stacked
+    projection), then captured in a CUDA graph and replayed ``replays`` times over fresh inputs into a
+    NaN-poisoned output, each result against a float64 product."""
     _, w, _ = _operands(n, k, torch.bfloat16, "cuda")
     big = torch.randn(1, 1, 3 * k, device="cuda", dtype=torch.bfloat16)
-    x = big[..., k:2 * k]  # a view with an offset (as a split of a stacked projection)
+    x = big[..., k:2 * k]
     got = cutile_kernels.gemv(x, w)
     assert _rel(got, x.double() @ w.double().T) < 4e-3
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cutile_kernels.gemv(x, w)
-    for seed in range(3):
+    for seed in range(replays):
         big.copy_(torch.randn(big.shape, generator=torch.Generator().manual_seed(seed)).to(big))
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(out, x.double() @ w.double().T) < 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_x_as_a_view_and_graph_replay(strict):
+    _view_then_graph_replays(3072, 2048, replays=3)
 
 
 @pytest.mark.gpu
@@ -675,23 +682,10 @@ def test_gpu_split_k_in_the_op_in_a_graph_and_its_fallbacks(split_counts, strict
     """The op takes ``gemv_splitk`` for a routed shape once the counts are prepared (one launch, no
     unsplit GEMV), also inside a captured graph replayed over fresh inputs; a K of fewer tiles than
     the split takes the unsplit GEMV."""
-    n, k = 2048, 2048
-    _, w, _ = _operands(n, k, torch.bfloat16, "cuda")
-    big = torch.randn(1, 1, 3 * k, device="cuda", dtype=torch.bfloat16)
-    x = big[..., k:2 * k]  # an offset view
+    n = 2048
     dispatch.reset_stats()
-    got = cutile_kernels.gemv(x, w)
-    assert _launches("gemv_splitk") == 1 and _launches("gemv") == 1
-    assert _rel(got, x.double() @ w.double().T) < 4e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cutile_kernels.gemv(x, w)
-    for seed in range(20):
-        big.copy_(torch.randn(big.shape, generator=torch.Generator().manual_seed(seed)).to(big))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert _rel(out, x.double() @ w.double().T) < 4e-3
+    _view_then_graph_replays(n, 2048, replays=20)
+    assert _launches("gemv_splitk") == _launches("gemv") == 2  # the eager call and the captured one
     x9, w9, _ = _operands(n, 3 * 256, torch.bfloat16, "cuda")
     dispatch.reset_stats()
     got = cutile_kernels.gemv(x9, w9)

@@ -52,7 +52,7 @@ STRESS = 300
 
 def candidates():
     from cutile_kernels.kernel_src import gemv
-    from cutile_kernels.kernel_src._spec import ArrayParam, ConstParam, VariantSpec
+    from cutile_kernels.kernel_src._spec import ConstParam, VariantSpec
 
     out = []
     only_split = os.environ.get("GEMV_SWEEP_SET") == "splitk"  # the shipped tiles and the split-K ones
@@ -65,9 +65,7 @@ def candidates():
                     params, tag = params + (ConstParam("LAT", lat),), f"{tag}.lat{lat}"
                 out.append(VariantSpec("gemv", module, function, tag, params))
     for bn, bk, split in SPLITK:
-        params = gemv._params("gemv", "bfloat16", {})[:3] + (
-            ArrayParam("part", "float32", 2), ArrayParam("count", "int32", 1),
-            ConstParam("BN", bn), ConstParam("BK", bk), ConstParam("SPLIT", split))
+        params = gemv._params("gemv_splitk", "bfloat16", {"BN": bn, "BK": bk, "SPLIT": split})
         out.append(VariantSpec("gemv", "gemv", "gemv_splitk_kernel", f"bf16.bn{bn}.bk{bk}.splitk{split}", params))
     return out
 
