@@ -79,40 +79,6 @@ def gemv_bias_kernel(x, weight, bias, out, BN: ct.Constant[int], BK: ct.Constant
 
 
 @ct.kernel
-def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct.Constant[int],
-                       SPLIT: ct.Constant[int]):
-    """gemv_kernel with K split ``SPLIT`` ways (a power of two). x: (1, K), weight: (N, K), out: (1, N);
-    part: (SPLIT, N) float32 scratch; count: (cdiv(N, BN),) int32, all zero before the launch and left
-    zero after it. Grid: (cdiv(N, BN), SPLIT).
-
-    Block (i, s) sums the s-th run of ``cdiv(cdiv(K, BK), SPLIT)`` K tiles (the last run shorter, or
-    empty: no tile is loaded wholly outside K) of rows [i * BN, i * BN + BN) into ``part[s]``, then
-    adds one to ``count[i]`` (acquire-release, device scope: its partial row is visible before the
-    count is). The block that finds ``SPLIT - 1`` there arrived last: it adds the ``SPLIT`` partial
-    rows in index order (the same sum whatever the arrival order), stores the result rounded once,
-    and puts ``count[i]`` back to 0 for the next launch."""
-    bid = ct.bid(0)
-    s = ct.bid(1)
-    tiles = ct.cdiv(weight.shape[1], BK)
-    start = s * ct.cdiv(tiles, SPLIT)
-    stop = start + ct.cdiv(tiles, SPLIT)
-    if stop > tiles:
-        stop = tiles
-    acc = ct.zeros((BN, BK), dtype=ct.float32)
-    for j in range(start, stop):
-        w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
-        v = ct.load(x, index=(0, j), shape=(1, BK), padding_mode=ZERO)
-        acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
-    # Plain stores and loads of the partial rows, no TMA: the atomic's release and acquire order them
-    # (on sm_90 the store, a block barrier, a GPU-scope fence, the atomic, an L1 invalidate, the loads).
-    ct.store(part, index=(s, bid), tile=ct.reshape(ct.sum(acc, axis=1), (1, BN)), allow_tma=False)
-    if ct.atomic_add(count, bid, 1) == SPLIT - 1:
-        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
-        ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
-        ct.atomic_xchg(count, bid, 0)
-
-
-@ct.kernel
 def gemv_glu_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int], GELU: ct.Constant[int]):
     """out[0, n] = sum_k act_and_mul(x)[k] * weight[n, k], act SiLU (GELU 0) or GELU-tanh (GELU 1).
     x: (1, 2, K) view of the stacked gate/up row (x[0, 0] gate, x[0, 1] up), weight: (N, K),
@@ -146,11 +112,10 @@ DTYPES = ("bfloat16", "float16")
 #: again with a ``latency`` hint on the weight load, a per-tile row sum with wider tiles, two blocks a
 #: multiprocessor and eight warps (dev/sweeps/gemv_sweep.py, 2026-12-04): none better by more than 4 %
 #: on the projections the router sends here (the row sum won 3-6 % on lm_head and Gemma-2-2B's down_proj,
-#: which stay on cuBLAS, faster still).
+#: which stay on cuBLAS, faster still). K split across blocks (the last block of an output tile adding
+#: the partial rows; dev/sweeps/gemv_variants.py) slowed the model's step on an H100 (2026-12-07):
+#: Llama-3.2-1B's batch-1 replay 1.94 ms with 16 x 256 split 4 ways, 1.83 with 2, against 1.32 unsplit.
 TILES = ((8, 512), (16, 256))
-#: (BN, BK, SPLIT) tiles of ``gemv_splitk`` built: what the router (``ops/gemv.py``, ``SPLIT_BY_N``) and
-#: the model A/B (``dev/diagnostics/graph_step.py --ab-split-k``) launch.
-SPLIT_TILES = ((16, 256, 4), (16, 256, 2), (8, 256, 4), (16, 128, 4))
 
 
 def _params(kind: str, dtype: str, consts: dict) -> tuple:
@@ -160,8 +125,6 @@ def _params(kind: str, dtype: str, consts: dict) -> tuple:
     if kind == "gemv_bias":
         arrays.append(ArrayParam("bias", dtype, 1))
     arrays.append(ArrayParam("out", dtype, 2))
-    if kind == "gemv_splitk":  # the partial rows and the arrival counts
-        arrays += [ArrayParam("part", "float32", 2), ArrayParam("count", "int32", 1)]
     return (*arrays, *(ConstParam(n, v) for n, v in consts.items()))
 
 
@@ -177,8 +140,4 @@ VARIANTS: list[VariantSpec] = [
     VariantSpec(kind, "gemv", "gemv_glu_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk, "GELU": gelu}))
     for kind, gelu in GLU.items() for dtype in DTYPES for bn, bk in TILES
-] + [
-    VariantSpec("gemv_splitk", "gemv", "gemv_splitk_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}.split{split}",
-                _params("gemv_splitk", dtype, {"BN": bn, "BK": bk, "SPLIT": split}))
-    for dtype in DTYPES for bn, bk, split in SPLIT_TILES
 ]

@@ -75,7 +75,6 @@ from transformers.utils import ModelOutput
 
 from .. import dispatch
 from ..ops.attention import rope_append_attention, rope_append_attention_takes
-from ..ops.gemv import prepare_split_k
 from ..ops.kv_cache import kv_append
 from ..ops.rope import rope_append, rope_append_takes
 from ._pins import Pin, holds, register
@@ -686,8 +685,6 @@ class DecodeGraphs:
         objs = {id(o): o for o in (cache, *cache.layers)}
         before = _python_state(cache)
         graph = self.graph_factory()
-        if kwargs["input_ids"].is_cuda:  # the GEMV's split-K counts live outside the graph's memory pool
-            prepare_split_k(kwargs["input_ids"].device)
         try:
             output = graph.capture(lambda: self.forward(static_kwargs, plain), self)
         except Exception as exc:  # noqa: BLE001 - e.g. a host sync in the step; nothing ran on the device

@@ -28,7 +28,7 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_tracing
 from torch.nn.utils import parametrize
 
-from ..ops.gemv import linear, prepare_split_k
+from ..ops.gemv import linear
 from ._fusion import linear_problem
 from ._patching import Patch, forward_replaced, own_forward_on_instance
 
@@ -80,7 +80,7 @@ def patch_linears(model: nn.Module) -> int:
     :func:`_verdict` accepts it (the others are logged with the reason, once per reason). Returns the
     modules newly patched."""
     inside = _decoder_linears(model)
-    new, refused, devices = 0, Counter(), set()
+    new, refused = 0, Counter()
     for m in model.modules():
         if id(m) not in inside or type(m) is not nn.Linear:
             continue
@@ -94,11 +94,6 @@ def patch_linears(model: nn.Module) -> int:
             del m.__dict__["forward"]
         m.__class__ = CutileGemvLinear
         new += 1
-        if m.weight.is_cuda:
-            devices.add(m.weight.device)
-    if devices and not torch.cuda.is_current_stream_capturing():
-        for device in devices:  # the counts of the split-K GEMV's launches, once a device
-            prepare_split_k(device)
     if new:
         logger.info("cutile_kernels: patch gemv: one-row inputs of %d nn.Linear on the cuTile GEMV", new)
     for why, n in refused.items():

@@ -123,18 +123,21 @@ def test_variants_cover_the_chosen_tiles_in_both_dtypes():
                          ids=["ragged-n", "one-partial-block", "one-output", "9-tiles-4-ways", "5-tiles-4-ways",
                               "3-tiles-4-ways"])
 def test_emulated_split_k_kernel_matches_the_product_in_any_block_order(n, k, tile):
-    """``gemv_splitk``'s logic on the CPU: whichever block of an output tile arrives last adds the
-    partial rows in index order, so the result is the same bit for bit in any arrival order (here
-    in order, reversed and shuffled), equals the product, and leaves every count at zero for the
-    next launch; a count left nonzero by a broken launch shows as a wrong sum."""
+    """The GEMV sweep's split-K candidate (``dev/sweeps/gemv_variants.py``; rejected in the model) on
+    the CPU: whichever block of an output tile arrives last adds the partial rows in index order, so
+    the result is the same bit for bit in any arrival order (here in order, reversed and shuffled),
+    equals the product, and leaves every count at zero for the next launch; a count left nonzero by
+    a broken launch shows as a wrong sum."""
     import random
 
     from cutile_numpy import emulate
 
+    from dev.sweeps import gemv_variants
+
     bn, bk, split = tile
     x, w, _ = _operands(n, k)
     want = (x[0].double() @ w.double().T).float()
-    run = emulate(kgemv.gemv_splitk_kernel, kgemv)
+    run = emulate(gemv_variants.gemv_splitk_kernel, gemv_variants)
     part = torch.full((split, n), float("nan"))
     counts = torch.zeros(-(-n // bn), dtype=torch.int32)
     outs = []
@@ -155,10 +158,6 @@ def test_emulated_split_k_kernel_matches_the_product_in_any_block_order(n, k, ti
     torch.testing.assert_close(out[0, bn:], want[0, bn:], rtol=1e-5, atol=1e-5)
 
 
-#: The split-K routing table the GPU tests and the model A/B try (ops.gemv.SPLIT_BY_N ships empty).
-SPLIT_CANDIDATE = ((2048, (16, 256, 4)),)
-
-
 def test_interpreter_atomics_count_every_index_and_return_the_old_values():
     """The NumPy interpreter's ``atomic_add`` / ``atomic_xchg`` (what the split-K test relies on): a
     repeated index adds each time, the old values come back in the indices' shape, an index outside
@@ -173,45 +172,6 @@ def test_interpreter_atomics_count_every_index_and_return_the_old_values():
     assert cn.atomic_xchg(arr, 1, np.int32(0)) == 2 and arr.tolist() == [21, 0, 13]
     with pytest.raises(cn.UndefinedBehaviour):
         cn.atomic_add(arr, 0, np.float32(1.0))
-
-
-def test_split_k_tiles_are_built_and_routed(monkeypatch):
-    built = {(s.params[0].dtype, s.constants["BN"], s.constants["BK"], s.constants["SPLIT"])
-             for s in kgemv.VARIANTS if s.kernel == "gemv_splitk"}
-    assert built == {(d, *t) for d in ("bfloat16", "float16") for t in kgemv.SPLIT_TILES}
-    assert gops.split_for(2048, 2048) is None or gops.SPLIT_BY_N  # shipped: empty, nothing split
-    monkeypatch.setattr(gops, "SPLIT_BY_N", SPLIT_CANDIDATE)
-    for _, tile in gops.SPLIT_BY_N:
-        assert tile in kgemv.SPLIT_TILES
-    for n, k in [(2048, 2048), (2048, 8192), (1024, 3072), (1024, 2048), (1536, 8960)]:
-        assert gops.split_for(n, k) is not None
-    assert gops.split_for(3072, 2048) is None  # wider than the table: cuBLAS's
-    assert gops.split_for(2048, 512) is None  # 2 tiles of K: fewer than the split
-
-
-def test_split_k_needs_prepared_counts_and_gives_each_weight_its_own(monkeypatch):
-    """No counts before :func:`prepare_split_k` (the op then takes the unsplit GEMV); afterwards each
-    weight and tile gets its own slots, the same ones every call, and slots run out into the unsplit
-    GEMV; :func:`reset_split_k` zeroes counts a broken launch left."""
-    assert gops.prepare_split_k("cpu") is False
-    w1, w2 = torch.empty(2048, 64), torch.empty(1024, 64)
-    monkeypatch.setattr(gops, "_COUNTS", {})
-    monkeypatch.setattr(gops, "_COUNT_SLOTS", {})
-    assert gops._counts_for(w1, 128) is None
-    gops._COUNTS[w1.device.index] = [torch.zeros(300, dtype=torch.int32), 0]  # a small prepared pool
-    monkeypatch.setattr(gops, "COUNT_SLOTS", 300)
-    a = gops._counts_for(w1, 128)
-    b = gops._counts_for(w2, 64)
-    assert a.shape == (128,) and b.shape == (64,) and a.data_ptr() != b.data_ptr()
-    assert gops._counts_for(w1, 128).data_ptr() == a.data_ptr()
-    assert b.data_ptr() == a.data_ptr() + 128 * 4  # next to each other, not overlapping
-    assert gops._counts_for(torch.empty(2048, 32), 128) is None  # 320 > 300 slots: unsplit
-    c = gops._counts_for(w1, 32)  # another tile of w1 (fewer, wider blocks): slots of its own
-    assert c.shape == (32,) and c.data_ptr() == b.data_ptr() + 64 * 4
-    assert gops._counts_for(w1, 128).data_ptr() == a.data_ptr()
-    a[3] = 2
-    gops.reset_split_k()
-    assert not gops._COUNTS[w1.device.index][0].any()
 
 
 def test_router_conditions(monkeypatch):
@@ -556,29 +516,26 @@ def test_gpu_every_tile_writes_every_output(strict):
             assert _rel(out, want - extra) < 4e-3, (bias is not None, tile)
 
 
-def _view_then_graph_replays(n: int, k: int, replays: int) -> None:
-    """``cutile_kernels.gemv`` on an (N, K) weight with x an offset view (as a split of a stacked
-    projection), then captured in a CUDA graph and replayed ``replays`` times over fresh inputs into a
-    NaN-poisoned output, each result against a float64 product."""
+@pytest.mark.gpu
+def test_gpu_x_as_a_view_and_graph_replay(strict):
+    """``cutile_kernels.gemv`` with x an offset view (as a split of a stacked projection), then
+    captured in a CUDA graph and replayed over fresh inputs into a NaN-poisoned output, each result
+    against a float64 product."""
+    n, k = 3072, 2048
     _, w, _ = _operands(n, k, torch.bfloat16, "cuda")
     big = torch.randn(1, 1, 3 * k, device="cuda", dtype=torch.bfloat16)
-    x = big[..., k:2 * k]
+    x = big[..., k:2 * k]  # a view with an offset
     got = cutile_kernels.gemv(x, w)
     assert _rel(got, x.double() @ w.double().T) < 4e-3
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cutile_kernels.gemv(x, w)
-    for seed in range(replays):
+    for seed in range(3):
         big.copy_(torch.randn(big.shape, generator=torch.Generator().manual_seed(seed)).to(big))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(out, x.double() @ w.double().T) < 4e-3
-
-
-@pytest.mark.gpu
-def test_gpu_x_as_a_view_and_graph_replay(strict):
-    _view_then_graph_replays(3072, 2048, replays=3)
 
 
 @pytest.mark.gpu
@@ -619,78 +576,6 @@ def test_gpu_router_runs_the_gemv_only_in_a_captured_step(strict):
     torch.cuda.synchronize()
     assert _launches("gemv") == 1
     assert _rel(out, x.double() @ w.double().T) <= max(1.5 * _rel(eager, x.double() @ w.double().T), 4e-3)
-
-
-#: Split-K cases: (N, K) and tile; ragged N, the presets' o_proj / down_proj, one output.
-SPLIT_CASES = [((2048, 2048), (16, 256, 4)), ((2048, 8192), (16, 256, 4)), ((1024, 3072), (16, 256, 4)),
-               ((1001, 2048), (16, 256, 4)),
-               ((1, 1024), (16, 256, 4)), ((2040, 4096), (8, 256, 4)), ((2048, 8192), (16, 128, 4)),
-               ((1024, 2048), (16, 256, 2)), ((1536, 8960), (16, 256, 4)), ((1536, 1536), (16, 256, 4))]
-
-
-@pytest.fixture
-def split_counts(monkeypatch):
-    monkeypatch.setattr(gops, "SPLIT_BY_N", SPLIT_CANDIDATE)
-    assert gops.prepare_split_k("cuda")
-    pool = gops._COUNTS[torch.cuda.current_device()][0]
-    yield pool
-    assert not pool.any(), "a split-K launch left an arrival count nonzero"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape,tile", SPLIT_CASES, ids=str)
-def test_gpu_split_k_matches_a_float64_product_and_repeats_bit_for_bit(shape, tile, dtype, split_counts, strict):
-    """``gemv_splitk`` on a NaN-poisoned output against a float64 product, within 1.5x cuBLAS's error;
-    then 200 more launches alternating two inputs, each on a freshly poisoned output and with the
-    partial rows' scratch poisoned too (the caching allocator hands the freed NaN block back), each
-    equal bit for bit to its input's first result: the last block of each output tile adds the
-    partial rows in one order whatever the arrival order, and a partial row read before it is
-    visible would show as NaN or another input's value. Every arrival count is back at zero
-    afterwards (the fixture)."""
-    n, k = shape
-    xs = [_operands(n, k, dtype, "cuda", seed=n + k + i)[0][0] for i in range(2)]
-    w = _operands(n, k, dtype, "cuda", seed=n + k)[1]
-    bn, bk, split = tile
-    out = torch.full((1, n), float("nan"), device="cuda", dtype=dtype)
-
-    def launch(x):
-        poison = torch.full((split, n), float("nan"), device="cuda", dtype=torch.float32)
-        del poison  # the launch's scratch gets this block
-        out.fill_(float("nan"))
-        assert gops.gemv_splitk_into(x, w, out, tile)
-
-    dispatch.reset_stats()
-    firsts = []
-    for x in xs:
-        launch(x)
-        firsts.append(out.clone())
-        want = x.double() @ w.double().T
-        assert torch.isfinite(firsts[-1]).all()
-        assert _rel(firsts[-1], want) <= max(1.5 * _rel(F.linear(x, w), want), 4e-3)
-    assert _launches("gemv_splitk") == 2
-    assert not torch.equal(firsts[0], firsts[1])
-    differ = torch.zeros((), device="cuda", dtype=torch.int64)
-    for i in range(200):
-        launch(xs[i % 2])
-        differ += (out != firsts[i % 2]).sum()
-    assert differ.item() == 0
-
-
-@pytest.mark.gpu
-def test_gpu_split_k_in_the_op_in_a_graph_and_its_fallbacks(split_counts, strict):
-    """The op takes ``gemv_splitk`` for a routed shape once the counts are prepared (one launch, no
-    unsplit GEMV), also inside a captured graph replayed over fresh inputs; a K of fewer tiles than
-    the split takes the unsplit GEMV."""
-    n = 2048
-    dispatch.reset_stats()
-    _view_then_graph_replays(n, 2048, replays=20)
-    assert _launches("gemv_splitk") == _launches("gemv") == 2  # the eager call and the captured one
-    x9, w9, _ = _operands(n, 3 * 256, torch.bfloat16, "cuda")
-    dispatch.reset_stats()
-    got = cutile_kernels.gemv(x9, w9)
-    assert _launches("gemv_splitk") == 0 and _launches("gemv") == 1
-    assert _rel(got, x9.double() @ w9.double().T) < 4e-3
 
 
 def _captured_step(model: tuple, patches: list) -> tuple:
@@ -807,8 +692,9 @@ def test_gpu_stacked_mlp_model_in_a_cuda_graph_fuses_the_activation(family, stac
 
 def test_sweep_candidates_include_what_ships_and_compute_the_product():
     """dev/sweeps/gemv_sweep.py (run on the GPU by hand) times the shipped tiles beside its
-    candidates, one tag each; the candidates' device code (latency hint, per-tile row sum) is the
-    same product, checked here in the CPU emulator on N and K that are not multiples of the tile."""
+    candidates, one tag each; the candidates' device code (latency hint, per-tile row sum, the split
+    kernel's loop bounds) is the same product, checked here in the CPU emulator on N and K that are
+    not multiples of the tile (the split-K candidate has its own test above)."""
     from cutile_numpy import emulate
 
     from dev.sweeps import gemv_sweep, gemv_variants
@@ -825,3 +711,6 @@ def test_sweep_candidates_include_what_ships_and_compute_the_product():
         out = torch.full((1, n), float("nan"))
         emulate(kernel, gemv_variants)((-(-n // 16),), (x[0], w, out, 16, 128, 4))
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=str(kernel._pyfunc.__name__))
+    out = torch.full((1, n), float("nan"))
+    emulate(gemv_variants.gemv_range_kernel, gemv_variants)((-(-n // 16), 1), (x[0], w, out, 16, 128))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -192,12 +192,11 @@ def test_every_kernel_has_an_op_and_every_op_a_sample():
     # Kernels launched by an op of another name: attention_combine is the second half of the
     # split-KV attention, attention_mask_tiles the first of a masked prefill; the gated delta
     # rule's op runs its token-by-token kernel or the chunked pair;
-    # gemv launches gemv_bias when given a bias and gemv_splitk where its router splits K; rope and
-    # rope_append their partial-rotary kernels.
+    # gemv launches gemv_bias when given a bias; rope and rope_append their partial-rotary kernels.
     served = {"attention_combine": "attention", "attention_mask_tiles": "attention",
               "gated_delta_prepare": "gated_delta_rule",
               "gated_delta_scan": "gated_delta_rule", "gated_delta_recurrent": "gated_delta_rule",
-              "gemv_bias": "gemv", "gemv_splitk": "gemv", "rope_pass": "rope", "rope_append_pass": "rope_append"}
+              "gemv_bias": "gemv", "rope_pass": "rope", "rope_append_pass": "rope_append"}
     assert {served.get(s.kernel, s.kernel) for s in kernel_src.all_variants()} <= set(OPS)
     for name in OPS:
         _sample(name)

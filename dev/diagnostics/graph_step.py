@@ -19,7 +19,7 @@ or not, the other way from the default;
 instead of the one advance of the grouped lengths (``decode_graphs._group_lengths``); ``--ab-gemv-upto N``
 with the batch-1 GEMV (patch ``gemv``) also taking projections up to ``N`` wide (``ops.gemv.TILE_BY_N``
 extended by ``--ab-gemv-tile``; e.g. 3072 takes Llama-3.2-1B's stacked q/k/v). For a compiled path
-``--ab-split-k [BNxBKxSPLIT ...]`` with the batch-1 GEMV unsplit and with other split-K tiles; ``--ab-guards`` times the step with dynamo's guard check and without it
+``--ab-guards`` times the step with dynamo's guard check and without it
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
 entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
 host time to submit a compiled step against its kernels' span on the GPU (host-bound or not).
@@ -279,9 +279,6 @@ def main(argv=None) -> None:
                          "--ab-gemv-tile), alternating with ours")
     ap.add_argument("--ab-gemv-tile", type=int, nargs=2, default=(16, 256), metavar=("BN", "BK"),
                     help="the built GEMV tile --ab-gemv-upto adds (default 16 256)")
-    ap.add_argument("--ab-split-k", type=str, nargs="*", default=None, metavar="BNxBKxSPLIT",
-                    help="also capture the step with the batch-1 GEMV unsplit (ops.gemv.SPLIT_BY_N empty) and with each "
-                         "given split-K tile for N <= 2048 (built ones only), alternating with ours")
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
     ap.add_argument("--host", action="store_true",
@@ -359,16 +356,6 @@ def main(argv=None) -> None:
                 wide_entry, wide_cache, wide_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
             ours, theirs = _alternating((entry, cache), (wide_entry, wide_cache), args.steps)
             row.update(ab_replay_ms_shipped=ours, ab_replay_ms_gemv_wider=theirs, ab_step_ms_gemv_wider=wide_step)
-        if args.ab_split_k is not None:
-            # Every loaded copy of the router: no split-K (the unsplit GEMV), then each asked tile.
-            mods = [m for n, m in list(sys.modules.items()) if n.endswith(".ops.gemv") and hasattr(m, "SPLIT_BY_N")]
-            for label, table in [("unsplit", ())] + [(t, ((2048, tuple(int(v) for v in t.split("x"))),))
-                                                     for t in args.ab_split_k]:
-                with _set_in(mods, "SPLIT_BY_N", table):
-                    alt_entry, alt_cache, alt_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
-                ours, theirs = _alternating((entry, cache), (alt_entry, alt_cache), args.steps)
-                row.update({f"ab_replay_ms_shipped_vs_{label}": ours, f"ab_replay_ms_{label}": theirs,
-                            f"ab_step_ms_{label}": alt_step})
         _rewind(cache)
         print(json.dumps(row))
         _kernels(entry.graph.replay, 5, args.top)

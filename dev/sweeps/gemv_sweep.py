@@ -12,11 +12,13 @@ down_proj), with the stacked q/k/v still on cuBLAS at ~2 TB/s (97 us). A one-row
 stream of the weight: what limits it is the bytes each multiprocessor has in flight. The candidates
 vary that: the tile, the ``latency`` hint of the weight load, a per-tile row sum (a (BN,)
 accumulator, so wider tiles fit in registers), two blocks a multiprocessor, eight warps; and K split
-across blocks (the shipped ``gemv_splitk_kernel``, SPLITK's tiles), each such candidate also launched
-300 more times against its first output bit for bit, its arrival counts back at zero. ``export`` with
-``GEMV_SWEEP_SET=splitk`` compiles the shipped tiles and the split-K ones only.
+across blocks (``gemv_splitk_kernel``, SPLITK's tiles; shipped unrouted for a session, rejected in the
+model on 2026-12-07), each such candidate also launched 300 more times against its first output bit
+for bit, its arrival counts back at zero. ``export`` with ``GEMV_SWEEP_SET=splitk`` compiles the
+shipped tiles, the split-K ones and the split kernel's loop alone (``range``) only.
 
-``run`` takes every candidate on the presets' projections (``gemv_bench.SHAPES``, each call reading
+``run`` takes every candidate on the presets' projections (``gemv_bench.SHAPES``, or those of the presets
+``GEMV_SWEEP_PRESETS`` names, comma-separated; each call reading
 another copy of the weight so that nothing comes from L2), poisons the output with NaN, checks it
 against a float64 product (relative L2 error < 4e-3 and within 1.5x F.linear's own), and times it as
 CUDA-graph replays next to ``F.linear`` (cuBLAS).
@@ -40,9 +42,13 @@ FUNCTIONS = [
     ("gemv_rowsum_kernel", EXP, "rowsum", ((8, 512), (8, 1024), (16, 512), (16, 1024), (32, 512)), (2, 4, 8)),
     ("gemv_rowsum_occ2_kernel", EXP, "rowsum.occ2", ((8, 512), (16, 512), (8, 1024)), (4,)),
     ("gemv_rowsum_w8_kernel", EXP, "rowsum.w8", ((16, 1024), (32, 512), (32, 1024)), (4,)),
+    # The split-K kernel's loop bounds alone (no split): what its loop costs apart from the hand-over.
+    ("gemv_range_kernel", EXP, "range", ((8, 512), (16, 256)), (None,)),
 ]
-#: Split-K candidates (``gemv_splitk_kernel``): (BN, BK, SPLIT).
-SPLITK = ((16, 256, 2), (16, 256, 4), (8, 256, 4), (16, 128, 4), (32, 256, 4), (16, 256, 8), (8, 512, 2),
+#: Split-K candidates (``gemv_splitk_kernel``): (BN, BK, SPLIT); SPLIT 1 is the unsplit grid with the
+#: split kernel's partial row, count and hand-over (what they cost alone).
+SPLITK = ((16, 256, 1), (8, 512, 1), (16, 256, 2), (16, 256, 4), (8, 256, 4), (16, 128, 4), (32, 256, 4),
+          (16, 256, 8), (8, 512, 2),
           (32, 128, 4), (8, 256, 8), (16, 128, 8))
 #: Launches of each split-K candidate checked one by one against its first output (bit for bit), its
 #: partial rows' scratch poisoned with NaN before each: a race in the last-block hand-over shows as a
@@ -52,11 +58,11 @@ STRESS = 300
 
 def candidates():
     from cutile_kernels.kernel_src import gemv
-    from cutile_kernels.kernel_src._spec import ConstParam, VariantSpec
+    from cutile_kernels.kernel_src._spec import ArrayParam, ConstParam, VariantSpec
 
     out = []
     only_split = os.environ.get("GEMV_SWEEP_SET") == "splitk"  # the shipped tiles and the split-K ones
-    for function, module, label, tiles, lats in FUNCTIONS[:1] if only_split else FUNCTIONS:
+    for function, module, label, tiles, lats in [FUNCTIONS[0], FUNCTIONS[-1]] if only_split else FUNCTIONS:
         for bn, bk in tiles:
             for lat in lats:
                 params = gemv._params("gemv", "bfloat16", {"BN": bn, "BK": bk})
@@ -65,8 +71,10 @@ def candidates():
                     params, tag = params + (ConstParam("LAT", lat),), f"{tag}.lat{lat}"
                 out.append(VariantSpec("gemv", module, function, tag, params))
     for bn, bk, split in SPLITK:
-        params = gemv._params("gemv_splitk", "bfloat16", {"BN": bn, "BK": bk, "SPLIT": split})
-        out.append(VariantSpec("gemv", "gemv", "gemv_splitk_kernel", f"bf16.bn{bn}.bk{bk}.splitk{split}", params))
+        # gemv's arrays, then the partial rows and the arrival counts
+        params = (*gemv._params("gemv", "bfloat16", {})[:3], ArrayParam("part", "float32", 2),
+                  ArrayParam("count", "int32", 1), ConstParam("BN", bn), ConstParam("BK", bk), ConstParam("SPLIT", split))
+        out.append(VariantSpec("gemv", EXP, "gemv_splitk_kernel", f"bf16.bn{bn}.bk{bk}.splitk{split}", params))
     return out
 
 
@@ -82,7 +90,9 @@ def run(sweep_dir: str, json_out: str | None) -> None:
     launcher = Launcher()
     variants = list(reg.variants("gemv", "sm_90"))
     rows = []
-    for preset, projections in SHAPES.items():
+    presets = os.environ.get("GEMV_SWEEP_PRESETS")  # e.g. llama-3.2-1b,qwen3-0.6b (default: every preset)
+    shapes = {p: SHAPES[p] for p in presets.split(",")} if presets else SHAPES
+    for preset, projections in shapes.items():
         for proj, (n, k) in projections.items():
             g = torch.Generator(device="cuda").manual_seed(0)
             ws, nxt = _rotating_weights(n, k, torch.bfloat16, g)
@@ -128,7 +138,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             del ws
     print("\n| preset | proj | N x K (MB) | cuBLAS us (TB/s) | shipped best us | best candidate us (TB/s) |")
     print("|---|---|---|---|---|---|")
-    for preset, projections in SHAPES.items():
+    for preset, projections in shapes.items():
         for proj in projections:
             mine = [r for r in rows if r["preset"] == preset and r["proj"] == proj]
             cub = next(r for r in mine if r["tag"] == "cublas")

@@ -39,3 +39,58 @@ def gemv_rowsum_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int
 gemv_rowsum_occ2_kernel = gemv_rowsum_kernel.replace_hints(occupancy=2)
 #: Eight warps a block (the default is four): more loads in flight per block.
 gemv_rowsum_w8_kernel = gemv_rowsum_kernel.replace_hints(num_worker_warps=8)
+
+
+@ct.kernel
+def gemv_range_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]):
+    """The shipped kernel with ``gemv_splitk_kernel``'s loop bounds: the K tiles run from a start to
+    a stop computed from the block's second index (one run: grid (cdiv(N, BN), 1)), so the trip
+    count is not the weight's shape alone. Times what the split-K kernel's loop costs without its
+    partial rows and hand-over. Arguments as :func:`gemv_lat_kernel`."""
+    bid = ct.bid(0)
+    tiles = ct.cdiv(weight.shape[1], BK)
+    start = ct.bid(1) * tiles
+    stop = start + tiles
+    if stop > tiles:
+        stop = tiles
+    acc = ct.zeros((BN, BK), dtype=ct.float32)
+    for j in range(start, stop):
+        w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
+        v = ct.load(x, index=(0, j), shape=(1, BK), padding_mode=ZERO)
+        acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
+    ct.store(out, index=(0, bid), tile=ct.reshape(ct.sum(acc, axis=1), (1, BN)).astype(out.dtype))
+
+
+@ct.kernel
+def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct.Constant[int],
+                       SPLIT: ct.Constant[int]):
+    """The shipped kernel with K split ``SPLIT`` ways. x: (1, K), weight: (N, K), out: (1, N); part:
+    (SPLIT, N) float32 scratch; count: (cdiv(N, BN),) int32, all zero before the launch and left zero
+    after it. Grid: (cdiv(N, BN), SPLIT).
+
+    Block (i, s) sums the s-th run of ``cdiv(cdiv(K, BK), SPLIT)`` K tiles (the last run shorter, or
+    empty) of rows [i * BN, i * BN + BN) into ``part[s]``, then adds one to ``count[i]``
+    (acquire-release, device scope: its partial row is visible before the count is). The block that
+    finds ``SPLIT - 1`` there arrived last: it adds the ``SPLIT`` partial rows in index order (the
+    same sum whatever the arrival order), stores the result rounded once, and puts ``count[i]`` back
+    to 0 for the next launch: one launch, no memset, no second kernel. Shipped for one session
+    (2026-12-07) and rejected in the model: see ``kernel_src/gemv.py``'s ``TILES``."""
+    bid = ct.bid(0)
+    s = ct.bid(1)
+    tiles = ct.cdiv(weight.shape[1], BK)
+    start = s * ct.cdiv(tiles, SPLIT)
+    stop = start + ct.cdiv(tiles, SPLIT)
+    if stop > tiles:
+        stop = tiles
+    acc = ct.zeros((BN, BK), dtype=ct.float32)
+    for j in range(start, stop):
+        w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
+        v = ct.load(x, index=(0, j), shape=(1, BK), padding_mode=ZERO)
+        acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
+    # Plain stores and loads of the partial rows, no TMA: the atomic's release and acquire order them
+    # (on sm_90 the store, a block barrier, a GPU-scope fence, the atomic, an L1 invalidate, the loads).
+    ct.store(part, index=(s, bid), tile=ct.reshape(ct.sum(acc, axis=1), (1, BN)), allow_tma=False)
+    if ct.atomic_add(count, bid, 1) == SPLIT - 1:
+        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
+        ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
+        ct.atomic_xchg(count, bid, 0)

@@ -983,24 +983,8 @@ def _gemv() -> list[Entry]:
         rows = [Workload(axes={"out_features": n, "in_features": k}, inputs=_inputs(d),
                          uuid=f"{preset}/{name}/decode-b1")
                 for preset in WORKLOAD_PRESETS for name, n, k, b in _gemv_projections(preset) if b == bias]
-        solutions = [SolutionSpec(kernel, "gemv")]
-        if not bias:
-            solutions.append(SolutionSpec("gemv_splitk", "gemv_splitk_into", body=_SPLIT_K_BODY, description=(
-                "K split across blocks; the last block of each output tile adds the partial rows in a fixed "
-                "order. Not routed in models yet (ops.gemv.SPLIT_BY_N is empty until a GPU measures it).")))
-        entries.append(Entry("gemv", d, rows, solutions))
+        entries.append(Entry("gemv", d, rows, [SolutionSpec(kernel, "gemv")]))
     return entries + _gemv_glu(ops)
-
-
-#: The body of the split-K Solution: the device's arrival counts, then one launch on the routed tile
-#: (ops.gemv.split_for), or the first built one where the router splits nothing.
-_SPLIT_K_BODY = ("from cutile_kernels.kernel_src.gemv import SPLIT_TILES\n"
-                 "from cutile_kernels.ops.gemv import prepare_split_k, split_for\n\n"
-                 "prepare_split_k(x.device)  # the launches' arrival counts, once a device\n"
-                 "out = x.new_empty(1, weight.shape[0])\n"
-                 "if not _op(x, weight, out, split_for(*weight.shape) or SPLIT_TILES[0]):\n"
-                 "    raise RuntimeError('gemv_splitk_into: no built split-K variant for these inputs')\n"
-                 "return out\n")
 
 
 def _gemv_glu(ops) -> list[Entry]:

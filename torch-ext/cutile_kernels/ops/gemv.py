@@ -56,88 +56,6 @@ def tile_for(n: int, k: int) -> tuple[int, int] | None:
     return None
 
 
-#: (largest N, (BN, BK, SPLIT)): one-row projections without a bias that take ``gemv_splitk`` (K split
-#: ``SPLIT`` ways: more blocks a multiprocessor, more of the weight in flight) where the device's
-#: arrival counts are prepared (:func:`prepare_split_k`); the rest of :func:`tile_for`'s projections
-#: take ``gemv``. Empty: the kernel has not run on a GPU yet (its GPU tests, and the model step with
-#: it against without, ``dev/diagnostics/graph_step.py --ab-split-k 16x256x4``, come first). The
-#: candidate, from the unsplit GEMV's profile (Llama-3.2-1B's o_proj 5.0 us for 8.4 MB on the H200,
-#: ~40 % of the copy rate; down_proj 11.4 us for 33.5 MB): ``((2048, (16, 256, 4)),)``.
-SPLIT_BY_N: tuple = ()
-
-
-def split_for(n: int, k: int) -> tuple[int, int, int] | None:
-    """The (BN, BK, SPLIT) tile of ``gemv_splitk`` for an (N, K) weight, or None (see :data:`SPLIT_BY_N`;
-    K of at least SPLIT tiles)."""
-    for limit, (bn, bk, split) in SPLIT_BY_N:
-        if n <= limit:
-            return (bn, bk, split) if -(-k // bk) >= split else None
-    return None
-
-
-#: CUDA device index -> [the int32 arrival counts ``gemv_splitk`` launches use, the next free slot]. A
-#: count is zero between launches (each launch puts back what it counted); one left off (a launch that
-#: never finished, two streams running the same weight at once) would leave its output tile unwritten
-#: at every later launch: :func:`reset_split_k` zeroes them.
-_COUNTS: dict = {}
-#: (device index, weight address, N, blocks) -> the first of that launch shape's slots. One weight's
-#: launches follow each other on one stream; two weights, or two tiles of one weight, never share a
-#: slot. Slots are not reused: a run of new weights (re-allocated or re-parametrized) uses them up,
-#: and its projections then take the unsplit GEMV.
-_COUNT_SLOTS: dict = {}
-COUNT_SLOTS = 1 << 16
-
-
-def prepare_split_k(device: torch.device | str) -> bool:
-    """Allocate ``device``'s arrival counts for :func:`gemv`'s split-K launches (zeros, 256 KiB), once.
-
-    Call it outside a CUDA-graph capture and outside ``torch.compile``'s compiled calls: the counts
-    must not come from a graph's memory pool (its memory is handed out again when the graph goes,
-    and cudagraph trees' warm-up runs allocate from their pool too). The patch ``gemv``
-    (``layers/linear.py``, for a model already on the GPU) and the decode fast path (before each
-    capture) call it. Without it a projection takes the unsplit GEMV: a model patched on the CPU
-    and moved to the GPU afterwards splits nothing under ``torch.compile`` until this is called.
-    Concurrent launches on several streams of one projection are not supported (they share counts).
-    Returns whether the device has its counts (False for a CPU device).
-
-    Raises:
-        RuntimeError: called while the current CUDA stream is capturing a graph.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _COUNTS:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("prepare_split_k: called during a CUDA-graph capture; call it before")
-        _COUNTS[index] = [torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=torch.device("cuda", index)), 0]
-    return True
-
-
-def reset_split_k() -> None:
-    """Zero every device's arrival counts (after a launch that did not finish, e.g. an interrupted
-    stream); the slots stay assigned. Outside a capture."""
-    for counts, _ in _COUNTS.values():
-        counts.zero_()
-
-
-def _counts_for(weight: torch.Tensor, blocks: int) -> torch.Tensor | None:
-    # The arrival counts of weight's split-K launches of `blocks` output tiles: slots of its device's
-    # prepared counts, the same each call; None where the device has none or they are used up.
-    index = weight.device.index
-    pool = _COUNTS.get(index)
-    if pool is None:
-        return None
-    key = (index, weight.data_ptr(), weight.shape[0], blocks)
-    start = _COUNT_SLOTS.get(key)
-    if start is None:
-        if pool[1] + blocks > COUNT_SLOTS:
-            return None
-        start = _COUNT_SLOTS[key] = pool[1]
-        pool[1] += blocks
-    return pool[0][start:start + blocks]
-
-
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: what ``nn.Linear.forward`` returns (torch 2.13)."""
     return F.linear(x, weight, bias)
@@ -182,35 +100,6 @@ def _launch(kernel: str, args: tuple, weight: torch.Tensor, tile: tuple[int, int
     return dispatch.run(kernel, (("BN", bn), ("BK", bk)), args, len(args) - 1, grid, layout)
 
 
-def gemv_splitk_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-                     tile: tuple[int, int, int] | None = None) -> bool:
-    """Launch ``gemv_splitk`` (no bias) on CUDA ``x`` (..., K) of one row and ``weight`` (N, K) into
-    a new ``out`` (..., N) of x's dtype, with the (BN, BK, SPLIT) ``tile`` (default :func:`split_for`'s).
-    Returns False, quietly and with nothing launched, where it cannot: no tile for the shape, no
-    prepared counts on the device (:func:`prepare_split_k`) or none left, or no built variant (the
-    caller then launches :func:`gemv_into`). Quietly: ``CUTILE_KERNELS_STRICT`` does not see a
-    split-K miss, only a miss of the unsplit GEMV after it. The first call of a weight and tile
-    assigns its counts' slots."""
-    n, k = weight.shape
-    tile = tile or split_for(n, k)
-    if tile is None:
-        return False
-    bn, bk, split = tile
-    counts = _counts_for(weight, -(-n // bn))
-    if counts is None:
-        return False
-    part = torch.empty(split, n, dtype=torch.float32, device=x.device)  # every element written before it is read
-    grid = lambda c: (-(-n // c["BN"]), c["SPLIT"], 1)  # noqa: E731
-    return dispatch.run("gemv_splitk", (("BN", bn), ("BK", bk), ("SPLIT", split)), (x, weight, out, part, counts),
-                        2, grid, _one_row_split, optional=True)
-
-
-def _one_row_split(args: tuple) -> tuple:
-    # _one_row for gemv_splitk's (x, weight, out, part, counts).
-    x, weight, out, part, counts = args
-    return (x.reshape(1, x.shape[-1]), weight, out.reshape(1, out.shape[-1]), part, counts)
-
-
 def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -221,8 +110,6 @@ def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if x.dtype not in DTYPES:
         dispatch.fallback("gemv", f"dtype {x.dtype} (built: {', '.join(_DTYPE_NAMES)})")
         return gemv_reference(x, weight, bias).contiguous()
-    if bias is None and gemv_splitk_into(x, weight, out):
-        return out
     return out if gemv_into(x, weight, bias, out) else gemv_reference(x, weight, bias).contiguous()
 
 
@@ -246,10 +133,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         ``(..., N)`` of x's dtype, contiguous; float32 sums rounded once to the dtype.
 
     On CUDA one cuTile launch for bfloat16 and float16 when the weight's rows are contiguous,
-    16-byte aligned and K is a multiple of 16 (what real hidden sizes are): ``gemv_splitk`` where
-    :data:`SPLIT_BY_N` routes the shape, there is no bias and the device's counts are prepared
-    (:func:`prepare_split_k`; another order of the float32 sum, so not bit for bit the unsplit
-    GEMV's result), else ``gemv``; otherwise, or with
+    16-byte aligned and K is a multiple of 16 (what real hidden sizes are); otherwise, or with
     ``CUTILE_KERNELS_DISABLE=1``, :func:`gemv_reference` (``F.linear``), logging the reason once.
     Under ``torch.compile`` the custom op ``<namespace>::gemv``.
 
