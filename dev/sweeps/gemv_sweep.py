@@ -15,7 +15,7 @@ accumulator, so wider tiles fit in registers), two blocks a multiprocessor, eigh
 across blocks (``gemv_splitk_kernel``, SPLITK's tiles; shipped unrouted for a session, rejected in the
 model on 2026-12-07), each such candidate also launched 300 more times against its first output bit
 for bit, its arrival counts back at zero. ``export`` with ``GEMV_SWEEP_SET=splitk`` compiles the
-shipped tiles, the split-K ones and the split kernel's loop alone (``range``) only.
+shipped kernel's tiles (``base``), the split-K ones and the split kernel's loop alone (``range``) only.
 
 ``run`` takes every candidate on the presets' projections (``gemv_bench.SHAPES``, or those of the presets
 ``GEMV_SWEEP_PRESETS`` names, comma-separated; each call reading
@@ -61,8 +61,10 @@ def candidates():
     from cutile_kernels.kernel_src._spec import ArrayParam, ConstParam, VariantSpec
 
     out = []
-    only_split = os.environ.get("GEMV_SWEEP_SET") == "splitk"  # the shipped tiles and the split-K ones
-    for function, module, label, tiles, lats in [FUNCTIONS[0], FUNCTIONS[-1]] if only_split else FUNCTIONS:
+    only_split = os.environ.get("GEMV_SWEEP_SET") == "splitk"  # the base tiles, the split loop, the split-K ones
+    for function, module, label, tiles, lats in FUNCTIONS:
+        if only_split and label not in ("base", "range"):
+            continue
         for bn, bk in tiles:
             for lat in lats:
                 params = gemv._params("gemv", "bfloat16", {"BN": bn, "BK": bk})

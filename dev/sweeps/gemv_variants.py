@@ -1,6 +1,8 @@
-"""GEMV kernels with load-latency hints, a per-tile row sum and other compiler hints, for the GEMV
-sweep (not shipped; see gemv_sweep.py). Same math as ``kernel_src.gemv.gemv_kernel``: one row ``x``
-(1, K) times ``weight`` (N, K), float32 products and sums, one rounding at the store."""
+"""GEMV kernels for the GEMV sweep (not shipped; see gemv_sweep.py): load-latency hints, a per-tile
+row sum and other compiler hints; K split across blocks with a last-block hand-over (float32 partial
+rows, int32 arrival counts, atomics), and its loop bounds alone. Same math as
+``kernel_src.gemv.gemv_kernel``: one row ``x`` (1, K) times ``weight`` (N, K), float32 products and
+sums, one rounding at the store."""
 
 import cuda.tile as ct
 
@@ -46,7 +48,7 @@ def gemv_range_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]
     """The shipped kernel with ``gemv_splitk_kernel``'s loop bounds: the K tiles run from a start to
     a stop computed from the block's second index (one run: grid (cdiv(N, BN), 1)), so the trip
     count is not the weight's shape alone. Times what the split-K kernel's loop costs without its
-    partial rows and hand-over. Arguments as :func:`gemv_lat_kernel`."""
+    partial rows and hand-over. x: (1, K), weight: (N, K), out: (1, N), one 16-bit dtype."""
     bid = ct.bid(0)
     tiles = ct.cdiv(weight.shape[1], BK)
     start = ct.bid(1) * tiles
