@@ -48,8 +48,7 @@ FUNCTIONS = [
 #: Split-K candidates (``gemv_splitk_kernel``): (BN, BK, SPLIT); SPLIT 1 is the unsplit grid with the
 #: split kernel's partial row, count and hand-over (what they cost alone).
 SPLITK = ((16, 256, 1), (8, 512, 1), (16, 256, 2), (16, 256, 4), (8, 256, 4), (16, 128, 4), (32, 256, 4),
-          (16, 256, 8), (8, 512, 2),
-          (32, 128, 4), (8, 256, 8), (16, 128, 8))
+          (16, 256, 8), (8, 512, 2), (32, 128, 4), (8, 256, 8), (16, 128, 8))
 #: Launches of each split-K candidate checked one by one against its first output (bit for bit), its
 #: partial rows' scratch poisoned with NaN before each: a race in the last-block hand-over shows as a
 #: differing launch.
@@ -75,7 +74,8 @@ def candidates():
     for bn, bk, split in SPLITK:
         # gemv's arrays, then the partial rows and the arrival counts
         params = (*gemv._params("gemv", "bfloat16", {})[:3], ArrayParam("part", "float32", 2),
-                  ArrayParam("count", "int32", 1), ConstParam("BN", bn), ConstParam("BK", bk), ConstParam("SPLIT", split))
+                  ArrayParam("count", "int32", 1), ConstParam("BN", bn), ConstParam("BK", bk),
+                  ConstParam("SPLIT", split))
         out.append(VariantSpec("gemv", EXP, "gemv_splitk_kernel", f"bf16.bn{bn}.bk{bk}.splitk{split}", params))
     return out
 
