@@ -43,16 +43,13 @@ gemv_rowsum_occ2_kernel = gemv_rowsum_kernel.replace_hints(occupancy=2)
 gemv_rowsum_w8_kernel = gemv_rowsum_kernel.replace_hints(num_worker_warps=8)
 
 
-@ct.kernel
-def gemv_range_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]):
-    """The shipped kernel with ``gemv_splitk_kernel``'s loop bounds: the K tiles run from a start to
-    a stop computed from the block's second index (one run: grid (cdiv(N, BN), 1)), so the trip
-    count is not the weight's shape alone. Times what the split-K kernel's loop costs without its
-    partial rows and hand-over. x: (1, K), weight: (N, K), out: (1, N), one 16-bit dtype."""
-    bid = ct.bid(0)
+@ct.function
+def _run_dot(x, weight, bid, s, SPLIT: ct.Constant[int], BN: ct.Constant[int], BK: ct.Constant[int]):
+    # Rows [bid * BN, bid * BN + BN) of weight times x[0] over the s-th of SPLIT runs of
+    # cdiv(cdiv(K, BK), SPLIT) K tiles (the last run shorter, or empty), as a (BN,) float32 tile.
     tiles = ct.cdiv(weight.shape[1], BK)
-    start = ct.bid(1) * tiles
-    stop = start + tiles
+    start = s * ct.cdiv(tiles, SPLIT)
+    stop = start + ct.cdiv(tiles, SPLIT)
     if stop > tiles:
         stop = tiles
     acc = ct.zeros((BN, BK), dtype=ct.float32)
@@ -60,7 +57,18 @@ def gemv_range_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]
         w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
         v = ct.load(x, index=(0, j), shape=(1, BK), padding_mode=ZERO)
         acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
-    ct.store(out, index=(0, bid), tile=ct.reshape(ct.sum(acc, axis=1), (1, BN)).astype(out.dtype))
+    return ct.sum(acc, axis=1)
+
+
+@ct.kernel
+def gemv_range_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]):
+    """The shipped kernel with ``gemv_splitk_kernel``'s loop (``_run_dot`` of one run): the K tiles
+    run from a start to a stop computed from the block's second index (grid (cdiv(N, BN), 1)), so
+    the trip count is not the weight's shape alone. Times what the split-K kernel's loop costs
+    without its partial rows and hand-over. x: (1, K), weight: (N, K), out: (1, N), one 16-bit dtype."""
+    bid = ct.bid(0)
+    y = _run_dot(x, weight, bid, ct.bid(1), 1, BN, BK)
+    ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
 
 
 @ct.kernel
@@ -79,19 +87,10 @@ def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct
     (2026-12-07) and rejected in the model: see ``kernel_src/gemv.py``'s ``TILES``."""
     bid = ct.bid(0)
     s = ct.bid(1)
-    tiles = ct.cdiv(weight.shape[1], BK)
-    start = s * ct.cdiv(tiles, SPLIT)
-    stop = start + ct.cdiv(tiles, SPLIT)
-    if stop > tiles:
-        stop = tiles
-    acc = ct.zeros((BN, BK), dtype=ct.float32)
-    for j in range(start, stop):
-        w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
-        v = ct.load(x, index=(0, j), shape=(1, BK), padding_mode=ZERO)
-        acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
+    y = _run_dot(x, weight, bid, s, SPLIT, BN, BK)
     # Plain stores and loads of the partial rows, no TMA: the atomic's release and acquire order them
     # (on sm_90 the store, a block barrier, a GPU-scope fence, the atomic, an L1 invalidate, the loads).
-    ct.store(part, index=(s, bid), tile=ct.reshape(ct.sum(acc, axis=1), (1, BN)), allow_tma=False)
+    ct.store(part, index=(s, bid), tile=ct.reshape(y, (1, BN)), allow_tma=False)
     if ct.atomic_add(count, bid, 1) == SPLIT - 1:
         total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
         ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
