@@ -652,3 +652,21 @@ def test_a_static_decoder_resets_a_hybrid_cache_it_filled_in_inference_mode():
     assert states and any(bool(t.ne(0).any()) for t in states)  # the prefill wrote them
     dec.reset()
     assert all(not bool(t.ne(0).any()) for t in states)
+
+
+def test_load_profile_times_the_load_and_the_first_prefill(preset_cache, capsys, monkeypatch):
+    """dev/diagnostics/load_profile.py (run on the GPU by hand) on the embedded model: the load and
+    the first prefill timed apart, each positive, the total their sum, the profile printed."""
+    import re
+
+    from dev.diagnostics import load_profile
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the tool hides fla for the path: not for later tests
+
+    load_profile.main(["tiny", "--path", "cutile", "--device", "cpu", "--prompt", "5", "--top", "5"])
+    out = capsys.readouterr().out
+    found = re.search(r"load ([\d.]+) s, first prefill ([\d.]+) s \(load to first token ([\d.]+) s", out)
+    assert found, out
+    load, first, total = map(float, found.groups())
+    assert load > 0 and first > 0 and abs(load + first - total) <= 0.011
+    assert "paths.py" in out and "cumulative" in out

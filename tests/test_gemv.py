@@ -714,3 +714,40 @@ def test_sweep_candidates_include_what_ships_and_compute_the_product():
     out = torch.full((1, n), float("nan"))
     emulate(gemv_variants.gemv_range_kernel, gemv_variants)((-(-n // 16), 1), (x[0], w, out, 16, 128))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,k,tile", [(40, 64, (16, 16, 2)), (33, 128, (8, 16, 4)), (300, 2304, (16, 128, 4)),
+                                      (24, 96, (8, 64, 2))],
+                         ids=["ragged-n", "one-partial-block", "wide-4-ways", "tile-past-the-part"])
+def test_emulated_static_split_kernels_match_the_product_in_any_block_order(n, k, tile):
+    """The GEMV sweep's static split (``gemv_split3_kernel`` over (N, SPLIT, K / SPLIT) views) on the
+    CPU: the product in any block arrival order, bit for bit across orders, every count back at zero;
+    its stream-only diagnostic (``gemv_split3_part_kernel``) writes partial rows that sum to the
+    product and leaves ``out`` alone. A K tile wider than a part (48 of 64) is zero-padded."""
+    import random
+
+    from cutile_numpy import emulate
+
+    from dev.sweeps import gemv_variants
+
+    bn, bk, split = tile
+    x, w, _ = _operands(n, k)
+    want = (x[0].double() @ w.double().T).float()
+    xv, wv = x[0].view(1, split, -1), w.view(n, split, -1)
+    grid = (-(-n // bn), split)
+    part = torch.full((split, n), float("nan"))
+    counts = torch.zeros(grid[0], dtype=torch.int32)
+    run = emulate(gemv_variants.gemv_split3_kernel, gemv_variants)
+    outs = []
+    for order in (None, lambda b: b[::-1], lambda b: random.Random(n).sample(b, len(b))):
+        out = torch.full((1, n), float("nan"))
+        run(grid, (xv, wv, out, part, counts, bn, bk, split), order=order)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert not counts.any()
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    part.fill_(float("nan"))
+    out = torch.full((1, n), float("nan"))
+    emulate(gemv_variants.gemv_split3_part_kernel, gemv_variants)(grid, (xv, wv, out, part, counts, bn, bk, split))
+    torch.testing.assert_close(part.sum(0, keepdim=True), want, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(out).all() and not counts.any()

@@ -14,8 +14,11 @@ vary that: the tile, the ``latency`` hint of the weight load, a per-tile row sum
 accumulator, so wider tiles fit in registers), two blocks a multiprocessor, eight warps; and K split
 across blocks (``gemv_splitk_kernel``, SPLITK's tiles; shipped unrouted for a session, rejected in the
 model on 2026-12-07), each such candidate also launched 300 more times against its first output bit
-for bit, its arrival counts back at zero. ``export`` with ``GEMV_SWEEP_SET=splitk`` compiles the
-shipped kernel's tiles (``base``), the split-K ones and the split kernel's loop alone (``range``) only.
+for bit, its arrival counts back at zero; and K split statically (``gemv_split3_kernel`` over (N, SPLIT,
+K / SPLIT) views of the weight and the row, so each block runs the unsplit kernel's loop, SPLIT3's tiles),
+beside its stream without the hand-over (``staticpart``, a diagnostic: its partial rows are checked, it
+writes no output). ``export`` with ``GEMV_SWEEP_SET=splitk`` compiles the shipped kernel's tiles
+(``base``), the split kernel's loop alone (``range``) and the split ones only.
 
 ``run`` takes every candidate on the presets' projections (``gemv_bench.SHAPES``, or those of the presets
 ``GEMV_SWEEP_PRESETS`` names, comma-separated; each call reading
@@ -53,6 +56,9 @@ SPLITK = ((16, 256, 1), (8, 512, 1), (16, 256, 2), (16, 256, 4), (8, 256, 4), (1
 #: partial rows' scratch poisoned with NaN before each: a race in the last-block hand-over shows as a
 #: differing launch.
 STRESS = 300
+#: Static split candidates (``gemv_split3_kernel`` over (N, SPLIT, K / SPLIT) views, and its stream alone
+#: without the hand-over, ``gemv_split3_part_kernel``): (BN, BK, SPLIT).
+SPLIT3 = ((16, 256, 2), (16, 256, 4), (16, 128, 4), (8, 256, 4), (16, 128, 8), (32, 128, 4))
 
 
 def candidates():
@@ -77,6 +83,12 @@ def candidates():
                   ArrayParam("count", "int32", 1), ConstParam("BN", bn), ConstParam("BK", bk),
                   ConstParam("SPLIT", split))
         out.append(VariantSpec("gemv", EXP, "gemv_splitk_kernel", f"bf16.bn{bn}.bk{bk}.splitk{split}", params))
+    for bn, bk, split in SPLIT3:  # tags .static<SPLIT> and .staticpart<SPLIT>
+        params = (gemv.array("x", "bfloat16", 3, "aligned"), gemv.array("weight", "bfloat16", 3, "aligned"),
+                  ArrayParam("out", "bfloat16", 2), ArrayParam("part", "float32", 2), ArrayParam("count", "int32", 1),
+                  ConstParam("BN", bn), ConstParam("BK", bk), ConstParam("SPLIT", split))
+        for function, label in (("gemv_split3_kernel", "static"), ("gemv_split3_part_kernel", "staticpart")):
+            out.append(VariantSpec("gemv", EXP, function, f"bf16.bn{bn}.bk{bk}.{label}{split}", params))
     return out
 
 
@@ -110,30 +122,38 @@ def run(sweep_dir: str, json_out: str | None) -> None:
                 bn, split = variant.constants["BN"], variant.constants.get("SPLIT", 0)
                 grid = (-(-n // bn), max(split, 1), 1)
                 row = {**base, "tag": variant.tag}
+                static = variant.function.startswith("gemv_split3")  # (N, SPLIT, K / SPLIT) views
+                diag = variant.function == "gemv_split3_part_kernel"  # writes the partial rows alone
+                if static and (k % split or (k // split) % 16):
+                    continue
+                view = (lambda t: t.view(t.shape[0], split, -1)) if static else (lambda t: t)
                 extra = ()
                 if split:
                     extra = (torch.empty(split, n, device="cuda", dtype=torch.float32),
                              torch.zeros(grid[0], device="cuda", dtype=torch.int32))
                 out.fill_(float("nan"))
-                if not launched(lambda v=variant, grid=grid, w=ws[0]: launcher.launch(v, grid, (x, w, out, *extra), 0),
-                                row, rows):
+                if extra:
+                    extra[0].fill_(float("nan"))
+                if not launched(lambda v=variant, grid=grid, w=ws[0]: launcher.launch(
+                        v, grid, (view(x), view(w), out, *extra), 0), row, rows):
                     continue
-                rel = ((out.double() - ref).norm() / ref.norm()).item()
+                got = extra[0].sum(0, keepdim=True).to(out.dtype) if diag else out
+                rel = ((got.double() - ref).norm() / ref.norm()).item()
                 row["rel"] = rel
-                row["ok"] = bool(torch.isfinite(out).all()) and rel < 4e-3 and rel <= 1.5 * cublas_rel + 1e-6
-                if split and row["ok"]:
+                row["ok"] = bool(torch.isfinite(got).all()) and rel < 4e-3 and rel <= 1.5 * cublas_rel + 1e-6
+                if split and row["ok"] and not diag:
                     first, bad = out.clone(), torch.zeros((), device="cuda", dtype=torch.int64)
                     for _ in range(STRESS):
                         out.fill_(float("nan"))
                         extra[0].fill_(float("nan"))  # a partial row read before it is written shows
-                        launcher.launch(variant, grid, (x, ws[0], out, *extra), 0)
+                        launcher.launch(variant, grid, (view(x), view(ws[0]), out, *extra), 0)
                         bad += (out != first).sum()
                     row["stress_bad"] = int(bad)
                     row["count_left"] = int(extra[1].abs().sum())
                     row["ok"] = row["stress_bad"] == 0 and row["count_left"] == 0
                 if row["ok"]:
-                    t = graph_us(lambda v=variant, grid=grid: launcher.launch(v, grid, (x, nxt(), out, *extra), 0),
-                                 reps=11)
+                    t = graph_us(lambda v=variant, grid=grid: launcher.launch(
+                        v, grid, (view(x), view(nxt()), out, *extra), 0), reps=11)
                     row.update(us=round(t, 2), **{"TB/s": round(n * k * 2 / t / 1e6, 2)})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -146,7 +166,8 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             cub = next(r for r in mine if r["tag"] == "cublas")
             ok = [r for r in mine if r.get("ok")]
             shipped = [r for r in ok if r["tag"].endswith(".base")]
-            best = min(ok, key=lambda r: r["us"]) if ok else None
+            # The part-only diagnostics compute no output: not candidates.
+            best = min((r for r in ok if ".staticpart" not in r["tag"]), key=lambda r: r["us"], default=None)
             sb = min(shipped, key=lambda r: r["us"]) if shipped else None
             print(f"| {preset} | {proj} | {cub['N']} x {cub['K']} ({cub['MB']}) | {cub['us']} ({cub['TB/s']}) | "
                   f"{sb['tag'] + ' ' + str(sb['us']) if sb else '-'} | "

@@ -1,6 +1,7 @@
 """GEMV kernels for the GEMV sweep (not shipped; see gemv_sweep.py): load-latency hints, a per-tile
 row sum and other compiler hints; K split across blocks with a last-block hand-over (float32 partial
-rows, int32 arrival counts, atomics), and its loop bounds alone. Same math as
+rows, int32 arrival counts, atomics), its loop bounds alone, and a static split over (N, SPLIT,
+K / SPLIT) views with its stream alone. Same math as
 ``kernel_src.gemv.gemv_kernel``: one row ``x`` (1, K) times ``weight`` (N, K), float32 products and
 sums, one rounding at the store."""
 
@@ -84,7 +85,9 @@ def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct
     finds ``SPLIT - 1`` there arrived last: it adds the ``SPLIT`` partial rows in index order (the
     same sum whatever the arrival order), stores the result rounded once, and puts ``count[i]`` back
     to 0 for the next launch: one launch, no memset, no second kernel. Shipped for one session
-    (2026-12-07) and rejected in the model: see ``kernel_src/gemv.py``'s ``TILES``."""
+    (2026-12-07) and rejected in the model: see ``kernel_src/gemv.py``'s ``TILES``. The sweep's
+    diagnostics (H100, 2026-12-07) put the cost in the hand-over: with SPLIT 1 the kernel is 2.3-2.6x
+    the shipped one, more the longer its K loop, while the loop bounds alone cost nothing."""
     bid = ct.bid(0)
     s = ct.bid(1)
     y = _run_dot(x, weight, bid, s, SPLIT, BN, BK)
@@ -95,3 +98,44 @@ def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct
         total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
         ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
         ct.atomic_xchg(count, bid, 0)
+
+
+@ct.function
+def _split_dot(x, weight, bid, s, BN: ct.Constant[int], BK: ct.Constant[int]):
+    # Rows [bid * BN, bid * BN + BN) of the (N, SPLIT, K / SPLIT) weight view times x's (1, SPLIT,
+    # K / SPLIT) view over the s-th part of K, as a (BN,) float32 tile. The trip count is the view's
+    # last dimension: a loop of the unsplit kernel's form, no computed bounds.
+    acc = ct.zeros((BN, BK), dtype=ct.float32)
+    for j in range(ct.cdiv(weight.shape[2], BK)):
+        w = ct.reshape(ct.load(weight, index=(bid, s, j), shape=(BN, 1, BK), padding_mode=ZERO), (BN, BK))
+        v = ct.reshape(ct.load(x, index=(0, s, j), shape=(1, 1, BK), padding_mode=ZERO), (1, BK))
+        acc = acc + w.astype(ct.float32) * v.astype(ct.float32)
+    return ct.sum(acc, axis=1)
+
+
+@ct.kernel
+def gemv_split3_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct.Constant[int],
+                       SPLIT: ct.Constant[int]):
+    """``gemv_splitk_kernel`` with K split statically: x a (1, SPLIT, K / SPLIT) view, weight an (N,
+    SPLIT, K / SPLIT) view of the (N, K) tensors (K / SPLIT a multiple of 16), so block (i, s) runs
+    the unsplit kernel's loop over its view (:func:`_split_dot`); the same partial rows, arrival
+    count and last-block hand-over. out: (1, N); part: (SPLIT, N) float32; count: (cdiv(N, BN),)
+    int32, zero before and after. Grid: (cdiv(N, BN), SPLIT)."""
+    bid = ct.bid(0)
+    s = ct.bid(1)
+    y = _split_dot(x, weight, bid, s, BN, BK)
+    ct.store(part, index=(s, bid), tile=ct.reshape(y, (1, BN)), allow_tma=False)
+    if ct.atomic_add(count, bid, 1) == SPLIT - 1:
+        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
+        ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
+        ct.atomic_xchg(count, bid, 0)
+
+
+@ct.kernel
+def gemv_split3_part_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct.Constant[int],
+                            SPLIT: ct.Constant[int]):
+    """Diagnostic (its ``out`` is not the product): ``gemv_split3_kernel``'s split stream and partial
+    rows without the arrival count and hand-over, so the two costs show apart. Arguments and grid as
+    there; ``out`` and ``count`` are not touched."""
+    y = _split_dot(x, weight, ct.bid(0), ct.bid(1), BN, BK)
+    ct.store(part, index=(ct.bid(1), ct.bid(0)), tile=ct.reshape(y, (1, BN)), allow_tma=False)

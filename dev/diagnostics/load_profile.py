@@ -1,0 +1,65 @@
+"""Where a path's time from ``from_pretrained`` to its first token goes: ``cProfile`` of the load and
+the first prefill, as the bench's ``load_to_token`` times them.
+
+    python -m dev.diagnostics.load_profile qwen3-0.6b --path cutile-graphs [--top 40] [--device cuda]
+
+Run each path in a fresh process (a second load in one process reuses imports, compiled modules and
+the checkpoint's pages). Prints the seconds of the load (``tools.bench.paths.load``, what the bench
+calls), of the first prefill (1 x ``--prompt`` tokens, synchronized) and of the imports before them,
+then the ``--top`` functions by cumulative time. Issue 15 asks the fast path's load to the first token
+to stay within 2 s of stock eager's; the bench reports the totals, this says which part moved.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+T0 = time.perf_counter()
+
+import torch  # noqa: E402 - timed: the imports are part of a fresh process's load
+import transformers  # noqa: E402
+
+IMPORTS_S = time.perf_counter() - T0
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="preset name or checkpoint directory")
+    ap.add_argument("--path", default="cutile-graphs", help="bench path to load the model as (default cutile-graphs)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--prompt", type=int, default=128, help="first prefill's tokens (the bench's decode prompt)")
+    ap.add_argument("--top", type=int, default=40, help="functions listed by cumulative time")
+    args = ap.parse_args(argv)
+
+    from cutile_kernels_tools import presets
+    from cutile_kernels_tools.bench import paths
+
+    checkpoint, label = presets.resolve(args.model)
+    paths.isolate_packages(args.path)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    model = paths.load(args.path, checkpoint, torch.bfloat16, args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(ids.to(args.device), use_cache=True)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    prof.disable()
+    first_s = time.perf_counter() - t0
+    print(f"{label}, path {args.path} on {args.device} (transformers {transformers.__version__}): "
+          f"torch + transformers imports {IMPORTS_S:.2f} s, "
+          f"load {load_s:.2f} s, first prefill {first_s - load_s:.2f} s (load to first token {first_s:.2f} s, "
+          "profiled)")
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
