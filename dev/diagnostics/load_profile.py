@@ -1,19 +1,26 @@
-"""Where a path's time from ``from_pretrained`` to its first token goes: ``cProfile`` of the load and
-the first prefill, as the bench's ``load_to_token`` times them.
+"""Where a path's time from ``from_pretrained`` to its first token goes: ``cProfile`` of one process's
+load and first prefill.
 
     python -m dev.diagnostics.load_profile qwen3-0.6b --path cutile-graphs [--top 40] [--device cuda]
 
 Run each path in a fresh process (a second load in one process reuses imports, compiled modules and
-the checkpoint's pages). Prints the seconds of the load (``tools.bench.paths.load``, what the bench
-calls), of the first prefill (1 x ``--prompt`` tokens, synchronized) and of the imports before them,
-then the ``--top`` functions by cumulative time. Issue 15 asks the fast path's load to the first token
-to stay within 2 s of stock eager's; the bench reports the totals, this says which part moved.
+the checkpoint's pages). A preset's checkpoint is written first in a child process when it is not
+cached yet, so that writing it (which imports the modeling code) happens outside this process.
+Prints the seconds of the imports of torch and transformers, of the load
+(``tools.bench.paths.load``, the call the bench times) and of a first eager prefill (1 x ``--prompt``
+tokens, no cache object: not the bench's decoder, which prefills into the path's own cache), each
+synchronized and profiled, then the ``--top`` functions by own time (``tottime``). Cumulative times
+are not listed: on Python 3.12 cProfile also records other threads (transformers loads weights on a
+thread pool), and their calls land in the main thread's stacks. The bench reports the totals
+(``load_to_token``); this says which functions moved.
 """
 
 import argparse
 import cProfile
 import io
 import pstats
+import subprocess
+import sys
 import time
 
 T0 = time.perf_counter()
@@ -24,19 +31,28 @@ import transformers  # noqa: E402
 IMPORTS_S = time.perf_counter() - T0
 
 
+def _checkpoint(model: str):
+    # The checkpoint directory, written in a child process if the preset is not cached yet.
+    from cutile_kernels_tools import presets
+
+    if model in presets.PRESETS:
+        code = f"from cutile_kernels_tools import presets; presets.materialize({model!r})"
+        subprocess.run([sys.executable, "-c", code], check=True)
+    return presets.resolve(model)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="preset name or checkpoint directory")
     ap.add_argument("--path", default="cutile-graphs", help="bench path to load the model as (default cutile-graphs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prompt", type=int, default=128, help="first prefill's tokens (the bench's decode prompt)")
-    ap.add_argument("--top", type=int, default=40, help="functions listed by cumulative time")
+    ap.add_argument("--top", type=int, default=40, help="functions listed by own time")
     args = ap.parse_args(argv)
 
-    from cutile_kernels_tools import presets
     from cutile_kernels_tools.bench import paths
 
-    checkpoint, label = presets.resolve(args.model)
+    checkpoint, label = _checkpoint(args.model)
     paths.isolate_packages(args.path)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -57,7 +73,7 @@ def main(argv=None) -> None:
           f"load {load_s:.2f} s, first prefill {first_s - load_s:.2f} s (load to first token {first_s:.2f} s, "
           "profiled)")
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(args.top)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue())
 
 

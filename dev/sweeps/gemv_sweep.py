@@ -121,10 +121,12 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             for variant in variants:
                 bn, split = variant.constants["BN"], variant.constants.get("SPLIT", 0)
                 grid = (-(-n // bn), max(split, 1), 1)
-                row = {**base, "tag": variant.tag}
                 static = variant.function.startswith("gemv_split3")  # (N, SPLIT, K / SPLIT) views
                 diag = variant.function == "gemv_split3_part_kernel"  # writes the partial rows alone
+                row = {**base, "tag": variant.tag, **({"diagnostic": True} if diag else {})}
                 if static and (k % split or (k // split) % 16):
+                    rows.append({**row, "skipped": f"K {k} does not split {split} ways into multiples of 16"})
+                    print(json.dumps(rows[-1]), flush=True)
                     continue
                 view = (lambda t: t.view(t.shape[0], split, -1)) if static else (lambda t: t)
                 extra = ()
@@ -167,7 +169,7 @@ def run(sweep_dir: str, json_out: str | None) -> None:
             ok = [r for r in mine if r.get("ok")]
             shipped = [r for r in ok if r["tag"].endswith(".base")]
             # The part-only diagnostics compute no output: not candidates.
-            best = min((r for r in ok if ".staticpart" not in r["tag"]), key=lambda r: r["us"], default=None)
+            best = min((r for r in ok if not r.get("diagnostic")), key=lambda r: r["us"], default=None)
             sb = min(shipped, key=lambda r: r["us"]) if shipped else None
             print(f"| {preset} | {proj} | {cub['N']} x {cub['K']} ({cub['MB']}) | {cub['us']} ({cub['TB/s']}) | "
                   f"{sb['tag'] + ' ' + str(sb['us']) if sb else '-'} | "

@@ -86,8 +86,9 @@ def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct
     same sum whatever the arrival order), stores the result rounded once, and puts ``count[i]`` back
     to 0 for the next launch: one launch, no memset, no second kernel. Shipped for one session
     (2026-12-07) and rejected in the model: see ``kernel_src/gemv.py``'s ``TILES``. The sweep's
-    diagnostics (H100, 2026-12-07) put the cost in the hand-over: with SPLIT 1 the kernel is 2.3-2.6x
-    the shipped one, more the longer its K loop, while the loop bounds alone cost nothing."""
+    diagnostics (H100, 2026-12-07) put the cost in the hand-over: with SPLIT 1 the kernel is 2.1-3.4x
+    the shipped one, the added time growing with the weight's bytes, while the loop bounds alone cost
+    nothing."""
     bid = ct.bid(0)
     s = ct.bid(1)
     y = _run_dot(x, weight, bid, s, SPLIT, BN, BK)
