@@ -657,7 +657,7 @@ def test_a_static_decoder_resets_a_hybrid_cache_it_filled_in_inference_mode():
 def test_load_profile_times_the_load_and_the_first_prefill(preset_cache, capsys, monkeypatch):
     """dev/diagnostics/load_profile.py (run on the GPU by hand) on the embedded model: the preset is
     written before the timed span (in a child process), the load and the first prefill timed apart,
-    each positive, the total their sum, the profile printed by own time."""
+    the load positive, the total their sum, the profile printed by own time."""
     import re
 
     from cutile_kernels_tools.bench import paths
@@ -672,7 +672,7 @@ def test_load_profile_times_the_load_and_the_first_prefill(preset_cache, capsys,
     found = re.search(r"load ([\d.]+) s, first prefill ([\d.]+) s \(load to first token ([\d.]+) s", out)
     assert found, out
     load, first, total = map(float, found.groups())
-    assert load > 0 and first > 0 and abs(load + first - total) <= 0.011
+    assert load > 0 and first >= 0 and abs(load + first - total) <= 0.0011  # a tiny prefill may round to 0
     assert "internal time" in out and "function calls" in out
     assert "wrote preset" not in out  # the child process wrote it, before the timed span
     assert (preset_cache / "tiny-seed0" / "model.safetensors").is_file()

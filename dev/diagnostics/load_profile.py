@@ -69,8 +69,8 @@ def main(argv=None) -> None:
     prof.disable()
     first_s = time.perf_counter() - t0
     print(f"{label}, path {args.path} on {args.device} (transformers {transformers.__version__}): "
-          f"torch + transformers imports {IMPORTS_S:.2f} s, "
-          f"load {load_s:.2f} s, first prefill {first_s - load_s:.2f} s (load to first token {first_s:.2f} s, "
+          f"torch + transformers imports {IMPORTS_S:.3f} s, "
+          f"load {load_s:.3f} s, first prefill {first_s - load_s:.3f} s (load to first token {first_s:.3f} s, "
           "profiled)")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
