@@ -72,6 +72,20 @@ def gemv_range_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]
     ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
 
 
+@ct.function
+def _hand_over(y, out, part, count, bid, s, BN: ct.Constant[int], SPLIT: ct.Constant[int]):
+    # Block (bid, s)'s partial row y (BN,) into part[s], one arrival counted in count[bid]; the block
+    # that arrives last adds the SPLIT partial rows in index order, stores them rounded once into
+    # out and sets the count back to 0. Plain stores and loads of the partial rows, no TMA: the
+    # atomic's release and acquire order them (on sm_90 the store, a block barrier, a GPU-scope
+    # fence, the atomic, an L1 invalidate, the loads).
+    ct.store(part, index=(s, bid), tile=ct.reshape(y, (1, BN)), allow_tma=False)
+    if ct.atomic_add(count, bid, 1) == SPLIT - 1:
+        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
+        ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
+        ct.atomic_xchg(count, bid, 0)
+
+
 @ct.kernel
 def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct.Constant[int],
                        SPLIT: ct.Constant[int]):
@@ -91,14 +105,7 @@ def gemv_splitk_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct
     nothing."""
     bid = ct.bid(0)
     s = ct.bid(1)
-    y = _run_dot(x, weight, bid, s, SPLIT, BN, BK)
-    # Plain stores and loads of the partial rows, no TMA: the atomic's release and acquire order them
-    # (on sm_90 the store, a block barrier, a GPU-scope fence, the atomic, an L1 invalidate, the loads).
-    ct.store(part, index=(s, bid), tile=ct.reshape(y, (1, BN)), allow_tma=False)
-    if ct.atomic_add(count, bid, 1) == SPLIT - 1:
-        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
-        ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
-        ct.atomic_xchg(count, bid, 0)
+    _hand_over(_run_dot(x, weight, bid, s, SPLIT, BN, BK), out, part, count, bid, s, BN, SPLIT)
 
 
 @ct.function
@@ -124,12 +131,7 @@ def gemv_split3_kernel(x, weight, out, part, count, BN: ct.Constant[int], BK: ct
     int32, zero before and after. Grid: (cdiv(N, BN), SPLIT)."""
     bid = ct.bid(0)
     s = ct.bid(1)
-    y = _split_dot(x, weight, bid, s, BN, BK)
-    ct.store(part, index=(s, bid), tile=ct.reshape(y, (1, BN)), allow_tma=False)
-    if ct.atomic_add(count, bid, 1) == SPLIT - 1:
-        total = ct.sum(ct.load(part, index=(0, bid), shape=(SPLIT, BN), padding_mode=ZERO, allow_tma=False), axis=0)
-        ct.store(out, index=(0, bid), tile=ct.reshape(total, (1, BN)).astype(out.dtype))
-        ct.atomic_xchg(count, bid, 0)
+    _hand_over(_split_dot(x, weight, bid, s, BN, BK), out, part, count, bid, s, BN, SPLIT)
 
 
 @ct.kernel
