@@ -47,7 +47,7 @@
 #
 # On the dev machine first (see /work/shared/device/README.md and benchmarks/device_notebooks.sh):
 #   ../shared/device/prepare.sh <wheels>; bash benchmarks/device_notebooks.sh prepare
-#   cutile-kernels build --arch sm_90 --out /tmp/b90/build && tar czf .device/build.tgz -C /tmp/b90 build
+#   cutile-kernels build --arch sm_90 --out /tmp/b90/build && tar cJf .device/build.txz -C /tmp/b90 build
 # then e.g.
 #   run(command="source scripts/device-setup.sh && TESTS=tests/test_patch.py bash benchmarks/device_session.sh tests evaluate",
 #       carry=[".device"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.metadata
@@ -111,16 +112,33 @@ def toolchain_versions() -> dict:
     return versions
 
 
+def kernel_sources(module: str) -> list[Path]:
+    """The files a family's cubins are compiled from: its module, ``kernel_src/_spec.py``, and every
+    ``kernel_src`` module it imports relatively (``from .norm import ...``, ``from ._pdl import ...``),
+    transitively, in a fixed order. ``module``: a family name (``norm``) or a dotted module (a sweep's
+    candidates). Raises ``FileNotFoundError`` for an unknown family."""
+    root = Path(kernel_src.__file__).parent
+    first = Path(importlib.import_module(module).__file__) if "." in module else root / f"{module}.py"
+    if not first.is_file():
+        raise FileNotFoundError(first)
+    seen, todo = [first, root / "_spec.py"], [first]
+    while todo:
+        tree = ast.parse(todo.pop().read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                dep = root / f"{node.module.replace('.', '/')}.py"
+                if dep.is_file() and dep not in seen:
+                    seen.append(dep)
+                    todo.append(dep)
+    return seen
+
+
 @lru_cache(maxsize=None)
 def _source_digest(module: str) -> str:
-    """Digest of the family's source and the shared spec module (what a cubin depends on)."""
-    root = Path(kernel_src.__file__).parent
-    source = Path(importlib.import_module(module).__file__) if "." in module else root / f"{module}.py"
-    # A family that calls another family's device helpers names it in KERNEL_DEPENDS (qk_norm_rope).
-    deps = getattr(importlib.import_module(module if "." in module else f"{kernel_src.__name__}.{module}"),
-                   "KERNEL_DEPENDS", ())
+    """Digest of what a family's cubins depend on (:func:`kernel_sources`): an edit to a device
+    helper another family imports (norm's for qk_norm_rope, _pdl.py's wait) rebuilds its variants."""
     h = hashlib.sha256()
-    for path in (source, root / "_spec.py", *(root / f"{d}.py" for d in deps)):
+    for path in kernel_sources(module):
         h.update(path.read_bytes())
     return h.hexdigest()
 

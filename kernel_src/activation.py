@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from ._pdl import pdl_wait, with_pdl
 from ._spec import DTYPE_TAGS, LAYOUTS, ConstParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
@@ -92,8 +93,10 @@ def silu_and_mul_kernel(gate, up, out, ROWS: ct.Constant[int], BLOCK: ct.Constan
 
 
 @ct.kernel
-def silu_and_mul_fused_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant[int]):
-    """out = silu(x[:, 0]) * x[:, 1]. x: (M, 2, N), out: (M, N); blocks as silu_and_mul_kernel."""
+def silu_and_mul_fused_kernel(x, out, ROWS: ct.Constant[int], BLOCK: ct.Constant[int], PDL: ct.Constant[int]):
+    """out = silu(x[:, 0]) * x[:, 1]. x: (M, 2, N), out: (M, N); blocks as silu_and_mul_kernel.
+    PDL: see kernel_src/_pdl.py."""
+    pdl_wait(PDL)
     i, j = ct.bid(0), ct.bid(1)
     g = ct.reshape(ct.load(x, index=(i, 0, j), shape=(ROWS, 1, BLOCK), padding_mode=ZERO), (ROWS, BLOCK))
     u = ct.reshape(ct.load(x, index=(i, 1, j), shape=(ROWS, 1, BLOCK), padding_mode=ZERO), (ROWS, BLOCK))
@@ -168,5 +171,8 @@ def _matrix() -> list[VariantSpec]:
     return specs
 
 
-#: Every variant of this family, in the runtime's order of preference (aligned before generic).
-VARIANTS: list[VariantSpec] = _matrix()
+#: Every variant of this family, in the runtime's order of preference (aligned before generic);
+#: silu_and_mul_fused's 16-bit aligned ones also with programmatic dependent launch, for captured decode
+#: steps (kernel_src/_pdl.py).
+VARIANTS: list[VariantSpec] = with_pdl(_matrix(), ("silu_and_mul_fused_kernel",),
+                                       lambda s: s.params[0].dtype != "float32" and s.tag.endswith(".aligned"))

@@ -48,6 +48,7 @@ import math
 
 import cuda.tile as ct
 
+from ._pdl import pdl_wait, with_pdl
 from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, ScalarParam, VariantSpec, array
 from .rope import _cos_sin, _rounded_mul
 
@@ -197,7 +198,8 @@ def _softmax_step(s, m_i, l_i):
 @ct.kernel
 def attention_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap: float, window: int,
                      has_mask: int, has_len: int, causal: int, num_splits: int,
-                     D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int]):
+                     D: ct.Constant[int], HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int],
+                     PDL: ct.Constant[int]):
     """Attention forward for one (query block, batch x head block[, KV split]).
 
     q: (B, Hq, Sq, head_dim); k, v: (B, Hkv, Skv, head_dim); mask: (MB, Sq, Skv) int8 (read only
@@ -208,7 +210,9 @@ def attention_kernel(q, k, v, mask, kv_len, o, part, lse, scale: float, softcap:
     normalised output and log2-sum-exp instead of o; the splits share the KV tiles of the first
     Skv keys evenly (a split with none writes zeros and -inf).
     Grid: (cdiv(Sq, BS) * num_splits, B * cdiv(Hq, HB)); with num_splits > 1, HB divides Hq.
+    PDL: see kernel_src/_pdl.py.
     """
+    pdl_wait(PDL)
     _attention_block(q, k, v, mask, o, part, lse, _kv_length(k, kv_len, has_len), scale, softcap, window, has_mask,
                      has_len, causal, num_splits, D, HB, BS, BN)
 
@@ -273,7 +277,8 @@ def _rotated(x, b, h, c1, c2, s1, s2, rdtype, HEADS: ct.Constant[int], ROWS: ct.
 @ct.kernel
 def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, part, lse, scale: float, softcap: float,
                                  window: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
-                                 BS: ct.Constant[int], BN: ct.Constant[int], STORE_LAST: ct.Constant[int]):
+                                 BS: ct.Constant[int], BN: ct.Constant[int], STORE_LAST: ct.Constant[int],
+                                 PDL: ct.Constant[int]):
     """A decode step's RoPE of q and k, the static KV cache write of the rotated k and of v, and the
     attention of the query over the cache, for one (batch x head block[, KV split]).
 
@@ -289,8 +294,9 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
     L, D), the cache, written at slot n when n < L (before the KV loop, or with STORE_LAST after
     the output's store); length: (1,) int64, n (not advanced: the caller adds 1); o: (B, Hq, 1,
     D). part, lse and num_splits as :func:`attention_kernel`'s (the new key goes to split 0). HB
-    divides Hq // Hkv. Grid: (num_splits, B * Hq // HB).
+    divides Hq // Hkv. Grid: (num_splits, B * Hq // HB). PDL: see kernel_src/_pdl.py.
     """
+    pdl_wait(PDL)
     split = ct.bid(0)
     nhb = q.shape[1] // HB
     b = ct.bid(1) // nhb
@@ -553,5 +559,6 @@ def _matrix() -> list[VariantSpec]:
     return specs
 
 
-#: Every variant of this family.
-VARIANTS: list[VariantSpec] = _matrix()
+#: Every variant of this family; the decode attention's and rope_append_attention's also with
+#: programmatic dependent launch, for captured decode steps (kernel_src/_pdl.py).
+VARIANTS: list[VariantSpec] = with_pdl(_matrix(), ("attention_kernel", "rope_append_attention_kernel"))

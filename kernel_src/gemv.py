@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from ._pdl import pdl_wait, with_pdl
 from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, VariantSpec, array
 from .activation import _gelu_tanh_and_mul, _silu_and_mul
 
@@ -51,8 +52,9 @@ ZERO = ct.PaddingMode.ZERO
 
 
 @ct.function
-def _row_dot(x, weight, bid, BN: ct.Constant[int], BK: ct.Constant[int]):
-    # Rows [bid * BN, bid * BN + BN) of weight times x[0], as a (BN,) float32 tile.
+def _row_dot(x, weight, bid, BN: ct.Constant[int], BK: ct.Constant[int], PDL: ct.Constant[int]):
+    # Rows [bid * BN, bid * BN + BN) of weight times x[0], as a (BN,) float32 tile (PDL: _pdl.py).
+    pdl_wait(PDL)
     acc = ct.zeros((BN, BK), dtype=ct.float32)
     for j in range(ct.cdiv(weight.shape[1], BK)):
         w = ct.load(weight, index=(bid, j), shape=(BN, BK), padding_mode=ZERO)
@@ -62,18 +64,19 @@ def _row_dot(x, weight, bid, BN: ct.Constant[int], BK: ct.Constant[int]):
 
 
 @ct.kernel
-def gemv_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int]):
-    """out[0, n] = sum_k x[0, k] * weight[n, k]. x: (1, K), weight: (N, K), out: (1, N). Grid: (cdiv(N, BN),)."""
+def gemv_kernel(x, weight, out, BN: ct.Constant[int], BK: ct.Constant[int], PDL: ct.Constant[int]):
+    """out[0, n] = sum_k x[0, k] * weight[n, k]. x: (1, K), weight: (N, K), out: (1, N). Grid: (cdiv(N, BN),).
+    PDL: see kernel_src/_pdl.py."""
     bid = ct.bid(0)
-    y = _row_dot(x, weight, bid, BN, BK)
+    y = _row_dot(x, weight, bid, BN, BK, PDL)
     ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
 
 
 @ct.kernel
-def gemv_bias_kernel(x, weight, bias, out, BN: ct.Constant[int], BK: ct.Constant[int]):
-    """gemv_kernel plus bias (N,), added in float32 before the one rounding."""
+def gemv_bias_kernel(x, weight, bias, out, BN: ct.Constant[int], BK: ct.Constant[int], PDL: ct.Constant[int]):
+    """gemv_kernel plus bias (N,), added in float32 before the one rounding. PDL: see kernel_src/_pdl.py."""
     bid = ct.bid(0)
-    y = _row_dot(x, weight, bid, BN, BK)
+    y = _row_dot(x, weight, bid, BN, BK, PDL)
     y = y + ct.load(bias, index=(bid,), shape=(BN,), padding_mode=ZERO).astype(ct.float32)
     ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
 
@@ -131,12 +134,13 @@ def _params(kind: str, dtype: str, consts: dict) -> tuple:
 #: The gated-MLP down projections: kernel name -> GELU constant of ``gemv_glu_kernel``.
 GLU = {"gemv_swiglu": 0, "gemv_geglu": 1}
 
-#: Every variant of this family.
-VARIANTS: list[VariantSpec] = [
+#: Every variant of this family; ``gemv``'s also with programmatic dependent launch, for captured decode
+#: steps (kernel_src/_pdl.py).
+VARIANTS: list[VariantSpec] = with_pdl([
     VariantSpec(kind, "gemv", f"{kind}_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk}))
     for kind in ("gemv", "gemv_bias") for dtype in DTYPES for bn, bk in TILES
-] + [
+], ("gemv_kernel", "gemv_bias_kernel"), lambda s: s.kernel == "gemv") + [
     VariantSpec(kind, "gemv", "gemv_glu_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk, "GELU": gelu}))
     for kind, gelu in GLU.items() for dtype in DTYPES for bn, bk in TILES

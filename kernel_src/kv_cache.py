@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from ._pdl import pdl_wait, with_pdl
 from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
@@ -29,13 +30,15 @@ def _append(cache, new, b, h, sb, first, BS: ct.Constant[int], D: ct.Constant[in
 
 
 @ct.kernel
-def kv_append_kernel(keys, values, k, v, length, BS: ct.Constant[int], D: ct.Constant[int]):
+def kv_append_kernel(keys, values, k, v, length, BS: ct.Constant[int], D: ct.Constant[int], PDL: ct.Constant[int]):
     """Write ``k[b, h, s]`` to ``keys[b, h, length + s]`` and ``v`` likewise into ``values``.
 
     keys, values: (B, H, L, head_dim), the cache; k, v: (B, H, S, head_dim), the new rows (any
     strides); length: (1,) int64, the first free slot. head_dim is loaded as D (a power of two)
-    lanes; the padded lanes and slots past L are not written. Grid: (cdiv(S, BS), B * H).
+    lanes; the padded lanes and slots past L are not written. Grid: (cdiv(S, BS), B * H). PDL: see
+    kernel_src/_pdl.py.
     """
+    pdl_wait(PDL)
     sb = ct.bid(0)
     b = ct.bid(1) // keys.shape[1]
     h = ct.bid(1) % keys.shape[1]
@@ -65,9 +68,10 @@ def _params(dtype: str, consts: dict) -> tuple:
             *(ConstParam(n, val) for n, val in consts.items()))
 
 
-#: Every variant of this family.
-VARIANTS: list[VariantSpec] = [
+#: Every variant of this family; the 16-bit ones also with programmatic dependent launch, for captured
+#: decode steps (kernel_src/_pdl.py).
+VARIANTS: list[VariantSpec] = with_pdl([
     VariantSpec("kv_append", "kv_cache", "kv_append_kernel", f"{DTYPE_TAGS[dtype]}.d{d}.r{ROWS}",
                 _params(dtype, {"BS": ROWS, "D": d}))
     for dtype in DTYPES for d in HEAD_DIMS
-]
+], ("kv_append_kernel",), lambda s: s.params[0].dtype != "float32")

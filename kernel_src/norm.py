@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from ._pdl import pdl_wait, with_pdl
 from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
 
 ZERO = ct.PaddingMode.ZERO
@@ -119,8 +120,10 @@ def rms_norm_gated_kernel(x, gate, weight, y, eps: float, BLOCK_N: ct.Constant[i
 
 @ct.kernel(num_worker_warps=8)
 def add_rms_norm_kernel(x, residual, weight, y, residual_out, eps: float,
-                        BLOCK_N: ct.Constant[int], ROWS: ct.Constant[int]):
-    """residual_out = x + residual; y = RMSNorm(residual_out) * weight. Shapes as rms_norm_kernel."""
+                        BLOCK_N: ct.Constant[int], ROWS: ct.Constant[int], PDL: ct.Constant[int]):
+    """residual_out = x + residual; y = RMSNorm(residual_out) * weight. Shapes as rms_norm_kernel.
+    PDL: see kernel_src/_pdl.py."""
+    pdl_wait(PDL)
     bid = ct.bid(0)
     a = ct.load(x, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
     b = ct.load(residual, index=(bid, 0), shape=(ROWS, BLOCK_N), padding_mode=ZERO).astype(ct.float32)
@@ -376,4 +379,7 @@ def _matrix() -> list[VariantSpec]:
 #: Every variant of this family, in the runtime's order of preference: aligned before generic (a
 #: request without ``ROWS`` takes the prefill tile; one with ``ROWS=1`` the aligned decode tile, one
 #: with ``ROWS=MID_ROWS`` the aligned middle tile).
-VARIANTS: list[VariantSpec] = _matrix()
+#: add_rms_norm's 16-bit aligned tiles also come with programmatic dependent launch, for captured
+#: decode steps (kernel_src/_pdl.py).
+VARIANTS: list[VariantSpec] = with_pdl(_matrix(), ("add_rms_norm_kernel",),
+                                       lambda s: s.params[0].dtype in DECODE_DTYPES and s.tag.endswith(".aligned"))

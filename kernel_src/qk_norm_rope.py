@@ -45,17 +45,15 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
+from ._pdl import pdl_wait, with_pdl
 from ._spec import DECODE_DTYPES, DTYPE_TAGS, LAYOUTS, ConstParam, ScalarParam, VariantSpec, array
-# The helpers are the norm and rope kernels' own (one formula each); the builder hashes these
-# modules into this family's variants (KERNEL_DEPENDS), so a change there rebuilds this kernel.
+# The helpers are the norm and rope kernels' own (one formula each); the builder hashes the modules
+# a family imports into its variants (builder/aot.py, kernel_sources), so a change there rebuilds this kernel.
 from .norm import _inv_rms, _scale, _scale_float, _sum_sq
 from .rope import BLOCKS, HEADS, ROWS, _cos_sin, _rounded_mul, tile_matrix
 
 ZERO = ct.PaddingMode.ZERO
 RN = ct.RoundingMode.RN  # read by norm.py's helpers when they are compiled in this module's scope
-
-#: kernel_src modules whose device code this family calls.
-KERNEL_DEPENDS = ("norm", "rope")
 
 
 @ct.function
@@ -82,13 +80,15 @@ def _norm_rotate(x, w, out, b, h, s, c1, c2, s1, s2, eps, BLOCK: ct.Constant[int
 
 @ct.kernel
 def qk_norm_rope_kernel(q, k, q_weight, k_weight, cos, sin, q_out, k_out, eps: float, BLOCK: ct.Constant[int],
-                        ROWS: ct.Constant[int], HEADS: ct.Constant[int]):
+                        ROWS: ct.Constant[int], HEADS: ct.Constant[int], PDL: ct.Constant[int]):
     """RMSNorm then RoPE of ROWS positions of HEADS heads of q or of k per block.
 
     q, q_out: (B, Hq, S, 2, D/2); k, k_out: (B, Hk, S, 2, D/2); q_weight, k_weight: (2, D/2);
     cos, sin: (B or 1, S, 2, D/2); D/2 <= BLOCK. Grid: (cdiv(S, ROWS), cdiv(Hq, HEADS) +
     cdiv(Hk, HEADS), B), the first cdiv(Hq, HEADS) head tiles q's, the rest k's (as rope_kernel).
+    PDL: see kernel_src/_pdl.py.
     """
+    pdl_wait(PDL)
     s = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)
@@ -331,9 +331,12 @@ def _olmo2_matrix() -> list[VariantSpec]:
     return specs
 
 
-#: Every variant of the three families, in the runtime's order of preference (aligned before generic).
-VARIANTS: list[VariantSpec] = (tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params) + _gemma_matrix()
-                               + _olmo2_matrix())
+#: Every variant of the three families, in the runtime's order of preference (aligned before generic);
+#: qk_norm_rope's 16-bit aligned ones also with programmatic dependent launch, for captured decode steps
+#: (kernel_src/_pdl.py).
+VARIANTS: list[VariantSpec] = with_pdl(
+    tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params) + _gemma_matrix() + _olmo2_matrix(),
+    ("qk_norm_rope_kernel",), lambda s: s.params[0].dtype != "float32" and s.tag.endswith(".aligned"))
 
 #: The tiles (BLOCKS, HEADS, ROWS) are rope.py's, exported here as this family's own.
 __all__ = ["BLOCKS", "GEMMA_ROWS", "GEMMA_TILES", "HEADS", "OLMO2_ROWS", "OLMO2_TILES", "ROWS", "VARIANTS",

@@ -34,6 +34,13 @@ count read on the device (``layers/attention.py``, ``cutile_kv_len``). The full 
 advanced once after the step's forward instead of once a layer (:meth:`DecodeGraphs.forward`); in
 the step, each layer writes at its length and its attention reads the step's filled length.
 
+The steps are captured inside ``dispatch.programmatic_launches`` (``pdl``, default :data:`PDL`): each
+of our kernels that has a programmatic dependent launch twin (``kernel_src/_pdl.py``: it waits for
+the kernel before it at its start) is captured with CUDA's programmatic stream serialization, so that
+in a replay it launches while the kernel before it finishes instead of after; the same kernels in the
+same order, the same bits. Warm-up and eager steps launch as always (the twins' modules load during
+the capture, as the GEMV's do). ``CUTILE_KERNELS_PDL=0`` (or ``pdl=False``) turns it off.
+
 A step called without a mask or positions (a decode loop of one's own, or the bench) over a cache
 with sliding layers gets its positions and window masks made from a layer's length on the device
 (:meth:`_Session._device_inputs`: a few launches outside the graph, no host work), after one check
@@ -106,6 +113,15 @@ LENGTH_BUCKET = 256
 MAX_CACHES = 4
 #: Graphs kept over one cache; a step of yet another shape runs eagerly and says so.
 MAX_SHAPES_PER_CACHE = 8
+#: Whether the captured steps launch our kernels with programmatic dependent launch (the default of
+#: :class:`DecodeGraphs` ``pdl``, read when one is made; ``CUTILE_KERNELS_PDL=0`` turns it off). Estimate
+#: before it (Llama-3.2-1B at batch 1 on an H100, replay 1.247 ms against 1.188 ms of kernels in 156
+#: launches): the gaps between launches, ~0.4 us each, f ~0.05; about two thirds of the launches are ours
+#: (a kernel of ours after cuBLAS's gains less), ceiling ~1.03x. Measured (H100, 2026-12-07, alternating
+#: replays in one process, docs/results.md): Llama-3.2-1B 1.186 against 1.234 ms at batch 1 (1.04x), level
+#: at 16 (its projections there are cuBLAS's); Qwen3-0.6B 1.186 against 1.312 at batch 1 (1.11x: its q/k
+#: norms, cache write and attention are three launches of ours).
+PDL = True
 
 
 class CacheFullError(RuntimeError):
@@ -538,16 +554,21 @@ class DecodeGraphs:
             default :class:`CudaGraph`. Tests on a CPU pass an emulation.
         cache_kernel: write each step's keys and values with the ``kv_append`` kernel (one launch a
             layer instead of four); read when a cache is first met.
+        pdl: capture the steps inside ``dispatch.programmatic_launches``: each of our kernels built
+            with a programmatic dependent launch twin (``kernel_src/_pdl.py``) may start while the
+            kernel before it finishes; None: :data:`PDL` unless ``CUTILE_KERNELS_PDL=0``. Read at each
+            capture.
     """
 
     def __init__(self, model, warmup: int = 1, length_bucket: int = LENGTH_BUCKET, max_caches: int = MAX_CACHES,
-                 graph_factory=None, cache_kernel: bool = True):
+                 graph_factory=None, cache_kernel: bool = True, pdl: bool | None = None):
         self.model = model
         self.warmup = warmup
         self.length_bucket = length_bucket
         self.max_caches = max_caches
         self.graph_factory = graph_factory or CudaGraph
         self.cache_kernel = cache_kernel
+        self.pdl = (PDL and not dispatch.pdl_switched_off()) if pdl is None else bool(pdl)
         self.entries: dict = {}
         self.caches: collections.OrderedDict = collections.OrderedDict()
         self.captures = 0
@@ -686,7 +707,8 @@ class DecodeGraphs:
         before = _python_state(cache)
         graph = self.graph_factory()
         try:
-            output = graph.capture(lambda: self.forward(static_kwargs, plain), self)
+            with dispatch.programmatic_launches(self.pdl):
+                output = graph.capture(lambda: self.forward(static_kwargs, plain), self)
         except Exception as exc:  # noqa: BLE001 - e.g. a host sync in the step; nothing ran on the device
             for (oid, name), value in before.items():
                 setattr(objs[oid], name, value)
@@ -992,7 +1014,8 @@ def _check_prefill_fits(module, args, kwargs):
 
 
 def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUCKET, max_caches: int = MAX_CACHES,
-                         graph_factory=None, cache_kernel: bool = True) -> DecodeGraphs | None:
+                         graph_factory=None, cache_kernel: bool = True,
+                         pdl: bool | None = None) -> DecodeGraphs | None:
     """Run ``model.generate()``'s decode steps as replayed CUDA graphs over a static KV cache.
 
     After this, ``model.generate(ids, ...)`` uses a ``StaticCache`` (``cache_implementation=
@@ -1005,7 +1028,7 @@ def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUC
 
     Args:
         model: a transformers causal LM on a CUDA device.
-        warmup, length_bucket, max_caches, graph_factory, cache_kernel: see :class:`DecodeGraphs`.
+        warmup, length_bucket, max_caches, graph_factory, cache_kernel, pdl: see :class:`DecodeGraphs`.
 
     Returns:
         The :class:`DecodeGraphs` now installed, or None (and a warning) when the model is not
@@ -1019,7 +1042,7 @@ def enable_decode_graphs(model, warmup: int = 1, length_bucket: int = LENGTH_BUC
         return None
     disable_decode_graphs(model)
     graphs = DecodeGraphs(model, warmup=warmup, length_bucket=length_bucket, max_caches=max_caches,
-                          graph_factory=graph_factory, cache_kernel=cache_kernel)
+                          graph_factory=graph_factory, cache_kernel=cache_kernel, pdl=pdl)
     hook = model.register_forward_pre_hook(_check_prefill_fits, with_kwargs=True)
     model.get_compiled_call = lambda compile_config=None: graphs.session()
     model._prepare_static_cache = graphs.prepare_static_cache

@@ -32,6 +32,11 @@ int8, int16, int32, int64, bool_ = np.int8, np.int16, np.int32, np.int64, np.boo
 
 _block = (0, 0, 0)
 _grid = (1, 1, 1)
+#: Programmatic dependent launch (kernel_src/_pdl.py), checked where ``run(..., early=...)`` asks:
+#: the arrays a block may read before its ``grid_dependency_control_wait`` (None: not checked), and
+#: whether the running block has waited.
+_early = None
+_waited = False
 
 
 class UndefinedBehaviour(AssertionError):
@@ -85,7 +90,28 @@ def _spans(arr, index, shape):
     return tuple(src), tuple(dst)
 
 
+def grid_dependency_control_wait():
+    global _waited
+    _waited = True
+
+
+def grid_dependency_control_launch_dependents():
+    if _early is not None and not _waited:
+        raise UndefinedBehaviour("launch_dependents before grid_dependency_control_wait (kernel_src/_pdl.py "
+                                 "lets the next kernel launch only after the wait)")
+
+
+def _before_wait(arr, what: str):
+    # Under a PDL check, a block touches memory before its wait only to read an `early` array.
+    if _early is None or _waited:
+        return
+    if what != "read" or not any(np.shares_memory(arr, e) for e in _early):
+        raise UndefinedBehaviour(f"a {what} before grid_dependency_control_wait of an array the kernel before "
+                                 "may still be writing")
+
+
 def load(arr, index, shape, order="C", padding_mode=PaddingMode.UNDETERMINED, **_hints):
+    _before_wait(arr, "read")
     a = _view(arr, order)
     shape = tuple(shape)
     out = np.full(shape, _pad_value(padding_mode, a.dtype), dtype=a.dtype)
@@ -112,6 +138,7 @@ def _element_indices(arr, indices, check_bounds, mask):
 def gather(arr, indices, mask=None, padding_value=0, check_bounds=True, **_hints):
     """Element indices (a scalar or a tuple of one index array per dimension, broadcast together);
     out-of-bounds or masked elements get the padding value, as cuTile's gather."""
+    _before_wait(arr, "read")
     idx, valid = _element_indices(arr, indices, check_bounds, mask)
     if arr.size == 0:
         return np.full(valid.shape, padding_value, dtype=arr.dtype)
@@ -122,6 +149,7 @@ def gather(arr, indices, mask=None, padding_value=0, check_bounds=True, **_hints
 def scatter(arr, indices, value, mask=None, check_bounds=True, **_hints):
     """Store ``value`` (broadcast to the indices' shape) at element indices; out-of-bounds or
     masked elements are not stored, as cuTile's scatter. A value of another dtype is an error."""
+    _before_wait(arr, "write")
     idx, valid = _element_indices(arr, indices, check_bounds, mask)
     value = np.broadcast_to(np.asarray(value), valid.shape)
     if value.dtype != arr.dtype:
@@ -131,6 +159,7 @@ def scatter(arr, indices, value, mask=None, check_bounds=True, **_hints):
 
 def _atomic(arr, indices, update, check_bounds, combine):
     # Blocks run one after another here, so each element's read-modify-write is atomic by construction.
+    _before_wait(arr, "write")
     idx, valid = _element_indices(arr, indices, check_bounds, None)
     update = np.broadcast_to(np.asarray(update), valid.shape)
     if update.dtype.kind != arr.dtype.kind:
@@ -156,6 +185,7 @@ def atomic_xchg(arr, indices, update, check_bounds=True, memory_order=None, memo
 
 
 def store(arr, index, tile, order="C", **_hints):
+    _before_wait(arr, "write")
     a = _view(arr, order)
     tile = np.asarray(tile)
     if tile.dtype != a.dtype:
@@ -332,20 +362,35 @@ def _module_env(module, envs: dict) -> dict:
 
 def emulate(kernel, module):
     """A callable ``run(grid, args)`` executing ``kernel`` (a ``@ct.kernel`` of ``module``) on
-    NumPy; ``args`` as ``ct.launch`` takes them (constants included), tensors as torch CPU tensors
-    of a NumPy-convertible dtype; ``run(grid, args, order=f)`` runs the blocks in the order ``f``
-    gives their list (one at a time: an atomic is a plain read-modify-write here)."""
+    NumPy; ``args`` as ``ct.launch`` takes them (constants included; a kernel's last constant
+    ``PDL``, kernel_src/_pdl.py, may be left out: 0, the kernel as it runs outside a captured
+    decode step), tensors as torch CPU tensors of a NumPy-convertible dtype; ``run(grid, args,
+    order=f)`` runs the blocks in the order ``f`` gives their list (one at a time: an atomic is a
+    plain read-modify-write here). A programmatic dependent launch is checked (a ``PDL`` constant of 1,
+    or ``run(grid, args, early=(i, ...))``): each block may touch nothing before its
+    ``grid_dependency_control_wait`` but read the ``args[i]`` named in ``early`` (what no kernel before
+    it writes; none by default), and let dependents launch only after it."""
     fn = _rebind(kernel._pyfunc, _module_env(module, {}))
+    names = kernel._pyfunc.__code__.co_varnames[:kernel._pyfunc.__code__.co_argcount]
 
-    def run(grid, args, order=None):
+    def run(grid, args, order=None, early=None):
         # ``order``: maps the list of blocks to the order they run in (a GPU promises none).
-        global _block, _grid
+        global _block, _grid, _early, _waited
+        args = tuple(args)
+        if len(args) == len(names) - 1 and names[-1] == "PDL":
+            args += (0,)
+        if early is None and names[-1] == "PDL" and args[-1]:
+            early = ()
         arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
         grid = tuple(grid) + (1,) * (3 - len(grid))
         _grid = grid
         blocks = list(itertools.product(*(range(g) for g in grid)))
-        for blk in order(blocks) if order is not None else blocks:
-            _block = blk
-            fn(*arrays)
+        _early = None if early is None else [arrays[i] for i in early]
+        try:
+            for blk in order(blocks) if order is not None else blocks:
+                _block, _waited = blk, False
+                fn(*arrays)
+        finally:
+            _early = None
 
     return run

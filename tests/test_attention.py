@@ -1144,11 +1144,15 @@ def test_gemma2_attention_follows_a_switch_back_to_eager():
 # ---------------------------------------------------------------------------------------------
 
 def test_matrix_is_moderate_and_covers_the_dispatch():
-    specs = kattn.VARIANTS
+    every = kattn.VARIANTS
+    specs = [s for s in every if not s.constants.get("PDL")]
     # 44 attention (prefill, decode and combine tiles, mask classes) and 18 rope_append_attention
     assert len([s for s in specs if s.kernel != "rope_append_attention"]) <= 48 and len(specs) <= 66
-    tags = {(s.kernel, s.tag) for s in specs}
-    assert len(tags) == len(specs)
+    # the decode tiles of both again with programmatic dependent launch (kernel_src/_pdl.py), after the rest
+    decode = [s for s in specs if s.function in ("attention_kernel", "rope_append_attention_kernel")]
+    assert [(s.kernel, s.tag) for s in every[len(specs):]] == [(s.kernel, s.tag + ".pdl") for s in decode]
+    tags = {(s.kernel, s.tag) for s in every}
+    assert len(tags) == len(every)
     for dtype in ("bfloat16", "float16"):
         for head_dim in (32, 64, 80, 96, 128, 256):
             for sq in (1, 7, 16, 17, 2048):
@@ -1159,7 +1163,7 @@ def test_matrix_is_moderate_and_covers_the_dispatch():
                         bns = {attn_ops.decode_bn(dp, keys, splits) for keys in (100, 5000) for splits in (1, 4)}
                     for bn in bns:
                         want = {"D": dp, "HB": hb, "BS": bs, "BN": bn}
-                        assert any(s.kernel == "attention" and s.constants == want
+                        assert any(s.kernel == "attention" and {**s.constants, "PDL": 0} == {**want, "PDL": 0}
                                    and s.params[0].dtype == dtype for s in specs), (dtype, head_dim, sq, group, bn)
         for dp in kattn.HEAD_DIMS:
             assert any(s.kernel == "attention_combine" and s.constants["D"] == dp and s.params[2].dtype == dtype
@@ -1632,7 +1636,7 @@ def test_decode_sweep_candidates_include_what_ships():
     for dp in (64, 128):
         for hb in src.DECODE_HEADS:
             for bn in (src.DECODE_BN[dp], src.DECODE_BN_LONG[dp]):
-                want = {"D": dp, "HB": hb, "BS": src.DECODE_ROWS // hb, "BN": bn}
+                want = {"D": dp, "HB": hb, "BS": src.DECODE_ROWS // hb, "BN": bn, "PDL": 0}
                 assert any(s.function == "attention_kernel" and s.module == "attention" and s.constants == want
                            for s in specs), want
     assert attention_variants.attention_w8_kernel._pyfunc is src.attention_kernel._pyfunc

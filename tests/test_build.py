@@ -337,9 +337,11 @@ def test_next_power_of_2_of_zero():
 
 
 def test_matrix_order_and_tags():
-    specs = kernel_src.all_variants()
-    tags = [(s.kernel, s.tag) for s in specs]
+    every = kernel_src.all_variants()
+    tags = [(s.kernel, s.tag) for s in every]
     assert len(tags) == len(set(tags))
+    # The programmatic dependent launch twins (kernel_src/_pdl.py, tests/test_pdl.py) follow the rest.
+    specs = [s for s in every if not s.constants.get("PDL")]
     # Within a kernel and dtype, every aligned variant precedes every generic one (preference order).
     # Families built for one layout only (attention: TMA tiles, bf16/fp16) carry no layout suffix.
     for kernel in {s.kernel for s in specs}:
@@ -383,3 +385,22 @@ def test_build_id_ignores_compile_times(tmp_path):
     manifest["variants"][0]["cubin_bytes"] = 11  # what the build holds does change it
     (pkg / "manifest.json").write_text(json.dumps(manifest))
     assert _package_digest(pkg) != first
+
+
+def test_every_spec_and_sweep_candidate_names_its_functions_parameters():
+    """Each VariantSpec of the build and of the GPU sweeps (dev/sweeps, compiled by hand for a device
+    run) lists its device function's parameters by name and in order: a parameter added to a kernel
+    (e.g. kernel_src/_pdl.py's ``PDL`` constant) that a spec misses would fail to compile there, or
+    shift its constants."""
+    import importlib
+
+    from dev.sweeps import attention_sweep, decode_attention_sweep, decode_mask_sweep, decode_rows_sweep
+    from dev.sweeps import gemv_sweep, norm_sweep
+
+    specs = [*kernel_src.all_variants(), *gemv_sweep.candidates(), *norm_sweep.sweep_specs(),
+             *decode_attention_sweep.candidates(), *attention_sweep.candidates(), *decode_mask_sweep.candidates(),
+             *decode_rows_sweep.candidates()]
+    for s in specs:
+        module = importlib.import_module(s.module if "." in s.module else f"{kernel_src.__name__}.{s.module}")
+        code = getattr(module, s.function)._pyfunc.__code__
+        assert [p.name for p in s.params] == list(code.co_varnames[:code.co_argcount]), (s.module, s.function, s.tag)

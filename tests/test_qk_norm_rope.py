@@ -110,9 +110,10 @@ def test_definition_reference_is_the_op_reference_and_runs():
 # CPU: the kernel's tile logic (tests/cutile_numpy.py) against float64 and stock
 # ---------------------------------------------------------------------------------------------
 
-def _emulate(q, k, qw, kw, eps, cos, sin):
+def _emulate(q, k, qw, kw, eps, cos, sin, pdl=0):
     """Run qk_norm_rope_kernel on NumPy as the op launches it, outputs poisoned with NaN first.
-    float16 and float32 only (cutile_numpy does not emulate bfloat16 rounding)."""
+    float16 and float32 only (cutile_numpy does not emulate bfloat16 rounding). ``pdl``: the launch's
+    PDL constant, the interpreter checking that nothing is touched before its wait (kernel_src/_pdl.py)."""
     (b, hq, s, d), hk = q.shape, k.shape[1]
     q_out, k_out = ops._outputs(q, k, qw, kw, cos, sin)
     q_out.fill_(float("nan"))
@@ -124,7 +125,7 @@ def _emulate(q, k, qw, kw, eps, cos, sin):
     grid = (-(-s // rows), -(-hq // heads) + -(-hk // heads), b)
     run = cutile_numpy.emulate(src.qk_norm_rope_kernel, src)
     run(grid, (h(q), h(k), qw.view(2, d // 2), kw.view(2, d // 2), h(cos), h(sin), h(q_out), h(k_out),
-               cutile_numpy.float32(eps), block, rows, heads))
+               cutile_numpy.float32(eps), block, rows, heads, pdl), early=() if pdl else None)
     assert not q_out.isnan().any() and not k_out.isnan().any(), "an output element was not written"
     return q_out, k_out
 
@@ -193,13 +194,17 @@ def test_emulated_kernel_with_bfloat16_values():
 # ---------------------------------------------------------------------------------------------
 
 def test_build_matrix_is_small():
-    specs = [s for s in src.VARIANTS if s.kernel == NAME]  # the module also builds qk_norm_rope_gemma
+    every = [s for s in src.VARIANTS if s.kernel == NAME]  # the module also builds qk_norm_rope_gemma
+    specs = [s for s in every if s.constants["PDL"] == 0]
     # prefill tiles for three dtypes, decode tiles (ROWS=1) for the two 16-bit ones, two layouts each
     assert len(specs) == (3 + 2) * 2 * len(src.BLOCKS) == 30
-    assert len({s.tag for s in specs}) == len(specs)
+    # and the 16-bit aligned ones again with programmatic dependent launch (kernel_src/_pdl.py), last
+    assert [s.tag for s in every[30:]] == [s.tag + ".pdl" for s in specs
+                                           if s.tag.endswith(".aligned") and not s.tag.startswith("fp32")]
+    assert len({s.tag for s in every}) == len(every)
     for s in specs:
         assert [p.name for p in s.params] == ["q", "k", "q_weight", "k_weight", "cos", "sin", "q_out", "k_out", "eps",
-                                              "BLOCK", "ROWS", "HEADS"]
+                                              "BLOCK", "ROWS", "HEADS", "PDL"]
         arrays = [p for p in s.params if p.kind == "array"]
         assert len({p.dtype for p in arrays}) == 1
         c = s.constants
@@ -214,15 +219,20 @@ def test_family_is_registered_and_hashes_its_helpers():
     from cutile_kernels import kernel_src
     from cutile_kernels_build import aot
 
-    assert "qk_norm_rope" in kernel_src.FAMILIES and src.KERNEL_DEPENDS == ("norm", "rope")
-    assert aot._source_digest("qk_norm_rope") != aot._source_digest("rope")
-    # A family without dependencies hashes as before: its source and _spec.py.
-    import hashlib
     root = Path(kernel_src.__file__).parent
+    assert "qk_norm_rope" in kernel_src.FAMILIES
+    # its variants hash the PDL wait (kernel_src/_pdl.py, which norm.py imports too) and the norm and rope
+    # helpers it calls, each once
+    assert aot.kernel_sources("qk_norm_rope") == [root / f"{m}.py" for m in ("qk_norm_rope", "_spec", "_pdl",
+                                                                             "norm", "rope")]
+    assert aot._source_digest("qk_norm_rope") != aot._source_digest("rope")
+    # A family that imports nothing of kernel_src but the spec hashes its source and _spec.py.
+    import hashlib
+    assert aot.kernel_sources("rope_cos_sin") == [root / "rope_cos_sin.py", root / "_spec.py"]
     h = hashlib.sha256()
-    for p in (root / "rope.py", root / "_spec.py"):
+    for p in (root / "rope_cos_sin.py", root / "_spec.py"):
         h.update(p.read_bytes())
-    assert aot._source_digest("rope") == h.hexdigest()
+    assert aot._source_digest("rope_cos_sin") == h.hexdigest()
 
 
 def test_tile_choice_per_head_dim():

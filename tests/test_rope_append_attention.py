@@ -74,9 +74,10 @@ def test_reference_is_rope_the_cache_write_and_attention_over_the_filled_slots()
         assert keys[:, :, 12:].isnan().all() and values[:, :, 12:].isnan().all()  # nothing past the new slot
 
 
-def _emulate(q, k, v, cos, sin, keys, values, n, scale, window=0, softcap=0.0, hb=None, splits=1):
+def _emulate(q, k, v, cos, sin, keys, values, n, scale, window=0, softcap=0.0, hb=None, splits=1, pdl=0):
     """The one launch (and with splits the combine) in the NumPy interpreter, as the op makes them;
-    returns the output (B, Hq, 1, D), poisoned first."""
+    returns the output (B, Hq, 1, D), poisoned first. ``pdl``: the launch's PDL constant, the
+    interpreter checking that nothing is touched before its wait (kernel_src/_pdl.py)."""
     from cutile_numpy import emulate
 
     B, Hq, _, D = q.shape
@@ -86,10 +87,11 @@ def _emulate(q, k, v, cos, sin, keys, values, n, scale, window=0, softcap=0.0, h
     o = out.transpose(1, 2)
     part = torch.full((splits, B * Hq, 1, D), float("nan"))
     lse = torch.full((splits, B * Hq, 1), float("nan"))
-    consts = (D, hb, kattn.DECODE_ROWS // hb, kattn.DECODE_BN[D], 0)
+    consts = (D, hb, kattn.DECODE_ROWS // hb, kattn.DECODE_BN[D], 0, pdl)
     args = attn_ops._rope_attention_layout((q, k, v, cos, sin, keys, values, torch.tensor([n]), o, part, lse, scale,
                                             softcap, window, splits))
-    emulate(kattn.rope_append_attention_kernel, kattn)((splits, B * Hq // hb), args + consts)
+    emulate(kattn.rope_append_attention_kernel, kattn)((splits, B * Hq // hb), args + consts,
+                                                       early=() if pdl else None)
     if splits > 1:
         emulate(kattn.attention_combine_kernel, kattn)((1, B * Hq), (part, lse, o, splits, D, kattn.COMBINE_BS))
     return o
@@ -162,7 +164,9 @@ def test_checks_name_what_does_not_match():
 
 def test_variants_are_the_short_decode_tiles():
     specs = [s for s in kattn.VARIANTS if s.kernel == "rope_append_attention"]
-    assert len(specs) == len(kattn.DTYPES) * len(kattn.HEAD_DIMS) * len(kattn.DECODE_HEADS)
+    # each again with programmatic dependent launch (kernel_src/_pdl.py)
+    assert len(specs) == 2 * len(kattn.DTYPES) * len(kattn.HEAD_DIMS) * len(kattn.DECODE_HEADS)
+    assert [s.constants["PDL"] for s in specs] == [0] * (len(specs) // 2) + [1] * (len(specs) // 2)
     for s in specs:
         c = s.constants
         assert c["BN"] == kattn.DECODE_BN[c["D"]] and c["HB"] * c["BS"] == kattn.DECODE_ROWS

@@ -15,6 +15,8 @@ replays in alternating rounds, in one process: the whole model's step with and w
 one launch: ``rope_append_attention`` is armed by default, so the shipped arm runs it);
 ``--ab-rope-attend`` with ``rope_append_attention`` (RoPE, the cache write and the attention in one launch) armed
 or not, the other way from the default;
+``--ab-pdl`` with the step captured with programmatic dependent launch the other way from the default
+(``DecodeGraphs.pdl``: our kernels may start while the one before them finishes);
 ``--ab-lengths`` with each full layer advancing its own cache length (16 launches for Llama-3.2-1B)
 instead of the one advance of the grouped lengths (``decode_graphs._group_lengths``); ``--ab-gemv-upto N``
 with the batch-1 GEMV (patch ``gemv``) also taking projections up to ``N`` wide (``ops.gemv.TILE_BY_N``
@@ -279,6 +281,9 @@ def main(argv=None) -> None:
                          "--ab-gemv-tile), alternating with ours")
     ap.add_argument("--ab-gemv-tile", type=int, nargs=2, default=(16, 256), metavar=("BN", "BK"),
                     help="the built GEMV tile --ab-gemv-upto adds (default 16 256)")
+    ap.add_argument("--ab-pdl", action="store_true",
+                    help="also time the step captured with programmatic dependent launch the other way from the "
+                         "default (DecodeGraphs.pdl), alternating with the shipped one")
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
     ap.add_argument("--host", action="store_true",
@@ -356,6 +361,17 @@ def main(argv=None) -> None:
                 wide_entry, wide_cache, wide_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
             ours, theirs = _alternating((entry, cache), (wide_entry, wide_cache), args.steps)
             row.update(ab_replay_ms_shipped=ours, ab_replay_ms_gemv_wider=theirs, ab_step_ms_gemv_wider=wide_step)
+        if args.ab_pdl:
+            on = graphs.pdl
+            graphs.pdl = not on  # read at each capture
+            try:
+                other_entry, other_cache, other_step, _ = _captured(model, graphs, batch, args, cache_kernel=True)
+            finally:
+                graphs.pdl = on
+            ours, theirs = _alternating((entry, cache), (other_entry, other_cache), args.steps)
+            with_pdl, without = (ours, theirs) if on else (theirs, ours)
+            row.update(ab_replay_ms_pdl=with_pdl, ab_replay_ms_no_pdl=without,
+                       **{f"ab_step_ms_{'no_pdl' if on else 'pdl'}": other_step})
         _rewind(cache)
         print(json.dumps(row))
         _kernels(entry.graph.replay, 5, args.top)

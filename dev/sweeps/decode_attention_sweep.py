@@ -29,7 +29,7 @@ from dev.sweeps._common import main, write_rows
 #: (function, module, label, extra constants). Eight warps (``attention_w8_kernel``) lost at every
 #: shape on 2026-12-04; the loads issued ahead (``attention_pf_kernel``, with and without TMA) are
 #: the candidates now.
-FUNCTIONS = [("attention_kernel", "attention", "w4", {}),
+FUNCTIONS = [("attention_kernel", "attention", "w4", {"PDL": 0}),  # the shipped kernel, launched as always
              ("attention_pf_kernel", "dev.sweeps.attention_variants", "pf1", {"TMA": 1}),
              ("attention_pf_kernel", "dev.sweeps.attention_variants", "pf0", {"TMA": 0})]
 BNS = (64, 128, 256)

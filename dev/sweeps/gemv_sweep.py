@@ -72,7 +72,9 @@ def candidates():
             continue
         for bn, bk in tiles:
             for lat in lats:
-                params = gemv._params("gemv", "bfloat16", {"BN": bn, "BK": bk})
+                # The shipped kernel takes the PDL constant (kernel_src/_pdl.py): 0, launched as always.
+                consts = {"BN": bn, "BK": bk, **({"PDL": 0} if function == "gemv_kernel" else {})}
+                params = gemv._params("gemv", "bfloat16", consts)
                 tag = f"bf16.bn{bn}.bk{bk}.{label}"
                 if lat is not None:
                     params, tag = params + (ConstParam("LAT", lat),), f"{tag}.lat{lat}"

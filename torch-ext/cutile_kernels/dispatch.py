@@ -12,12 +12,19 @@ For a CUDA call, :func:`run` tries in order:
 
 ``CUTILE_KERNELS_DISABLE=1`` sends every call to the fallback. Counters of launches per variant
 symbol, JIT launches and fallbacks per reason are kept for the bench (:func:`stats`).
+
+Inside :func:`programmatic_launches` (the decode graphs' captures), a kernel built with programmatic
+dependent launch twins (``kernel_src/_pdl.py``) takes such a variant where one fits the call, launched
+so that it may start while the kernel before it finishes; elsewhere, and where no twin fits, the
+variant without the wait, launched as always.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from collections import Counter
 from functools import lru_cache
 from typing import Callable
@@ -36,6 +43,8 @@ ENV_JIT = "CUTILE_KERNELS_JIT"
 ENV_FIXED_LAYOUT = "CUTILE_KERNELS_FIXED_LAYOUT"
 #: Read when the layers are imported: see ``layers/_direct.py`` (``compiled_static_layer``).
 ENV_STOCK_CACHE_WRITES = "CUTILE_KERNELS_STOCK_CACHE_WRITES"
+#: Read when decode graphs are switched on: see ``layers/decode_graphs.py`` (``PDL``).
+ENV_PDL = "CUTILE_KERNELS_PDL"
 
 
 class FallbackError(RuntimeError):
@@ -52,6 +61,12 @@ def _flag(name: str) -> bool:
 def fixed_layout() -> bool:
     """Whether ``CUTILE_KERNELS_FIXED_LAYOUT`` asks inductor's default input layouts for our ops."""
     return _flag(ENV_FIXED_LAYOUT)
+
+
+def pdl_switched_off() -> bool:
+    """Whether ``CUTILE_KERNELS_PDL`` is set to 0/false/no/off: decode graphs then capture their steps
+    without programmatic dependent launch (a profiler's or compute-sanitizer's run, a driver issue)."""
+    return os.environ.get(ENV_PDL, "").strip().lower() in ("0", "false", "no", "off")
 
 
 def stock_cache_writes() -> bool:
@@ -328,7 +343,10 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         return False if optional else fallback(
             kernel, f"a {exc.args[0].__name__} operand (e.g. tensor parallelism's DTensor, whose data is a shard of "
                     "a global shape): the kernels take plain tensors")
-    plan = _PLANS.get(key)
+    # programmatic_launches_active(), inlined: this runs per launch
+    plan = _programmatic(kernel, want, args, n_inputs, grid, layout) if getattr(_PDL, "on", False) else None
+    if plan is None:
+        plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_for(kernel, want, args, n_inputs, grid, layout, key[7])
         if len(_PLANS) >= _MAX_PLANS:
@@ -355,6 +373,58 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
     _LAUNCHER.launch_values(plan.loaded, plan.grid, values, key[7])
     STATS.launches[plan.symbol] += 1
     return True
+
+
+#: Per thread, whether :func:`programmatic_launches` is active (``on``; unset: no). A capture runs
+#: on its own thread's stream, and two threads capturing at once must not switch each other.
+_PDL = threading.local()
+
+
+@contextlib.contextmanager
+def programmatic_launches(on: bool = True):
+    """While active (in this thread), a kernel built with programmatic dependent launch twins
+    (``kernel_src/_pdl.py``: the variant waits for the kernel before it at its start) takes its twin
+    where one fits the call, launched so that it may start while the kernel before it finishes;
+    elsewhere the plain variant, launched as always. The decode graphs capture their steps inside
+    it (``layers/decode_graphs.py``): there the launches form one chain on one stream and a replay
+    gains each one's launch latency; an eager launch gains nothing (its host sets the pace, and a
+    launch with the attribute costs ~3 us more host time).
+
+    Args:
+        on: True to take the twins, False to take the plain variants inside an enclosing switch.
+    """
+    before = programmatic_launches_active()
+    _PDL.on = bool(on)
+    try:
+        yield
+    finally:
+        _PDL.on = before
+
+
+def programmatic_launches_active() -> bool:
+    """Whether :func:`programmatic_launches` is active in this thread."""
+    return getattr(_PDL, "on", False)
+
+
+@lru_cache(maxsize=None)
+def _has_twins(kernel: str) -> bool:
+    # Whether the build holds programmatic dependent launch twins of `kernel` (any arch).
+    return any(v.constants.get("PDL", 0) for v in _registry.registry().variants(kernel))
+
+
+def _programmatic(kernel: str, want: tuple, args: tuple, n_inputs: int, grid, layout):
+    """The plan of the call's programmatic twin, or None where none is built or none fits (the
+    caller then takes its plain plan)."""
+    if not _has_twins(kernel):
+        return None
+    key = _signature(kernel, (*want, ("PDL", 1)), layout, args)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan_for(kernel, key[1], args, n_inputs, grid, layout, key[7])
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan if plan.__class__ is _Plan else None
 
 
 def _plan_for(kernel: str, want: tuple, args: tuple, n_inputs: int, grid, layout, device_index: int):

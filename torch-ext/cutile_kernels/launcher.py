@@ -4,7 +4,10 @@ Modules are loaded once per (device, cubin) into the device's primary context, t
 PyTorch uses, and launched on PyTorch's current stream of the tensor's device, so launches are
 ordered with PyTorch's own work and are captured by ``torch.cuda.graph``. cuTile kernels take
 block (1, 1, 1) and no dynamic shared memory: the driver sizes the block from the cubin and fills
-any TMA descriptors through host code embedded in it.
+any TMA descriptors through host code embedded in it. A variant built with a ``PDL`` constant of 1
+for sm_90 or newer (``kernel_src/_pdl.py``: it waits for the kernel before it) is launched with programmatic
+stream serialization (``cuLaunchKernelEx``), so that it may start while that kernel finishes; every
+other variant with ``cuLaunchKernel``, fully ordered as before.
 
 Nothing here touches the driver until the first launch, so importing works without a GPU.
 """
@@ -67,16 +70,26 @@ def _check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
+def _arch_major(arch: str) -> int:
+    # "sm_90a" -> 9, "sm_120" -> 12, "sm_80" -> 8
+    return int(arch.removeprefix("sm_").rstrip("af")[:-1])
+
+
 class _Loaded:
     """A variant's function handle on one device, with its argument packer."""
 
-    __slots__ = ("function", "packer", "variant", "local")
+    __slots__ = ("function", "packer", "variant", "local", "pdl")
 
     def __init__(self, function, packer: ArgPacker, variant: Variant):
         self.function = function
         self.packer = packer
         self.variant = variant
         self.local = threading.local()
+        #: The variant waits for the kernel before it (``PDL`` 1, for sm_90 and newer: tileiras drops the
+        #: wait for sm_8x, which has no programmatic dependent launch): launch it with programmatic
+        #: stream serialization. Never a variant without the wait, which would then read what the kernel
+        #: before it has not yet written.
+        self.pdl = bool(variant.constants.get("PDL", 0)) and _arch_major(variant.arch) >= 9
 
     def params_address(self, values) -> int:
         """Pack ``values`` into this thread's parameter buffer; return the void*[] address.
@@ -169,7 +182,30 @@ class Launcher:
         if not self._ctx_ready.__dict__.get(device_index):
             self._make_current(device_index)
         cu = _driver
-        err = cu.cuLaunchKernel(loaded.function, grid[0], grid[1], grid[2], 1, 1, 1, 0,
-                                _current_raw_stream(device_index), address, 0)[0]
+        stream = _current_raw_stream(device_index)
+        if loaded.pdl:
+            err = cu.cuLaunchKernelEx(programmatic_config(grid, stream), loaded.function, address, 0)[0]
+        else:
+            err = cu.cuLaunchKernel(loaded.function, grid[0], grid[1], grid[2], 1, 1, 1, 0, stream, address, 0)[0]
         if err != cu.CUresult.CUDA_SUCCESS:
-            _check((err,), f"cuLaunchKernel({loaded.variant.symbol}, grid={grid})")
+            _check((err,), f"cuLaunchKernel{'Ex' if loaded.pdl else ''}({loaded.variant.symbol}, grid={grid})")
+
+
+def programmatic_config(grid: tuple[int, int, int], stream: int):
+    """The ``cuda.bindings.driver.CUlaunchConfig`` of a launch with programmatic stream serialization (CUDA's
+    programmatic dependent launch, ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``): the
+    kernel may start before the one before it in ``stream`` has finished, and must wait for it
+    (``griddepcontrol.wait``) before touching its outputs. Block (1, 1, 1), no dynamic shared memory,
+    as every cuTile launch here."""
+    cu = driver()
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX = config.blockDimY = config.blockDimZ = 1
+    config.sharedMemBytes = 0
+    config.hStream = cu.CUstream(stream)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
