@@ -31,7 +31,7 @@ from typing import Callable
 
 import cuda.tile as ct
 
-from ._spec import ConstParam, VariantSpec
+from ._spec import DECODE_DTYPES, ConstParam, VariantSpec
 
 
 @ct.function
@@ -43,14 +43,20 @@ def pdl_wait(PDL: ct.Constant[int]):
         ct.grid_dependency_control_launch_dependents()
 
 
+def decode_tile(spec: VariantSpec) -> bool:
+    """Whether a variant is what a decode step launches: a 16-bit dtype (``DECODE_DTYPES``), not the
+    generic layout (a family built in one layout carries no layout suffix)."""
+    return spec.params[0].dtype in DECODE_DTYPES and not spec.tag.endswith(".generic")
+
+
 def with_pdl(specs: list[VariantSpec], functions: tuple[str, ...],
-             twin: Callable[[VariantSpec], bool] = lambda spec: True) -> list[VariantSpec]:
+             twin: Callable[[VariantSpec], bool] = decode_tile) -> list[VariantSpec]:
     """A family's build matrix with programmatic dependent launch twins.
 
     Args:
         specs: the family's variants, in the runtime's order of preference.
         functions: device functions whose signatures end in a ``PDL`` constant.
-        twin: which of their variants also get a twin.
+        twin: which of their variants also get a twin (default :func:`decode_tile`).
 
     Returns:
         A new list: ``specs`` in their order, those of ``functions`` with ``PDL`` 0 appended; then, after

@@ -174,5 +174,4 @@ def _matrix() -> list[VariantSpec]:
 #: Every variant of this family, in the runtime's order of preference (aligned before generic);
 #: silu_and_mul_fused's 16-bit aligned ones also with programmatic dependent launch, for captured decode
 #: steps (kernel_src/_pdl.py).
-VARIANTS: list[VariantSpec] = with_pdl(_matrix(), ("silu_and_mul_fused_kernel",),
-                                       lambda s: s.params[0].dtype != "float32" and s.tag.endswith(".aligned"))
+VARIANTS: list[VariantSpec] = with_pdl(_matrix(), ("silu_and_mul_fused_kernel",))

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import cuda.tile as ct
 
-from ._pdl import pdl_wait, with_pdl
+from ._pdl import decode_tile, pdl_wait, with_pdl
 from ._spec import DTYPE_TAGS, ArrayParam, ConstParam, VariantSpec, array
 from .activation import _gelu_tanh_and_mul, _silu_and_mul
 
@@ -140,7 +140,7 @@ VARIANTS: list[VariantSpec] = with_pdl([
     VariantSpec(kind, "gemv", f"{kind}_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk}))
     for kind in ("gemv", "gemv_bias") for dtype in DTYPES for bn, bk in TILES
-], ("gemv_kernel", "gemv_bias_kernel"), lambda s: s.kernel == "gemv") + [
+], ("gemv_kernel", "gemv_bias_kernel"), lambda s: s.kernel == "gemv" and decode_tile(s)) + [
     VariantSpec(kind, "gemv", "gemv_glu_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk, "GELU": gelu}))
     for kind, gelu in GLU.items() for dtype in DTYPES for bn, bk in TILES

@@ -381,5 +381,4 @@ def _matrix() -> list[VariantSpec]:
 #: with ``ROWS=MID_ROWS`` the aligned middle tile).
 #: add_rms_norm's 16-bit aligned tiles also come with programmatic dependent launch, for captured
 #: decode steps (kernel_src/_pdl.py).
-VARIANTS: list[VariantSpec] = with_pdl(_matrix(), ("add_rms_norm_kernel",),
-                                       lambda s: s.params[0].dtype in DECODE_DTYPES and s.tag.endswith(".aligned"))
+VARIANTS: list[VariantSpec] = with_pdl(_matrix(), ("add_rms_norm_kernel",))

@@ -336,7 +336,7 @@ def _olmo2_matrix() -> list[VariantSpec]:
 #: (kernel_src/_pdl.py).
 VARIANTS: list[VariantSpec] = with_pdl(
     tile_matrix("qk_norm_rope", "qk_norm_rope_kernel", _params) + _gemma_matrix() + _olmo2_matrix(),
-    ("qk_norm_rope_kernel",), lambda s: s.params[0].dtype != "float32" and s.tag.endswith(".aligned"))
+    ("qk_norm_rope_kernel",))
 
 #: The tiles (BLOCKS, HEADS, ROWS) are rope.py's, exported here as this family's own.
 __all__ = ["BLOCKS", "GEMMA_ROWS", "GEMMA_TILES", "HEADS", "OLMO2_ROWS", "OLMO2_TILES", "ROWS", "VARIANTS",

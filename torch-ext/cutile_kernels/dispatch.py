@@ -347,11 +347,8 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
     plan = _programmatic(kernel, want, args, n_inputs, grid, layout) if getattr(_PDL, "on", False) else None
     if plan is None:
         plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan_for(kernel, want, args, n_inputs, grid, layout, key[7])
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        if plan is None:
+            plan = _new_plan(key, kernel, want, args, n_inputs, grid, layout)
     if plan.__class__ is not _Plan:  # a _NoPlan: why no prebuilt variant fits
         if optional:
             return False
@@ -420,11 +417,17 @@ def _programmatic(kernel: str, want: tuple, args: tuple, n_inputs: int, grid, la
     key = _signature(kernel, (*want, ("PDL", 1)), layout, args)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan_for(kernel, key[1], args, n_inputs, grid, layout, key[7])
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        plan = _new_plan(key, kernel, key[1], args, n_inputs, grid, layout)
     return plan if plan.__class__ is _Plan else None
+
+
+def _new_plan(key: tuple, kernel: str, want: tuple, args: tuple, n_inputs: int, grid, layout):
+    # The plan of a signature not in the cache (_plan_for), stored under its key.
+    plan = _plan_for(kernel, want, args, n_inputs, grid, layout, key[7])
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def _plan_for(kernel: str, want: tuple, args: tuple, n_inputs: int, grid, layout, device_index: int):

@@ -20,7 +20,7 @@ import threading
 import torch
 
 from .cubin import ArgPacker, param_info
-from .registry import Variant
+from .registry import Variant, _arch_key
 
 
 def _current_raw_stream(device_index: int) -> int:
@@ -70,11 +70,6 @@ def _check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
-def _arch_major(arch: str) -> int:
-    # "sm_90a" -> 9, "sm_120" -> 12, "sm_80" -> 8
-    return int(arch.removeprefix("sm_").rstrip("af")[:-1])
-
-
 class _Loaded:
     """A variant's function handle on one device, with its argument packer."""
 
@@ -89,7 +84,7 @@ class _Loaded:
         #: wait for sm_8x, which has no programmatic dependent launch): launch it with programmatic
         #: stream serialization. Never a variant without the wait, which would then read what the kernel
         #: before it has not yet written.
-        self.pdl = bool(variant.constants.get("PDL", 0)) and _arch_major(variant.arch) >= 9
+        self.pdl = bool(variant.constants.get("PDL", 0)) and _arch_key(variant.arch) >= (9, 0)
 
     def params_address(self, values) -> int:
         """Pack ``values`` into this thread's parameter buffer; return the void*[] address.
