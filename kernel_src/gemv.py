@@ -38,6 +38,16 @@ step (``cutile-compile`` b=1) and to Gemma's GeGLU. Measured (H200, 2026-12-03):
 activation is not free: Llama-3.2-1B's down_proj (2048 x 8192, 16 x 256) 19.36 us against 13.29 for
 the two launches, and the fast path slowed from 1.21-1.23 to 1.31-1.32 ms a step; Qwen3-0.6B's
 (1024 x 3072, 8 x 512) 5.89 against 6.66 us. Not routed (``ops/gemv.py``, ``GLU_TILES``).
+
+``gemv_residual``: the MLP block's residual add in the down projection's epilogue,
+``residual + down_proj(h)`` (``LlamaDecoderLayer.forward``'s last line), rounded as the two ops round
+(the product to the dtype, then the 16-bit add). For a compiled decode step, where the decoder layers
+hand nothing across (``layers/patch.py``) and inductor runs each layer's add as a kernel of its own.
+
+Estimate, written before the kernel (Amdahl, Llama-3.2-1B compiled step b=1 on an H100, ~1.86 ms,
+benchmarks/results/h100-2026-12-06e profile): the 16 ``triton_poi_fused_add`` launches take ~1.3 us of
+kernel time and ~1 us of gap each, f ~ 0.02; in the epilogue they cost a (1, BN) load a block (s
+large): ceiling ~1.02x.
 """
 
 from __future__ import annotations
@@ -79,6 +89,19 @@ def gemv_bias_kernel(x, weight, bias, out, BN: ct.Constant[int], BK: ct.Constant
     y = _row_dot(x, weight, bid, BN, BK, PDL)
     y = y + ct.load(bias, index=(bid,), shape=(BN,), padding_mode=ZERO).astype(ct.float32)
     ct.store(out, index=(0, bid), tile=ct.reshape(y, (1, BN)).astype(out.dtype))
+
+
+@ct.kernel
+def gemv_residual_kernel(x, weight, residual, out, BN: ct.Constant[int], BK: ct.Constant[int],
+                         PDL: ct.Constant[int]):
+    """out[0, n] = residual[0, n] + (x W^T)[0, n], the product rounded to out's dtype first, then the
+    sum in float32 rounded again: ``residual + F.linear(x, weight)`` in 16 bits, bit for bit where the
+    product is. residual, out: (1, N). Grid: (cdiv(N, BN),). PDL: see kernel_src/_pdl.py."""
+    bid = ct.bid(0)
+    y = _row_dot(x, weight, bid, BN, BK, PDL)  # waits first where PDL: the residual is read after
+    y = ct.reshape(y, (1, BN)).astype(out.dtype).astype(ct.float32)
+    r = ct.load(residual, index=(0, bid), shape=(1, BN), padding_mode=ZERO).astype(ct.float32)
+    ct.store(out, index=(0, bid), tile=(y + r).astype(out.dtype))
 
 
 @ct.kernel
@@ -127,6 +150,8 @@ def _params(kind: str, dtype: str, consts: dict) -> tuple:
     arrays = [array("x", dtype, 3 if kind in GLU else 2, "aligned"), array("weight", dtype, 2, "aligned")]
     if kind == "gemv_bias":
         arrays.append(ArrayParam("bias", dtype, 1))
+    if kind == "gemv_residual":
+        arrays.append(ArrayParam("residual", dtype, 2))
     arrays.append(ArrayParam("out", dtype, 2))
     return (*arrays, *(ConstParam(n, v) for n, v in consts.items()))
 
@@ -134,13 +159,14 @@ def _params(kind: str, dtype: str, consts: dict) -> tuple:
 #: The gated-MLP down projections: kernel name -> GELU constant of ``gemv_glu_kernel``.
 GLU = {"gemv_swiglu": 0, "gemv_geglu": 1}
 
-#: Every variant of this family; ``gemv``'s also with programmatic dependent launch, for captured decode
-#: steps (kernel_src/_pdl.py).
+#: Every variant of this family; ``gemv``'s and ``gemv_residual``'s also with programmatic dependent
+#: launch, for captured decode steps (kernel_src/_pdl.py).
 VARIANTS: list[VariantSpec] = with_pdl([
     VariantSpec(kind, "gemv", f"{kind}_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk}))
-    for kind in ("gemv", "gemv_bias") for dtype in DTYPES for bn, bk in TILES
-], ("gemv_kernel", "gemv_bias_kernel"), lambda s: s.kernel == "gemv" and decode_tile(s)) + [
+    for kind in ("gemv", "gemv_bias", "gemv_residual") for dtype in DTYPES for bn, bk in TILES
+], ("gemv_kernel", "gemv_bias_kernel", "gemv_residual_kernel"),
+    lambda s: s.kernel in ("gemv", "gemv_residual") and decode_tile(s)) + [
     VariantSpec(kind, "gemv", "gemv_glu_kernel", f"{DTYPE_TAGS[dtype]}.bn{bn}.bk{bk}",
                 _params(kind, dtype, {"BN": bn, "BK": bk, "GELU": gelu}))
     for kind, gelu in GLU.items() for dtype in DTYPES for bn, bk in TILES

@@ -10,7 +10,8 @@ registered, no JIT trace is recording, and ``module.compile()`` did not install 
 ``forward`` itself; otherwise it makes the module call, so hooks (profilers, transformers' output
 capture) always run. Under ``torch.compile``
 the module calls stay (dynamo traces through them at no run-time cost), except the down projection
-that :func:`glu_linear` calls without its module call and the attention that patch
+that :func:`glu_linear` and :func:`residual_linear` call without its module call (and the MLP whose
+parts ``mlp.residual_forward`` calls), and the attention that patch
 ``decoder_add_rms_norm`` runs through its reproduction (``patch._traced_parts``; both hookless,
 checked while tracing), so that :func:`rope_and_cache` can write a static cache; the helpers
 test ``torch.compiler.is_compiling()`` (``_plain_call``: dynamo's alone) before their eager-only
@@ -33,6 +34,7 @@ from ..ops.activation import gelu_tanh_and_mul_fused, sigmoid_and_mul, silu_and_
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
+from ..ops.gemv import linear_residual as gemv_linear_residual
 from ..ops.rope import rope_append, rope_append_takes
 from ._patching import _unhooked
 from .attention import (STEP_PLAIN_MASKS, cache_layer, full_static_layer, static_kv_length, step_plain,
@@ -124,6 +126,17 @@ def glu_linear(m: nn.Module, x: torch.Tensor, gelu: bool = False) -> torch.Tenso
     if _gemv_patched(m) and _plain_call(m):
         return gemv_glu_linear(x, m.weight, m.bias, gelu)
     return linear(m, (gelu_tanh_and_mul_fused if gelu else silu_and_mul_fused)(x))
+
+
+def residual_linear(m: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + m(x)`` for a projection child ``m`` whose output a residual add takes (the MLP's
+    down projection at the decoder layer's end). Where ``m`` carries patch ``gemv`` and nothing else
+    would run on its call (as :func:`glu_linear`), :func:`~..ops.gemv.linear_residual`: a one-row
+    compiled or captured step adds in the GEMV's epilogue (one launch, the same bits); otherwise
+    :func:`linear`, then the add."""
+    if _gemv_patched(m) and _plain_call(m):
+        return gemv_linear_residual(x, m.weight, m.bias, residual)
+    return residual + linear(m, x)
 
 
 def gemma_qk_norm_rope(self: nn.Module, query_states: torch.Tensor, key_states: torch.Tensor, cos: torch.Tensor,

@@ -535,6 +535,8 @@ class _Entry:
     seen: int = 0
     graph: object = None
     inputs: dict = dataclasses.field(default_factory=dict)
+    #: ``inputs``' tensors in the order :func:`_flatten` lists a step's (the key holds the paths).
+    targets: list = dataclasses.field(default_factory=list)
     output: object = None
     #: (object, attribute, change per step) for the Python integers a step advances.
     deltas: list = dataclasses.field(default_factory=list)
@@ -629,8 +631,9 @@ class DecodeGraphs:
             return self.graph_factory.warm(lambda: self.forward(kwargs, plain))
         if entry.graph is None:
             return self._capture(entry, kwargs, tensors, cache, plain)
-        for path, t in tensors:
-            entry.inputs[path].copy_(t)
+        # One call for the step's inputs (token ids, positions...; one launch where they share a dtype
+        # and device): host time before the replay adds to a step that waits for the one before it.
+        torch._foreach_copy_(entry.targets, [t for _, t in tensors])
         entry.graph.replay()
         for obj, name, delta in entry.deltas:
             setattr(obj, name, getattr(obj, name) + delta)
@@ -702,6 +705,7 @@ class DecodeGraphs:
 
     def _capture(self, entry: _Entry, kwargs: dict, tensors: list, cache, plain: bool = False):
         entry.inputs = {path: t.clone() for path, t in tensors}
+        entry.targets = [entry.inputs[path] for path, _ in tensors]
         static_kwargs = _with(kwargs, entry.inputs)
         objs = {id(o): o for o in (cache, *cache.layers)}
         before = _python_state(cache)

@@ -38,8 +38,9 @@ from collections import Counter
 import torch
 from torch import nn
 
-from ..ops.activation import silu
-from ._direct import glu_linear, linear
+from ..ops.activation import gelu_tanh_and_mul_fused, silu, silu_and_mul_fused
+from ..ops.gemv import residual_tile
+from ._direct import _plain_call, glu_linear, linear, residual_linear
 from ._fusion import Stacking, fuse_one, linear_problem, reduce_fused, unfuse_one
 from ._match import same_code
 from ._patching import Patch
@@ -108,6 +109,25 @@ class CutileGeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return glu_linear(self.down_proj, linear(self.gate_up_proj, x), gelu=True)
+
+
+def residual_forward(m: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+    """``residual + m(x)`` (a decoder layer's last line) for an MLP that :func:`fuse_mlp` switched to
+    :class:`CutileSwiGLUMLP`'s or :class:`CutileGeGLUMLP`'s forward, where nothing else would run on its
+    call (no hooks, no forward of its own on the instance): the stacked gate/up projection, the
+    activation, and the down projection with the add (:func:`._direct.residual_linear`: in a compiled or
+    captured one-row step the GEMV adds in its epilogue, one launch less than the add after it, the
+    same bits). Input ``(..., H)``, residual and output ``(..., H)``. None for any other module, where
+    the down projection's tile is not one of ``ops.gemv.RESIDUAL_TILES`` (none yet), and where it fuses
+    the activation instead (``ops.gemv.GLU_TILES``): the caller calls the module and adds."""
+    forward = type(m).forward
+    if forward is not CutileSwiGLUMLP.forward and forward is not CutileGeGLUMLP.forward:
+        return None
+    # The tile first: while nothing is routed, a compiled step reads (guards) nothing more.
+    if not residual_tile(m.down_proj.weight) or "forward" in m.__dict__ or not _plain_call(m):
+        return None
+    act = gelu_tanh_and_mul_fused if forward is CutileGeGLUMLP.forward else silu_and_mul_fused
+    return residual_linear(m.down_proj, act(linear(m.gate_up_proj, x)), residual)
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,6 +29,7 @@ from ._direct import _dynamo_compiling, _plain_call, call, compiled_cache_writes
 from ._patching import (PATCHES, TRANSPARENT_HOOK, Patch, PatchReport, _blocking, _unhooked, applied, patch,
                         register, restore_forwards, swap_forwards, swapped, unpatch)
 from ._pins import forward_verdict
+from .mlp import residual_forward
 from .norm import is_llama_norm
 from .qkv import reproduced_forward, stock_forward_parts
 
@@ -207,9 +208,10 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
                            use_cache=False, position_embeddings=None, **kwargs):
     """``LlamaDecoderLayer.forward`` (5.22.2) with the attention block's residual add fused into
     ``post_attention_layernorm`` and, when the next layer waits for it, the MLP block's residual
-    add fused into the next layer's ``input_layernorm``; for a registered forward with a branch
-    scale (Granite's), each block's output multiplied by it first, as that forward does. Same
-    arguments and result."""
+    add fused into the next layer's ``input_layernorm``, else (a compiled step, the last layer) into
+    the MLP's down projection where ``ops.gemv.RESIDUAL_TILES`` routes it (``mlp.residual_forward``); for a
+    registered forward with a branch scale (Granite's), each block's output multiplied by it first,
+    as that forward does. Same arguments and result."""
     # Under torch.compile nothing is handed across layers (_may_hand_off), so nothing is read for it:
     # each attribute a traced forward reads is a guard that every compiled call checks on the host.
     compiling = _dynamo_compiling()
@@ -265,10 +267,16 @@ def _fused_decoder_forward(self, hidden_states, attention_mask=None, position_id
     else:
         residual = residual + hidden_states
         hidden_states = post(residual)
+    nxt = None if compiling else self._cutile_next
+    if nxt is None and scale is None:
+        # Nothing handed on (a compiled step, the last layer): the add in the down projection's GEMV
+        # where a one-row compiled or captured step runs it (a stacked-gate/up MLP of ours).
+        out = residual_forward(self.mlp, hidden_states, residual)
+        if out is not None:
+            return out
     hidden_states = call(self.mlp, hidden_states)
     if scale is not None:
         hidden_states = hidden_states * getattr(self, scale)
-    nxt = None if compiling else self._cutile_next
     if nxt is not None and _may_hand_off(self, nxt, hidden_states):
         normed, out = add_rms_norm(hidden_states, residual, nxt.norm.weight, nxt.norm.variance_epsilon)
         nxt.pending = (out, normed, None if torch.is_inference_mode_enabled() else out._version)

@@ -536,6 +536,46 @@ def test_compiled_step_guards_no_forward_of_projections_or_input_norms(variant, 
         torch.compile(model.forward, backend=rec, fullgraph=True)(ids[:, -1:], past_key_values=cache, use_cache=True,
                                                                   cache_position=torch.tensor([5]))
     assert rec.ops["gemv"] > 0 and rec.ops["rms_norm"] == len(model.model.layers) + 1, rec.ops  # + the final norm
+    assert "gemv_residual" not in rec.ops  # not routed (ops.gemv.RESIDUAL_TILES is empty)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_compiled_step_adds_the_mlp_residual_in_the_gemv_unless_hooked(act, variant, monkeypatch, no_breaks):
+    """With the residual GEMV routed (``ops.gemv.RESIDUAL_TILES``), under compile each layer's last line,
+    ``residual + mlp(h)``, is one ``gemv_residual`` (SwiGLU or GeGLU MLP, stacked by our patches), except
+    in a layer whose down projection or MLP has a forward hook, which runs (the module calls stay there);
+    the logits are the eager stock model's to bf16 rounding (the stacked gate/up GEMM sums in another
+    order on the CPU)."""
+    from transformers import StaticCache
+
+    import sys
+
+    from cutile_kernels.kernel_src import gemv as kgemv
+
+    for name, mod in list(sys.modules.items()):  # this package's ops and the build copy's
+        if name.endswith(".ops.gemv") and hasattr(mod, "RESIDUAL_TILES"):
+            monkeypatch.setattr(mod, "RESIDUAL_TILES", kgemv.TILES)
+
+    stock = tiny_model("llama", layers=3, dtype=torch.bfloat16, hidden_act=act)
+    model = _kernelize_on_cpu(tiny_model("llama", layers=3, dtype=torch.bfloat16, hidden_act=act), variant,
+                              monkeypatch)
+    fired = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: fired.append("down"))
+    model.model.layers[1].mlp.register_forward_pre_hook(lambda m, i: fired.append("mlp"))
+    _route_as_on_a_gpu(monkeypatch)
+    rec = Recorder()
+    ids = torch.randint(1, 256, (1, 5))
+    got = []
+    for m in (stock, model):
+        cache = StaticCache(config=m.config, max_cache_len=8)
+        with torch.no_grad():
+            m(ids, past_key_values=cache, use_cache=True)
+            step = torch.compile(m.forward, backend=rec, fullgraph=True) if m is model else m.forward
+            out = step(ids[:, -1:], past_key_values=cache, use_cache=True, cache_position=torch.tensor([5]))
+            got.append(out.logits)
+    assert rec.ops["gemv_residual"] == 1, rec.ops  # the third layer's; the first two are hooked
+    assert "down" in fired and "mlp" in fired
+    torch.testing.assert_close(got[1].float(), got[0].float(), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("change", ["another class", "accelerate hook"])

@@ -204,6 +204,99 @@ def test_router_leaves_wide_projections_to_cublas():
     assert _traced_ops(gops.linear, x, w) == {"gemv"}
 
 
+def test_router_takes_the_pdl_shapes_only_in_a_capture_with_twins_on_sm90(monkeypatch):
+    """A weight of PDL_SHAPES (Llama-3.2-1B's stacked q/k/v, 3072 x 2048) goes to the op in a captured
+    step that launches twins with the attribute: inside ``programmatic_launches`` or a capture of its
+    own (``CAPTURE_TWINS``), on sm_90+; not with the switch off, not on sm_8x, not while tracing, and
+    other shapes past TILE_BY_N (wider, deeper, or between) keep F.linear."""
+    n, k = gops.PDL_SHAPES[0]
+    x, w, _ = _operands(n, k, torch.bfloat16)
+    with dispatch.programmatic_launches():
+        assert _traced_ops(gops.linear, x, w) == set()  # compiled: decided while tracing, no capture then
+    calls = []
+    monkeypatch.setattr(gops, "gemv", lambda *a: calls.append(a[1].shape) or F.linear(*a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(dispatch, "_capturing", lambda: True)
+    arch = {"sm90": True}
+    monkeypatch.setattr(gops, "_launches_pdl", lambda index: arch["sm90"])
+    shapes = [(n, k), (n + 16, k), (n, k + 16), (n - 512, k)]
+    ops = [_operands(*s, torch.bfloat16)[:2] for s in shapes]
+
+    def taken():
+        calls.clear()
+        for x, w in ops:
+            torch.testing.assert_close(gops.linear(x, w), F.linear(x, w))
+        return list(calls)
+
+    assert taken() == []  # a capture of its own, CAPTURE_TWINS off (the default)
+    monkeypatch.setattr(dispatch, "CAPTURE_TWINS", True)
+    assert taken() == [torch.Size((n, k))]
+    with dispatch.programmatic_launches():
+        assert taken() == [torch.Size((n, k))]
+    with dispatch.programmatic_launches(False):
+        assert taken() == []
+    monkeypatch.setattr(dispatch, "CAPTURE_TWINS", False)
+    assert taken() == []
+    arch["sm90"] = False
+    with dispatch.programmatic_launches():
+        assert taken() == []  # sm_8x: the twin would run without the wait, and cuBLAS wins there
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLP block's exit: the residual add in the down projection's epilogue
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(24, 32), (37, 1040), (1, 16), (300, 2304)],
+                         ids=["small", "ragged-n-and-k", "one-output", "gemma-k"])
+def test_emulated_residual_kernel_matches_on_every_tile(n, k):
+    """``gemv_residual_kernel`` on the CPU (NumPy interpreter, float32) for every built tile, with and
+    without the wait (``PDL`` 1: the interpreter fails a read before it, the residual's included):
+    ``residual + x W^T`` on a NaN-poisoned output, N and K off the tile."""
+    from cutile_numpy import emulate
+
+    x, w, _ = _operands(n, k)
+    residual = torch.randn(1, n, generator=torch.Generator().manual_seed(3))
+    want = (residual.double() + x[0].double() @ w.double().T).float()
+    run = emulate(kgemv.gemv_residual_kernel, kgemv)
+    for bn, bk in kgemv.TILES:
+        for pdl in (0, 1):
+            out = torch.full((1, n), float("nan"))
+            run((-(-n // bn),), (x[0], w, residual, out, bn, bk, pdl))
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=f"tile {bn}x{bk} PDL {pdl}")
+
+
+def test_residual_op_is_the_add_after_the_projection_and_checks_its_operands():
+    x, w, _ = _operands(24, 32, torch.bfloat16)
+    residual = torch.randn(1, 1, 24).to(torch.bfloat16)
+    assert torch.equal(cutile_kernels.gemv_residual(x, w, residual), residual + F.linear(x, w))
+    with pytest.raises(ValueError, match="output's shape"):
+        cutile_kernels.gemv_residual(x, w, residual[..., :23])
+    with pytest.raises(ValueError, match="dtype"):
+        cutile_kernels.gemv_residual(x, w, residual.half())
+    with pytest.raises(ValueError, match="exactly one row"):
+        cutile_kernels.gemv_residual(torch.cat([x, x], 1), w, torch.cat([residual, residual], 1))
+
+
+def test_residual_router_adds_in_the_gemv_only_where_linear_takes_the_gemv(monkeypatch):
+    """On the tiles of RESIDUAL_TILES (none by default), one bf16 row traced: one ``gemv_residual``; a
+    bias, three rows or a wide projection: the projection as :func:`linear` routes it, then the add; an
+    eager step: F.linear and the add."""
+    x, w, _ = _operands(24, 32, torch.bfloat16)
+    residual = torch.randn(1, 1, 24).to(torch.bfloat16)
+    assert _traced_ops(gops.linear_residual, x, w, None, residual) == {"gemv"}  # not routed by default
+    monkeypatch.setattr(gops, "RESIDUAL_TILES", kgemv.TILES)
+    assert _traced_ops(gops.linear_residual, x, w, None, residual) == {"gemv_residual"}
+    assert _traced_ops(gops.linear_residual, x, w, torch.zeros(24, dtype=torch.bfloat16), residual) == {"gemv"}
+    rows = torch.randn(1, 3, 32).to(torch.bfloat16)
+    assert _traced_ops(gops.linear_residual, rows, w, None, torch.randn(1, 3, 24).to(torch.bfloat16)) == set()
+    wide, wr = _operands(gops.TILE_BY_N[-1][0] + 8, 32, torch.bfloat16)[1], torch.randn(1, 1, 2056).to(torch.bfloat16)
+    assert _traced_ops(gops.linear_residual, x, wide, None, wr) == set()
+    dispatch.reset_stats()
+    assert torch.equal(gops.linear_residual(x, w, None, residual), residual + F.linear(x, w))
+    assert not dispatch.stats()["reference_calls"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The gated MLP's down projection: activation + GEMV in one launch
 # ---------------------------------------------------------------------------------------------
@@ -689,6 +782,36 @@ def test_gpu_stacked_mlp_model_in_a_cuda_graph_fuses_the_activation(family, stac
     out, ref, a, ours = _captured_step((family, 7), [stacking, "gemv"])
     assert _launches("gemv_glu") == len(ours.model.layers) and _launches("and_mul") == 0
     assert torch.isfinite(out).all() and _rel(out, ref) <= 1.5 * _rel(a, ref) + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2048, 8192), (1024, 3072), (1001, 2320)], ids=["llama-down", "qwen3-down", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_residual_is_the_gemv_and_the_add_bit_for_bit(n, k, dtype, strict):
+    """``gemv_residual`` equals the GEMV on the same tile followed by torch's 16-bit add, bit for bit,
+    every output written (NaN-poisoned), with a strided residual; and as a twin in a captured graph
+    (``PDL`` 1) replayed on fresh inputs, the same."""
+    from launches import launched_variants
+
+    x, w, _ = _operands(n, k, dtype, "cuda", seed=4)
+    residual = torch.randn(1, 1, 2 * n, device="cuda", dtype=dtype)[..., ::2]
+    for tile in kgemv.TILES:
+        prod = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
+        assert gops.gemv_into(x, w, None, prod, tile)
+        out = torch.full((1, 1, n), float("nan"), device="cuda", dtype=dtype)
+        assert gops._launch("gemv_residual", (x, w, residual, out), w, tile, gops._residual_rows)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.equal(out, residual + prod), tile
+    before = dict(dispatch.stats()["launches"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), dispatch.programmatic_launches():
+        got = cutile_kernels.gemv_residual(x, w, residual)
+    assert {(v.kernel, v.constants.get("PDL")) for v in launched_variants(before)} == {("gemv_residual", 1)}
+    for i in range(5):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        graph.replay()
+        assert torch.equal(got, residual + gops.gemv(x, w)), i
 
 
 def test_sweep_candidates_include_what_ships_and_compute_the_product():

@@ -179,6 +179,8 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
         return f(2, 40), f(2, 40, 4), f(40, 4), f(2, 40)
     if name == "gemv":  # one decode row as a column slice of a wider projection, with a bias
         return f(1, 1, 48)[..., 16:32], f(24, 16), f(24)
+    if name == "gemv_residual":  # one row as a column slice of a wider projection, a strided residual
+        return f(1, 1, 48)[..., 16:32], f(24, 16), f(1, 1, 48)[..., ::2]
     if name in ("gemv_swiglu", "gemv_geglu"):  # one stacked gate/up row (K 16), down weight (24, 16)
         return f(1, 1, 32), f(24, 16)
     if name == "gated_delta_gates":  # a as a column slice of a wider projection, 5 tokens, 6 heads

@@ -37,7 +37,8 @@ gemv_ops = importlib.import_module("cutile_kernels.ops.gemv")  # the package exp
 
 #: The device functions built with programmatic dependent launch twins, by kernel name: what the decode
 #: steps of the Llama-code families run of ours.
-TWINNED = {"gemv": "gemv_kernel", "add_rms_norm": "add_rms_norm_kernel", "attention": "attention_kernel",
+TWINNED = {"gemv": "gemv_kernel", "gemv_residual": "gemv_residual_kernel", "add_rms_norm": "add_rms_norm_kernel",
+           "attention": "attention_kernel",
            "rope_append_attention": "rope_append_attention_kernel", "silu_and_mul_fused": "silu_and_mul_fused_kernel",
            "kv_append": "kv_append_kernel", "qk_norm_rope": "qk_norm_rope_kernel"}
 
@@ -255,6 +256,36 @@ def test_dispatch_takes_twins_only_inside_programmatic_launches(fake_gpu):  # no
     assert not dispatch.programmatic_launches_active() and step() == [0, 0, None]
 
 
+def test_any_capture_takes_twins_with_capture_twins_on(fake_gpu, monkeypatch):  # noqa: F811 - the fixture
+    """With ``CAPTURE_TWINS`` (off by default), a launch captured into a CUDA graph outside
+    ``programmatic_launches`` (inductor's compiled step, a user's ``torch.cuda.graph``: faked here) takes
+    its twin; not inside ``programmatic_launches(False)``; an eager launch never."""
+    x, w = torch.randn(1, 2048, dtype=torch.bfloat16), torch.randn(2048, 2048, dtype=torch.bfloat16)
+    rows = torch.randn(1, 2048, dtype=torch.bfloat16), torch.randn(1, 2048, dtype=torch.bfloat16)
+    nw = torch.randn(2048, dtype=torch.bfloat16)
+
+    def step():
+        gemv_ops.gemv_into(x, w, None, torch.empty(1, 2048, dtype=torch.bfloat16))
+        cutile_kernels.add_rms_norm(*rows, nw, 1e-6)
+        return [_pdl_of(symbol) for symbol, _ in fake_gpu[-2:]]
+
+    assert dispatch.CAPTURE_TWINS is False  # the default
+    monkeypatch.setattr(dispatch, "_capturing", lambda: True)
+    assert not dispatch.twins_now() and step() == [0, 0]
+    monkeypatch.setattr(dispatch, "CAPTURE_TWINS", True)
+    monkeypatch.setattr(dispatch, "_capturing", lambda: False)
+    assert not dispatch.twins_now() and step() == [0, 0]  # eager
+    monkeypatch.setattr(dispatch, "_capturing", lambda: True)
+    assert dispatch.twins_now() and step() == [1, 1]
+    with dispatch.programmatic_launches(False):
+        assert not dispatch.twins_now() and step() == [0, 0]
+    assert dispatch.twins_now() and step() == [1, 1]  # the switch left unset again, not off
+    monkeypatch.setattr(dispatch, "CAPTURE_TWINS", False)
+    assert not dispatch.twins_now() and step() == [0, 0]
+    with dispatch.programmatic_launches():
+        assert dispatch.twins_now() and step() == [1, 1]
+
+
 class _Recording:
     """A graph factory that records whether each warm-up, capture and replay ran inside
     ``programmatic_launches``."""
@@ -368,7 +399,7 @@ def test_gpu_pdl_steps_equal_plain_ones_bit_for_bit(model_type, tmp_path, strict
 
 
 @pytest.mark.gpu
-def test_gpu_a_twin_reads_what_the_slow_kernel_before_it_wrote(strict):
+def test_gpu_a_twin_reads_what_the_slow_kernel_before_it_wrote(strict, monkeypatch):
     """A race a wait in the wrong place would lose: in a captured graph, a NaN fill, then the GEMV
     twin over a wide K (~25 us: 64 tiles deep), then the fused add + RMSNorm twin reading the GEMV's
     output, which could launch as soon as the GEMV's blocks started. 50 replays on fresh inputs, each
@@ -406,3 +437,54 @@ def test_gpu_a_twin_reads_what_the_slow_kernel_before_it_wrote(strict):
         graph.replay()
         want = step()
         assert all(torch.equal(a, b) for a, b in zip(out, want)), i
+    # With CAPTURE_TWINS, a capture without our switch (a user's torch.cuda.graph, inductor's) takes them too.
+    monkeypatch.setattr(dispatch, "CAPTURE_TWINS", True)
+    before = dict(dispatch.stats()["launches"])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    assert {(v.kernel, v.constants.get("PDL")) for v in launched_variants(before)} == {("gemv", 1),
+                                                                                     ("add_rms_norm", 1)}
+    for i in range(20):
+        x.copy_(torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        want = step()
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_gpu_compiled_steps_take_twins_in_inductors_graphs(model_type, tmp_path, strict, monkeypatch):
+    """A ``torch.compile(mode="reduce-overhead")`` decode step over a static cache (the bench's
+    ``cutile-compile``): inductor's CUDA graphs capture our twins (``dispatch.CAPTURE_TWINS``, no
+    switch of ours around them) and replay the same logits bit for bit as the step compiled with
+    ``CAPTURE_TWINS`` off, which launches none."""
+    from launches import launched_variants
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    tiny_model(model_type, dtype=torch.bfloat16, layers=4).save_pretrained(tmp_path)
+    logits, twins = [], []
+    for on in (False, True):
+        monkeypatch.setattr(dispatch, "CAPTURE_TWINS", on)
+        torch._dynamo.reset()
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
+            kernel_config=cutile_kernels.kernel_config()).eval()
+        step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        ids = torch.randint(1, 256, (1, 21), generator=torch.Generator().manual_seed(5)).cuda()
+        before = dict(dispatch.stats()["launches"])
+        rows = []
+        with torch.inference_mode():
+            out = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(21, device="cuda"))
+            nxt = out.logits[:, -1:].argmax(-1)
+            for pos in range(21, 33):  # compiles, records, then replays
+                pos_t = torch.tensor([pos], device="cuda")
+                out = step(nxt, past_key_values=cache, use_cache=True, cache_position=pos_t)
+                rows.append(out.logits[:, -1].float().cpu())
+                nxt = out.logits[:, -1:].argmax(-1).clone()
+        logits.append(torch.stack(rows))
+        twins.append({v.kernel for v in launched_variants(before) if v.constants.get("PDL")})
+    assert torch.equal(logits[0], logits[1])
+    assert not twins[0] and {"gemv", "add_rms_norm"} <= twins[1], twins
+

@@ -984,7 +984,45 @@ def _gemv() -> list[Entry]:
                          uuid=f"{preset}/{name}/decode-b1")
                 for preset in WORKLOAD_PRESETS for name, n, k, b in _gemv_projections(preset) if b == bias]
         entries.append(Entry("gemv", d, rows, [SolutionSpec(kernel, "gemv")]))
-    return entries + _gemv_glu(ops)
+    return entries + [_gemv_residual(ops)] + _gemv_glu(ops)
+
+
+def _gemv_residual(ops) -> Entry:
+    """The MLP block's exit with the residual add in the down projection's launch (``gemv_residual``),
+    Workloads at the presets' down projections within the GEMV's width (one decode row)."""
+    source = f"{LLAMA}::LlamaDecoderLayer.forward"
+    rows_of = {p: [r for r in _gemv_projections(p) if r[0] == "down_proj"] for p in WORKLOAD_PRESETS}
+    axes = {"one": AxisConst(value=1, description="one row: a batch-1 decode step's single token"),
+            "hidden_size": AxisVar(description="down_proj's output width N (the GEMV's: <= 2048)"),
+            "intermediate_size": AxisVar(description="down_proj's input width K (a multiple of 16)")}
+    d = Definition(
+        name="gemv_residual", op_type="gemv", axes=axes,
+        inputs={"x": TensorSpec(shape=["one", "intermediate_size"], dtype="bfloat16",
+                                description="the MLP's activation row (down_proj's input)"),
+                "weight": TensorSpec(shape=["hidden_size", "intermediate_size"], dtype="bfloat16",
+                                     description="down_proj.weight (row-major)"),
+                "residual": TensorSpec(shape=["one", "hidden_size"], dtype="bfloat16",
+                                       description="the decoder layer's residual stream after its attention block")},
+        outputs={"out": TensorSpec(shape=["one", "hidden_size"], dtype="bfloat16",
+                                   description="residual + down_proj(x): the product's float32 sums rounded once, "
+                                               "then the 16-bit add")},
+        reference=reference_source(
+            [ops.gemv_residual_reference], ["x", "weight", "residual"],
+            "return gemv_residual_reference(x, weight, residual)",
+            _header(source, "residual + mlp(hidden_states) with the MLP's down projection for one row: the "
+                            "projection rounded to the dtype, then the add.", "cutile_kernels.ops.gemv"),
+            ("import torch", "import torch.nn.functional as F")),
+        tags=["family:gemv", f"source:transformers@v{TRANSFORMERS_PIN}:{source}",
+              *[f"model:{p}" for p, r in rows_of.items() if r]],
+        description=(f"A decoder layer's last line (transformers v{TRANSFORMERS_PIN}, {source}), the residual "
+                     "add in the MLP's down projection of one row: a compiled batch-1 decode step, where "
+                     "the layers hand nothing across, and a decode graph's last layer."),
+        constraints=["intermediate_size % 16 == 0"],
+    )
+    rows = [Workload(axes={"hidden_size": n, "intermediate_size": k}, inputs=_inputs(d),
+                     uuid=f"{p}/down_proj-residual/decode-b1")
+            for p, r in rows_of.items() for _, n, k, _ in r]
+    return Entry("gemv", d, rows, [SolutionSpec("gemv_residual", "gemv_residual")])
 
 
 def _gemv_glu(ops) -> list[Entry]:

@@ -25,8 +25,8 @@ from .ops import (kv_append, kv_append_reference, qk_norm_rope, qk_norm_rope_gem
                   sigmoid_and_mul_reference)
 from .ops import (causal_conv1d, causal_conv1d_reference, causal_conv1d_update, causal_conv1d_update_reference,
                   gated_delta_gates, gated_delta_gates_reference, gated_delta_rule, gated_delta_rule_reference,
-                  gemv, gemv_geglu, gemv_geglu_reference, gemv_reference, gemv_swiglu, gemv_swiglu_reference,
-                  rms_norm_gated, rms_norm_gated_reference)
+                  gemv, gemv_geglu, gemv_geglu_reference, gemv_reference, gemv_residual, gemv_residual_reference,
+                  gemv_swiglu, gemv_swiglu_reference, rms_norm_gated, rms_norm_gated_reference)
 from .ops._dtypes import UnsupportedDtypeError
 from .layers.patch import patch, unpatch
 from .ops import (add_rms_norm, add_rms_norm_gemma, add_rms_norm_gemma_reference, add_rms_norm_reference, rms_norm,
@@ -65,6 +65,8 @@ __all__ = [
     "gemv_geglu",
     "gemv_geglu_reference",
     "gemv_reference",
+    "gemv_residual",
+    "gemv_residual_reference",
     "gemv_swiglu",
     "gemv_swiglu_reference",
     "gelu_tanh_and_mul_fused",

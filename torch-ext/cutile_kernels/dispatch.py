@@ -13,10 +13,11 @@ For a CUDA call, :func:`run` tries in order:
 ``CUTILE_KERNELS_DISABLE=1`` sends every call to the fallback. Counters of launches per variant
 symbol, JIT launches and fallbacks per reason are kept for the bench (:func:`stats`).
 
-Inside :func:`programmatic_launches` (the decode graphs' captures), a kernel built with programmatic
-dependent launch twins (``kernel_src/_pdl.py``) takes such a variant where one fits the call, launched
-so that it may start while the kernel before it finishes; elsewhere, and where no twin fits, the
-variant without the wait, launched as always.
+Inside :func:`programmatic_launches` (the decode graphs' captures), and with :data:`CAPTURE_TWINS` in
+any other CUDA-graph capture (inductor's ``mode="reduce-overhead"`` steps, a user's ``torch.cuda.graph``), a
+kernel built with programmatic dependent launch twins (``kernel_src/_pdl.py``) takes such a variant
+where one fits the call, launched so that it may start while the kernel before it finishes;
+elsewhere, and where no twin fits, the variant without the wait, launched as always.
 """
 
 from __future__ import annotations
@@ -343,8 +344,11 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
         return False if optional else fallback(
             kernel, f"a {exc.args[0].__name__} operand (e.g. tensor parallelism's DTensor, whose data is a shard of "
                     "a global shape): the kernels take plain tensors")
-    # programmatic_launches_active(), inlined: this runs per launch
-    plan = _programmatic(kernel, want, args, n_inputs, grid, layout) if getattr(_PDL, "on", False) else None
+    # twins_now(), inlined (this runs per launch): the capture is asked only for a twinned kernel
+    on = getattr(_PDL, "on", None)
+    if on is None and CAPTURE_TWINS and _has_twins(kernel):
+        on = _capturing()
+    plan = _programmatic(kernel, want, args, n_inputs, grid, layout) if on else None
     if plan is None:
         plan = _PLANS.get(key)
         if plan is None:
@@ -372,9 +376,23 @@ def run(kernel: str, want: tuple, args: tuple, n_inputs: int, grid: Callable[[di
     return True
 
 
-#: Per thread, whether :func:`programmatic_launches` is active (``on``; unset: no). A capture runs
-#: on its own thread's stream, and two threads capturing at once must not switch each other.
+#: Per thread, whether :func:`programmatic_launches` is active (``on``: True or False; unset: neither,
+#: then :data:`CAPTURE_TWINS` decides). A capture runs on its own thread's stream, and two threads
+#: capturing at once must not switch each other.
 _PDL = threading.local()
+#: Outside :func:`programmatic_launches`, whether a launch captured into a CUDA graph takes its
+#: programmatic twin (inductor's CUDA graphs of a ``mode="reduce-overhead"`` compiled step, a user's
+#: ``torch.cuda.graph``): the same bits, each such kernel's launch overlapping the end of the one
+#: before it in a replay. Off until the model bench accepts it for compiled steps (set it to True to
+#: try it; one H100 run of Llama-3.2-1B's compiled step, 2026-12-07, one process each way: batch 1
+#: 1.857 against 1.873 ms, batch 16 2.293 against 2.205).
+CAPTURE_TWINS = False
+
+
+def _capturing() -> bool:
+    # Whether this thread's current CUDA stream is capturing a graph. Nothing is capturing where torch
+    # has not initialised CUDA (asked first: it touches no driver, so importing us never does either).
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 @contextlib.contextmanager
@@ -385,12 +403,14 @@ def programmatic_launches(on: bool = True):
     elsewhere the plain variant, launched as always. The decode graphs capture their steps inside
     it (``layers/decode_graphs.py``): there the launches form one chain on one stream and a replay
     gains each one's launch latency; an eager launch gains nothing (its host sets the pace, and a
-    launch with the attribute costs ~3 us more host time).
+    launch with the attribute costs ~3 us more host time). Outside any switch, a capture takes the
+    twins as :data:`CAPTURE_TWINS` says (:func:`twins_now`).
 
     Args:
-        on: True to take the twins, False to take the plain variants inside an enclosing switch.
+        on: True to take the twins, False to take the plain variants (inside an enclosing switch, or
+            in a capture that would take them).
     """
-    before = programmatic_launches_active()
+    before = getattr(_PDL, "on", None)  # None: neither (CAPTURE_TWINS decides), kept so after it
     _PDL.on = bool(on)
     try:
         yield
@@ -400,7 +420,15 @@ def programmatic_launches(on: bool = True):
 
 def programmatic_launches_active() -> bool:
     """Whether :func:`programmatic_launches` is active in this thread."""
-    return getattr(_PDL, "on", False)
+    return getattr(_PDL, "on", False) is True
+
+
+def twins_now() -> bool:
+    """Whether a launch now takes its programmatic twin where one fits (what :func:`run` decides per
+    launch): inside :func:`programmatic_launches` as it says, else while this thread's current stream
+    is capturing a CUDA graph, unless :data:`CAPTURE_TWINS` is off."""
+    on = getattr(_PDL, "on", None)
+    return (CAPTURE_TWINS and _capturing()) if on is None else on
 
 
 @lru_cache(maxsize=None)

@@ -17,9 +17,17 @@ tile). :func:`glu_linear` routes as :func:`linear` does, on the tiles of :data:`
 yet: the H200 rejected the fused kernel on Llama's shape); the fused MLP forwards
 (``layers/mlp.py``) call it through ``layers/_direct.glu_linear`` where the down projection carries
 patch ``gemv``.
+
+:func:`gemv_residual`: a decoder layer's last line, ``residual + down_proj(h)`` for one row, the add in
+the GEMV's epilogue (bit for bit :func:`gemv` and the 16-bit add). :func:`linear_residual` routes as
+:func:`linear` does, on the tiles of :data:`RESIDUAL_TILES` (none yet: not yet run on a GPU); the fused
+decoder forward calls it where a layer hands nothing to the next (``layers/mlp.residual_forward``: a
+compiled step, a graph step's last layer).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +54,20 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: tile that then lost on the others. K is not looked at: the sweep's K ran 1024-8192 (not measured
 #: beyond: Qwen2.5-1.5B's down_proj, K 8960, takes the GEMV unmeasured).
 TILE_BY_N = ((1024, (8, 512)), (2048, (16, 256)))
+
+
+#: (N, K) weights wider than :data:`TILE_BY_N` that the router also sends to the GEMV (its widest tile)
+#: in a CUDA-graph capture with programmatic dependent launch on sm_90 or newer (:func:`~..dispatch.twins_now`:
+#: the decode graphs' steps): the shapes measured so. Llama-3.2-1B's stacked q/k/v (3072 x 2048): the
+#: batch-1 replay 1.177 against 1.186 ms and 1.207 against 1.219 with cuBLAS's GEMM (two A/Bs, H100,
+#: 2026-12-07); without the wait (a compiled step, sm_8x) cuBLAS's 7.4 us beat the GEMV's 8.6 on it.
+PDL_SHAPES = ((3072, 2048),)
+
+
+@functools.lru_cache(maxsize=None)
+def _launches_pdl(device_index: int) -> bool:
+    # Whether the launcher launches twins on this device with the attribute (sm_90 and newer).
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def tile_for(n: int, k: int) -> tuple[int, int] | None:
@@ -149,7 +171,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, with a one-row input of a 16-bit dtype on :func:`gemv` where
-    that beats cuBLAS (output width N <= 2048, :data:`TILE_BY_N`) and the GPU sets the pace: while
+    that beats cuBLAS (output width N <= 2048, :data:`TILE_BY_N`; the shapes of :data:`PDL_SHAPES` in a
+    capture with programmatic dependent launch) and the GPU sets the pace: while
     ``torch.compile`` traces, or while a CUDA graph is being captured (the decode fast path).
 
     Shapes as ``F.linear``: ``x (..., K)``, ``weight (N, K)``, ``bias (N,)`` or None; returns
@@ -172,10 +195,112 @@ def _routed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     # where the shape tests before it cost ~3 us a projection (32-layer eager decode: ~130 calls).
     return ((torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
             and x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2
-            and tile_for(weight.shape[0], weight.shape[1]) is not None and weight.shape[1] % 16 == 0
+            and (tile_for(weight.shape[0], weight.shape[1]) is not None
+                 or (tuple(weight.shape) in PDL_SHAPES and not torch.compiler.is_compiling()
+                     and dispatch.twins_now() and _launches_pdl(x.device.index)))
+            and weight.shape[1] % 16 == 0
             and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
             and x.stride(-1) == 1 and weight.stride(-1) == 1 and type(weight) in _PLAIN and type(x) in _PLAIN
             and (bias is None or type(bias) in _PLAIN))
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLP block's exit: the down projection with the residual add in its epilogue
+# ---------------------------------------------------------------------------------------------
+
+def gemv_residual_reference(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + F.linear(x, weight)``: ``LlamaDecoderLayer.forward``'s last line, ``residual +
+    hidden_states`` after ``hidden_states = self.mlp(hidden_states)`` (transformers v5.22.2), with the
+    MLP's down projection."""
+    return residual + F.linear(x, weight)
+
+
+def _residual_check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
+    _check(x, weight, None)
+    if tuple(residual.shape) != (*x.shape[:-1], weight.shape[0]):
+        raise ValueError(f"gemv_residual: residual {tuple(residual.shape)} must be the output's shape "
+                         f"{(*x.shape[:-1], weight.shape[0])}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"gemv_residual: residual must be x's dtype; got {residual.dtype}, {x.dtype}")
+
+
+def _residual_rows(args: tuple) -> tuple:
+    # x, residual and out as one-row (1, width) views; the weight as it is.
+    x, weight, residual, out = args
+    return (x.reshape(1, x.shape[-1]), weight, residual.reshape(1, residual.shape[-1]), out.reshape(1, out.shape[-1]))
+
+
+def _gemv_residual_cuda(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    if x.dtype not in DTYPES:
+        dispatch.fallback("gemv_residual", f"dtype {x.dtype} (built: {', '.join(_DTYPE_NAMES)})")
+    elif k > 0 and _launch("gemv_residual", (x, weight, residual, out), weight, None, _residual_rows):
+        return out
+    return gemv_residual_reference(x, weight, residual).contiguous()
+
+
+def _gemv_residual_fake(x, weight, residual):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_gemv_residual = define_op("gemv_residual", _gemv_residual_cuda, reference=gemv_residual_reference,
+                           fake=_gemv_residual_fake, check=_residual_check)
+
+
+def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + F.linear(x, weight)`` for one row, on one cuTile launch (the add in the GEMV's epilogue).
+
+    Args:
+        x: ``(..., K)`` holding exactly one row, its row contiguous (as :func:`gemv`).
+        weight: ``(N, K)``, row-major, x's dtype.
+        residual: ``(..., N)``, the output's shape, x's dtype, any strides.
+
+    Returns:
+        ``(..., N)`` of x's dtype, contiguous: the product's float32 sums rounded to the dtype, then the
+        add in float32 rounded again, as the two ops round it (bit for bit where the product is).
+
+    On CUDA for bfloat16 and float16 under :func:`gemv`'s conditions; otherwise, or with
+    ``CUTILE_KERNELS_DISABLE=1``, :func:`gemv_residual_reference` (``F.linear``, then the add), logging
+    the reason once. Under ``torch.compile`` the custom op ``<namespace>::gemv_residual``.
+
+    Raises:
+        TypeError: a tensor is not floating point.
+        ValueError: x holds more than one row, shapes or dtypes do not match.
+        FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
+    """
+    check_float("gemv_residual", "x, weight, residual", x, weight, residual, kernel_dtypes=DTYPES)
+    _residual_check(x, weight, residual)
+    return _gemv_residual.call_checked(x, weight, residual)
+
+
+#: The GEMV tiles on which :func:`linear_residual` adds in the GEMV's epilogue: none yet. Built and
+#: checked on the CPU (the NumPy interpreter; 2026-12-07), not yet run on a GPU nor accepted by the model
+#: bench (estimate: Llama-3.2-1B's compiled batch-1 step ~1.02x, its 16 separate adds gone). Add a tile
+#: here once they have.
+RESIDUAL_TILES: tuple = ()
+
+
+def residual_tile(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (N, K)'s GEMV tile is one of :data:`RESIDUAL_TILES` and not one of
+    :data:`GLU_TILES` (the activation fused into the down projection takes precedence there)."""
+    tile = tile_for(weight.shape[0], weight.shape[1])
+    return tile in RESIDUAL_TILES and tile not in GLU_TILES
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor) -> torch.Tensor:
+    """``residual + linear(x, weight, bias)``: where :func:`linear` would send the projection to the
+    GEMV (one 16-bit row, compiled or captured) on a tile of :data:`RESIDUAL_TILES`, there is no bias
+    and ``residual`` is a plain tensor of the output's shape and dtype, one :func:`gemv_residual`
+    launch; otherwise :func:`linear`, then the add. Returns ``(..., N)``."""
+    if (bias is None and type(residual) in _PLAIN and residual.dtype == x.dtype and weight.dim() == 2
+            and tile_for(weight.shape[0], weight.shape[1]) in RESIDUAL_TILES
+            and tuple(residual.shape) == (*x.shape[:-1], weight.shape[0]) and _routed(x, weight, None)):
+        return gemv_residual(x, weight, residual)
+    return residual + linear(x, weight, bias)
 
 
 # ---------------------------------------------------------------------------------------------

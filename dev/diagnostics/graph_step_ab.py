@@ -1,0 +1,44 @@
+"""``graph_step.py`` with one runtime switch flipped in every loaded copy of the package after the model
+loads, for an A/B across processes where one process cannot hold both sides (a compiled step keeps what
+inductor captured first). Run from the checkout, the variant in ``AB``:
+
+    AB=twins   python dev/diagnostics/graph_step_ab.py llama-3.2-1b --path cutile-compile --batch 1 16 --host --top 0
+    AB=residual python dev/diagnostics/graph_step_ab.py ...   # and the same with AB=none, alternating
+
+* ``twins``: ``dispatch.CAPTURE_TWINS = True`` (our programmatic twins in inductor's CUDA graphs);
+* ``residual``: ``ops.gemv.RESIDUAL_TILES`` = every built GEMV tile (the decoder layers' last add in the
+  down projection's GEMV, ``gemv_residual``);
+* ``none`` (or unset): as shipped.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from cutile_kernels_tools.bench import paths
+
+_load = paths.load
+
+
+def _flip(variant: str) -> None:
+    for name, mod in list(sys.modules.items()):
+        if variant == "twins" and name.endswith(".dispatch") and hasattr(mod, "CAPTURE_TWINS"):
+            mod.CAPTURE_TWINS = True
+        if variant == "residual" and name.endswith(".ops.gemv") and hasattr(mod, "RESIDUAL_TILES"):
+            mod.RESIDUAL_TILES = sys.modules[name.rsplit(".ops.", 1)[0] + ".kernel_src.gemv"].TILES
+
+
+def _load_and_flip(*args, **kwargs):
+    model = _load(*args, **kwargs)
+    _flip(os.environ.get("AB", "none"))
+    return model
+
+
+if __name__ == "__main__":
+    if os.environ.get("AB", "none") not in ("none", "twins", "residual"):
+        raise SystemExit(f"AB={os.environ['AB']!r}: one of none, twins, residual")
+    paths.load = _load_and_flip
+    sys.argv = ["graph_step.py", *sys.argv[1:]]
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "graph_step.py"), run_name="__main__")
