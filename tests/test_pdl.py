@@ -233,7 +233,9 @@ def _pdl_of(symbol: str) -> int:
     return next(v for v in reg.variants(arch="sm_90") if v.symbol == symbol).constants.get("PDL")
 
 
-def test_dispatch_takes_twins_only_inside_programmatic_launches(fake_gpu):  # noqa: F811 - the fixture
+def _twinned_step(fake_gpu, untwinned: bool = True):
+    """A decode-step-like chain on the faked GPU (a GEMV, a fused add + RMSNorm and, with ``untwinned``, an
+    RMSNorm, which has no twins); returns a callable giving each launch's ``PDL`` (None: no such constant)."""
     x, w = torch.randn(1, 2048, dtype=torch.bfloat16), torch.randn(2048, 2048, dtype=torch.bfloat16)
     rows = torch.randn(1, 2048, dtype=torch.bfloat16), torch.randn(1, 2048, dtype=torch.bfloat16)
     nw = torch.randn(2048, dtype=torch.bfloat16)
@@ -241,9 +243,15 @@ def test_dispatch_takes_twins_only_inside_programmatic_launches(fake_gpu):  # no
     def step():
         gemv_ops.gemv_into(x, w, None, torch.empty(1, 2048, dtype=torch.bfloat16))
         cutile_kernels.add_rms_norm(*rows, nw, 1e-6)
-        cutile_kernels.rms_norm(rows[0], nw, 1e-6)  # no twins: always as before
-        return [_pdl_of(symbol) for symbol, _ in fake_gpu[-3:]]
+        if untwinned:
+            cutile_kernels.rms_norm(rows[0], nw, 1e-6)
+        return [_pdl_of(symbol) for symbol, _ in fake_gpu[-(3 if untwinned else 2):]]
+    return step
 
+
+def test_dispatch_takes_twins_only_inside_programmatic_launches(fake_gpu):  # noqa: F811 - the fixture
+    step = _twinned_step(fake_gpu)
+    nw = torch.randn(2048, dtype=torch.bfloat16)
     assert step() == [0, 0, None]
     with dispatch.programmatic_launches():
         assert step() == [1, 1, None]
@@ -260,14 +268,7 @@ def test_any_capture_takes_twins_with_capture_twins_on(fake_gpu, monkeypatch):  
     """With ``CAPTURE_TWINS`` (off by default), a launch captured into a CUDA graph outside
     ``programmatic_launches`` (inductor's compiled step, a user's ``torch.cuda.graph``: faked here) takes
     its twin; not inside ``programmatic_launches(False)``; an eager launch never."""
-    x, w = torch.randn(1, 2048, dtype=torch.bfloat16), torch.randn(2048, 2048, dtype=torch.bfloat16)
-    rows = torch.randn(1, 2048, dtype=torch.bfloat16), torch.randn(1, 2048, dtype=torch.bfloat16)
-    nw = torch.randn(2048, dtype=torch.bfloat16)
-
-    def step():
-        gemv_ops.gemv_into(x, w, None, torch.empty(1, 2048, dtype=torch.bfloat16))
-        cutile_kernels.add_rms_norm(*rows, nw, 1e-6)
-        return [_pdl_of(symbol) for symbol, _ in fake_gpu[-2:]]
+    step = _twinned_step(fake_gpu, untwinned=False)
 
     assert dispatch.CAPTURE_TWINS is False  # the default
     monkeypatch.setattr(dispatch, "_capturing", lambda: True)
