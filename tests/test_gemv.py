@@ -274,8 +274,10 @@ def test_residual_op_is_the_add_after_the_projection_and_checks_its_operands():
         cutile_kernels.gemv_residual(x, w, residual[..., :23])
     with pytest.raises(ValueError, match="dtype"):
         cutile_kernels.gemv_residual(x, w, residual.half())
-    with pytest.raises(ValueError, match="exactly one row"):
+    with pytest.raises(ValueError, match="gemv_residual: x .* exactly one row"):
         cutile_kernels.gemv_residual(torch.cat([x, x], 1), w, torch.cat([residual, residual], 1))
+    with pytest.raises(TypeError, match="residual must be a tensor"):
+        cutile_kernels.gemv_residual(x, w, None)
 
 
 def test_residual_router_adds_in_the_gemv_only_where_linear_takes_the_gemv(monkeypatch):

@@ -83,17 +83,17 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return F.linear(x, weight, bias)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "gemv") -> None:
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"gemv: x {tuple(x.shape)} must be (..., K) and weight {tuple(weight.shape)} (N, K) with "
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be (..., K) and weight {tuple(weight.shape)} (N, K) with "
                          f"the same K (x's last dimension {x.shape[-1] if x.dim() else None})")
     if x.numel() != x.shape[-1]:
-        raise ValueError(f"gemv: x {tuple(x.shape)} must hold exactly one row (its leading dimensions multiply to 1)")
+        raise ValueError(f"{name}: x {tuple(x.shape)} must hold exactly one row (its leading dimensions multiply to 1)")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"gemv: bias {tuple(bias.shape)} must be (N,) = ({weight.shape[0]},)")
+        raise ValueError(f"{name}: bias {tuple(bias.shape)} must be (N,) = ({weight.shape[0]},)")
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"gemv: x, weight and bias must share a dtype; got {x.dtype}, {weight.dtype}"
-                         f"{'' if bias is None else ', ' + str(bias.dtype)}")
+        raise ValueError(f"{name}: x, weight{'' if bias is None else ' and bias'} must share a dtype; got {x.dtype}, "
+                         f"{weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")
 
 
 def _one_row(args: tuple) -> tuple:
@@ -216,7 +216,7 @@ def gemv_residual_reference(x: torch.Tensor, weight: torch.Tensor, residual: tor
 
 
 def _residual_check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
-    _check(x, weight, None)
+    _check(x, weight, None, "gemv_residual")
     if tuple(residual.shape) != (*x.shape[:-1], weight.shape[0]):
         raise ValueError(f"gemv_residual: residual {tuple(residual.shape)} must be the output's shape "
                          f"{(*x.shape[:-1], weight.shape[0])}")
@@ -267,10 +267,12 @@ def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor)
     the reason once. Under ``torch.compile`` the custom op ``<namespace>::gemv_residual``.
 
     Raises:
-        TypeError: a tensor is not floating point.
+        TypeError: a tensor is not floating point, or residual is not a tensor.
         ValueError: x holds more than one row, shapes or dtypes do not match.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
     """
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"gemv_residual: residual must be a tensor, got {type(residual).__name__}")
     check_float("gemv_residual", "x, weight, residual", x, weight, residual, kernel_dtypes=DTYPES)
     _residual_check(x, weight, residual)
     return _gemv_residual.call_checked(x, weight, residual)
