@@ -219,7 +219,7 @@ def test_router_takes_the_pdl_shapes_only_in_a_capture_with_twins_on_sm90(monkey
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(dispatch, "_capturing", lambda: True)
     arch = {"sm90": True}
-    monkeypatch.setattr(gops, "_launches_pdl", lambda index: arch["sm90"])
+    monkeypatch.setattr(dispatch, "launches_programmatic", lambda index: arch["sm90"])
     shapes = [(n, k), (n + 16, k), (n, k + 16), (n - 512, k)]
     ops = [_operands(*s, torch.bfloat16)[:2] for s in shapes]
 

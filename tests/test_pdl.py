@@ -460,8 +460,7 @@ def test_gpu_compiled_steps_take_twins_in_inductors_graphs(model_type, tmp_path,
     ``cutile-compile``): inductor's CUDA graphs capture our twins (``dispatch.CAPTURE_TWINS``, no
     switch of ours around them) and replay the same logits bit for bit as the step compiled with
     ``CAPTURE_TWINS`` off, which launches none."""
-    import sys
-
+    from cutile_kernels_tools.bench.worker import runtime_copies
     from launches import launched_variants
     from transformers import AutoModelForCausalLM, StaticCache
 
@@ -472,9 +471,8 @@ def test_gpu_compiled_steps_take_twins_in_inductors_graphs(model_type, tmp_path,
         model = AutoModelForCausalLM.from_pretrained(
             tmp_path, dtype=torch.bfloat16, device_map="cuda", use_kernels=True,
             kernel_config=cutile_kernels.kernel_config()).eval()
-        for name, mod in list(sys.modules.items()):  # this package's dispatch and the build copy's
-            if name.endswith(".dispatch") and hasattr(mod, "CAPTURE_TWINS"):
-                monkeypatch.setattr(mod, "CAPTURE_TWINS", on)
+        for copy in runtime_copies():  # this package's dispatch and the build copy's
+            monkeypatch.setattr(copy, "CAPTURE_TWINS", on)
         step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         cache = StaticCache(config=model.config, max_cache_len=64)
         ids = torch.randint(1, 256, (1, 21), generator=torch.Generator().manual_seed(5)).cuda()

@@ -18,16 +18,18 @@ import runpy
 import sys
 
 from cutile_kernels_tools.bench import paths
+from cutile_kernels_tools.bench.worker import runtime_copies
 
 _load = paths.load
 
 
 def _flip(variant: str) -> None:
-    for name, mod in list(sys.modules.items()):
-        if variant == "twins" and name.endswith(".dispatch") and hasattr(mod, "CAPTURE_TWINS"):
-            mod.CAPTURE_TWINS = True
-        if variant == "residual" and name.endswith(".ops.gemv") and hasattr(mod, "RESIDUAL_TILES"):
-            mod.RESIDUAL_TILES = sys.modules[name.rsplit(".ops.", 1)[0] + ".kernel_src.gemv"].TILES
+    for dispatch in runtime_copies():  # this package's and the build copy's
+        package = dispatch.__name__.rsplit(".", 1)[0]
+        if variant == "twins":
+            dispatch.CAPTURE_TWINS = True
+        if variant == "residual":
+            sys.modules[package + ".ops.gemv"].RESIDUAL_TILES = sys.modules[package + ".kernel_src.gemv"].TILES
 
 
 def _load_and_flip(*args, **kwargs):

@@ -173,6 +173,13 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def launches_programmatic(device_index: int) -> bool:
+    """Whether a twin launched on this device goes with programmatic dependent launch: the build arch it
+    runs there is sm_90 or newer (:func:`~.registry.programmatic_arch`, the launcher's rule)."""
+    arch = _arch_of(device_index)[1]
+    return arch is not None and _registry.programmatic_arch(arch)
+
+
 def runs_on(device: torch.device) -> bool:
     """Whether kernels can launch on CUDA ``device``: a built arch's cubins run on its compute
     capability, or cuda.tile can JIT (:func:`jit_available`)."""

@@ -20,7 +20,7 @@ import threading
 import torch
 
 from .cubin import ArgPacker, param_info
-from .registry import Variant, _arch_key
+from .registry import Variant, programmatic_arch
 
 
 def _current_raw_stream(device_index: int) -> int:
@@ -84,7 +84,7 @@ class _Loaded:
         #: wait for sm_8x, which has no programmatic dependent launch): launch it with programmatic
         #: stream serialization. Never a variant without the wait, which would then read what the kernel
         #: before it has not yet written.
-        self.pdl = bool(variant.constants.get("PDL", 0)) and _arch_key(variant.arch) >= (9, 0)
+        self.pdl = bool(variant.constants.get("PDL", 0)) and programmatic_arch(variant.arch)
 
     def params_address(self, values) -> int:
         """Pack ``values`` into this thread's parameter buffer; return the void*[] address.

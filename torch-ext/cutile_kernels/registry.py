@@ -284,6 +284,13 @@ def _arch_key(arch: str) -> tuple[int, int]:
     return int(digits[:-1]), int(digits[-1])
 
 
+def programmatic_arch(arch: str) -> bool:
+    """Whether a kernel built for ``arch`` (``"sm_90"``) with a ``PDL`` 1 twin is launched with
+    programmatic dependent launch (sm_90 and newer; for sm_8x tileiras drops the wait, and the launcher
+    launches the twin plainly)."""
+    return _arch_key(arch) >= (9, 0)
+
+
 @lru_cache(maxsize=None)
 def registry() -> Registry:
     """The process-wide registry of this package copy (loaded once, on first use)."""

@@ -27,8 +27,6 @@ compiled step, a graph step's last layer).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -62,12 +60,6 @@ TILE_BY_N = ((1024, (8, 512)), (2048, (16, 256)))
 #: batch-1 replay 1.177 against 1.186 ms and 1.207 against 1.219 with cuBLAS's GEMM (two A/Bs, H100,
 #: 2026-12-07); without the wait (a compiled step, sm_8x) cuBLAS's 7.4 us beat the GEMV's 8.6 on it.
 PDL_SHAPES = ((3072, 2048),)
-
-
-@functools.lru_cache(maxsize=None)
-def _launches_pdl(device_index: int) -> bool:
-    # Whether the launcher launches twins on this device with the attribute (sm_90 and newer).
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def tile_for(n: int, k: int) -> tuple[int, int] | None:
@@ -197,7 +189,7 @@ def _routed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
             and x.numel() == x.shape[-1] and x.dtype in DTYPES and weight.dim() == 2
             and (tile_for(weight.shape[0], weight.shape[1]) is not None
                  or (tuple(weight.shape) in PDL_SHAPES and not torch.compiler.is_compiling()
-                     and dispatch.twins_now() and _launches_pdl(x.device.index)))
+                     and dispatch.twins_now() and dispatch.launches_programmatic(x.device.index)))
             and weight.shape[1] % 16 == 0
             and weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
             and x.stride(-1) == 1 and weight.stride(-1) == 1 and type(weight) in _PLAIN and type(x) in _PLAIN
