@@ -791,9 +791,10 @@ def test_gpu_stacked_mlp_model_in_a_cuda_graph_fuses_the_activation(family, stac
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_residual_is_the_gemv_and_the_add_bit_for_bit(n, k, dtype, strict):
     """``gemv_residual`` equals the GEMV on the same tile followed by torch's 16-bit add, bit for bit,
-    every output written (NaN-poisoned), with a strided residual; and as a twin in a captured graph
-    (``PDL`` 1) replayed on fresh inputs, the same."""
-    from launches import launched_variants
+    every output written (NaN-poisoned), with a strided residual; as a twin in a captured graph
+    (``PDL`` 1) replayed on fresh inputs, the same; and the op captured plainly and under
+    ``torch.compile(fullgraph=True)`` computes what it does eagerly."""
+    from launches import launched_variants, replays_and_compiles
 
     x, w, _ = _operands(n, k, dtype, "cuda", seed=4)
     residual = torch.randn(1, 1, 2 * n, device="cuda", dtype=dtype)[..., ::2]
@@ -814,6 +815,7 @@ def test_gpu_residual_is_the_gemv_and_the_add_bit_for_bit(n, k, dtype, strict):
         residual.copy_(torch.randn_like(residual))
         graph.replay()
         assert torch.equal(got, residual + gops.gemv(x, w)), i
+    replays_and_compiles(lambda x, w, r: (cutile_kernels.gemv_residual(x, w, r),), [x, w, residual], scaled=2)
 
 
 def test_sweep_candidates_include_what_ships_and_compute_the_product():
