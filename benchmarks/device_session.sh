@@ -43,6 +43,10 @@
 #              (default: llama-3.2-1b qwen3-0.6b), paths $PATHS (default: stock cutile) in alternating
 #              processes, $ROUNDS rounds (benchmarks/static_generate.py $STATICGEN_ARGS); staticgen.log,
 #              one JSON line a run
+#   ab         dev/diagnostics/graph_step_ab.py in alternating processes: for each of $ROUNDS rounds (default 2),
+#              each variant of $AB_VARIANTS (default: none residual) with the graph_step arguments $AB_ARGS
+#              (default: llama-3.2-1b --path cutile-compile --batch 1 16 --steps 60 --host --top 0), $AB_LIMIT s
+#              in all (default 400); ab.log holds every run's output, each JSON line tagged with its variant
 #   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
 #
 # On the dev machine first (see /work/shared/device/README.md and benchmarks/device_notebooks.sh):
@@ -54,7 +58,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention gemv attnsweep normsweep evaluate kernels hostops hostprof hostab rank score bench staticgen notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention gemv attnsweep normsweep evaluate kernels hostops hostprof hostab rank score bench staticgen ab notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -131,6 +135,13 @@ for stage in "$@"; do
       cd "$root" && step staticgen "${STATICGEN_LIMIT:-300}" bash -c '
         for r in $(seq ${ROUNDS:-2}); do for preset in ${PRESETS:-llama-3.2-1b qwen3-0.6b}; do
           for p in ${PATHS:-stock cutile}; do python3 benchmarks/static_generate.py "$preset" --path "$p" ${STATICGEN_ARGS:-} || exit 1; done
+        done; done' ;;
+    ab)
+      cd "$root" && step ab "${AB_LIMIT:-400}" bash -c 'set -o pipefail
+        for r in $(seq ${ROUNDS:-2}); do for v in ${AB_VARIANTS:-none residual}; do
+          echo "--- round $r AB=$v"
+          AB=$v python3 dev/diagnostics/graph_step_ab.py ${AB_ARGS:-llama-3.2-1b --path cutile-compile --batch 1 16 \
+              --steps 60 --host --top 0} 2>&1 | grep -v "it/s\]" | sed "s/^{/{\"ab\": \"$v\", \"round\": $r, /" || exit 1
         done; done' ;;
     notebooks)
       rm -rf /tmp/nb && mkdir -p /tmp/nb && OUT=/tmp/nb step nb 330 bash "$root/benchmarks/device_notebooks.sh"

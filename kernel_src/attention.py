@@ -274,27 +274,40 @@ def _rotated(x, b, h, c1, c2, s1, s2, rdtype, HEADS: ct.Constant[int], ROWS: ct.
     return ct.cat((o1.astype(x.dtype), o2.astype(x.dtype)), 1)
 
 
+@ct.function
+def _cached_tile_step(s, m_i, l_i, acc, values, b, kvh, j, n, D: ct.Constant[int], BN: ct.Constant[int]):
+    # Cached KV tile j's logits s (M, BN) into rope_append_attention's online softmax: the new state.
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+    vt = ct.reshape(ct.load(values, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO), (BN, D))
+    vt = _tail_rows_zeroed(vt, j, n, BN)
+    return ct.mma(p.astype(values.dtype), vt, acc * alpha), m_i, l_i
+
+
 @ct.kernel
-def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, part, lse, scale: float, softcap: float,
-                                 window: int, num_splits: int, D: ct.Constant[int], HB: ct.Constant[int],
-                                 BS: ct.Constant[int], BN: ct.Constant[int], STORE_LAST: ct.Constant[int],
-                                 PDL: ct.Constant[int]):
+def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, mask, o, part, lse, scale: float,
+                                 softcap: float, window: int, num_splits: int, D: ct.Constant[int],
+                                 HB: ct.Constant[int], BS: ct.Constant[int], BN: ct.Constant[int],
+                                 STORE_LAST: ct.Constant[int], MASKED: ct.Constant[int], PDL: ct.Constant[int]):
     """A decode step's RoPE of q and k, the static KV cache write of the rotated k and of v, and the
     attention of the query over the cache, for one (batch x head block[, KV split]).
 
     What ``kernel_src/rope.py``'s ``rope_append_kernel`` (RoPE rounded as transformers rounds it,
     the new key and value written at slot ``n = length[0]``) followed by :func:`attention_kernel`
-    over the first ``n + 1`` keys (causal, window, softcap; no mask) compute, in one launch: the
-    block attends to the ``n`` cached keys and to the new key, which it holds in registers (a block
-    never reads slot ``n``: the write is not ordered with the other blocks' reads). The first head
-    block of each KV group writes the group's key and value (split 0 of it, with splits).
+    over the first ``n + 1`` keys (causal, window, softcap; with MASKED the keys the mask shows)
+    compute, in one launch: the block attends to the ``n`` cached keys and to the new key, which it
+    holds in registers (a block never reads slot ``n``: the write is not ordered with the other
+    blocks' reads). The first head block of each KV group writes the group's key and value (split 0
+    of it, with splits).
 
     q: (B, Hq, 1, 2, D/2), the un-rotated queries as halves; k: (B, Hkv, 1, 2, D/2) likewise; v:
     (B, Hkv, 1, D); cos, sin: (B or 1, 1, 2, D/2) (the whole head rotated); keys, values: (B, Hkv,
     L, D), the cache, written at slot n when n < L (before the KV loop, or with STORE_LAST after
-    the output's store); length: (1,) int64, n (not advanced: the caller adds 1); o: (B, Hq, 1,
-    D). part, lse and num_splits as :func:`attention_kernel`'s (the new key goes to split 0). HB
-    divides Hq // Hkv. Grid: (num_splits, B * Hq // HB). PDL: see kernel_src/_pdl.py.
+    the output's store); length: (1,) int64, n (not advanced: the caller adds 1); mask: with MASKED,
+    (MB, 1, L) int8, MB 1 or B: row ``b % MB`` shows key j where it is nonzero (a compiled step's
+    boolean mask, padding included: it replaces causality, the caller passes no window), else not
+    read; o: (B, Hq, 1, D). part, lse and num_splits as :func:`attention_kernel`'s (the new key
+    goes to split 0). HB divides Hq // Hkv. Grid: (num_splits, B * Hq // HB). PDL: see
+    kernel_src/_pdl.py.
     """
     pdl_wait(PDL)
     split = ct.bid(0)
@@ -316,12 +329,18 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
             ct.store(keys, index=(b, kvh, n, 0), tile=ct.reshape(kn, (1, 1, 1, D)))
             ct.store(values, index=(b, kvh, n, 0), tile=ct.reshape(vn, (1, 1, 1, D)))
     M = HB * BS
-    # The new key starts split 0's state: it is visible to the query (its own position).
+    # The new key starts split 0's state: it is visible to the query (its own position), unless
+    # (MASKED) the mask hides its slot.
     s_new = _logits(ct.sum(qt.astype(ct.float32) * kn.astype(ct.float32), axis=1, keepdims=True), scale, softcap)
     m_i = ct.full((M, 1), NEG_INF, dtype=ct.float32)
     l_i = ct.full((M, 1), 0.0, dtype=ct.float32)
     acc = ct.full((M, D), 0.0, dtype=ct.float32)
-    if split == 0:
+    if MASKED != 0:
+        if split == 0 and ct.gather(mask, (b % mask.shape[0], 0, ct.minimum(n, mask.shape[2] - 1))) != 0:
+            m_i = s_new
+            l_i = ct.full((M, 1), 1.0, dtype=ct.float32)
+            acc = ct.broadcast_to(vn.astype(ct.float32), (M, D))
+    elif split == 0:
         m_i = s_new
         l_i = ct.full((M, 1), 1.0, dtype=ct.float32)
         acc = ct.broadcast_to(vn.astype(ct.float32), (M, D))
@@ -334,10 +353,22 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
     j_lo, j_hi = _split_tiles(j_lo, j_hi, split, num_splits)
     cols = ct.reshape(ct.arange(BN, dtype=ct.int32), (1, BN))
     for j in range(j_lo, j_hi):
+        if MASKED != 0:
+            # The mask's row of the tile; a tile it hides entirely is skipped (attention_kernel's rule:
+            # a padded row reads no K/V of its padding).
+            mt = ct.reshape(ct.load(mask, index=(b % mask.shape[0], 0, j), shape=(1, 1, BN), padding_mode=ZERO),
+                            (1, BN))
+            if j * BN < n and ct.max(mt) != 0:
+                s = _tile_logits(qt, keys, b, kvh, j, scale, softcap, M, D, BN)
+                valid = (j * BN + cols < n) & (mt != 0)
+                if window > 0:
+                    valid = valid & (j * BN + cols > n - window)
+                s = ct.where(ct.broadcast_to(valid, (M, BN)), s, NEG_INF)
+                acc, m_i, l_i = _cached_tile_step(s, m_i, l_i, acc, values, b, kvh, j, n, D, BN)
         # Always true: a runtime condition around the body, as the attention kernel's per-tile test.
         # Without it tileiras 13.4 emitted the loop in about five copies (160 HMMA against 32 for
         # this tile, 7696 instructions against 3336) and the launch took 13.6 us against 7.9 (H100).
-        if j * BN < n:
+        elif j * BN < n:
             s = _tile_logits(qt, keys, b, kvh, j, scale, softcap, M, D, BN)
             edge = (j + 1) * BN > n  # the tail tile, and the window's lower edge
             if window > 0:
@@ -348,11 +379,7 @@ def rope_append_attention_kernel(q, k, v, cos, sin, keys, values, length, o, par
                 if window > 0:
                     valid = valid & (kidx > n - window)
                 s = ct.where(ct.broadcast_to(valid, (M, BN)), s, NEG_INF)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            vt = ct.reshape(ct.load(values, index=(b, kvh, j, 0), shape=(1, 1, BN, D), padding_mode=ZERO),
-                            (BN, D))
-            vt = _tail_rows_zeroed(vt, j, n, BN)
-            acc = ct.mma(p.astype(values.dtype), vt, acc * alpha)
+            acc, m_i, l_i = _cached_tile_step(s, m_i, l_i, acc, values, b, kvh, j, n, D, BN)
     _store_block(acc, m_i, l_i, o, part, lse, b, hb, nhb, 0, split, num_splits, D, HB, BS)
     if STORE_LAST != 0:
         if writer:
@@ -525,7 +552,7 @@ def _rope_append_params(dtype: str, consts: dict, small: str = "aligned") -> tup
     return tuple([array("q", dtype, 5, small), array("k", dtype, 5, small), array("v", dtype, 4, small),
                   array("cos", dtype, 4, small), array("sin", dtype, 4, small),
                   array("keys", dtype, 4, "aligned"), array("values", dtype, 4, "aligned"),
-                  ArrayParam("length", "int64", 1), array("o", dtype, 4, small),
+                  ArrayParam("length", "int64", 1), ArrayParam("mask", "int8", 3), array("o", dtype, 4, small),
                   array("part", "float32", 4, small), ArrayParam("lse", "float32", 3),
                   ScalarParam("scale", "float32"), ScalarParam("softcap", "float32"), ScalarParam("window", "int32"),
                   ScalarParam("num_splits", "int32")] + [ConstParam(n, val) for n, val in consts.items()])
@@ -544,11 +571,15 @@ def _matrix() -> list[VariantSpec]:
                 make = _prefill_params if function == "attention_prefill_kernel" else _attention_params
                 params = make(dtype, consts)
                 specs.append(VariantSpec("attention", "attention", function, f"{d}.d{dp}.h{hb}.m{bs}.n{bn}", params))
-            for hb in DECODE_HEADS:  # RoPE, the cache write and decode attention in one launch: the short tile
-                consts = {"D": dp, "HB": hb, "BS": DECODE_ROWS // hb, "BN": DECODE_BN[dp], "STORE_LAST": 0}
-                specs.append(VariantSpec("rope_append_attention", "attention", "rope_append_attention_kernel",
-                                         f"{d}.d{dp}.h{hb}.m{DECODE_ROWS // hb}.n{DECODE_BN[dp]}",
-                                         _rope_append_params(dtype, consts)))
+            # RoPE, the cache write and decode attention in one launch: the short tile; by a length
+            # (the decode graphs' plain steps) and by a boolean mask (compiled steps)
+            for masked in (0, 1):
+                for hb in DECODE_HEADS:
+                    consts = {"D": dp, "HB": hb, "BS": DECODE_ROWS // hb, "BN": DECODE_BN[dp], "STORE_LAST": 0,
+                              "MASKED": masked}
+                    specs.append(VariantSpec("rope_append_attention", "attention", "rope_append_attention_kernel",
+                                             f"{d}.d{dp}.h{hb}.m{DECODE_ROWS // hb}.n{DECODE_BN[dp]}"
+                                             + (".mask" if masked else ""), _rope_append_params(dtype, consts)))
             consts = {"D": dp, "BS": COMBINE_BS}
             specs.append(VariantSpec("attention_combine", "attention", "attention_combine_kernel",
                                      f"{d}.d{dp}.m{COMBINE_BS}", _combine_params(dtype, consts)))

@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache
 
 from .. import dispatch
 from ..ops.activation import gelu_tanh_and_mul_fused, sigmoid_and_mul, silu_and_mul_fused
+from ..ops.attention import rope_append_attention, rope_append_attention_takes
 from ..ops.qk_norm_rope import qk_norm_rope_gemma
 from ..ops.gemv import glu_linear as gemv_glu_linear
 from ..ops.gemv import linear as gemv_linear
@@ -38,7 +39,7 @@ from ..ops.gemv import linear_residual as gemv_linear_residual
 from ..ops.rope import rope_append, rope_append_takes
 from ._patching import _unhooked
 from .attention import (STEP_PLAIN_MASKS, cache_layer, full_static_layer, static_kv_length, step_plain,
-                        takes_plain_decode)
+                        takes_masked_decode, takes_plain_decode)
 from .decode_graphs import ROPE_ATTEND, ROPE_UPDATE
 from .linear import CutileGemvLinear, gemv_linear_forward
 from .norm import _float_norm_eps
@@ -252,20 +253,25 @@ def _advance(layer, new: int) -> None:
 
 def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states: torch.Tensor,
                 key_states: torch.Tensor, value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                window: dict, kwargs: dict) -> torch.Tensor | None:
+                window: dict, kwargs: dict, attention_mask=None) -> torch.Tensor | None:
     """RoPE, the cache update and the attention of attention module ``self`` as one
     ``rope_append_attention`` launch, for a decode step of the decode graphs whose masks are an
     unpadded batch's (``decode_graphs.ROPE_ATTEND`` armed on the module's cache layer and
     :data:`~.attention.STEP_PLAIN_MASKS` on it): where :func:`rope_and_cache` would take the step,
     and the attention function the config names (``glob``, as the forward reads it) is ours and
     would attend the step on our kernel without its mask (:func:`.attention.takes_plain_decode`).
+    A compiled decode step takes it with its ``attention_mask`` (:func:`compiled_rope_attend`).
     ``window`` is the ``sliding_window`` keyword as the stock forward passes it. Shapes as
     :func:`rope_and_cache` takes them, one position.
 
     Returns the attention output ``(B, 1, Hq * D)`` (before ``o_proj``), or None: the caller runs
     :func:`rope_and_cache` and :func:`attend` (the same numbers in three launches)."""
     armed = _armed(self, rope, past_key_values, ROPE_ATTEND)
-    if armed is None or not armed[0].__dict__.get(STEP_PLAIN_MASKS) or query_states.shape[2] != 1:
+    if armed is None:  # the switch read here first: an eager step's layers make no further call
+        return None if not COMPILED_ROPE_ATTEND else compiled_rope_attend(
+            self, glob, rope, past_key_values, query_states, key_states, value_states, cos, sin, window, kwargs,
+            attention_mask)
+    if not armed[0].__dict__.get(STEP_PLAIN_MASKS) or query_states.shape[2] != 1:
         return None
     step = armed[1]
     forward = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(self.config._attn_implementation,
@@ -274,6 +280,45 @@ def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states
         return None
     out = step(query_states, key_states, value_states, cos, sin, self.scaling, window.get("sliding_window"))
     return None if out is None else out.transpose(1, 2).reshape(query_states.shape[0], 1, -1)
+
+
+#: Compiled decode steps run RoPE, the static cache write and the attention as one
+#: ``rope_append_attention`` launch that reads the step's boolean mask (:func:`compiled_rope_attend`);
+#: off: ``rope_append`` then the attention kernel with the mask (two launches). Estimate before the
+#: A/B (H100, Llama-3.2-1B's compiled b=1 step, 2026-12-07e profile): the two took about 15 us a layer
+#: against the decode graphs' one launch's 6.5, f ~0.13 of the step, s ~1.5-2, ceiling ~1.05-1.07x.
+COMPILED_ROPE_ATTEND = False
+
+
+def compiled_rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states: torch.Tensor,
+                         key_states: torch.Tensor, value_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         window: dict, kwargs: dict, attention_mask) -> torch.Tensor | None:
+    """While dynamo traces a decode step (one position) over a static cache layer that
+    :func:`rope_and_cache` would write (:func:`compiled_static_layer`, our RoPE), and the attention
+    function the config names is ours and would give the step to our kernel with this mask
+    (:func:`.attention.takes_masked_decode`): RoPE, the cache write, the attention over the filled
+    slots as the mask shows them (a padded batch's too; without a mask, causal over them and the
+    window) and the cache's advance, as ``rope_append_attention`` with ``mask`` (one launch, then
+    :func:`_advance`). Arguments as :func:`rope_attend`'s. Returns the attention output ``(B, 1, Hq
+    * D)``, or None (also with :data:`COMPILED_ROPE_ATTEND` off): the caller's two launches
+    (``rope_append``, then the attention)."""
+    if not COMPILED_ROPE_ATTEND or not _dynamo_compiling() or query_states.shape[2] != 1:
+        return None
+    layer = compiled_static_layer(self, past_key_values)
+    if layer is None or not _our_rope(rope):
+        return None
+    forward = glob["ALL_ATTENTION_FUNCTIONS"].get_interface(self.config._attn_implementation,
+                                                              glob["eager_attention_forward"])
+    if (not takes_masked_decode(forward, self, query_states, layer.keys, attention_mask, kwargs)
+            or not rope_append_attention_takes(query_states, key_states, value_states, cos, sin, layer.keys,
+                                               layer.values, attention_mask)):
+        return None
+    # With a mask the mask alone decides (as the attention op with one): no window of its own.
+    out = rope_append_attention(query_states, key_states, value_states, cos, sin, layer.keys, layer.values,
+                                layer.cumulative_length, scale=self.scaling, mask=attention_mask,
+                                window=window.get("sliding_window") if attention_mask is None else None)
+    _advance(layer, 1)
+    return out.transpose(1, 2).reshape(query_states.shape[0], 1, -1)
 
 
 def attend(self: nn.Module, glob: dict, input_shape, query_states: torch.Tensor, key_states: torch.Tensor,

@@ -288,6 +288,18 @@ def takes_plain_decode(forward, module: torch.nn.Module, query: torch.Tensor, kw
     return not routed or route(query, None, None, query)  # query stands for the length (None-ness only)
 
 
+def takes_masked_decode(forward, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        attention_mask, kwargs: dict) -> bool:
+    """:func:`takes_plain_decode` for a decode step whose mask goes along (a compiled step's, which
+    cannot tell a padded batch from a plain one): ``attention_mask`` None (the kernel's causal
+    bound over the filled length), or sdpa's boolean ``(B or 1, 1, 1, Skv)`` mask over ``key``'s
+    ``Skv`` slots, which our kernel reads (:func:`_attend` gives such a call to the kernel)."""
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
+                                           and _bool_mask_fits(attention_mask, query, key)):
+        return False
+    return takes_plain_decode(forward, module, query, kwargs)
+
+
 def _attend(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, is_causal,
             cutile_kv_len, routed: bool, kwargs: dict, plain: bool = False) -> tuple[torch.Tensor, None]:
     reason = _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs)

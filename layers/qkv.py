@@ -288,9 +288,9 @@ def _attend(self, glob, window, input_shape, query_states, key_states, value_sta
     # Passed as the stock forward passes it (a second sliding_window in kwargs raises, as there).
     extra = {} if window == _NO_WINDOW else {"sliding_window": getattr(self.config, "sliding_window", None)
                                              if window == _CONFIG_WINDOW else self.sliding_window}
-    # A plain decode-graph step: RoPE, the cache write and the attention in one launch.
+    # A plain decode-graph step, or a compiled decode step: RoPE, the cache write and the attention in one launch.
     attn_output = rope_attend(self, glob, rope, past_key_values, query_states, key_states, value_states, cos, sin,
-                              extra, kwargs)
+                              extra, kwargs, attention_mask)
     if attn_output is not None:
         return linear(self.o_proj, attn_output), None
     # A decode-graph or compiled step: RoPE and the cache write in one launch where the cache layer allows it.

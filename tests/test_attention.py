@@ -1146,8 +1146,9 @@ def test_gemma2_attention_follows_a_switch_back_to_eager():
 def test_matrix_is_moderate_and_covers_the_dispatch():
     every = kattn.VARIANTS
     specs = [s for s in every if not s.constants.get("PDL")]
-    # 44 attention (prefill, decode and combine tiles, mask classes) and 18 rope_append_attention
-    assert len([s for s in specs if s.kernel != "rope_append_attention"]) <= 48 and len(specs) <= 66
+    # 44 attention (prefill, decode and combine tiles, mask classes) and 36 rope_append_attention (18 by a
+    # length, 18 by a mask)
+    assert len([s for s in specs if s.kernel != "rope_append_attention"]) <= 48 and len(specs) <= 84
     # the decode tiles of both again with programmatic dependent launch (kernel_src/_pdl.py), after the rest
     decode = [s for s in specs if s.function in ("attention_kernel", "rope_append_attention_kernel")]
     assert [(s.kernel, s.tag) for s in every[len(specs):]] == [(s.kernel, s.tag + ".pdl") for s in decode]

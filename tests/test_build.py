@@ -404,3 +404,38 @@ def test_every_spec_and_sweep_candidate_names_its_functions_parameters():
         module = importlib.import_module(s.module if "." in s.module else f"{kernel_src.__name__}.{s.module}")
         code = getattr(module, s.function)._pyfunc.__code__
         assert [p.name for p in s.params] == list(code.co_varnames[:code.co_argcount]), (s.module, s.function, s.tag)
+
+
+def test_sass_compare_ignores_what_a_new_argument_moves_and_finds_a_changed_instruction(tmp_path):
+    """dev/diagnostics/sass_compare.py over two fake builds (a stand-in nvdisasm prints each cubin's
+    text): parameter offsets, the symbol and spacing do not count, an instruction does; a constant the
+    old build lacks reads as 0, a variant it lacks is new."""
+    import json
+    import stat
+    import sys
+
+    from dev.diagnostics import sass_compare
+
+    def build(name, variants):
+        root = tmp_path / name / "torch-cuda" / "cutile_kernels"
+        (root / "cubins").mkdir(parents=True)
+        entries = []
+        for i, (consts, text) in enumerate(variants):
+            (root / "cubins" / f"{i}.cubin").write_text(text)
+            entries.append({"kernel": "k", "arch": "sm_90", "constants": consts, "params": [{"dtype": "bfloat16"}],
+                            "cubin": f"cubins/{i}.cubin"})
+        (root / "manifest.json").write_text(json.dumps({"variants": entries}))
+        return tmp_path / name
+
+    fake = tmp_path / "nvdisasm"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nprint(open(sys.argv[-1]).read())\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    body = "/*0000*/ LDC R1, c[0x0][{off}] ;\n/*0010*/ IADD3 R2, R1, {imm}, RZ ;\n/*0020*/ RET.REL `({sym}) ;\n"
+    old = build("old", [({"D": 64}, body.format(off="0x3c0", imm="0x1", sym="k_A")),
+                        ({"D": 128}, body.format(off="0x3c0", imm="0x1", sym="k_B"))])
+    new = build("new", [({"D": 64, "M": 0}, body.format(off="0x3e0", imm="0x1", sym="k_A2")),
+                        ({"D": 128, "M": 0}, body.format(off="0x3e0", imm="0x2", sym="k_B2")),
+                        ({"D": 64, "M": 1}, body.format(off="0x3e0", imm="0x1", sym="k_C"))])
+    got = sass_compare.compare(old, new, "k", "sm_90", str(fake), {"M": 0})
+    assert got == {"compared": 2, "differ": [{"D": 128, "M": 0}], "missing": []}
+    assert sass_compare.compare(old, new, "k", "sm_90", str(fake), {"M": 1})["missing"] == [{"D": 64, "M": 1}]

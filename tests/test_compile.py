@@ -311,6 +311,79 @@ def test_static_cache_generate_compiles_the_decode_step_without_breaks(model_typ
         torch.testing.assert_close(g, w)
 
 
+def _compiled_rope_attend_on(monkeypatch, float32: bool = True):
+    """``_direct.COMPILED_ROPE_ATTEND`` on, and (``float32``) the one launch's dtype rule widened to
+    float32 (a CPU model exact against stock takes it: its reference), in this package's copy and
+    the build's."""
+    import sys
+
+    for name, mod in list(sys.modules.items()):
+        if name.endswith(".layers._direct") and hasattr(mod, "COMPILED_ROPE_ATTEND"):
+            monkeypatch.setattr(mod, "COMPILED_ROPE_ATTEND", True)
+        if float32 and name.endswith(".ops.attention") and hasattr(mod, "_one_launch"):
+            monkeypatch.setattr(mod, "KERNEL_DTYPES", (*mod.KERNEL_DTYPES, torch.float32))
+
+
+@ATTNS
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
+def test_compiled_decode_step_takes_rope_append_attention_with_its_mask(attn, padded, variant, monkeypatch,
+                                                                        no_breaks):
+    """With ``COMPILED_ROPE_ATTEND``: a compiled static-cache decode step of the Llama code at a head
+    dim the one launch is built for runs RoPE, the cache write and the attention as one
+    ``rope_append_attention`` per layer with the step's mask (no ``rope_append``, no decode
+    ``attention``), with zero graph breaks; tokens and logits are the uncompiled generate's, for a
+    plain and a left-padded batch."""
+    model = _kernelize_on_cpu(tiny_model("llama", attn=attn, head_dim=64), variant, monkeypatch)
+    _route_as_on_a_gpu(monkeypatch)
+    _compiled_rope_attend_on(monkeypatch)
+    ids = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :3], mask[1, :3] = 0, 0
+    want = _generate(model, ids, attention_mask=mask, disable_compile=True)
+    rec = Recorder()
+    got = _generate(model, ids, attention_mask=mask, compile_config=_compile_config(rec))
+    assert rec.graphs >= 1
+    assert rec.ops["rope_append_attention"] == model.config.num_hidden_layers * rec.graphs
+    assert not {"rope_append", "attention", "kv_append"} & set(rec.ops)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w)
+
+
+def test_compiled_rope_attend_is_off_by_default_and_declines_what_the_kernel_would_not_take(variant, monkeypatch,
+                                                                                            no_breaks):
+    """Off (the default) the compiled step keeps ``rope_append`` and the attention kernel; on, a head
+    dim the one launch has no variant for (16) and transformers' sdpa keep them too."""
+    from cutile_kernels.layers import _direct
+
+    assert _direct.COMPILED_ROPE_ATTEND is False
+    ids = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    for head_dim, attn, on in ((64, "cutile_kernel", False), (16, "cutile_kernel", True), (64, "sdpa", True)):
+        model = _kernelize_on_cpu(tiny_model("llama", attn=attn, head_dim=head_dim, layers=2), variant, monkeypatch)
+        if attn == "sdpa":
+            model.set_attn_implementation("sdpa")  # after the default patch switched it to ours
+        _route_as_on_a_gpu(monkeypatch)
+        if on:
+            _compiled_rope_attend_on(monkeypatch)
+        rec = Recorder()
+        _generate(model, ids, compile_config=_compile_config(rec))
+        assert "rope_append_attention" not in rec.ops and rec.ops["rope_append"] == 2 * rec.graphs
+        monkeypatch.undo()
+
+
+def test_graph_step_switches_name_staged_attributes_of_every_package_copy():
+    """``graph_step.py --ab-compiled``'s switches exist where it flips them (a renamed switch would
+    make its A/B time the shipped step twice), off as shipped, with an on value that differs."""
+    from dev.diagnostics import graph_step
+
+    for name in graph_step.COMPILED_SWITCHES:
+        mods, attr, on = graph_step.switch_modules(name)
+        assert mods and all(hasattr(m, attr) for m in mods)
+        assert all(getattr(m, attr) != on and not getattr(m, attr) for m in mods), (name, attr)
+    assert graph_step.switch_modules("residual")[2] == importlib.import_module("cutile_kernels.kernel_src.gemv").TILES
+
+
 #: Guard sources that cost a compiled call's host-side guard check far more than their number says
 #: (torch 2.11, the H200's: a Qwen3 step's check 352 us against stock's 67 before they went;
 #: dev/diagnostics/guards.py): a child module class's ``__call__`` (``_direct._plain_call``) and a
@@ -833,6 +906,31 @@ def test_gpu_compiled_decode_over_a_cache_whose_mask_rows_inductor_pads(model_ty
     mask = torch.ones(2, 21 + feed.shape[1], dtype=torch.long, device="cuda")
     mask[1, :7] = 0  # the second row left-padded by 7
     _compiled_steps_match_eager(model, ids, feed, max_cache_len=1100, mask=mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
+def test_gpu_compiled_decode_takes_the_masked_one_launch(padded, tmp_path, monkeypatch, strict, no_breaks):
+    """With ``COMPILED_ROPE_ATTEND``: a bf16 Llama at head dim 64 decoded by compiled steps
+    (``reduce-overhead``, ``fullgraph=True``, strict: no fallback) launches the masked
+    ``rope_append_attention`` variant, and no ``rope_append``, and gives the eager steps' logits
+    (teacher-forced tokens; a left-padded row too), over a cache whose length crosses a KV tile."""
+    from launches import launched_variants
+
+    tiny_model("llama", dtype=torch.bfloat16, layers=3, head_dim=64).save_pretrained(tmp_path)
+    model = _load(tmp_path)
+    _compiled_rope_attend_on(monkeypatch, float32=False)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, 256, (2, 123), generator=gen).cuda()
+    feed = torch.randint(1, 256, (2, 9), generator=gen).cuda()  # lengths 124..132 cross the 128-key tile
+    mask = None
+    if padded:
+        mask = torch.ones(2, ids.shape[1] + feed.shape[1], dtype=torch.long, device="cuda")
+        mask[1, :70] = 0
+    before = dict(cutile_kernels.stats()["launches"])
+    _compiled_steps_match_eager(model, ids, feed, max_cache_len=200, mask=mask)
+    launched = {(v.kernel, v.constants.get("MASKED")) for v in launched_variants(before)}
+    assert ("rope_append_attention", 1) in launched and not any(k == "rope_append" for k, _ in launched)
 
 
 _PAST_THE_END = """

@@ -161,8 +161,11 @@ def _sample(name: str, dtype=torch.float64, device="cpu", d: int = 16) -> tuple:
     if name == "rope_append_attention":  # a decode step of stacked q/k/v views into slot 4 of 9, its attention
         qkv = f(1, 1, 8 * d).view(1, 1, 8, d).transpose(1, 2)
         (_, _), (cos, sin) = _rope_args(dtype, device, s=1, d=d)
+        mask = torch.ones(1, 1, 1, 9, dtype=torch.bool, device=device)
+        mask[..., :1] = False  # a compiled step's mask: slot 0 padding
         return (qkv[:, :4], qkv[:, 4:6], qkv[:, 6:], cos, sin, f(1, 2, 9, d), f(1, 2, 9, d),
-                torch.tensor(4, device=device), torch.empty(1, 1, 4, d, dtype=dtype, device=device), d ** -0.5, 0.0, 0)
+                torch.tensor(4, device=device), mask, torch.empty(1, 1, 4, d, dtype=dtype, device=device), d ** -0.5,
+                0.0, 0)
     if name == "attention":
         mask = torch.ones(1, 1, 5, 9, dtype=torch.bool, device=device).tril(4)
         return f(1, 4, 5, d), f(1, 2, 9, d), f(1, 2, 9, d), mask, d ** -0.5, False, 0, 0.0, None
@@ -228,6 +231,19 @@ def test_op_passes_opcheck(name):
     args = _sample(name)
     utils = ["test_schema", "test_faketensor"] + (["test_autograd_registration"] if OPS[name].differentiable else [])
     torch.library.opcheck(OPS[name].op, args, test_utils=utils)
+
+
+def test_rope_append_attention_without_a_mask_as_the_decode_graphs_call_it():
+    """The sample passes a mask (a compiled step's call); the decode graphs pass none: the schema and
+    fake tensors take ``None`` too, the CPU path is the reference, and the mask changes the result."""
+    name = "rope_append_attention"
+    args = list(_sample(name))
+    masked = _results(name, OPS[name], args)
+    args[8] = None
+    torch.library.opcheck(OPS[name].op, tuple(args), test_utils=["test_schema", "test_faketensor"])
+    got = _results(name, OPS[name], args)
+    assert all(torch.equal(g, w) for g, w in zip(got, _results(name, OPS[name].reference, args)))
+    assert not torch.equal(got[-1], masked[-1]) and torch.equal(got[0], masked[0])  # out differs; the cache write not
 
 
 @pytest.mark.parametrize("name", sorted(OPS))

@@ -32,10 +32,11 @@ from transformers.cache_utils import StaticLayer  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 
-def _transformers(q, k, v, cos, sin, keys, values, n, scale, window=None, softcap=None):
+def _transformers(q, k, v, cos, sin, keys, values, n, scale, window=None, softcap=None, mask=None):
     """What the decode step computes in transformers: ``apply_rotary_pos_emb``, the cache write
     ``StaticLayer.update`` makes at slot ``n``, then attention of the rotated q over the first
-    ``n + 1`` slots in float64 (sdpa's math; a window hides keys ``j <= n - window``)."""
+    ``n + 1`` slots in float64 (sdpa's math; a window hides keys ``j <= n - window``; a boolean
+    ``mask`` ``(B or 1, 1, 1, L)`` hides the keys where it is False)."""
     # transformers' formula, not the hub function (which a kernelized model in the same process binds to ours)
     c, s_ = cos.unsqueeze(1), sin.unsqueeze(1)
     q_rot = q * c + modeling_llama.rotate_half(q) * s_
@@ -53,7 +54,10 @@ def _transformers(q, k, v, cos, sin, keys, values, n, scale, window=None, softca
         s = softcap * torch.tanh(s / softcap)
     if window:
         s[..., :max(0, n + 1 - window)] = float("-inf")
-    return (F.softmax(s, -1) @ vv), new_keys, new_values
+    if mask is not None:
+        s = s.masked_fill(~mask[..., :n + 1], float("-inf"))
+    p = F.softmax(s, -1).nan_to_num()  # a row the mask hides entirely: zeros, as the kernels write it
+    return p @ vv, new_keys, new_values
 
 
 def test_reference_is_rope_the_cache_write_and_attention_over_the_filled_slots():
@@ -74,10 +78,11 @@ def test_reference_is_rope_the_cache_write_and_attention_over_the_filled_slots()
         assert keys[:, :, 12:].isnan().all() and values[:, :, 12:].isnan().all()  # nothing past the new slot
 
 
-def _emulate(q, k, v, cos, sin, keys, values, n, scale, window=0, softcap=0.0, hb=None, splits=1, pdl=0):
+def _emulate(q, k, v, cos, sin, keys, values, n, scale, window=0, softcap=0.0, hb=None, splits=1, pdl=0, mask=None):
     """The one launch (and with splits the combine) in the NumPy interpreter, as the op makes them;
     returns the output (B, Hq, 1, D), poisoned first. ``pdl``: the launch's PDL constant, the
-    interpreter checking that nothing is touched before its wait (kernel_src/_pdl.py)."""
+    interpreter checking that nothing is touched before its wait (kernel_src/_pdl.py); ``mask``: a
+    boolean (B or 1, 1, 1, L) mask, the MASKED variant reading its int8 view."""
     from cutile_numpy import emulate
 
     B, Hq, _, D = q.shape
@@ -87,9 +92,10 @@ def _emulate(q, k, v, cos, sin, keys, values, n, scale, window=0, softcap=0.0, h
     o = out.transpose(1, 2)
     part = torch.full((splits, B * Hq, 1, D), float("nan"))
     lse = torch.full((splits, B * Hq, 1), float("nan"))
-    consts = (D, hb, kattn.DECODE_ROWS // hb, kattn.DECODE_BN[D], 0, pdl)
-    args = attn_ops._rope_attention_layout((q, k, v, cos, sin, keys, values, torch.tensor([n]), o, part, lse, scale,
-                                            softcap, window, splits))
+    consts = (D, hb, kattn.DECODE_ROWS // hb, kattn.DECODE_BN[D], 0, int(mask is not None), pdl)
+    m = torch.zeros(1, 1, 1, dtype=torch.int8) if mask is None else attn_ops.kernel_mask(mask)
+    args = attn_ops._rope_attention_layout((q, k, v, cos, sin, keys, values, torch.tensor([n]), m, o, part, lse,
+                                            scale, softcap, window, splits))
     emulate(kattn.rope_append_attention_kernel, kattn)((splits, B * Hq // hb), args + consts,
                                                        early=() if pdl else None)
     if splits > 1:
@@ -130,6 +136,91 @@ def test_emulated_kernel_is_the_reference(B, hq, hkv, D, L, n, hb, splits, windo
     torch.testing.assert_close(values, want_values_f, rtol=0, atol=0, equal_nan=True)
 
 
+def _left_padded(B, L, pads):
+    """sdpa's boolean decode mask over a static cache of L slots for rows whose first ``pads[b]``
+    slots are padding (a left-padded batch)."""
+    mask = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    for b, p in enumerate(pads):
+        mask[b, ..., :p] = False
+    return mask
+
+
+@pytest.mark.parametrize("B,hq,hkv,D,L,n,splits,pads,broadcast,past", [
+    (2, 8, 2, 64, 300, 150, 1, (0, 5), False, False),       # Llama's group, one row left-padded
+    (3, 4, 4, 128, 200, 64, 1, (70, 0, 64), False, False),  # MHA; a row that sees no key, one only the new one
+    (2, 4, 1, 128, 300, 200, 3, (0, 130), False, False),    # one KV head, splits, one hidden to the padded row
+    (3, 8, 2, 64, 40, 20, 1, (0,), True, False),            # a batch-broadcast mask (stride 0), plain
+    (2, 8, 2, 256, 100, 70, 1, (3, 0), False, False),       # head dim 256
+    (2, 8, 2, 64, 300, 129, 2, (0, 1), False, True),        # a mask showing unfilled slots (NaN): the length bounds
+], ids=["llama-padded", "mha-pad-past-tile", "splits-padded", "broadcast", "d256", "mask-past-length"])
+def test_emulated_masked_kernel_is_the_reference(B, hq, hkv, D, L, n, splits, pads, broadcast, past):
+    """The MASKED variant on the CPU (float32): a compiled step's boolean mask (padding, the
+    unfilled slots False) decides which of the first ``n + 1`` keys each row sees, against the
+    float64 reference; the unfilled slots hold NaN, the output is poisoned; the new key is written
+    whatever the mask says. A mask that shows slots past the step's (``past``) does not open them."""
+    q, k, v, cos, sin = _step(B, hq, hkv, 1, D, seed=n + D + 1, pos0=n)
+    keys, values = _cache(B, hkv, L, D)
+    g = torch.Generator().manual_seed(n + 1)
+    keys[:, :, :n], values[:, :, :n] = torch.randn(B, hkv, n, D, generator=g), torch.randn(B, hkv, n, D, generator=g)
+    mask = _left_padded(B, L, pads)
+    if not past:
+        mask[..., n + 1:] = False  # sdpa's static-cache mask: slots past the step's are not filled
+    if broadcast:
+        mask = mask[:1].expand(B, 1, 1, L)
+        assert attn_ops.kernel_mask(mask).shape[0] == 1  # the kernel reads one row for the batch
+    before_keys, before_values = keys.clone(), values.clone()
+    got = _emulate(q, k, v, cos, sin, keys, values, n, D ** -0.5, splits=splits, mask=mask)
+    want, _, _ = _transformers(q.double(), k.double(), v.double(), cos.double(), sin.double(),
+                               before_keys.double().nan_to_num(), before_values.double().nan_to_num(), n, D ** -0.5,
+                               mask=mask)
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(values[:, :, n], v[:, :, 0], rtol=0, atol=0)
+    assert keys[:, :, n + 1:].isnan().all() and keys[:, :, :n].equal(before_keys[:, :, :n])
+    # the reference path of the op (CPU) agrees, and a mask that shows every filled slot is the unmasked step
+    keys2, values2 = before_keys.clone(), before_values.clone()
+    ref = attn_ops.rope_append_attention(q, k, v, cos, sin, keys2, values2, torch.tensor(n), mask=mask)
+    torch.testing.assert_close(ref.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_compiled_steps_take_only_masks_the_kernel_reads():
+    """``takes_masked_decode`` (what a compiled step asks before the one launch): our attention
+    forwards, a boolean ``(B or 1, 1, 1, L)`` mask or none; not an additive float mask, a mask of
+    another length, ``output_attentions``, a softcap, or transformers' sdpa."""
+    from cutile_kernels.layers import attention as layer_attn
+
+    module = types.SimpleNamespace(training=False, attention_dropout=0.0)
+    q = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16, device="meta")
+    keys = torch.zeros(2, 2, 40, 64, dtype=torch.bfloat16, device="meta")
+    ours, mask = layer_attn.cutile_kernel_attention_forward, torch.ones(2, 1, 1, 40, dtype=torch.bool, device="meta")
+    takes = layer_attn.takes_masked_decode
+    assert takes(ours, module, q, keys, mask, {}) and takes(ours, module, q, keys, None, {})
+    assert takes(ours, module, q, keys, mask[:1], {})
+    assert not takes(ours, module, q, keys, mask.float(), {})
+    assert not takes(ours, module, q, keys, mask[..., :39], {})
+    assert not takes(ours, module, q, keys, mask, {"output_attentions": True})
+    assert not takes(ours, module, q, keys, mask, {"softcap": 30.0})
+    assert not takes(F.scaled_dot_product_attention, module, q, keys, mask, {})
+
+
+def test_emulated_mask_hiding_the_new_key_or_every_key():
+    """Rows whose mask hides the step's own slot attend without the new key; a row that sees no key
+    at all gets zeros (the attention kernel's and the reference's rule), not NaN."""
+    B, hq, hkv, D, L, n = 3, 8, 2, 64, 64, 30
+    q, k, v, cos, sin = _step(B, hq, hkv, 1, D, seed=5, pos0=n)
+    keys, values = _cache(B, hkv, L, D)
+    keys[:, :, :n], values[:, :, :n] = torch.randn(B, hkv, n, D), torch.randn(B, hkv, n, D)
+    mask = torch.zeros(B, 1, 1, L, dtype=torch.bool)
+    mask[0, ..., :n + 1] = True
+    mask[1, ..., :n] = True          # the new key hidden
+    before = keys.clone(), values.clone()
+    got = _emulate(q, k, v, cos, sin, keys, values, n, D ** -0.5, mask=mask)
+    want, _, _ = _transformers(q.double(), k.double(), v.double(), cos.double(), sin.double(),
+                               before[0].double().nan_to_num(), before[1].double().nan_to_num(), n, D ** -0.5,
+                               mask=mask)
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
+    assert got[2].eq(0).all() and got[:2].abs().sum(-1).gt(0).all()
+
+
 def test_takes_decode_steps_of_whole_heads_in_one_16_bit_dtype():
     bf = torch.bfloat16
     q, k, v, cos, sin = _step(1, 8, 2, 1, 64, dtype=bf)
@@ -148,6 +239,14 @@ def test_takes_decode_steps_of_whole_heads_in_one_16_bit_dtype():
     with torch.enable_grad():
         assert not takes(q.requires_grad_(), k, v, cos, sin, keys, values)
     assert attn_ops._one_launch(q4, k4, v4, cos4, sin4, keys4, values4).startswith("head_dim 80")
+    q, full = q.detach(), torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    strided = torch.ones(1, 1, 1, 80, dtype=torch.bool)[..., ::2]
+    assert takes(q, k, v, cos, sin, keys, values, full) and takes(q, k, v, cos, sin, keys, values, strided)
+    for bad in (full.to(torch.int8), full[..., :39], full.expand(1, 1, 2, 40), torch.ones(2, 1, 1, 40, dtype=bool),
+                full.float()):
+        assert not takes(q, k, v, cos, sin, keys, values, bad)
+        with pytest.raises(ValueError, match="mask"):
+            attn_ops.rope_append_attention(q, k, v, cos, sin, keys, values, torch.tensor(3), mask=bad)
 
 
 def test_checks_name_what_does_not_match():
@@ -164,9 +263,11 @@ def test_checks_name_what_does_not_match():
 
 def test_variants_are_the_short_decode_tiles():
     specs = [s for s in kattn.VARIANTS if s.kernel == "rope_append_attention"]
-    # each again with programmatic dependent launch (kernel_src/_pdl.py)
-    assert len(specs) == 2 * len(kattn.DTYPES) * len(kattn.HEAD_DIMS) * len(kattn.DECODE_HEADS)
+    # by a length and by a mask, each again with programmatic dependent launch (kernel_src/_pdl.py)
+    assert len(specs) == 2 * 2 * len(kattn.DTYPES) * len(kattn.HEAD_DIMS) * len(kattn.DECODE_HEADS)
     assert [s.constants["PDL"] for s in specs] == [0] * (len(specs) // 2) + [1] * (len(specs) // 2)
+    assert [s.constants["MASKED"] for s in specs].count(1) == len(specs) // 2
+    assert all(s.tag.endswith(".mask") == bool(s.constants["MASKED"]) for s in specs if not s.constants["PDL"])
     for s in specs:
         c = s.constants
         assert c["BN"] == kattn.DECODE_BN[c["D"]] and c["HB"] * c["BS"] == kattn.DECODE_ROWS
@@ -303,6 +404,37 @@ def test_gpu_kernel_against_float64_and_the_two_launches(strict, layout, B, L, n
     assert torch.equal(keys[:, :, :n + 1], keys2[:, :, :n + 1]) and torch.equal(values[:, :, :n + 1],
                                                                                   values2[:, :, :n + 1])
     assert keys[:, :, n + 1:].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [(32, 8, 64), (16, 8, 128), (8, 4, 256)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("B,L,n,pads", [(1, 169, 150, (0,)), (4, 300, 140, (0, 5, 140, 141)),
+                                        (2, 4096, 3000, (0, 2500))], ids=["b1", "b4-padded", "split-padded"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_masked_kernel_against_float64_and_the_two_launches(strict, layout, B, L, n, pads, dtype):
+    """The MASKED variant (a compiled step's mask: left padding, a row that sees nothing but its new
+    key, one that sees nothing) against float64 and against ``rope_append`` then the attention kernel
+    with the same mask; the cache bit for bit the two launches'."""
+    hq, hkv, D = layout
+    q, k, v, cos, sin, keys, values = _gpu_case(B, hq, hkv, D, L, n, dtype, seed=B + D)
+    mask = _left_padded(B, L, pads).cuda()
+    mask[..., n + 1:] = False
+    keys2, values2 = keys.clone(), values.clone()
+    want, _, _ = _transformers(q.double(), k.double(), v.double(), cos.double(), sin.double(),
+                               keys.double().nan_to_num(), values.double().nan_to_num(), n, D ** -0.5, mask=mask)
+    assert attn_ops.rope_append_attention_takes(q, k, v, cos, sin, keys, values, mask)
+    length = torch.tensor(n, device="cuda")
+    before = dict(cutile_kernels.stats()["launches"])
+    got = attn_ops.rope_append_attention(q, k, v, cos, sin, keys, values, length, mask=mask)
+    torch.cuda.synchronize()
+    ran = [(v.kernel, v.constants["MASKED"]) for v in launched_variants(before) if v.kernel == "rope_append_attention"]
+    assert ran == [("rope_append_attention", 1)]
+    q_rot = rope_ops.rope_append(q, k, v, cos, sin, keys2, values2, length.clone())
+    two = attn_ops.attention(q_rot, keys2, values2, mask, causal=False, kv_len=length.view(1) + 1)
+    err = (got.double() - want).abs().max().item()
+    ref_err = (two.double() - want).abs().max().item()
+    assert got.isfinite().all() and err <= max(2 * ref_err, 4e-3), (err, ref_err)
+    assert torch.equal(keys[:, :, :n + 1], keys2[:, :, :n + 1]) and keys[:, :, n + 1:].isnan().all()
 
 
 @pytest.mark.gpu

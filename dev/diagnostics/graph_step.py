@@ -23,7 +23,10 @@ with the batch-1 GEMV (patch ``gemv``) also taking projections up to ``N`` wide 
 extended by ``--ab-gemv-tile``; e.g. 3072 takes Llama-3.2-1B's stacked q/k/v). For a compiled path
 ``--ab-guards`` times the step with dynamo's guard check and without it
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
-entries apart), in alternating rounds: what the guards cost the step on this host; ``--host`` the
+entries apart), in alternating rounds: what the guards cost the step on this host; ``--ab-compiled NAME``
+times the step with a staged switch of :data:`COMPILED_SWITCHES` (``ropeattend``, ``residual``) off and on in
+alternating rounds, in one process (each is read while dynamo traces: on, dynamo compiles a second cache entry
+beside the first, each with its CUDA graphs); ``--host`` the
 host time to submit a compiled step against its kernels' span on the GPU (host-bound or not).
 ``--host-profile N`` lists the N host functions that take a decode-graph step's host time (cProfile,
 the timed steps again); for a compiled path, those of its compiled steps, by own and by cumulative time. ``--bind-instances`` binds each decoder module's own class forward to the instance first (as
@@ -221,6 +224,46 @@ def _host_and_span(dec, steps: int) -> dict:
             "gpu_kernels_ms": statistics.median(busy) / 1e3}
 
 
+#: Staged switches of the compiled step for ``--ab-compiled``: name -> (package module, attribute, the value
+#: that switches it on, from this package's copy). Each is read while dynamo traces the step.
+COMPILED_SWITCHES = {
+    "ropeattend": ("layers._direct", "COMPILED_ROPE_ATTEND", lambda: True),
+    "residual": ("ops.gemv", "RESIDUAL_TILES", lambda: __import__("cutile_kernels.kernel_src.gemv",
+                                                                  fromlist=["TILES"]).TILES),
+}
+
+
+def switch_modules(name: str) -> tuple[list, str, object]:
+    """``(modules, attribute, on value)`` of :data:`COMPILED_SWITCHES` ``name``: the module in every
+    loaded copy of the package (the source package and the build variant ``kernels`` loads).
+
+    Raises:
+        KeyError: ``name`` is not a switch."""
+    module, attr, on = COMPILED_SWITCHES[name]
+    from cutile_kernels_tools.bench.worker import runtime_copies
+
+    packages = [d.__name__.rsplit(".", 1)[0] for d in runtime_copies()]
+    mods = [sys.modules[f"{p}.{module}"] for p in packages if f"{p}.{module}" in sys.modules]
+    return mods, attr, on()
+
+
+def _ab_compiled(dec, name: str, steps: int, rounds: int = 10) -> dict:
+    """Median step ms of the compiled step as shipped and with switch ``name`` on, in ``rounds``
+    alternating rounds of ``steps // 2`` steps a side (one decoder: both write the same cache)."""
+    mods, attr, on = switch_modules(name)
+    if not mods:
+        raise RuntimeError(f"--ab-compiled {name}: no loaded copy of the package has {COMPILED_SWITCHES[name][0]}")
+    with _set_in(mods, attr, on):
+        for _ in range(5):  # dynamo traces the other entry; its CUDA graphs record
+            dec.step()
+    times = ([], [])
+    for _ in range(rounds):
+        times[0].extend(dec.step() for _ in range(steps // 2))
+        with _set_in(mods, attr, on):
+            times[1].extend(dec.step() for _ in range(steps // 2))
+    return {"ab_step_ms_shipped": statistics.median(times[0]), f"ab_step_ms_{name}": statistics.median(times[1])}
+
+
 def _compiled(model, args) -> None:
     """The compiled decode step of the bench (``tools/bench/worker.Decoder``), timed and profiled."""
     from cutile_kernels_tools.bench.worker import Decoder
@@ -230,7 +273,8 @@ def _compiled(model, args) -> None:
 
     for batch in args.batch:
         rounds = 10 if args.ab_guards else 0
-        dec = Decoder(model, batch, args.prompt, (3 + 2 * args.host + rounds) * args.steps + 20, "cuda", True, seed=0)
+        room = (3 + 2 * args.host + rounds + (10 if args.ab_compiled else 0)) * args.steps + 30
+        dec = Decoder(model, batch, args.prompt, room, "cuda", True, seed=0)
         dec.prefill()
         for _ in range(5):  # compile and record the graphs
             dec.step()
@@ -249,6 +293,8 @@ def _compiled(model, args) -> None:
                 pos = torch.tensor([dec.pos], device="cuda")
                 row["guard_check_us_per_entry"] = check_us(
                     model, (dec.next,), dict(past_key_values=dec.cache, use_cache=True, cache_position=pos), 200)
+        if args.ab_compiled:
+            row.update(_ab_compiled(dec, args.ab_compiled, args.steps))
         print(json.dumps(row))
         if args.host_profile:
             _host_profile(dec.step, args.steps, f"compiled steps at batch {batch}", args.host_profile,
@@ -286,6 +332,9 @@ def main(argv=None) -> None:
                          "default (DecodeGraphs.pdl), alternating with the shipped one")
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
+    ap.add_argument("--ab-compiled", choices=sorted(COMPILED_SWITCHES), default=None,
+                    help="compiled paths: also time the step with this staged switch on, alternating with the "
+                         "shipped step in one process")
     ap.add_argument("--host", action="store_true",
                     help="compiled paths: also the host time to submit a step and the step's GPU span")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",

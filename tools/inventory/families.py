@@ -825,7 +825,7 @@ def _rope_append_attention() -> Entry:
             "B, Hq, _, D = q.shape\n"
             "out = q.new_empty(B, 1, Hq, D)\n"
             "rope_append_attention_reference(q, k, v, cos, sin, keys, values, torch.tensor(length, "
-            "device=keys.device), out, scale, 0.0, 0)\n"
+            "device=keys.device), None, out, scale, 0.0, 0)\n"
             "return out.transpose(1, 2), keys, values",
             _header(src, "RoPE of q and k as apply_rotary_pos_emb (each op rounded to the dtype), the rotated key "
                          "and the value written at slot cumulative_length, then causal attention of the rotated q "

@@ -493,20 +493,22 @@ def _one_launch(q, k, v, cos, sin, keys, values) -> tuple | str:
 
 
 def rope_append_attention_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                                sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+                                sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                mask: torch.Tensor | None = None) -> bool:
     """Whether :func:`rope_append_attention` runs these arguments as its one launch: a decode step
-    (one position) in its shape contract, the whole head rotated (``R == D``, D one of 64, 128,
-    256), one 16-bit dtype throughout, a KV group the decode tile packs as it is, a cache the decode
-    attention reads with its short tile, and no gradient asked for. A caller that gets False runs
-    :func:`~.rope.rope_append` and :func:`attention` itself (the op would run them too, and say so)."""
-    if _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values):
+    (one position) in its shape contract (``mask`` None or boolean ``(B or 1, 1, 1, L)``), the whole
+    head rotated (``R == D``, D one of 64, 128, 256), one 16-bit dtype throughout, a KV group the
+    decode tile packs as it is, a cache the decode attention reads with its short tile, and no
+    gradient asked for. A caller that gets False runs :func:`~.rope.rope_append` and
+    :func:`attention` itself (the op would run them too, and say so)."""
+    if _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values, mask):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, cos, sin)):
         return False
     return not isinstance(_one_launch(q, k, v, cos, sin, keys, values), str)
 
 
-def _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values) -> str | None:
+def _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values, mask=None) -> str | None:
     if q.dim() != 4 or q.shape[2] != 1:
         return f"q {tuple(q.shape)} is not (B, Hq, 1, D): one position (a decode step)"
     why = rope_mismatch(q, k, cos, sin) or kv_mismatch(keys, values, k, v)
@@ -514,11 +516,17 @@ def _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values) -> str | No
         return why
     if q.shape[3] != keys.shape[3] or q.shape[1] % keys.shape[1]:
         return f"q {tuple(q.shape)} and the cache {tuple(keys.shape)}: not (B, Hq, 1, D) over (B, Hkv, L, D), Hkv | Hq"
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
+                             or mask.shape[0] not in (1, q.shape[0]) or mask.shape[1:] != (1, 1, keys.shape[2])
+                             or mask.device != keys.device):
+        return (f"mask {getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))} is not a "
+                f"boolean ({q.shape[0]} or 1, 1, 1, {keys.shape[2]}) on the cache's device")
     return None
 
 
-def _rope_append_attention_check(q, k, v, cos, sin, keys, values, length, out, scale, softcap, window) -> None:
-    why = _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values)
+def _rope_append_attention_check(q, k, v, cos, sin, keys, values, length, mask, out, scale, softcap,
+                                 window) -> None:
+    why = _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values, mask)
     if why is not None:
         raise ValueError(f"rope_append_attention: {why}")
     B, Hq, _, D = q.shape
@@ -531,13 +539,15 @@ def _rope_append_attention_check(q, k, v, cos, sin, keys, values, length, out, s
 
 def rope_append_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                     sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
-                                    out: torch.Tensor, scale: float, softcap: float, window: int) -> None:
+                                    mask: torch.Tensor | None, out: torch.Tensor, scale: float, softcap: float,
+                                    window: int) -> None:
     """:func:`~.rope.rope_append_reference` (RoPE of q and k, the rotated k and v written at slot
     ``length``), then :func:`attention_reference` of the rotated q over the first ``length + 1``
-    keys (causal, ``window``, ``softcap``; 0 says none) into ``out`` ``(B, 1, Hq, D)``."""
+    keys (causal, or with a boolean ``mask`` ``(B or 1, 1, 1, L)`` the mask's keys; ``window``,
+    ``softcap``: 0 says none) into ``out`` ``(B, 1, Hq, D)``."""
     q_rot = torch.empty_like(q, dtype=out.dtype)
     rope_append_reference(q, k, v, cos, sin, keys, values, length, q_rot)
-    o = attention_reference(q_rot, keys, values, None, scale, True, window or None, softcap or None,
+    o = attention_reference(q_rot, keys, values, mask, scale, mask is None, window or None, softcap or None,
                             kv_len=length.reshape(1) + 1)
     out.copy_(o.transpose(1, 2))
 
@@ -550,7 +560,8 @@ def _rope_attention_layout(args: tuple) -> tuple:
 
 def _rope_append_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
-                                out: torch.Tensor, scale: float, softcap: float, window: int) -> None:
+                                mask: torch.Tensor | None, out: torch.Tensor, scale: float, softcap: float,
+                                window: int) -> None:
     plan = _one_launch(q, k, v, cos, sin, keys, values)
     why = plan if isinstance(plan, str) else None
     if why is None:
@@ -561,11 +572,13 @@ def _rope_append_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         else:
             part = torch.empty(splits, B * Hq, 1, D, dtype=torch.float32, device=q.device)
             lse = torch.empty(splits, B * Hq, 1, dtype=torch.float32, device=q.device)
-        want = (("D", D), ("HB", hb), ("BS", DECODE_ROWS // hb), ("BN", DECODE_BN[D]))
-        args = (q, k, v, cos, sin, keys, values, length.view(1), o, part, lse, float(scale), float(softcap),
+        want = (("D", D), ("HB", hb), ("BS", DECODE_ROWS // hb), ("BN", DECODE_BN[D]),
+                ("MASKED", int(mask is not None)))
+        m = _dummy("mask", q.device) if mask is None else kernel_mask(mask)
+        args = (q, k, v, cos, sin, keys, values, length.view(1), m, o, part, lse, float(scale), float(softcap),
                 int(window), splits)
         grid = (splits, B * Hq // hb, 1)
-        if dispatch.run(ROPE_APPEND_KERNEL, want, args, 8, lambda consts: grid, _rope_attention_layout,
+        if dispatch.run(ROPE_APPEND_KERNEL, want, args, 9, lambda consts: grid, _rope_attention_layout,
                         optional=True):
             if splits > 1 and not dispatch.run("attention_combine", (("D", D), ("BS", COMBINE_BS)),
                                                (part, lse, o, splits), 2, lambda consts: (1, B * Hq, 1)):
@@ -577,12 +590,12 @@ def _rope_append_attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         _SAID.add(why)
         logger.info("cutile_kernels: %s runs rope_append, then attention: %s", ROPE_APPEND_KERNEL, why)
     q_rot = rope_append(q, k, v, cos, sin, keys, values, length)
-    o = attention(q_rot, keys, values, None, scale=scale, causal=True, window=window or None, softcap=softcap or None,
-                  kv_len=length.reshape(1) + 1)
+    o = attention(q_rot, keys, values, mask, scale=scale, causal=mask is None, window=window or None,
+                  softcap=softcap or None, kv_len=length.reshape(1) + 1)
     out.copy_(o.transpose(1, 2))
 
 
-def _rope_append_attention_fake(q, k, v, cos, sin, keys, values, length, out, scale, softcap, window) -> None:
+def _rope_append_attention_fake(q, k, v, cos, sin, keys, values, length, mask, out, scale, softcap, window) -> None:
     return None
 
 
@@ -595,12 +608,13 @@ _rope_append_attention = define_op(ROPE_APPEND_KERNEL, _rope_append_attention_cu
 def rope_append_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, *,
                           scale: float | None = None, softcap: float | None = None,
-                          window: int | None = None) -> torch.Tensor:
+                          window: int | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's RoPE of q and k, the static KV cache write of the rotated k and of v, and
-    causal attention of the rotated q over the filled cache, in one launch: what
+    attention of the rotated q over the filled cache (causal, or as ``mask`` shows it), in one launch: what
     :func:`~.rope.rope_append` (transformers' ``apply_rotary_pos_emb`` then ``StaticLayer.update``'s
     writes, cache_utils.py v5.22.2) followed by :func:`attention` with ``kv_len = length + 1``
-    compute. The new key is attended from registers; the cached ones as the decode tiles do.
+    (and ``mask``, where given) compute. The new key is attended from registers; the cached ones as
+    the decode tiles do.
 
     Args:
         q: ``(B, Hq, 1, D)`` queries before RoPE, any strides (views of a stacked projection).
@@ -612,6 +626,9 @@ def rope_append_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
             device, not advanced: the caller adds 1 as ``update`` does).
         scale: logit scale (default ``1 / sqrt(D)``); softcap: ``softcap * tanh(s / softcap)``;
             window: sliding window in keys (``j > length - window``); None or 0 for none.
+        mask: None, or sdpa's boolean ``(B or 1, 1, 1, L)`` mask of the step (True = attend; a
+            compiled step's, padding included): it then decides which of the first ``length + 1``
+            keys the query sees, in place of causality (as :func:`attention` with a mask).
 
     Returns:
         The attention output ``(B, Hq, 1, D)`` in the rotated q's dtype (q's, promoted with cos's
@@ -626,13 +643,14 @@ def rope_append_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
     Raises:
         TypeError: a tensor is not floating point, or ``length`` is not a tensor.
-        ValueError: shapes or dtypes do not match (a q of more than one position among them).
+        ValueError: shapes or dtypes do not match (a q of more than one position among them), or
+            ``mask`` is not a boolean ``(B or 1, 1, 1, L)`` tensor on the cache's device.
         FallbackError: a fallback was needed and ``CUTILE_KERNELS_STRICT=1``.
     """
     check_float(ROPE_APPEND_KERNEL, "q, k, v, cos, sin, keys, values", q, k, v, cos, sin, keys, values)
     B, Hq, _, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = torch.empty(B, 1, Hq, D, dtype=rope_result_dtype(q.dtype, cos.dtype, sin.dtype), device=q.device)
-    _rope_append_attention(q, k, v, cos, sin, keys, values, length, out, scale, float(softcap or 0.0),
+    _rope_append_attention(q, k, v, cos, sin, keys, values, length, mask, out, scale, float(softcap or 0.0),
                            int(window or 0))
     return out.transpose(1, 2)
