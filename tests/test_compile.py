@@ -372,9 +372,13 @@ def test_compiled_rope_attend_is_off_by_default_and_declines_what_the_kernel_wou
         monkeypatch.undo()
 
 
-def test_graph_step_switches_name_staged_attributes_of_every_package_copy():
+def test_graph_step_switches_name_staged_attributes_of_every_package_copy(monkeypatch):
     """``graph_step.py --ab-compiled``'s switches exist where it flips them (a renamed switch would
-    make its A/B time the shipped step twice), off as shipped, with an on value that differs."""
+    make its A/B time the shipped step twice), off as shipped, with an on value that differs; and
+    ``graph_step_ab.py`` flips the same table (and the twins switch) in every copy."""
+    import runpy
+
+    from cutile_kernels_tools.bench.worker import runtime_copies
     from dev.diagnostics import graph_step
 
     for name in graph_step.COMPILED_SWITCHES:
@@ -382,6 +386,18 @@ def test_graph_step_switches_name_staged_attributes_of_every_package_copy():
         assert mods and all(hasattr(m, attr) for m in mods)
         assert all(getattr(m, attr) != on and not getattr(m, attr) for m in mods), (name, attr)
     assert graph_step.switch_modules("residual")[2] == importlib.import_module("cutile_kernels.kernel_src.gemv").TILES
+    ab = runpy.run_path(str(graph_step.__file__).replace("graph_step.py", "graph_step_ab.py"), run_name="ab")
+    assert ab["VARIANTS"] == ("none", "twins", *graph_step.COMPILED_SWITCHES)
+    for name in graph_step.COMPILED_SWITCHES:
+        mods, attr, on = graph_step.switch_modules(name)
+        for m in mods:
+            monkeypatch.setattr(m, attr, getattr(m, attr))  # put back after the test
+        ab["_flip"](name)
+        assert all(getattr(m, attr) == on for m in mods)
+    for d in runtime_copies():
+        monkeypatch.setattr(d, "CAPTURE_TWINS", d.CAPTURE_TWINS)
+    ab["_flip"]("twins")
+    assert all(d.CAPTURE_TWINS for d in runtime_copies())
 
 
 #: Guard sources that cost a compiled call's host-side guard check far more than their number says

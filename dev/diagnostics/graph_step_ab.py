@@ -26,23 +26,22 @@ import sys
 from cutile_kernels_tools.bench import paths
 from cutile_kernels_tools.bench.worker import runtime_copies
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_step import COMPILED_SWITCHES, switch_modules  # noqa: E402
+
 _load = paths.load
+VARIANTS = ("none", "twins", *COMPILED_SWITCHES)
 
 
 def _flip(variant: str) -> None:
-    flipped = False
-    for dispatch in runtime_copies():  # this package's and the build copy's
-        package = dispatch.__name__.rsplit(".", 1)[0]
-        if variant == "twins":
-            dispatch.CAPTURE_TWINS = flipped = True
-        if variant == "residual":
-            sys.modules[package + ".ops.gemv"].RESIDUAL_TILES = sys.modules[package + ".kernel_src.gemv"].TILES
-            flipped = True
-        if variant == "ropeattend" and package + ".layers._direct" in sys.modules:
-            sys.modules[package + ".layers._direct"].COMPILED_ROPE_ATTEND = True
-            flipped = True
-    if variant != "none" and not flipped:  # else the A/B would time the shipped step twice
+    if variant == "none":
+        return
+    # twins: every copy's dispatch (this package's and the build's); the others: graph_step's switch table
+    mods, attr, on = (runtime_copies(), "CAPTURE_TWINS", True) if variant == "twins" else switch_modules(variant)
+    if not mods:  # else the A/B would time the shipped step twice
         raise RuntimeError(f"AB={variant}: no loaded copy of cutile_kernels has the switch")
+    for mod in mods:
+        setattr(mod, attr, on)
 
 
 def _load_and_flip(*args, **kwargs):
@@ -52,8 +51,8 @@ def _load_and_flip(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    if os.environ.get("AB", "none") not in ("none", "twins", "residual", "ropeattend"):
-        raise SystemExit(f"AB={os.environ['AB']!r}: one of none, twins, residual, ropeattend")
+    if os.environ.get("AB", "none") not in VARIANTS:
+        raise SystemExit(f"AB={os.environ['AB']!r}: one of {', '.join(VARIANTS)}")
     paths.load = _load_and_flip
     sys.argv = ["graph_step.py", *sys.argv[1:]]
     runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "graph_step.py"), run_name="__main__")
