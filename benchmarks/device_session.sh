@@ -44,9 +44,14 @@
 #              processes, $ROUNDS rounds (benchmarks/static_generate.py $STATICGEN_ARGS); staticgen.log,
 #              one JSON line a run
 #   ab         dev/diagnostics/graph_step_ab.py in alternating processes: for each of $ROUNDS rounds (default 2),
-#              each variant of $AB_VARIANTS (default: none residual) with the graph_step arguments $AB_ARGS
+#              each variant of $AB_VARIANTS (default: none twins) with the graph_step arguments $AB_ARGS
 #              (default: llama-3.2-1b --path cutile-compile --batch 1 16 --steps 60 --host --top 0), $AB_LIMIT s
-#              in all (default 400); ab.log holds every run's output, each JSON line tagged with its variant
+#              in all (default 400); ab.log holds every run's output, each JSON line tagged with its variant.
+#              For a switch the compiled step reads while dynamo traces, abcompiled is fairer (one process)
+#   abcompiled dev/diagnostics/graph_step.py --ab-compiled NAME for each NAME of $ABC_SWITCHES (default: ropeattend
+#              residual; graph_step.COMPILED_SWITCHES): the compiled step with the staged switch off and on in one
+#              process, alternating rounds, with the arguments $ABC_ARGS (default: llama-3.2-1b --path cutile-compile
+#              --batch 1 16 --steps 40 --top 0), $ABC_LIMIT s in all (default 400); abcompiled.log
 #   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
 #
 # On the dev machine first (see /work/shared/device/README.md and benchmarks/device_notebooks.sh):
@@ -58,7 +63,7 @@
 # At most 8 files come back per call: every stage writes one log (<stage>.log) and at most one .tgz.
 set -uo pipefail
 : "${OUT:?set by the device tool}"
-[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention gemv attnsweep normsweep evaluate kernels hostops hostprof hostab rank score bench staticgen ab notebooks)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 STAGE... (tests attention gemv attnsweep normsweep evaluate kernels hostops hostprof hostab rank score bench staticgen ab abcompiled notebooks)" >&2; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, keep going
@@ -138,11 +143,18 @@ for stage in "$@"; do
         done; done' ;;
     ab)
       cd "$root" && step ab "${AB_LIMIT:-400}" bash -c 'set -o pipefail
-        for r in $(seq ${ROUNDS:-2}); do for v in ${AB_VARIANTS:-none residual}; do
+        for r in $(seq ${ROUNDS:-2}); do for v in ${AB_VARIANTS:-none twins}; do
           echo "--- round $r AB=$v"
           AB=$v python3 dev/diagnostics/graph_step_ab.py ${AB_ARGS:-llama-3.2-1b --path cutile-compile --batch 1 16 \
               --steps 60 --host --top 0} 2>&1 | grep -v "it/s\]" | sed "s/^{/{\"ab\": \"$v\", \"round\": $r, /" || exit 1
         done; done' ;;
+    abcompiled)
+      cd "$root" && step abcompiled "${ABC_LIMIT:-400}" bash -c 'set -o pipefail
+        for s in ${ABC_SWITCHES:-ropeattend residual}; do
+          echo "--- --ab-compiled $s"
+          python3 dev/diagnostics/graph_step.py ${ABC_ARGS:-llama-3.2-1b --path cutile-compile --batch 1 16 \
+              --steps 40 --top 0} --ab-compiled "$s" 2>&1 | grep -v "it/s\]" || exit 1
+        done' ;;
     notebooks)
       rm -rf /tmp/nb && mkdir -p /tmp/nb && OUT=/tmp/nb step nb 330 bash "$root/benchmarks/device_notebooks.sh"
       cp /tmp/nb/nb.log "$OUT/notebooks.log"; tar czf "$OUT/notebooks.tgz" -C /tmp/nb . ;;

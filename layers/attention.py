@@ -57,8 +57,8 @@ import sys
 import torch
 
 from .. import dispatch
-from ..ops.attention import (DECODE_MAX_SQ, HEAD_DIMS, KERNEL_DTYPES, attention, padded_head_dim, prepare,
-                             visible_mask)
+from ..ops.attention import (DECODE_MAX_SQ, HEAD_DIMS, KERNEL_DTYPES, attention, mask_mismatch, padded_head_dim,
+                             prepare, visible_mask)
 from ._pins import Pin, holds, register
 
 logger = logging.getLogger("cutile_kernels")
@@ -202,9 +202,8 @@ def _no_weights_warning() -> None:
                    "with \"eager\" for them (Gemma 2: kernel_config(exclude=[\"gemma2_attention\"]))", NAME)
 
 
-def _bool_mask_fits(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
-    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, query.shape[0])
-            and mask.shape[1] == 1 and mask.shape[2] == query.shape[2] and mask.shape[3] == key.shape[2])
+def _bool_mask_fits(mask, query: torch.Tensor, key: torch.Tensor) -> bool:
+    return mask_mismatch(mask, query.shape[0], query.shape[2], key.shape[2]) is None
 
 
 def _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs) -> str | None:
@@ -215,8 +214,7 @@ def _kernel_cannot(module, query, key, value, attention_mask, dropout, kwargs) -
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
             reason = what
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
-                                           and _bool_mask_fits(attention_mask, query, key)):
+    if attention_mask is not None and not _bool_mask_fits(attention_mask, query, key):
         reason = (f"attention_mask of dtype {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
                   f"and shape {tuple(getattr(attention_mask, 'shape', ()))} (the kernel takes sdpa's boolean "
                   "(B, 1, Sq, Skv) masks)")
@@ -294,8 +292,7 @@ def takes_masked_decode(forward, module: torch.nn.Module, query: torch.Tensor, k
     cannot tell a padded batch from a plain one): ``attention_mask`` None (the kernel's causal
     bound over the filled length), or sdpa's boolean ``(B or 1, 1, 1, Skv)`` mask over ``key``'s
     ``Skv`` slots, which our kernel reads (:func:`_attend` gives such a call to the kernel)."""
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor)
-                                           and _bool_mask_fits(attention_mask, query, key)):
+    if attention_mask is not None and not _bool_mask_fits(attention_mask, query, key):
         return False
     return takes_plain_decode(forward, module, query, kwargs)
 

@@ -247,6 +247,9 @@ def test_takes_decode_steps_of_whole_heads_in_one_16_bit_dtype():
         assert not takes(q, k, v, cos, sin, keys, values, bad)
         with pytest.raises(ValueError, match="mask"):
             attn_ops.rope_append_attention(q, k, v, cos, sin, keys, values, torch.tensor(3), mask=bad)
+    assert not takes(q, k, v, cos, sin, keys, values, full.to("meta"))  # not on the cache's device
+    assert attn_ops.mask_mismatch(full.to("meta"), 1, 1, 40, keys.device) == "mask is on meta, not cpu"
+    assert attn_ops.mask_mismatch([[True]], 1, 1, 40) == "mask is a list, not a boolean tensor"
 
 
 def test_checks_name_what_does_not_match():

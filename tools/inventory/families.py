@@ -432,7 +432,7 @@ def _attention() -> Entry:
                                                                              "head_dim ** -0.5)")},
         outputs={"o": spec(q_shape, "attention output per query head, rounded to the dtype once")},
         reference=reference_source(
-            [ops.visible_mask, ops._check, ops.attention_reference], ["q", "k", "v", "scale"],
+            [ops.visible_mask, ops.mask_mismatch, ops._check, ops.attention_reference], ["q", "k", "v", "scale"],
             "return attention_reference(q, k, v, None, scale, True)",
             _header(f"{sdpa} (and {eager})", what, "cutile_kernels.ops.attention"), ("import math", "import torch")),
         tags=_tags("attention", sdpa),
@@ -508,7 +508,8 @@ def _attention_window_softcap() -> Entry:
         inputs={**{n: base.inputs[n] for n in ("q", "k", "v")}, **scalars},
         outputs=dict(base.outputs),
         reference=reference_source(
-            [ops.visible_mask, ops._check, ops.attention_reference], ["q", "k", "v", "scale", "window", "softcap"],
+            [ops.visible_mask, ops.mask_mismatch, ops._check, ops.attention_reference],
+            ["q", "k", "v", "scale", "window", "softcap"],
             "return attention_reference(q, k, v, None, scale, True, window or None, softcap or None)",
             _header(f"{src} (and the sliding-window causal mask of src/transformers/masking_utils.py)", what,
                     "cutile_kernels.ops.attention"), ("import math", "import torch")),
@@ -818,7 +819,7 @@ def _rope_append_attention() -> Entry:
                  "values_out": spec(cache, "values with v written at slot length")},
         reference=reference_source(
             [rope._rotate_half, rope._rotate, rope.apply_rope_reference, kv.kv_append_reference,
-             rope.rope_append_reference, ops.visible_mask, ops._check, ops.attention_reference,
+             rope.rope_append_reference, ops.visible_mask, ops.mask_mismatch, ops._check, ops.attention_reference,
              ops.rope_append_attention_reference],
             ["q", "k", "v", "cos", "sin", "keys", "values", "length", "scale"],
             "keys, values = keys.clone(), values.clone()  # the op writes in place\n"

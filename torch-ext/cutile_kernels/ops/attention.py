@@ -110,6 +110,24 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out.transpose(1, 2)
 
 
+def mask_mismatch(mask, batch: int, q_len: int, kv_len: int, device: torch.device | None = None) -> str | None:
+    """Why ``mask`` is not the boolean attention mask our kernels read, or None when it is.
+
+    The kernels take sdpa's boolean layout (``True`` = attend): a ``torch.bool`` tensor of shape
+    ``(batch or 1, 1, q_len, kv_len)``, on ``device`` where one is given (transformers'
+    ``sdpa_mask`` builds this layout). The one shape rule for :func:`attention`,
+    :func:`rope_append_attention` and the attention layer's routing."""
+    if not isinstance(mask, torch.Tensor):
+        return f"mask is a {type(mask).__name__}, not a boolean tensor"
+    if (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] not in (1, batch)
+            or tuple(mask.shape[1:]) != (1, q_len, kv_len)):
+        return (f"mask {mask.dtype} {tuple(mask.shape)} is not a boolean (B or 1, 1, Sq, Skv) = "
+                f"({batch} or 1, 1, {q_len}, {kv_len}) mask (True = attend)")
+    if device is not None and mask.device != device:
+        return f"mask is on {mask.device}, not {device}"
+    return None
+
+
 def _check(q, k, v, mask, kv_len=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention: q, k, v must be 4-D (B, H, S, D); got {tuple(q.shape)}, "
@@ -120,12 +138,8 @@ def _check(q, k, v, mask, kv_len=None) -> None:
                          f"with q's B and D (q is {tuple(q.shape)})")
     if k.shape[1] == 0 or Hq % k.shape[1]:
         raise ValueError(f"attention: {Hq} query heads are not a multiple of {k.shape[1]} KV heads")
-    if mask is not None:
-        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2:] != (Sq, k.shape[2]):
-            raise ValueError(f"attention: mask of shape {tuple(mask.shape)} is not (B or 1, 1, Sq, Skv) = "
-                             f"({B}, 1, {Sq}, {k.shape[2]})")
-        if mask.dtype != torch.bool:
-            raise ValueError(f"attention: mask must be boolean (True = attend), got {mask.dtype}")
+    if mask is not None and (why := mask_mismatch(mask, B, Sq, k.shape[2])) is not None:
+        raise ValueError(f"attention: {why}")
     if kv_len is not None and not isinstance(kv_len, torch.Tensor):
         raise TypeError(f"attention: kv_len must be a one-element int64 tensor on k's device, not a "
                         f"{type(kv_len).__name__} (a host number would freeze in a captured graph)")
@@ -516,11 +530,8 @@ def _rope_append_attention_mismatch(q, k, v, cos, sin, keys, values, mask=None) 
         return why
     if q.shape[3] != keys.shape[3] or q.shape[1] % keys.shape[1]:
         return f"q {tuple(q.shape)} and the cache {tuple(keys.shape)}: not (B, Hq, 1, D) over (B, Hkv, L, D), Hkv | Hq"
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
-                             or mask.shape[0] not in (1, q.shape[0]) or mask.shape[1:] != (1, 1, keys.shape[2])
-                             or mask.device != keys.device):
-        return (f"mask {getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))} is not a "
-                f"boolean ({q.shape[0]} or 1, 1, 1, {keys.shape[2]}) on the cache's device")
+    if mask is not None:
+        return mask_mismatch(mask, q.shape[0], 1, keys.shape[2], keys.device)
     return None
 
 
