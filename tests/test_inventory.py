@@ -614,10 +614,13 @@ def _emulated_attention(monkeypatch):
     attn_ops = importlib.import_module("cutile_kernels.ops.attention")  # the package re-exports `attention`
     ran = []
 
-    def emulated_run(kernel, want, args, n_inputs, grid):
+    def emulated_run(kernel, want, args, n_inputs, grid, layout=None, optional=False):
+        # the plain launch (PDL 0) of the variant: a twin computes the same (tests/test_pdl.py)
         (spec,) = {s.function: s for s in kattn.VARIANTS  # bf16 and fp16 variants run the same code
-                   if s.kernel == kernel and all(s.constants[a] == b for a, b in want)}.values()
-        emulate(getattr(kattn, spec.function), kattn)(grid(spec.constants), tuple(args) + tuple(spec.constants.values()))
+                   if s.kernel == kernel and s.constants.get("PDL", 0) == 0
+                   and all(s.constants[a] == b for a, b in want)}.values()
+        args = layout(tuple(args)) if layout is not None else tuple(args)
+        emulate(getattr(kattn, spec.function), kattn)(grid(spec.constants), args + tuple(spec.constants.values()))
         ran.append(kernel)
         return True
 
@@ -747,6 +750,58 @@ def test_attention_combine_solution_runs_the_split_kernels(monkeypatch):
     monkeypatch.setattr(attn_ops, "attention_into", lambda *a, **kw: False)  # a declared fallback
     r = _family_checks("attention", ATTN_UUIDS, evaluate.load_entry(inv.solutions["attention_combine_cutile"]))
     assert r.status == "RUNTIME_ERROR" and "no cuTile path" in r.message
+
+
+def test_rope_append_attention_solutions_run_the_one_launch(monkeypatch):
+    """Both rope_append_attention Solutions through evaluate on the CPU, the kernel run by the NumPy
+    cuTile interpreter (float32 copy of the Definition, small caches): the plain variants, and the
+    MASKED ones with the mask a compiled step passes for an unpadded batch, compute the Definition
+    (output and both caches) on every Workload and boundary; a mask that hides the step's own key
+    fails parity."""
+    from cutile_kernels_tools.inventory.fib_schema import ScalarInput
+
+    attn_ops, ran = _emulated_attention(monkeypatch)
+
+    def on_the_kernel(*args):  # the op's CUDA body on CPU tensors (the CPU path is the reference)
+        attn_ops._rope_append_attention_check(*args)
+        attn_ops._rope_append_attention_cuda(*args)
+    monkeypatch.setattr(attn_ops, "_rope_append_attention", on_the_kernel)
+    masked, emulated = [], attn_ops.dispatch.run
+
+    def run(kernel, want, *args, **kwargs):
+        masked.append(dict(want)["MASKED"])
+        return emulated(kernel, want, *args, **kwargs)
+    monkeypatch.setattr(attn_ops.dispatch, "run", run)
+    monkeypatch.setattr(evaluate, "SCALES", ())  # float32 softmax at 64x: see the combine's test
+    inv = inventory.Inventory.load(INVENTORY)
+    d = inv.definitions["rope_append_attention"]
+    d32 = _float32_copy(d)
+    base = inv.workloads["rope_append_attention"][0]
+    ws = [base.model_copy(update={"axes": {**base.axes, **axes}, "uuid": uuid, "inputs": {
+        **base.inputs, "length": ScalarInput(value=n)}}) for uuid, axes, n in (
+        ("b1-two-tiles", {"batch": 1, "num_q_heads": 8, "num_kv_heads": 2, "cache_len": 150, "head_dim": 64}, 100),
+        ("b3-first-slot", {"batch": 3, "num_q_heads": 4, "num_kv_heads": 1, "cache_len": 40, "head_dim": 64}, 0))]
+    names = ("rope_append_attention_cutile", "rope_append_attention_mask_cutile")
+    for name, variants in zip(names, (0, 1)):
+        ran.clear(), masked.clear()
+        r = evaluate.run_checks(d32, evaluate.load_entry(inv.solutions[name]), ws, "cpu", launches=lambda: len(ran),
+                                warmup=1, repeats=1, result=evaluate.Result(name, d.name, "cpu"))
+        assert r.status == "PASSED", (name, r.message)
+        assert all(t.evaluation.correctness.max_absolute_error < 1e-5 for t in r.traces), name
+        assert set(ran) == {"rope_append_attention"} and set(masked) == {variants}, (name, set(ran), set(masked))
+    assert "mask=mask" in inv.solutions[names[1]].sources[0].content
+
+    real = attn_ops._rope_append_attention
+
+    def hides_the_new_key(q, k, v, cos, sin, keys, values, length, mask, out, *rest):
+        if mask is not None:
+            mask = mask.clone()
+            mask[..., int(length)] = False
+        real(q, k, v, cos, sin, keys, values, length, mask, out, *rest)
+    monkeypatch.setattr(attn_ops, "_rope_append_attention", hides_the_new_key)
+    r = evaluate.run_checks(d32, evaluate.load_entry(inv.solutions[names[1]]), ws, "cpu", launches=lambda: len(ran),
+                            warmup=1, repeats=1, result=evaluate.Result(names[1], d.name, "cpu"))
+    assert r.status == "INCORRECT_NUMERICAL", r.message
 
 
 def test_boundaries_follow_the_constraints():

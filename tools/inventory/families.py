@@ -796,6 +796,7 @@ def _kv_append() -> Entry:
 
 def _rope_append_attention() -> Entry:
     # A plain decode step's RoPE, static cache write and attention over the filled slots in one launch.
+    from cutile_kernels.kernel_src._spec import DEFAULT_ARCHS
     ops, rope, kv = _ops("attention"), _ops("rope"), _ops("kv_cache")
     src = f"{LLAMA}::LlamaAttention.forward (apply_rotary_pos_emb, {CACHE_UTILS}::StaticLayer.update, sdpa)"
     axes, spec, _ = _qk_axes("head dimension, all of it rotated (partial_rotary_factor 1)")
@@ -851,7 +852,24 @@ def _rope_append_attention() -> Entry:
             "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
             "o = _op(q, k, v, cos, sin, keys, values, torch.tensor(length, device=keys.device), scale=scale)\n"
             "return o, keys, values\n")
-    return Entry("attention", d, rows, [SolutionSpec("rope_append_attention", "rope_append_attention", body=body)])
+    masked = ("import torch\n\n"
+              "keys, values = keys.clone(), values.clone()  # the op writes in place\n"
+              "B, L = q.shape[0], keys.shape[2]\n"
+              "# a compiled step's boolean mask (sdpa_mask's layout) for an unpadded batch: slots 0..length\n"
+              "mask = (torch.arange(L, device=keys.device) <= length).view(1, 1, 1, L).repeat(B, 1, 1, 1)\n"
+              "o = _op(q, k, v, cos, sin, keys, values, torch.tensor(length, device=keys.device), mask=mask, "
+              "scale=scale)\n"
+              "return o, keys, values\n")
+    return Entry("attention", d, rows, [
+        SolutionSpec("rope_append_attention", "rope_append_attention", body=body),
+        SolutionSpec("rope_append_attention", "rope_append_attention", body=masked,
+                     name="rope_append_attention_mask_cutile",
+                     description=(
+                         "cuTile kernel rope_append_attention_kernel in its MASKED variants: the step's boolean "
+                         "(B, 1, 1, L) mask read tile by tile, a tile the mask hides skipped (what a compiled decode "
+                         "step runs with layers._direct.COMPILED_ROPE_ATTEND on; kernel_src/attention.py), here "
+                         "with the mask of an unpadded batch, prebuilt per variant of the build matrix for "
+                         f"{', '.join(DEFAULT_ARCHS)}."))])
 
 
 def _rope_append() -> Entry:
