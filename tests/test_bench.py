@@ -321,8 +321,10 @@ def test_cli_bench_on_embedded_model(preset_cache, tmp_path, capsys):
     assert "no cuTile kernel ran" in report["note"]
     text = capsys.readouterr().out
     assert "no cuTile kernel ran" in text and "skipped liger" in text
-    assert f"decode check: {steps} teacher-forced steps per decode batch size (of --decode-check-steps 32:" \
+    assert f"decode check: {steps} teacher-forced steps per decode batch size (--decode-check-steps asked 32;" \
         in " ".join(text.split())
+    skipped = [line for line in text.splitlines() if line.startswith("skipped ")]
+    assert len(skipped) == len(set(skipped)) and any("stock-compile, " in line for line in skipped)  # one a reason
     # said before the speed table, where a CPU row's noise would read as a speedup
     assert text.index("no cuTile kernel ran") < text.index("speed: prefill")
     md = (out / "report.md").read_text()
@@ -438,6 +440,7 @@ def test_quickstart_example_runs_on_cpu(preset_cache):
                          text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "hub layers none" in res.stdout and "max |stock - ours| = 0.000e+00" in res.stdout
+    assert "no CUDA GPU here" in res.stdout  # why nothing was swapped
 
 
 def test_materialize_refuses_to_overwrite_foreign_directories(preset_cache, tmp_path):

@@ -506,6 +506,15 @@ def test_cli_inventory_commands(tmp_path, capsys, copy):
     assert cli.main(["inventory", "new-solution", "add_rms_norm", "--root", str(copy)]) == 2  # exists
 
 
+def test_cli_finds_the_checkouts_inventory_from_any_directory(tmp_path, monkeypatch, capsys):
+    # A new user found `inventory show` failing outside the checkout's root (the lookup took the
+    # tools folder for the checkout, then fell back to the current directory).
+    monkeypatch.chdir(tmp_path)
+    assert inventory.repo_root() == INVENTORY.parent and inventory.default_root() == INVENTORY
+    assert cli.main(["inventory", "show", "rms_norm"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "rms_norm"
+
+
 def _family_checks(name: str, uuids: list[str], fn, launches=None):
     """run_checks of Definition ``name`` on the CPU with the candidate ``fn`` on these Workloads
     (the boundaries come from the first)."""

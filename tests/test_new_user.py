@@ -365,7 +365,11 @@ def test_info_says_jit_needs_a_gpu(capsys):
     assert info["jit_available"] == (torch.cuda.is_available() and info["jit_toolchain"])
     import importlib.metadata
 
-    assert info["installed_cuda_tile"] == importlib.metadata.version("cuda-tile") and "build_toolchain" in info
+    assert info["installed_cuda_tile"] == importlib.metadata.version("cuda-tile")
+    # what compiled the build found, or None without one (not a dict of nulls beside an installed toolchain)
+    assert (info["build_toolchain"] is None) == (info["build"] is None)
+    if info["build"] is not None:
+        assert set(info["build_toolchain"]) == {"cuda_tile", "tileiras"}
 
 
 def test_patch_after_a_use_kernels_load_applies(tiny_checkpoint):
@@ -402,6 +406,23 @@ def test_a_new_preset_says_where_it_is_and_how_to_remove_it(tmp_path, caplog, mo
 
 # ---------------------------------------------------------------------------------------------
 # The README's counts follow the code (a new user found two stale ones)
+
+def test_verbose_is_taken_before_or_after_the_command(capsys):
+    # -v makes a usage error raise with its traceback; without it, one line and exit 2.
+    assert cli.main(["inventory", "show", "no_such_kernel"]) == 2
+    assert "no Definition or Solution named" in capsys.readouterr().err
+    for argv in (["-v", "inventory", "show", "no_such_kernel"], ["inventory", "show", "no_such_kernel", "-v"],
+                 ["inventory", "--verbose", "show", "no_such_kernel"]):
+        with pytest.raises(KeyError):
+            cli.main(argv)
+
+
+@pytest.mark.parametrize("command", [["preset", "tiny", "--seed", "-1"], ["bench", "--seed", "-3"]])
+def test_a_negative_seed_is_a_usage_error(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(command)
+    assert info.value.code == 2 and "must be at least 0" in capsys.readouterr().err
+
 
 def test_readme_counts_the_variants_and_pins_the_code_has():
     import re

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_args import Parser, device, positive
+from .cli_args import Parser, device, positive, seed
 
 
 def _bench(args) -> int:
@@ -122,7 +122,8 @@ def _info(args) -> int:
         # JIT needs both the toolchain and a GPU to compile for.
         "jit_toolchain": dispatch.jit_available(),
         "jit_available": cuda and dispatch.jit_available(),
-        "build_toolchain": {k: reg.manifest.get(k) for k in ("cuda_tile", "tileiras")},  # what the build used
+        # the versions that compiled the build found (None: no build), not what is installed now
+        "build_toolchain": {k: reg.manifest.get(k) for k in ("cuda_tile", "tileiras")} if reg.pkg_dir else None,
         "installed_cuda_tile": _version("cuda-tile"),
     }
     print(json.dumps(info, indent=1))
@@ -183,15 +184,14 @@ def main(argv=None) -> int:
 
     p = Parser(prog="cutile-kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="log at INFO and show tracebacks (before the command: cutile-kernels -v bench ...)")
+    p.set_defaults(verbose=False)  # -v before or after the command (cli_args.Parser)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     b = sub.add_parser("bench", help="every path side by side: correctness gates, timings, coverage")
     b.add_argument("model", nargs="?", default="tiny", help="preset name or checkpoint directory (default: tiny)")
     b.add_argument("--out", help="directory for bench.json, report.md and the plots (default: print only)")
     b.add_argument("--device", type=device, help="cuda, cuda:N or cpu (default: cuda when available)")
-    b.add_argument("--seed", type=int, help="weight and prompt seed (default 0)")
+    b.add_argument("--seed", type=seed, help="weight and prompt seed (default 0)")
     b.add_argument("--prompt-batch", type=positive, help="prompts in the correctness batch")
     b.add_argument("--prompt-len", type=positive, help="tokens per correctness prompt")
     b.add_argument("--prefill-len", type=positive, help="tokens of the timed batch-1 prefill")
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
                         "that can run here)")
     b.add_argument("--no-coverage", action="store_true", help="skip the profiled coverage pass")
     b.add_argument("--coverage-prefill-len", type=positive,
-                   help="tokens of the coverage pass's prefill (default 512, at most --prefill-len)")
+                   help="tokens of the coverage pass's prefill (default 512; a longer one is cut to --prefill-len)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--wide", action="store_true", help="one table of every column (about 200 columns wide)")
     b.set_defaults(func=_bench)
@@ -228,8 +228,9 @@ def main(argv=None) -> int:
 
     r = sub.add_parser("preset", help="write a preset checkpoint (real config, seeded weights)")
     r.add_argument("name", help=f"one of {PRESETS_HELP}")
-    r.add_argument("--out", help="directory to write it to (default: $CUTILE_KERNELS_PRESET_DIR/<name>-seed<seed>)")
-    r.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    r.add_argument("--out", help="directory to write it to (default: <name>-seed<seed> in $CUTILE_KERNELS_PRESET_DIR, "
+                                 "else in ~/.cache/cutile-kernels/presets)")
+    r.add_argument("--seed", type=seed, default=0, help="weight seed (default 0)")
     r.add_argument("--device", type=device, default="cpu", help="where to create the weights (cpu, cuda, cuda:N)")
     r.set_defaults(func=_preset)
 

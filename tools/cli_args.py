@@ -19,6 +19,15 @@ def device(text: str) -> str:
     return text
 
 
+def seed(text: str) -> int:
+    """A random seed: an integer of at least 0 (``torch.manual_seed`` takes any, but a preset's
+    folder name and a report's settings read better without a sign)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def positive(text: str) -> int:
     """An integer of at least 1."""
     value = int(text)
@@ -29,7 +38,15 @@ def positive(text: str) -> int:
 
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line (the problem, and where the usage is),
-    not argparse's usage block followed by the error. Subparsers inherit the class."""
+    not argparse's usage block followed by the error, and which takes ``-v``/``--verbose`` (log at
+    INFO, show tracebacks) before a command or after it. Subparsers inherit the class; the
+    top-level parser sets the flag's default (``set_defaults(verbose=False)``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: a command's parser sets it only when given, so it cannot undo a -v given before it.
+        self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                          help="log at INFO and show tracebacks")
 
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)

@@ -426,8 +426,8 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
         console.print(escape(report["note"]))
     if not wide:
         tables = [Table(title="speed: prefill and TTFT in ms, decode in tokens/s by batch size"),
-                  Table(title="correctness against float32 (decode: the decode check's worst rel L2); memory; "
-                              "our share of the kernels")]
+                  Table(title="correctness against float32 (decode: the decode check's worst rel L2); ours: our "
+                              "kernels' share of the profiled kernel time / of the launches")]
         speed = [("path", lambda n, p: n), ("prefill", lambda n, p: f"{p['prefill_ms']['median']:.2f}"),
                  ("TTFT", lambda n, p: f"{p['decode'][0]['ttft_ms']:.2f}")]
         speed += [(f"b{b}", lambda n, p, b=b: next((f"{d['tokens_per_s']:.1f}" for d in p["decode"]
@@ -437,7 +437,7 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
                   ("rel L2", lambda n, p: f"{p['correctness']['rel_l2_err']:.3e}"),
                   ("KL", lambda n, p: f"{p['correctness']['kl']:.2e}"),
                   ("top-5", lambda n, p: f"{p['correctness']['top5_agreement']:.4f}"),
-                  ("ours time/launch", lambda n, p: cov_cell(n, p, "/"))]
+                  ("ours", lambda n, p: cov_cell(n, p, "/"))]
         if decode_checked:
             checks.insert(5, ("decode", decode_cell))
         layout = [speed, checks]
@@ -460,15 +460,18 @@ def print_report(report: dict, wide: bool = False, console=None) -> None:
     steps, asked = report["reference"].get("decode_check_steps"), report["settings"].get("decode_check_steps")
     if decode_checked and steps is not None:
         console.print(escape(f"decode check: {steps} teacher-forced steps per decode batch size" + (
-            f" (of --decode-check-steps {asked}: the timed decoders hold the warm-up steps + --decode-steps, or 3)"
-            if asked is not None and steps < asked else "")))
+            f" (--decode-check-steps asked {asked}; the check reuses the timed decoders' caches, which hold "
+            "only the warm-up steps + --decode-steps)" if asked is not None and steps < asked else "")))
     console.print(f"limits on {lim['device']}: copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
                   f"{lim['matmul_dtype']} matmul {lim['matmul_flops'] / 1e12:.1f} TFLOP/s")
     env = report["environment"]
     console.print(escape(f"device: {env.get('gpu', env['device'])}; versions: "
                          + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)))
-    for name, why in report["skipped"].items():
-        console.print(escape(f"skipped {name}: {why}"))
+    by_reason: dict = {}
+    for name, why in report["skipped"].items():  # one line a reason: a CPU skips seven paths for one
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():
+        console.print(escape(f"skipped {', '.join(names)}: {why}"))
     for name, g in gates.items():
         if not g["passed"]:
             console.print(escape(f"gate FAILED for {name}: " + "; ".join(

@@ -52,7 +52,7 @@ def repo_root() -> Path | None:
     """The source checkout these tools run from, else the current directory if it is one (an
     installed copy run from a checkout, as on the GPU machine), else None. A checkout has
     ``kernel_src/`` and ``pyproject.toml``."""
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):  # <checkout>/tools/inventory/__init__.py
         if (root / "kernel_src").is_dir() and (root / "pyproject.toml").is_file():
             return root
     return None
