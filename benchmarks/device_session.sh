@@ -48,8 +48,8 @@
 #              (default: llama-3.2-1b --path cutile-compile --batch 1 16 --steps 60 --host --top 0), $AB_LIMIT s
 #              in all (default 400); ab.log holds every run's output, each JSON line tagged with its variant.
 #              For a switch the compiled step reads while dynamo traces, abcompiled is fairer (one process)
-#   abcompiled dev/diagnostics/graph_step.py --ab-compiled NAME for each NAME of $ABC_SWITCHES (default: ropeattend
-#              residual; graph_step.COMPILED_SWITCHES): the compiled step with the staged switch off and on in one
+#   abcompiled dev/diagnostics/graph_step.py --ab-compiled NAME for each NAME of $ABC_SWITCHES (default: residual;
+#              graph_step.COMPILED_SWITCHES): the compiled step as shipped and with the switch flipped in one
 #              process, alternating rounds, with the arguments $ABC_ARGS (default: llama-3.2-1b --path cutile-compile
 #              --batch 1 16 --steps 40 --top 0), $ABC_LIMIT s in all (default 400); abcompiled.log
 #   notebooks  every cell of the example notebooks (benchmarks/device_notebooks.sh), notebooks.tgz
@@ -150,7 +150,7 @@ for stage in "$@"; do
         done; done' ;;
     abcompiled)
       cd "$root" && step abcompiled "${ABC_LIMIT:-400}" bash -c 'set -o pipefail
-        for s in ${ABC_SWITCHES:-ropeattend residual}; do
+        for s in ${ABC_SWITCHES:-residual}; do
           echo "--- --ab-compiled $s"
           python3 dev/diagnostics/graph_step.py ${ABC_ARGS:-llama-3.2-1b --path cutile-compile --batch 1 16 \
               --steps 40 --top 0} --ab-compiled "$s" 2>&1 | grep -v "it/s\]" || exit 1

@@ -287,7 +287,9 @@ def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states
 #: off: ``rope_append`` then the attention kernel with the mask (two launches). Estimate before the
 #: A/B (H100, Llama-3.2-1B's compiled b=1 step, 2026-12-07e profile): the two took about 15 us a layer
 #: against the decode graphs' one launch's 6.5, f ~0.13 of the step, s ~1.5-2, ceiling ~1.05-1.07x.
-COMPILED_ROPE_ATTEND = False
+#: On since 2026-12-07 (H100, Llama-3.2-1B's compiled step, on and off alternating in one process:
+#: 2.271 against 2.313 ms at batch 1, 2.533 against 2.557 at batch 16; docs/results.md).
+COMPILED_ROPE_ATTEND = True
 
 
 def compiled_rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states: torch.Tensor,

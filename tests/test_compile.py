@@ -351,21 +351,27 @@ def test_compiled_decode_step_takes_rope_append_attention_with_its_mask(attn, pa
         torch.testing.assert_close(g, w)
 
 
-def test_compiled_rope_attend_is_off_by_default_and_declines_what_the_kernel_would_not_take(variant, monkeypatch,
-                                                                                            no_breaks):
-    """Off (the default) the compiled step keeps ``rope_append`` and the attention kernel; on, a head
-    dim the one launch has no variant for (16) and transformers' sdpa keep them too."""
+def test_compiled_rope_attend_is_on_by_default_and_declines_what_the_kernel_would_not_take(variant, monkeypatch,
+                                                                                           no_breaks):
+    """On by default (since 2026-12-07); switched off the compiled step keeps ``rope_append`` and the
+    attention kernel, and on, so do a head dim the one launch has no variant for (16) and
+    transformers' sdpa."""
+    import sys
+
     from cutile_kernels.layers import _direct
 
-    assert _direct.COMPILED_ROPE_ATTEND is False
+    assert _direct.COMPILED_ROPE_ATTEND is True
     ids = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(2))
     for head_dim, attn, on in ((64, "cutile_kernel", False), (16, "cutile_kernel", True), (64, "sdpa", True)):
         model = _kernelize_on_cpu(tiny_model("llama", attn=attn, head_dim=head_dim, layers=2), variant, monkeypatch)
         if attn == "sdpa":
             model.set_attn_implementation("sdpa")  # after the default patch switched it to ours
         _route_as_on_a_gpu(monkeypatch)
-        if on:
-            _compiled_rope_attend_on(monkeypatch)
+        _compiled_rope_attend_on(monkeypatch)  # and float32 taken, as on a GPU in 16 bits
+        if not on:
+            for name, mod in list(sys.modules.items()):
+                if name.endswith(".layers._direct") and hasattr(mod, "COMPILED_ROPE_ATTEND"):
+                    monkeypatch.setattr(mod, "COMPILED_ROPE_ATTEND", False)
         rec = Recorder()
         _generate(model, ids, compile_config=_compile_config(rec))
         assert "rope_append_attention" not in rec.ops and rec.ops["rope_append"] == 2 * rec.graphs
@@ -374,8 +380,8 @@ def test_compiled_rope_attend_is_off_by_default_and_declines_what_the_kernel_wou
 
 def test_graph_step_switches_name_staged_attributes_of_every_package_copy(monkeypatch):
     """``graph_step.py --ab-compiled``'s switches exist where it flips them (a renamed switch would
-    make its A/B time the shipped step twice), off as shipped, with an on value that differs; and
-    ``graph_step_ab.py`` flips the same table (and the twins switch) in every copy."""
+    make its A/B time the shipped step twice), each flipped to a value that differs from the shipped
+    one; and ``graph_step_ab.py`` flips the same table (and the twins switch) in every copy."""
     import runpy
 
     from cutile_kernels_tools.bench.worker import runtime_copies
@@ -384,7 +390,7 @@ def test_graph_step_switches_name_staged_attributes_of_every_package_copy(monkey
     for name in graph_step.COMPILED_SWITCHES:
         mods, attr, on = graph_step.switch_modules(name)
         assert mods and all(hasattr(m, attr) for m in mods)
-        assert all(getattr(m, attr) != on and not getattr(m, attr) for m in mods), (name, attr)
+        assert all(getattr(m, attr) != on for m in mods), (name, attr)
     assert graph_step.switch_modules("residual")[2] == importlib.import_module("cutile_kernels.kernel_src.gemv").TILES
     ab = runpy.run_path(str(graph_step.__file__).replace("graph_step.py", "graph_step_ab.py"), run_name="ab")
     assert ab["VARIANTS"] == ("none", "twins", *graph_step.COMPILED_SWITCHES)
@@ -927,7 +933,7 @@ def test_gpu_compiled_decode_over_a_cache_whose_mask_rows_inductor_pads(model_ty
 @pytest.mark.gpu
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
 def test_gpu_compiled_decode_takes_the_masked_one_launch(padded, tmp_path, monkeypatch, strict, no_breaks):
-    """With ``COMPILED_ROPE_ATTEND``: a bf16 Llama at head dim 64 decoded by compiled steps
+    """With ``COMPILED_ROPE_ATTEND`` (the default): a bf16 Llama at head dim 64 decoded by compiled steps
     (``reduce-overhead``, ``fullgraph=True``, strict: no fallback) launches the masked
     ``rope_append_attention`` variant, and no ``rope_append``, and gives the eager steps' logits
     (teacher-forced tokens; a left-padded row too), over a cache whose length crosses a KV tile."""
@@ -980,7 +986,8 @@ print("no error", flush=True)
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_gpu_compiled_step_past_a_static_caches_end_fails_loudly(model_type, checkpoints):
     """A compiled step (``reduce-overhead``) past a full StaticCache's end stops the process with a
-    device-side assert: Llama's, whose ``rope_append`` writes would skip the rows, by our bound
+    device-side assert: Llama's, whose ``rope_append_attention`` writes (``rope_append``'s with the
+    one launch off) would skip the rows, by our bound
     (``_direct._advance``); Qwen3's (transformers' writes) by inductor's check of ``index_copy_``, for
     comparison. In a subprocess: the assert ends its CUDA context."""
     import subprocess

@@ -24,9 +24,9 @@ extended by ``--ab-gemv-tile``; e.g. 3072 takes Llama-3.2-1B's stacked q/k/v). F
 ``--ab-guards`` times the step with dynamo's guard check and without it
 (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: only the guards that tell its cache
 entries apart), in alternating rounds: what the guards cost the step on this host; ``--ab-compiled NAME``
-times the step with a staged switch of :data:`COMPILED_SWITCHES` (``ropeattend``, ``residual``) off and on in
-alternating rounds, in one process (each is read while dynamo traces: on, dynamo compiles a second cache entry
-beside the first, each with its CUDA graphs); ``--host`` the
+times the step as shipped and with a switch of :data:`COMPILED_SWITCHES` (``ropeattend-off``, ``residual``)
+flipped, in alternating rounds, in one process (each is read while dynamo traces: flipped, dynamo compiles a
+second cache entry beside the first, each with its CUDA graphs); ``--host`` the
 host time to submit a compiled step against its kernels' span on the GPU (host-bound or not).
 ``--host-profile N`` lists the N host functions that take a decode-graph step's host time (cProfile,
 the timed steps again); for a compiled path, those of its compiled steps, by own and by cumulative time. ``--bind-instances`` binds each decoder module's own class forward to the instance first (as
@@ -224,10 +224,12 @@ def _host_and_span(dec, steps: int) -> dict:
             "gpu_kernels_ms": statistics.median(busy) / 1e3}
 
 
-#: Staged switches of the compiled step for ``--ab-compiled``: name -> (package module, attribute, the value
-#: that switches it on, from this package's copy). Each is read while dynamo traces the step.
+#: Switches of the compiled step for ``--ab-compiled``: name -> (package module, attribute, the value the
+#: A/B sets against the shipped one, from this package's copy). Each is read while dynamo traces the step.
+#: ``ropeattend-off``: the two launches (``rope_append``, then the masked attention) the one launch replaced
+#: by default on 2026-12-07; ``residual``: ``gemv_residual`` on every built tile (staged, off as shipped).
 COMPILED_SWITCHES = {
-    "ropeattend": ("layers._direct", "COMPILED_ROPE_ATTEND", lambda: True),
+    "ropeattend-off": ("layers._direct", "COMPILED_ROPE_ATTEND", lambda: False),
     "residual": ("ops.gemv", "RESIDUAL_TILES", lambda: __import__("cutile_kernels.kernel_src.gemv",
                                                                   fromlist=["TILES"]).TILES),
 }
@@ -248,7 +250,7 @@ def switch_modules(name: str) -> tuple[list, str, object]:
 
 
 def _ab_compiled(dec, name: str, steps: int, rounds: int = 10) -> dict:
-    """Median step ms of the compiled step as shipped and with switch ``name`` on, in ``rounds``
+    """Median step ms of the compiled step as shipped and with switch ``name`` flipped, in ``rounds``
     alternating rounds of ``steps // 2`` steps a side (one decoder: both write the same cache)."""
     mods, attr, on = switch_modules(name)
     if not mods:
@@ -333,7 +335,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ab-guards", action="store_true",
                     help="compiled paths: also time the step without dynamo's guard check, alternating")
     ap.add_argument("--ab-compiled", choices=sorted(COMPILED_SWITCHES), default=None,
-                    help="compiled paths: also time the step with this staged switch on, alternating with the "
+                    help="compiled paths: also time the step with this switch flipped, alternating with the "
                          "shipped step in one process")
     ap.add_argument("--host", action="store_true",
                     help="compiled paths: also the host time to submit a step and the step's GPU span")

@@ -8,11 +8,12 @@ inductor captured first). Run from the checkout, the variant in ``AB``:
 * ``twins``: ``dispatch.CAPTURE_TWINS = True`` (our programmatic twins in inductor's CUDA graphs);
 * ``residual``: ``ops.gemv.RESIDUAL_TILES`` = every built GEMV tile (the decoder layers' last add in the
   down projection's GEMV, ``gemv_residual``);
-* ``ropeattend``: ``layers._direct.COMPILED_ROPE_ATTEND = True`` (a compiled decode step's RoPE, cache write
-  and masked attention as one ``rope_append_attention`` launch);
+* ``ropeattend-off``: ``layers._direct.COMPILED_ROPE_ATTEND = False`` (a compiled decode step's RoPE and cache
+  write as ``rope_append``, then the masked attention: the two launches the one ``rope_append_attention`` replaced
+  by default);
 * ``none`` (or unset): as shipped.
 
-``residual`` and ``ropeattend`` are read while dynamo traces, so ``graph_step.py --ab-compiled NAME`` times them
+``residual`` and ``ropeattend-off`` are read while dynamo traces, so ``graph_step.py --ab-compiled NAME`` times them
 against the shipped step in one process (alternating rounds, a cheaper and fairer A/B); ``twins`` acts when
 inductor captures its CUDA graphs, which one process records once: it needs this script.
 """
