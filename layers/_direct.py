@@ -267,8 +267,8 @@ def rope_attend(self: nn.Module, glob: dict, rope, past_key_values, query_states
     Returns the attention output ``(B, 1, Hq * D)`` (before ``o_proj``), or None: the caller runs
     :func:`rope_and_cache` and :func:`attend` (the same numbers in three launches)."""
     armed = _armed(self, rope, past_key_values, ROPE_ATTEND)
-    if armed is None:  # the switch read here first: an eager step's layers make no further call
-        return None if not COMPILED_ROPE_ATTEND else compiled_rope_attend(
+    if armed is None:  # switch and tracing read here first: an eager step's layers make no further call
+        return None if not (COMPILED_ROPE_ATTEND and _dynamo_compiling()) else compiled_rope_attend(
             self, glob, rope, past_key_values, query_states, key_states, value_states, cos, sin, window, kwargs,
             attention_mask)
     if not armed[0].__dict__.get(STEP_PLAIN_MASKS) or query_states.shape[2] != 1:

@@ -986,8 +986,9 @@ print("no error", flush=True)
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_gpu_compiled_step_past_a_static_caches_end_fails_loudly(model_type, checkpoints):
     """A compiled step (``reduce-overhead``) past a full StaticCache's end stops the process with a
-    device-side assert: Llama's, whose ``rope_append_attention`` writes (``rope_append``'s with the
-    one launch off) would skip the rows, by our bound
+    device-side assert: Llama's, whose ``rope_append`` writes would skip the rows (this checkpoint's
+    head dim, 16, has no ``rope_append_attention`` variant, so the one launch, which skips them
+    too and asserts the same bound, is not what runs here), by our bound
     (``_direct._advance``); Qwen3's (transformers' writes) by inductor's check of ``index_copy_``, for
     comparison. In a subprocess: the assert ends its CUDA context."""
     import subprocess
