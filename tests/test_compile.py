@@ -393,7 +393,12 @@ def test_graph_step_switches_name_staged_attributes_of_every_package_copy(monkey
         assert all(getattr(m, attr) != on for m in mods), (name, attr)
     assert graph_step.switch_modules("residual")[2] == importlib.import_module("cutile_kernels.kernel_src.gemv").TILES
     ab = runpy.run_path(str(graph_step.__file__).replace("graph_step.py", "graph_step_ab.py"), run_name="ab")
-    assert ab["VARIANTS"] == ("none", "twins", *graph_step.COMPILED_SWITCHES)
+    assert ab["VARIANTS"] == ("none", "twins", *graph_step.COMPILED_SWITCHES, *ab["ENV_VARIANTS"])
+    from cutile_kernels.ops._define import OPS
+
+    for env in ab["ENV_VARIANTS"].values():  # each names writers that exist (else the A/B times one side twice)
+        names = env["CUTILE_KERNELS_FLEXIBLE"].split(",")
+        assert all(n in OPS and OPS[n].mutated and not OPS[n].flexible for n in names), names
     for name in graph_step.COMPILED_SWITCHES:
         mods, attr, on = graph_step.switch_modules(name)
         for m in mods:

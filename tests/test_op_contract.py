@@ -368,6 +368,27 @@ def test_fixed_layout_variable_gives_every_op_inductors_default():
     assert counts[""] == (sum(o.flexible for o in OPS.values()), len(OPS))
 
 
+def test_flexible_variable_declares_named_writers_flexible():
+    # CUTILE_KERNELS_FLEXIBLE (an A/B switch, read at import) adds writers to the flexible ones;
+    # CUTILE_KERNELS_FIXED_LAYOUT still takes every op back to inductor's default.
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import torch, cutile_kernels; from cutile_kernels.ops._define import OPS; "
+             "print(','.join(sorted(n for n, o in OPS.items() if torch.Tag.flexible_layout in o.op._opoverload.tags)))")
+    got = {}
+    for extra in ({}, {"CUTILE_KERNELS_FLEXIBLE": "rope_append_attention, no_such_op"},
+                  {"CUTILE_KERNELS_FLEXIBLE": "rope_append_attention", "CUTILE_KERNELS_FIXED_LAYOUT": "1"}):
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("CUTILE_KERNELS_F")}, **extra}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        got[tuple(extra)] = set(filter(None, out.stdout.split()[-1].split(","))) if out.stdout.split() else set()
+    shipped = {n for n, o in OPS.items() if o.flexible}
+    assert "rope_append_attention" not in shipped and got[()] == shipped
+    assert got[("CUTILE_KERNELS_FLEXIBLE",)] == shipped | {"rope_append_attention"}
+    assert got[("CUTILE_KERNELS_FLEXIBLE", "CUTILE_KERNELS_FIXED_LAYOUT")] == set()
+
+
 def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, monkeypatch, d=16, pad=False):
     """The op compiled by inductor with each float input it does not write made inside the graph (a
     product, which inductor stores in a buffer it lays out itself where the sample's may be a strided

@@ -11,6 +11,9 @@ inductor captured first). Run from the checkout, the variant in ``AB``:
 * ``ropeattend-off``: ``layers._direct.COMPILED_ROPE_ATTEND = False`` (a compiled decode step's RoPE and cache
   write as ``rope_append``, then the masked attention: the two launches the one ``rope_append_attention`` replaced
   by default);
+* ``flexible-ropeattend``: ``CUTILE_KERNELS_FLEXIBLE=rope_append_attention`` set before the package is imported
+  (the one launch, which writes the cache, declared ``flexible_layout``: inductor hands it the mask, cos and sin
+  as it stored them, where its default builds a copy of each for every layer);
 * ``none`` (or unset): as shipped.
 
 ``residual`` and ``ropeattend-off`` are read while dynamo traces, so ``graph_step.py --ab-compiled NAME`` times them
@@ -24,18 +27,23 @@ import os
 import runpy
 import sys
 
-from cutile_kernels_tools.bench import paths
-from cutile_kernels_tools.bench.worker import runtime_copies
+#: Variants that are environment variables the package reads at import: set before anything imports it.
+ENV_VARIANTS = {"flexible-ropeattend": {"CUTILE_KERNELS_FLEXIBLE": "rope_append_attention"}}
+if __name__ == "__main__":
+    os.environ.update(ENV_VARIANTS.get(os.environ.get("AB", "none"), {}))
+
+from cutile_kernels_tools.bench import paths  # noqa: E402
+from cutile_kernels_tools.bench.worker import runtime_copies  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graph_step import COMPILED_SWITCHES, switch_modules  # noqa: E402
 
 _load = paths.load
-VARIANTS = ("none", "twins", *COMPILED_SWITCHES)
+VARIANTS = ("none", "twins", *COMPILED_SWITCHES, *ENV_VARIANTS)
 
 
 def _flip(variant: str) -> None:
-    if variant == "none":
+    if variant == "none" or variant in ENV_VARIANTS:  # those were set before the import
         return
     # twins: every copy's dispatch (this package's and the build's); the others: graph_step's switch table
     mods, attr, on = (runtime_copies(), "CAPTURE_TWINS", True) if variant == "twins" else switch_modules(variant)

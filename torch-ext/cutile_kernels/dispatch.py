@@ -42,6 +42,8 @@ ENV_STRICT = "CUTILE_KERNELS_STRICT"
 ENV_JIT = "CUTILE_KERNELS_JIT"
 #: Read when the ops are defined (import): see ``ops/_define.py``.
 ENV_FIXED_LAYOUT = "CUTILE_KERNELS_FIXED_LAYOUT"
+#: Read when the ops are defined (import): ops that write an argument, declared flexible (an A/B switch).
+ENV_FLEXIBLE = "CUTILE_KERNELS_FLEXIBLE"
 #: Read when the layers are imported: see ``layers/_direct.py`` (``compiled_static_layer``).
 ENV_STOCK_CACHE_WRITES = "CUTILE_KERNELS_STOCK_CACHE_WRITES"
 #: Read when decode graphs are switched on: see ``layers/decode_graphs.py`` (``PDL``).
@@ -62,6 +64,14 @@ def _flag(name: str) -> bool:
 def fixed_layout() -> bool:
     """Whether ``CUTILE_KERNELS_FIXED_LAYOUT`` asks inductor's default input layouts for our ops."""
     return _flag(ENV_FIXED_LAYOUT)
+
+
+def flexible_ops() -> frozenset:
+    """The op names ``CUTILE_KERNELS_FLEXIBLE`` lists (comma-separated): ops that write an argument
+    but take inductor's input layouts anyway (``torch.Tag.flexible_layout``; ``ops/_define.py``), for
+    an A/B of a writer's layout before its declaration changes. ``CUTILE_KERNELS_FIXED_LAYOUT``
+    overrides it."""
+    return frozenset(n.strip() for n in os.environ.get(ENV_FLEXIBLE, "").split(",") if n.strip())
 
 
 def pdl_switched_off() -> bool:

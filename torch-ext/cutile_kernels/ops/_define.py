@@ -82,9 +82,10 @@ class Op:
         # reads it (a compiled step then built the attention mask once per layer). The kernels check
         # strides before a launch and fall back on a layout their variant does not take. Ops that
         # write an argument keep the default as a precaution unless declared flexible (rope_append,
-        # whose cos/sin every layer of a compiled step reads); CUTILE_KERNELS_FIXED_LAYOUT=1
-        # restores the default for all.
-        self.flexible = (not mutates_args if flexible is None else flexible) and not dispatch.fixed_layout()
+        # whose cos/sin every layer of a compiled step reads) or named in CUTILE_KERNELS_FLEXIBLE (an
+        # A/B switch); CUTILE_KERNELS_FIXED_LAYOUT=1 restores the default for all.
+        declared = not mutates_args if flexible is None else flexible
+        self.flexible = (declared or name in dispatch.flexible_ops()) and not dispatch.fixed_layout()
         tags = (torch.Tag.flexible_layout,) if self.flexible else ()
         self.op = torch.library.custom_op(add_op_namespace_prefix(name), mutates_args=mutates_args,
                                           tags=tags)(body)
