@@ -23,5 +23,15 @@ if ls .device/fla/*.whl >/dev/null 2>&1; then
     && export CUTILE_BENCH_FLA_PATH=/tmp/site-fla || cat /tmp/pip-fla.log
 fi
 export PATH="/tmp/site/bin:$PATH"
+# Bytecode as a user's pip install leaves it: the wheels above go in with --no-compile, and the
+# image sets PYTHONDONTWRITEBYTECODE, so without this every fresh process compiled the module
+# sources of transformers, our package and its build (about 200 more for our paths) inside the
+# bench's load figure. Written next to the sources (both folders are ours); the image's own
+# packages keep whatever bytecode they ship, for every path alike.
+# (Source this file in the shell itself: `source ... | grep` runs it in a subshell, setting nothing.)
+_cutile_t0=$SECONDS
+python3 -m compileall -q -j 0 /tmp/site build > /tmp/compileall.log 2>&1 \
+  || { echo "compileall failed (bytecode left out):"; tail -5 /tmp/compileall.log; }
+echo "bytecode of /tmp/site and build: $((SECONDS - _cutile_t0)) s"; unset _cutile_t0
 # Run from outside the checkout so that `import cutile_kernels` is the installed package.
 python3 -c "import cutile_kernels, sys; print('cutile_kernels from', cutile_kernels.__file__, 'build', cutile_kernels.registry.find_package_dir())"

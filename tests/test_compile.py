@@ -396,9 +396,13 @@ def test_graph_step_switches_name_staged_attributes_of_every_package_copy(monkey
     assert ab["VARIANTS"] == ("none", "twins", *graph_step.COMPILED_SWITCHES, *ab["ENV_VARIANTS"])
     from cutile_kernels.ops._define import OPS
 
-    for env in ab["ENV_VARIANTS"].values():  # each names writers that exist (else the A/B times one side twice)
-        names = env["CUTILE_KERNELS_FLEXIBLE"].split(",")
+    from cutile_kernels import dispatch
+
+    assert ab["NO_CACHES"] == {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # the FX graph cache ignores op tags
+    for env in ab["ENV_VARIANTS"].values():  # each changes what is shipped (else the A/B times one side twice)
+        names = [n for n in env.get(dispatch.ENV_FLEXIBLE, "").split(",") if n]
         assert all(n in OPS and OPS[n].mutated and not OPS[n].flexible for n in names), names
+        assert names or (env.get(dispatch.ENV_FIXED_LAYOUT) == "1" and any(o.flexible for o in OPS.values()))
     for name in graph_step.COMPILED_SWITCHES:
         mods, attr, on = graph_step.switch_modules(name)
         for m in mods:
@@ -475,7 +479,9 @@ def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, ro
     the step computed the mask again for each layer, 16 launches a step in Llama-3.2-1B's CUDA
     graph). Llama's RoPE and cache write are one op of ours a layer, writing the cache in place (no
     ``index_copy``, no copy of the cache; ``_direct.rope_and_cache``); Qwen3's writes stay
-    transformers'. Logits and caches as the eager kernelized step's."""
+    transformers'. Logits and caches as the eager kernelized step's. Inductor's caches are off (its FX
+    graph cache does not key on op tags)."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
     from transformers import StaticCache
 
@@ -485,7 +491,7 @@ def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, ro
     ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(3))
     step = dict(use_cache=True, cache_position=torch.tensor([6]), attention_mask=torch.ones(2, 7, dtype=torch.long))
     caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
-    with torch.no_grad():
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
         for cache in caches:
             model(ids, past_key_values=cache, use_cache=True)
         want = model(ids[:, -1:], past_key_values=caches[0], **step).logits
@@ -506,6 +512,47 @@ def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, ro
     torch.testing.assert_close(out.logits, want)
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@ATTNS
+def test_inductor_gives_every_layers_one_launch_the_steps_mask_and_rope_tables(attn, variant, monkeypatch, no_breaks):
+    """A compiled decode step of the Llama code at head dim 64 (the one launch, ``rope_append_attention``,
+    declared ``flexible_layout`` as ``rope_append`` is): every layer's call reads the one mask buffer
+    and the one cos/sin pair the step built, and writes its own layer's cache tensors (graph inputs,
+    no ``index_copy``); with inductor's default layout each layer after the first got copies of all
+    three. Logits and caches as the
+    eager kernelized step's, within float32 rounding (the eager step rotates the keys as transformers
+    does, and inductor fuses the layers' float32 math). Inductor's caches are off: its FX graph cache
+    does not key on op tags."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    from transformers import StaticCache
+
+    layers = 4
+    model = _kernelize_on_cpu(tiny_model("llama", attn=attn, layers=layers, head_dim=64), variant, monkeypatch)
+    _route_as_on_a_gpu(monkeypatch)
+    _compiled_rope_attend_on(monkeypatch)
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    step = dict(use_cache=True, cache_position=torch.tensor([6]), attention_mask=torch.ones(2, 7, dtype=torch.long))
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+        for cache in caches:
+            model(ids, past_key_values=cache, use_cache=True)
+        want = model(ids[:, -1:], past_key_values=caches[0], **step).logits
+        compiled = torch.compile(model.forward, backend="inductor", fullgraph=True)
+        out, codes = run_and_get_code(compiled, ids[:, -1:], past_key_values=caches[1], **step)
+    code = "\n".join(codes)
+    calls = _op_calls(code, "rope_append_attention")
+    assert len(calls) == layers and all(args[8] != "None" for args in calls)  # the step's mask passed
+    for i in (3, 4, 8):  # cos, sin, mask
+        assert len({_buffer(args[i]) for args in calls}) == 1, i
+    written = [args[i] for args in calls for i in (5, 6)]  # keys, values
+    assert all(re.fullmatch(r"arg\d+_1", a) for a in written) and len(set(written)) == 2 * layers
+    assert "index_copy" not in code
+    torch.testing.assert_close(out.logits, want)
+    for a, b in zip(caches[0].layers, caches[1].layers):  # float32: the compiled layers round apart
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
 
 
 def _skipping_past_the_end(keys, values, k, v, length):

@@ -11,10 +11,12 @@ inductor captured first). Run from the checkout, the variant in ``AB``:
 * ``ropeattend-off``: ``layers._direct.COMPILED_ROPE_ATTEND = False`` (a compiled decode step's RoPE and cache
   write as ``rope_append``, then the masked attention: the two launches the one ``rope_append_attention`` replaced
   by default);
-* ``flexible-ropeattend``: ``CUTILE_KERNELS_FLEXIBLE=rope_append_attention`` set before the package is imported
-  (the one launch, which writes the cache, declared ``flexible_layout``: inductor hands it the mask, cos and sin
-  as it stored them, where its default builds a copy of each for every layer);
+* ``fixed-layout``: ``CUTILE_KERNELS_FIXED_LAYOUT=1`` set before the package is imported (every op of ours with
+  inductor's default input layout, which copies an input it has not stored yet for each call that reads it:
+  the mask, cos and sin once per layer);
 * ``none`` (or unset): as shipped.
+
+Every variant runs with inductor's caches off (:data:`NO_CACHES`), which also makes each process compile afresh.
 
 ``residual`` and ``ropeattend-off`` are read while dynamo traces, so ``graph_step.py --ab-compiled NAME`` times them
 against the shipped step in one process (alternating rounds, a cheaper and fairer A/B); ``twins`` acts when
@@ -28,9 +30,12 @@ import runpy
 import sys
 
 #: Variants that are environment variables the package reads at import: set before anything imports it.
-ENV_VARIANTS = {"flexible-ropeattend": {"CUTILE_KERNELS_FLEXIBLE": "rope_append_attention"}}
+ENV_VARIANTS = {"fixed-layout": {"CUTILE_KERNELS_FIXED_LAYOUT": "1"}}
+#: Set for every variant: inductor's FX graph and AOTAutograd caches do not key on the ops' layout tags,
+#: so either side could replay code compiled under the other's (or an earlier run's) variables.
+NO_CACHES = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
 if __name__ == "__main__":
-    os.environ.update(ENV_VARIANTS.get(os.environ.get("AB", "none"), {}))
+    os.environ.update({**NO_CACHES, **ENV_VARIANTS.get(os.environ.get("AB", "none"), {})})
 
 from cutile_kernels_tools.bench import paths  # noqa: E402
 from cutile_kernels_tools.bench.worker import runtime_copies  # noqa: E402

@@ -81,9 +81,11 @@ class Op:
         # input it has not stored yet into a buffer of the traced strides for every op call that
         # reads it (a compiled step then built the attention mask once per layer). The kernels check
         # strides before a launch and fall back on a layout their variant does not take. Ops that
-        # write an argument keep the default as a precaution unless declared flexible (rope_append,
-        # whose cos/sin every layer of a compiled step reads) or named in CUTILE_KERNELS_FLEXIBLE (an
-        # A/B switch); CUTILE_KERNELS_FIXED_LAYOUT=1 restores the default for all.
+        # write an argument keep the default as a precaution unless declared flexible (rope_append and
+        # rope_append_attention, whose cos/sin and mask every layer of a compiled step reads) or named
+        # in CUTILE_KERNELS_FLEXIBLE (an A/B switch); CUTILE_KERNELS_FIXED_LAYOUT=1 restores the default
+        # for all. Inductor's FX graph cache does not key on these tags: an A/B across processes
+        # disables it.
         declared = not mutates_args if flexible is None else flexible
         self.flexible = (declared or name in dispatch.flexible_ops()) and not dispatch.fixed_layout()
         tags = (torch.Tag.flexible_layout,) if self.flexible else ()

@@ -610,10 +610,13 @@ def _rope_append_attention_fake(q, k, v, cos, sin, keys, values, length, mask, o
     return None
 
 
+# Flexible as rope_append is: every layer of a compiled step reads the step's one mask and cos/sin pair,
+# which inductor's default copied for each layer's call (seen in its CPU code at head dim 64); the kernel
+# takes any strides of them and a variant that does not fit falls back (two launches, said once).
 _rope_append_attention = define_op(ROPE_APPEND_KERNEL, _rope_append_attention_cuda,
                                    reference=rope_append_attention_reference, fake=_rope_append_attention_fake,
                                    check=_rope_append_attention_check, cpu=rope_append_attention_reference,
-                                   backward=None, mutates_args=("keys", "values", "out"))
+                                   backward=None, mutates_args=("keys", "values", "out"), flexible=True)
 
 
 def rope_append_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
