@@ -464,6 +464,26 @@ def _buffer(arg: str) -> str:
     return re.sub(r"^reinterpret_tensor\(", "", arg).split(",")[0].strip()
 
 
+def _inductor_step(model) -> tuple:
+    """One decode step of ``model`` (batch 2, 6 prompt tokens, the step's attention mask) over a StaticCache
+    of 16, eager and compiled by inductor with its caches off (its FX graph cache does not key on the ops'
+    layout tags): ``(inductor's code, compiled logits, eager logits, the two caches)``."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    from transformers import StaticCache
+
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    step = dict(use_cache=True, cache_position=torch.tensor([6]), attention_mask=torch.ones(2, 7, dtype=torch.long))
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
+        for cache in caches:
+            model(ids, past_key_values=cache, use_cache=True)
+        want = model(ids[:, -1:], past_key_values=caches[0], **step).logits
+        compiled = torch.compile(model.forward, backend="inductor", fullgraph=True)
+        out, codes = run_and_get_code(compiled, ids[:, -1:], past_key_values=caches[1], **step)
+    return "\n".join(codes), out.logits, want, caches
+
+
 #: (family, the op taking RoPE's tables, their argument positions, the op writing the cache): one mask
 #: and one cos/sin pair a step, however many layers read them.
 _SHARED_INPUTS = [("llama", "rope_append", (3, 4), "rope_append"), ("qwen3", "qk_norm_rope", (5, 6), None)]
@@ -479,25 +499,11 @@ def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, ro
     the step computed the mask again for each layer, 16 launches a step in Llama-3.2-1B's CUDA
     graph). Llama's RoPE and cache write are one op of ours a layer, writing the cache in place (no
     ``index_copy``, no copy of the cache; ``_direct.rope_and_cache``); Qwen3's writes stay
-    transformers'. Logits and caches as the eager kernelized step's. Inductor's caches are off (its FX
-    graph cache does not key on op tags)."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.utils import run_and_get_code
-    from transformers import StaticCache
-
+    transformers'. Logits and caches as the eager kernelized step's."""
     layers = 4
     model = _kernelize_on_cpu(tiny_model(model_type, layers=layers), variant, monkeypatch)
     _route_as_on_a_gpu(monkeypatch)
-    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(3))
-    step = dict(use_cache=True, cache_position=torch.tensor([6]), attention_mask=torch.ones(2, 7, dtype=torch.long))
-    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
-    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
-        for cache in caches:
-            model(ids, past_key_values=cache, use_cache=True)
-        want = model(ids[:, -1:], past_key_values=caches[0], **step).logits
-        compiled = torch.compile(model.forward, backend="inductor", fullgraph=True)
-        out, codes = run_and_get_code(compiled, ids[:, -1:], past_key_values=caches[1], **step)
-    code = "\n".join(codes)
+    code, logits, want, caches = _inductor_step(model)
     attention = _op_calls(code, "attention")
     tables = _op_calls(code, rope_op)
     assert len(attention) == layers and len(tables) == layers
@@ -509,7 +515,7 @@ def test_inductor_builds_a_decode_steps_mask_and_rope_tables_once(model_type, ro
         writes = _op_calls(code, write_op)
         assert all(re.fullmatch(r"arg\d+_1", args[5]) for args in writes) and "index_copy" not in code
         assert [args[1] for args in attention] == [args[5] for args in writes]
-    torch.testing.assert_close(out.logits, want)
+    torch.testing.assert_close(logits, want)
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
@@ -520,28 +526,13 @@ def test_inductor_gives_every_layers_one_launch_the_steps_mask_and_rope_tables(a
     declared ``flexible_layout`` as ``rope_append`` is): every layer's call reads the one mask buffer
     and the one cos/sin pair the step built, and writes its own layer's cache tensors (graph inputs,
     no ``index_copy``); with inductor's default layout each layer after the first got copies of all
-    three. Logits and caches as the
-    eager kernelized step's, within float32 rounding (the eager step rotates the keys as transformers
-    does, and inductor fuses the layers' float32 math). Inductor's caches are off: its FX graph cache
-    does not key on op tags."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.utils import run_and_get_code
-    from transformers import StaticCache
-
+    three. Logits and caches as the eager kernelized step's, within float32 rounding (the eager step
+    rotates the keys as transformers does, and inductor fuses the layers' float32 math)."""
     layers = 4
     model = _kernelize_on_cpu(tiny_model("llama", attn=attn, layers=layers, head_dim=64), variant, monkeypatch)
     _route_as_on_a_gpu(monkeypatch)
     _compiled_rope_attend_on(monkeypatch)
-    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(3))
-    step = dict(use_cache=True, cache_position=torch.tensor([6]), attention_mask=torch.ones(2, 7, dtype=torch.long))
-    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
-    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
-        for cache in caches:
-            model(ids, past_key_values=cache, use_cache=True)
-        want = model(ids[:, -1:], past_key_values=caches[0], **step).logits
-        compiled = torch.compile(model.forward, backend="inductor", fullgraph=True)
-        out, codes = run_and_get_code(compiled, ids[:, -1:], past_key_values=caches[1], **step)
-    code = "\n".join(codes)
+    code, logits, want, caches = _inductor_step(model)
     calls = _op_calls(code, "rope_append_attention")
     assert len(calls) == layers and all(args[8] != "None" for args in calls)  # the step's mask passed
     for i in (3, 4, 8):  # cos, sin, mask
@@ -549,7 +540,7 @@ def test_inductor_gives_every_layers_one_launch_the_steps_mask_and_rope_tables(a
     written = [args[i] for args in calls for i in (5, 6)]  # keys, values
     assert all(re.fullmatch(r"arg\d+_1", a) for a in written) and len(set(written)) == 2 * layers
     assert "index_copy" not in code
-    torch.testing.assert_close(out.logits, want)
+    torch.testing.assert_close(logits, want)
     for a, b in zip(caches[0].layers, caches[1].layers):  # float32: the compiled layers round apart
         torch.testing.assert_close(a.keys, b.keys)
         torch.testing.assert_close(a.values, b.values)
