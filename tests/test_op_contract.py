@@ -336,7 +336,8 @@ def test_gpu_op_replays_in_a_cuda_graph_and_disable_announces_the_fallback(name,
 
 
 #: Ops that write an argument and still let inductor choose their inputs' layout: RoPE with the static
-#: cache write, whose cos/sin every layer of a compiled decode step reads.
+#: cache write, and that with the decode attention (one launch), whose cos/sin (and mask) every layer of a
+#: compiled decode step reads.
 FLEXIBLE_WRITERS = {"rope_append", "rope_append_attention"}
 
 
