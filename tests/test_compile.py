@@ -394,9 +394,8 @@ def test_graph_step_switches_name_staged_attributes_of_every_package_copy(monkey
     assert graph_step.switch_modules("residual")[2] == importlib.import_module("cutile_kernels.kernel_src.gemv").TILES
     ab = runpy.run_path(str(graph_step.__file__).replace("graph_step.py", "graph_step_ab.py"), run_name="ab")
     assert ab["VARIANTS"] == ("none", "twins", *graph_step.COMPILED_SWITCHES, *ab["ENV_VARIANTS"])
-    from cutile_kernels.ops._define import OPS
-
     from cutile_kernels import dispatch
+    from cutile_kernels.ops._define import OPS
 
     assert ab["NO_CACHES"] == {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # the FX graph cache ignores op tags
     for env in ab["ENV_VARIANTS"].values():  # each changes what is shipped (else the A/B times one side twice)

@@ -353,43 +353,38 @@ def test_flexible_ops_let_inductor_pass_their_inputs_as_they_are():
         assert op.flexible == want and (torch.Tag.flexible_layout in tags) == want, name
 
 
-def test_fixed_layout_variable_gives_every_op_inductors_default():
+def _flexible_in_a_fresh_process(extra: dict) -> tuple[set, int]:
+    """The ops carrying ``flexible_layout`` and the count of ops, in a fresh interpreter with the
+    layout variables (read at import) as ``extra`` sets them and no others."""
     import os
     import subprocess
     import sys
 
     probe = ("import torch, cutile_kernels; from cutile_kernels.ops._define import OPS; "
-             "print(sum(torch.Tag.flexible_layout in o.op._opoverload.tags for o in OPS.values()), len(OPS))")
-    counts = {}
-    for value in ("1", ""):
-        env = {**os.environ, "CUTILE_KERNELS_FIXED_LAYOUT": value}
-        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-        counts[value] = tuple(int(n) for n in out.stdout.split()[-2:])
-    assert counts["1"] == (0, len(OPS))
-    assert counts[""] == (sum(o.flexible for o in OPS.values()), len(OPS))
+             "print(','.join(n for n, o in OPS.items() if torch.Tag.flexible_layout in o.op._opoverload.tags) "
+             "or '-', len(OPS))")
+    layout = (dispatch.ENV_FIXED_LAYOUT, dispatch.ENV_FLEXIBLE)
+    env = {**{k: v for k, v in os.environ.items() if k not in layout}, **extra}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    names, count = out.stdout.split()[-2:]
+    return set(names.split(",")) - {"-"}, int(count)
+
+
+def test_fixed_layout_variable_gives_every_op_inductors_default():
+    assert _flexible_in_a_fresh_process({dispatch.ENV_FIXED_LAYOUT: "1"}) == (set(), len(OPS))
+    assert _flexible_in_a_fresh_process({}) == ({n for n, o in OPS.items() if o.flexible}, len(OPS))
 
 
 def test_flexible_variable_declares_named_writers_flexible():
     # CUTILE_KERNELS_FLEXIBLE (an A/B switch, read at import) adds writers to the flexible ones;
     # CUTILE_KERNELS_FIXED_LAYOUT still takes every op back to inductor's default.
-    import os
-    import subprocess
-    import sys
-
-    probe = ("import torch, cutile_kernels; from cutile_kernels.ops._define import OPS; "
-             "print(','.join(sorted(n for n, o in OPS.items() if torch.Tag.flexible_layout in o.op._opoverload.tags)))")
     fixed = sorted(n for n, o in OPS.items() if o.mutated and not o.flexible)
     assert fixed  # writers left with inductor's default: the variable's subject
-    got = {}
-    for extra in ({}, {"CUTILE_KERNELS_FLEXIBLE": f"{fixed[0]}, no_such_op"},
-                  {"CUTILE_KERNELS_FLEXIBLE": fixed[0], "CUTILE_KERNELS_FIXED_LAYOUT": "1"}):
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("CUTILE_KERNELS_F")}, **extra}
-        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-        got[tuple(extra)] = set(filter(None, out.stdout.split()[-1].split(","))) if out.stdout.split() else set()
     shipped = {n for n, o in OPS.items() if o.flexible}
-    assert got[()] == shipped
-    assert got[("CUTILE_KERNELS_FLEXIBLE",)] == shipped | {fixed[0]}
-    assert got[("CUTILE_KERNELS_FLEXIBLE", "CUTILE_KERNELS_FIXED_LAYOUT")] == set()
+    named, _ = _flexible_in_a_fresh_process({dispatch.ENV_FLEXIBLE: f"{fixed[0]}, no_such_op"})
+    assert named == shipped | {fixed[0]}
+    overridden, _ = _flexible_in_a_fresh_process({dispatch.ENV_FLEXIBLE: fixed[0], dispatch.ENV_FIXED_LAYOUT: "1"})
+    assert overridden == set()
 
 
 def _under_inductor_with_inputs_made_in_the_graph(name, dtype, device, monkeypatch, d=16, pad=False):
